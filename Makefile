@@ -1,0 +1,28 @@
+# Two entry points (README): `make run` (the main job) and `make test` (the test suite).
+# Each creates its own virtual environment on first use. torch is pinned to 2.13.0, which pip takes
+# from this machine's disk as the CPU build; the package's own `torch>=2.11` is then already satisfied,
+# so no CUDA build is ever downloaded here.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: run test setup clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[full,test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+run: $(VENV)/.installed
+	$(VENV)/bin/modelpar train
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs parity-report.md

@@ -1,0 +1,5 @@
+import sys
+
+from modelpar.cli import main
+
+sys.exit(main())

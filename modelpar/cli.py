@@ -1,0 +1,100 @@
+"""`modelpar` command line: train | plan | estimate | calibrate | verify | bench | export.
+
+Each subcommand has its own ``--help``. ``modelpar train`` checks the whole configuration before any
+process starts, then launches ``--nproc`` local ranks through torch's elastic launcher
+(`torch.distributed.run`); under ``torchrun`` the same entry point runs as one rank.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+USAGE = """usage: modelpar <command> [options]   (modelpar <command> --help for each)
+
+commands:
+  train      train a model with a parallel plan (default: the GPT on the Python stdlib, 2 CPU ranks)
+  plan       rank every parallel plan of a model on N devices by predicted throughput
+  estimate   does model X fit on N devices of type Y, and how?
+  calibrate  measure this machine (matmul FLOP/s, collectives) for the planner
+"""
+
+
+def _under_launcher() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def train_parser():
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    from modelpar.train.config import TrainConfig
+
+    p = ArgumentParser(prog="modelpar train", description=(
+        "Train a built-in model with a parallel plan. With no options: the 3M-parameter GPT on the Python "
+        "standard library's sources, DDP on 2 local CPU ranks. Examples:\n"
+        "  modelpar train --strategy fsdp --nproc 2\n"
+        "  modelpar train --strategy pp --pp_schedule gpipe --n_microbatches 4\n"
+        "  modelpar train --strategy fsdp+tp --nproc 4 --precision bf16\n"
+        "  torchrun --nproc-per-node 8 -m modelpar train --dp_shard 2 --tp 4   (multi-node: add --nnodes)"),
+        default_config_files=[], env_prefix="MODELPAR", default_env=False)
+    p.add_argument("--config", action=ActionConfigFile, help="YAML/JSON file of the options below")
+    p.add_class_arguments(TrainConfig)
+    return p
+
+
+def parse_train_config(argv: list[str]):
+    from modelpar.train.config import TrainConfig
+
+    p = train_parser()
+    ns = p.parse_args(argv)
+    d = ns.as_dict()
+    d.pop("config", None)
+    d.pop("__path__", None)
+    return TrainConfig(**d), p.dump(ns, skip_none=False)
+
+
+def cmd_train(argv: list[str]) -> int:
+    from modelpar.train.loop import preflight
+    from modelpar.train.runner import train
+
+    cfg, dumped = parse_train_config(argv)
+    if _under_launcher():
+        train(cfg)
+        return 0
+    world = 1 if cfg.strategy in ("single", "placement") else cfg.nproc
+    try:
+        plan, _ = preflight(cfg, world)
+    except ValueError as e:
+        print(f"modelpar train: error: {e}", file=sys.stderr)
+        return 2
+    print("effective config:\n" + "\n".join("  " + l for l in dumped.strip().splitlines()), flush=True)
+    if world == 1:
+        train(cfg)
+        return 0
+    from torch.distributed.run import main as torchrun
+
+    args = ["--standalone", f"--nproc-per-node={world}", "--max-restarts=0", "--tee=3" if False else "",
+            "-m", "modelpar", "train", *argv]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        torchrun([a for a in args if a])
+    except Exception as e:          # ChildFailedError: the ranks' own errors were printed above
+        print(f"modelpar train: a rank failed: {type(e).__name__}: {str(e).strip()[:2000]}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "train":
+        return cmd_train(rest)
+    if cmd in ("plan", "estimate", "calibrate"):
+        from modelpar.planner import commands
+
+        return getattr(commands, f"{cmd}_main")(rest)
+    print(f"modelpar: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+    return 2

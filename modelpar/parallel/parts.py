@@ -1,0 +1,159 @@
+"""Which models modelpar can split, and how: the three "any model" forms.
+
+1. ``nn.Sequential``: every child is a block.
+2. A module whose direct children are an input part, one ``nn.ModuleList`` of blocks, and an output
+   part, called in registration order (like the built-in GPT: ``embed``, ``blocks``, ``head``).
+3. Any other module, given split points as module paths (pipelines then use torch's tracing
+   frontend, `torch.distributed.pipelining.pipeline`).
+
+Everything that cuts a model (pipeline stages, layer placement, per-block FSDP and activation
+checkpointing, stage balancing) works on the `ModelParts` of a model, so the forms are handled here
+once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+FORMS_HELP = ("modelpar splits three forms of model: (1) an nn.Sequential; (2) a module whose direct "
+              "children are an input part, one nn.ModuleList of blocks and an output part, called in "
+              "that order (like modelpar.models.GPT); (3) any other module with split points given as "
+              "module paths (--split-points, e.g. 'encoder.layer.4')")
+
+
+@dataclass
+class ModelParts:
+    """A model seen as ``pre`` -> ``blocks`` -> ``post``; each entry is (module path, module)."""
+
+    form: str                                    # "sequential" | "modulelist" | "split_points"
+    pre: list[tuple[str, nn.Module]] = field(default_factory=list)
+    blocks: list[tuple[str, nn.Module]] = field(default_factory=list)
+    post: list[tuple[str, nn.Module]] = field(default_factory=list)
+    split_points: tuple[str, ...] = ()
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    def all(self) -> list[tuple[str, nn.Module]]:
+        return self.pre + self.blocks + self.post
+
+
+def get_model_parts(model: nn.Module, split_points: tuple[str, ...] | list[str] | None = None) -> ModelParts:
+    """Find the blocks of ``model``.
+
+    Raises:
+        ValueError: the model has none of the three forms, or a split point names no module. The
+            message says which forms are accepted.
+    """
+    if split_points:
+        names = dict(model.named_modules())
+        missing = [p for p in split_points if p not in names]
+        if missing:
+            raise ValueError(f"split points {missing} name no module of {type(model).__name__}; "
+                             f"examples of valid paths: {list(names)[1:8]}")
+        # each split point starts a new block; the whole model is traced into those pieces
+        return ModelParts(form="split_points", blocks=[(p, names[p]) for p in split_points],
+                          split_points=tuple(split_points))
+    if isinstance(model, nn.Sequential):
+        return ModelParts(form="sequential", blocks=list(model.named_children()))
+    children = list(model.named_children())
+    lists = [i for i, (_, m) in enumerate(children) if isinstance(m, nn.ModuleList)]
+    if len(lists) == 1:
+        i = lists[0]
+        name, ml = children[i]
+        if len(ml) == 0:
+            raise ValueError(f"{type(model).__name__}.{name} is an empty nn.ModuleList. {FORMS_HELP}")
+        return ModelParts(form="modulelist", pre=children[:i],
+                          blocks=[(f"{name}.{j}", b) for j, b in enumerate(ml)], post=children[i + 1:])
+    found = f"{len(lists)} nn.ModuleList children" if lists else "no nn.ModuleList child"
+    raise ValueError(f"cannot find the blocks of {type(model).__name__}: it is not an nn.Sequential and "
+                     f"has {found}. {FORMS_HELP}")
+
+
+def run_parts(parts: ModelParts, x):
+    """Run pre -> blocks -> post in order (the contract of forms 1 and 2)."""
+    for _, m in parts.all():
+        x = m(x)
+    return x
+
+
+@torch.no_grad()
+def check_parts_order(model: nn.Module, parts: ModelParts, example_input: torch.Tensor) -> None:
+    """Check that running the parts in order reproduces ``model(example_input)``.
+
+    Pipelines run the parts one after another; a model whose forward does something else (skips a
+    child, reorders, adds a residual around the list) would be silently wrong, so it is refused.
+
+    Raises:
+        ValueError: the outputs differ (with the largest difference) or have different shapes.
+    """
+    if parts.form == "split_points":
+        return
+    was_training = model.training
+    model.eval()
+    try:
+        ref, got = model(example_input), run_parts(parts, example_input)
+    finally:
+        model.train(was_training)
+    if not isinstance(ref, torch.Tensor) or not isinstance(got, torch.Tensor) or ref.shape != got.shape:
+        raise ValueError(f"{type(model).__name__}.forward is not its children run in order (output "
+                         f"shapes differ). {FORMS_HELP}")
+    diff = (ref - got).abs().max().item()
+    if diff > 1e-5 * (1 + ref.abs().max().item()):
+        raise ValueError(f"{type(model).__name__}.forward is not its children run in order (largest "
+                         f"output difference {diff:.3g}). {FORMS_HELP}")
+
+
+def balanced_partition(costs: list[float], num_parts: int) -> list[int]:
+    """Split ``costs`` into ``num_parts`` contiguous non-empty groups minimising the largest group sum.
+
+    Exact dynamic program, O(parts x n^2) (linear partition problem). Returns the start index of
+    every group after the first (``len == num_parts - 1``).
+
+    Raises:
+        ValueError: more parts than items.
+    """
+    n = len(costs)
+    if num_parts > n:
+        raise ValueError(f"cannot split {n} blocks into {num_parts} non-empty stages")
+    if num_parts == 1:
+        return []
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: minimal max-sum splitting the first i items into k groups
+    best = [[inf] * (n + 1) for _ in range(num_parts + 1)]
+    arg = [[0] * (n + 1) for _ in range(num_parts + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_parts + 1):
+        for i in range(k, n - (num_parts - k) + 1):
+            for j in range(k - 1, i):
+                v = max(best[k - 1][j], prefix[i] - prefix[j])
+                if v < best[k][i] - 1e-12:
+                    best[k][i], arg[k][i] = v, j
+    cuts, i = [], n
+    for k in range(num_parts, 1, -1):
+        i = arg[k][i]
+        cuts.append(i)
+    return sorted(cuts)
+
+
+def block_param_costs(parts: ModelParts) -> list[float]:
+    """Parameter count per block, with the input part added to the first block and the output part to
+    the last (they live on the first and last stage)."""
+    costs = [float(sum(p.numel() for p in m.parameters())) for _, m in parts.blocks]
+    costs[0] += sum(p.numel() for _, m in parts.pre for p in m.parameters())
+    costs[-1] += sum(p.numel() for _, m in parts.post for p in m.parameters())
+    return [max(c, 1.0) for c in costs]
+
+
+def stage_ranges(num_blocks: int, boundaries: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:
+    """[start, end) block ranges from the start index of every stage after the first."""
+    starts = [0] + list(boundaries)
+    ends = list(boundaries) + [num_blocks]
+    return list(zip(starts, ends))

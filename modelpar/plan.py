@@ -1,0 +1,305 @@
+"""`ParallelPlan`: the one validated description of how a model is laid out over devices.
+
+A plan is pure data. The planner produces it, `parallelize` consumes it, and it round-trips through
+`to_dict` / `from_dict` so it lands in the run record and in checkpoints.
+
+Degrees multiply to the world size: ``dp_replicate * dp_shard * tp * pp == world_size``. The mesh
+axes are named ``("pp", "dp_replicate", "dp_shard", "tp")`` with size-1 axes dropped, outermost
+first, so that TP (the most communication-hungry axis) sits on the closest ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Schedule names accepted by `pp_schedule`, mapped to torch.distributed.pipelining classes in
+# modelpar.parallel.pipeline. "multi" schedules run several virtual stages per rank.
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+MULTI_STAGE_SCHEDULES = ("interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble",
+                         "dualpipev")
+PP_SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES
+AC_MODES = ("none", "full")
+PRECISIONS = ("fp32", "bf16")
+
+# Strategy shorthands (DESIGN.md): each names a plan on N ranks; "auto"/"rules" are resolved by the
+# planner, "placement" is one process over a device list.
+STRATEGIES = ("single", "placement", "ddp", "fsdp", "hsdp", "tp", "pp", "ddp+tp", "fsdp+tp", "auto",
+              "rules")
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """How one model is laid out over ``world_size`` ranks.
+
+    Attributes:
+        dp_replicate: data-parallel degree with replicated model states (DDP; the outer HSDP axis).
+        dp_shard: data-parallel degree with sharded model states (FSDP2 / ZeRO-3).
+        tp: tensor-parallel degree (Megatron-style colwise/rowwise split of each block's Linears).
+        pp: pipeline-parallel degree (number of ranks along the pipeline).
+        pp_schedule: one of ``PP_SCHEDULES``; used only when ``pp > 1``.
+        n_microbatches: pipeline micro-batches per local batch; used only when ``pp > 1``.
+        virtual_stages: stages per pipeline rank (> 1 for interleaved schedules).
+        stage_boundaries: optional first-block index of every stage after the first
+            (``len == pp * virtual_stages - 1``); None balances stages automatically.
+        activation_checkpointing: ``"none"`` or ``"full"`` (non-reentrant recompute of every block).
+        precision: ``"fp32"`` or ``"bf16"`` (bf16 compute, fp32 master weights and reductions).
+        reshard_after_forward: FSDP only; free gathered parameters after forward (ZeRO-3) or keep
+            them until backward (ZeRO-2-like, more memory, less communication).
+        cpu_offload: FSDP only; keep sharded parameters and optimizer state in CPU memory (CUDA only).
+        sequence_parallel: shard norm/dropout activations along the sequence under TP.
+        placement_devices: for single-process layer placement, the device of each segment
+            (e.g. ``("cuda:0", "cuda:1")``); None for multi-process plans.
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    n_microbatches: int = 1
+    virtual_stages: int = 1
+    stage_boundaries: tuple[int, ...] | None = None
+    activation_checkpointing: str = "none"
+    precision: str = "fp32"
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    sequence_parallel: bool = False
+    placement_devices: tuple[str, ...] | None = None
+
+    # ---- derived ------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+    @property
+    def dp(self) -> int:
+        """Total data-parallel degree (replicate x shard): how many distinct batch slices."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def ddp_enabled(self) -> bool:
+        return self.dp_replicate > 1 and self.dp_shard == 1
+
+    @property
+    def hsdp_enabled(self) -> bool:
+        return self.dp_replicate > 1 and self.dp_shard > 1
+
+    @property
+    def is_placement(self) -> bool:
+        return self.placement_devices is not None
+
+    def mesh_axes(self) -> tuple[tuple[str, int], ...]:
+        """Named mesh axes with their sizes, outermost first, size-1 axes dropped."""
+        axes = (("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard),
+                ("tp", self.tp))
+        return tuple((n, s) for n, s in axes if s > 1)
+
+    def describe(self) -> str:
+        """Short human name, e.g. ``"fsdp2 x tp2"`` or ``"pp2(1f1b, m=4)"``."""
+        if self.is_placement:
+            return f"placement({', '.join(self.placement_devices)})"
+        parts = []
+        if self.pp > 1:
+            v = f", v={self.virtual_stages}" if self.virtual_stages > 1 else ""
+            parts.append(f"pp{self.pp}({self.pp_schedule}, m={self.n_microbatches}{v})")
+        if self.hsdp_enabled:
+            parts.append(f"hsdp{self.dp_replicate}x{self.dp_shard}")
+        elif self.dp_shard > 1:
+            parts.append(f"fsdp{self.dp_shard}")
+        elif self.dp_replicate > 1:
+            parts.append(f"ddp{self.dp_replicate}")
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}" + ("+sp" if self.sequence_parallel else ""))
+        name = " x ".join(parts) or "single"
+        extras = []
+        if self.activation_checkpointing != "none":
+            extras.append(f"ac={self.activation_checkpointing}")
+        if self.precision != "fp32":
+            extras.append(self.precision)
+        return name + (f" [{', '.join(extras)}]" if extras else "")
+
+    # ---- validation ---------------------------------------------------------------------------
+    def validate(self, world_size: int | None = None, *, num_blocks: int | None = None,
+                 local_batch_size: int | None = None) -> "ParallelPlan":
+        """Check the plan on its own and against the job; return self.
+
+        Args:
+            world_size: number of ranks the job runs on (1 for placement plans).
+            num_blocks: number of pipeline-splittable blocks of the model, if known.
+            local_batch_size: samples per data-parallel rank per forward/backward, if known.
+
+        Raises:
+            ValueError: naming the field and the numbers, for any inconsistency.
+        """
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "n_microbatches", "virtual_stages"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"ParallelPlan.{name} must be a positive integer, got {v!r}")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(f"ParallelPlan.pp_schedule={self.pp_schedule!r} is unknown; valid: "
+                             f"{', '.join(PP_SCHEDULES)}")
+        if self.activation_checkpointing not in AC_MODES:
+            raise ValueError(f"ParallelPlan.activation_checkpointing="
+                             f"{self.activation_checkpointing!r} is unknown; valid: {', '.join(AC_MODES)}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"ParallelPlan.precision={self.precision!r} is unknown; valid: "
+                             f"{', '.join(PRECISIONS)}")
+        if self.is_placement:
+            if self.world_size != 1:
+                raise ValueError(f"placement runs in one process: degrees must all be 1, got "
+                                 f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} "
+                                 f"tp={self.tp} pp={self.pp}")
+            if len(self.placement_devices) < 1:
+                raise ValueError("ParallelPlan.placement_devices is empty")
+        if world_size is not None and self.world_size != world_size:
+            raise ValueError(
+                f"the product of the degrees dp_replicate x dp_shard x tp x pp = {self.dp_replicate} x "
+                f"{self.dp_shard} x {self.tp} x {self.pp} = {self.world_size} does not equal the world "
+                f"size {world_size}")
+        if self.pp > 1:
+            multi = self.pp_schedule in MULTI_STAGE_SCHEDULES
+            if not multi and self.virtual_stages != 1:
+                raise ValueError(f"pp_schedule={self.pp_schedule!r} runs one stage per rank, but "
+                                 f"virtual_stages={self.virtual_stages}; use one of "
+                                 f"{', '.join(MULTI_STAGE_SCHEDULES)} for virtual stages")
+            if multi and self.virtual_stages < 2:
+                raise ValueError(f"pp_schedule={self.pp_schedule!r} needs virtual_stages >= 2, got "
+                                 f"{self.virtual_stages}")
+            if self.pp_schedule in ("zbvzerobubble", "dualpipev") and self.virtual_stages != 2:
+                raise ValueError(f"pp_schedule={self.pp_schedule!r} needs virtual_stages == 2 (V shape), "
+                                 f"got {self.virtual_stages}")
+            if num_blocks is not None and self.num_stages > num_blocks:
+                raise ValueError(f"pp x virtual_stages = {self.pp} x {self.virtual_stages} = "
+                                 f"{self.num_stages} pipeline stages but the model has only "
+                                 f"{num_blocks} blocks")
+            if local_batch_size is not None and local_batch_size % self.n_microbatches:
+                raise ValueError(f"local batch size {local_batch_size} is not divisible by "
+                                 f"n_microbatches={self.n_microbatches} (case C5: pipeline micro-batches "
+                                 f"must all have the same size)")
+            if self.stage_boundaries is not None:
+                b = tuple(self.stage_boundaries)
+                if len(b) != self.num_stages - 1:
+                    raise ValueError(f"stage_boundaries has {len(b)} entries; {self.num_stages} stages "
+                                     f"need {self.num_stages - 1}")
+                if list(b) != sorted(set(b)) or (b and b[0] < 1) or (
+                        b and num_blocks is not None and b[-1] >= num_blocks):
+                    raise ValueError(f"stage_boundaries={b} must be strictly increasing block indices "
+                                     f"in [1, {num_blocks if num_blocks is not None else 'num_blocks'})")
+        elif self.virtual_stages != 1 or self.stage_boundaries is not None:
+            if self.stage_boundaries is not None or self.virtual_stages != 1:
+                raise ValueError(f"virtual_stages={self.virtual_stages} / stage_boundaries="
+                                 f"{self.stage_boundaries} only apply when pp > 1 (pp={self.pp})")
+        if self.cpu_offload and self.dp_shard == 1:
+            raise ValueError("cpu_offload=True needs FSDP (dp_shard > 1)")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel=True needs tp > 1")
+        return self
+
+    # ---- serialization ------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ParallelPlan":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown ParallelPlan fields {unknown}; valid: {sorted(known)}")
+        d = dict(d)
+        for k in ("stage_boundaries", "placement_devices"):
+            if d.get(k) is not None:
+                d[k] = tuple(d[k])
+        return cls(**d)
+
+
+def plan_for_strategy(strategy: str, world_size: int, **overrides: Any) -> ParallelPlan:
+    """The plan a strategy shorthand names on ``world_size`` ranks (DESIGN.md, "Strategy names").
+
+    ``ddp+tp`` and ``fsdp+tp`` put TP on 2 ranks (or ``overrides['tp']``) and DP on the rest;
+    ``hsdp`` shards over 2 ranks (or ``overrides['dp_shard']``) and replicates over the rest.
+
+    Raises:
+        ValueError: unknown strategy (the valid ones are listed), or a world size the strategy
+            cannot use.
+    """
+    s = strategy.lower()
+    n = world_size
+    if s in ("auto", "rules"):
+        raise ValueError(f"strategy {strategy!r} is resolved by the planner, not by plan_for_strategy")
+    if s not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
+    ov = dict(overrides)
+    if s == "single":
+        deg = {}
+        if n != 1:
+            raise ValueError(f"strategy 'single' runs on 1 rank, got nproc={n}")
+    elif s == "placement":
+        deg = {}
+        ov.setdefault("placement_devices", ("cpu",) * 2)
+    elif s == "ddp":
+        deg = {"dp_replicate": n}
+    elif s == "fsdp":
+        deg = {"dp_shard": n}
+    elif s == "tp":
+        deg = {"tp": n}
+    elif s == "pp":
+        deg = {"pp": n}
+        ov.setdefault("n_microbatches", 2 * n)
+    else:
+        inner_name = "dp_shard" if s == "hsdp" else "tp"
+        inner = ov.pop(inner_name, 2)
+        if n % inner or n // inner < 1:
+            raise ValueError(f"strategy {strategy!r} needs nproc divisible by {inner_name}={inner}, "
+                             f"got nproc={n}")
+        outer = {"hsdp": "dp_replicate", "ddp+tp": "dp_replicate", "fsdp+tp": "dp_shard"}[s]
+        deg = {outer: n // inner, inner_name: inner}
+    for k in ("dp_replicate", "dp_shard", "tp", "pp"):
+        if k in ov and k in deg and ov[k] != deg[k]:
+            raise ValueError(f"strategy {strategy!r} on {n} ranks sets {k}={deg[k]}, but {ov[k]} was given")
+    deg.update(ov)
+    return ParallelPlan(**deg)
+
+
+def gradient_accumulation_steps(global_batch_size: int, local_batch_size: int, dp_degree: int) -> int:
+    """global / (local x dp), the derived number of forward/backward passes per optimizer step.
+
+    Raises:
+        ValueError: if the global batch is not a whole multiple of local x dp.
+    """
+    if min(global_batch_size, local_batch_size, dp_degree) < 1:
+        raise ValueError(f"batch sizes and dp degree must be positive, got global_batch_size="
+                         f"{global_batch_size}, local_batch_size={local_batch_size}, dp={dp_degree}")
+    per_step = local_batch_size * dp_degree
+    if global_batch_size % per_step:
+        raise ValueError(f"global_batch_size={global_batch_size} is not divisible by local_batch_size x "
+                         f"data-parallel degree = {local_batch_size} x {dp_degree} = {per_step}")
+    return global_batch_size // per_step
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+

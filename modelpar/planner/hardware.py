@@ -1,0 +1,170 @@
+"""Device and interconnect descriptions the cost and memory models read.
+
+Built-in profiles hold vendor datasheet peaks plus one *achievable* large-GEMM fraction each, taken
+from a published benchmark, never fitted to the training runs they are checked against:
+
+- Maximum Achievable Matmul FLOPS (MAMF), S. Bekman, "Machine Learning Engineering",
+  compute/accelerator/README.md, "Maximum achievable FLOPS" table
+  (https://github.com/stas00/ml-engineering/tree/master/compute/accelerator#maximum-achievable-flops):
+  A100 SXM bf16 267.9 TFLOP/s of 312 (0.859); H100 SXM bf16 792.1 of 989 (0.801). The H200 uses
+  the H100 figure (the same GH100 compute die and clocks; only memory differs); the A100 40 GB the
+  A100 SXM figure.
+
+Bandwidths are per device and per direction (NVLink 3: 600 GB/s bidirectional = 300 GB/s each way;
+NVLink 4: 900 -> 450). Inter-node bandwidth is the node's InfiniBand bandwidth divided by its GPUs
+(8 x HDR 200 Gb/s = 25 GB/s per A100; 8 x NDR 400 Gb/s = 50 GB/s per H100/H200).
+
+`cpu_profile` describes this machine before calibration (an estimate); `modelpar calibrate`
+measures it and `save_profile` / `load_profile` keep the result as JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One device type and its links. Units: FLOP/s, bytes, bytes/s, seconds.
+
+    Attributes:
+        peak_flops: dense peak by precision name (``"fp32"``, ``"bf16"``), FLOP/s.
+        memory_bytes: memory one rank may use.
+        mem_bandwidth: device memory bandwidth (HBM or DRAM share), bytes/s.
+        intra_bw / intra_latency: per-device link inside a node (NVLink; shared memory on CPU).
+        inter_bw / inter_latency: per-device share of the network between nodes.
+        devices_per_node: ranks that share the fast intra-node links.
+        gemm_fraction: achievable fraction of ``peak_flops`` for large matrix products (source in the
+            module docstring, or "calibrated").
+        mem_bw_fraction: achievable fraction of ``mem_bandwidth`` for element-wise kernels.
+        op_overhead_s: fixed cost per dispatched operator (kernel launch / eager dispatch), seconds.
+        framework_overhead_bytes: memory outside the model's tensors (CUDA context, allocator
+            slack), bytes; measured by calibrate.
+    """
+
+    name: str
+    peak_flops: dict[str, float]
+    memory_bytes: float
+    mem_bandwidth: float
+    intra_bw: float
+    intra_latency: float
+    inter_bw: float
+    inter_latency: float
+    devices_per_node: int
+    gemm_fraction: float
+    mem_bw_fraction: float = 0.8       # assumption (not fitted): STREAM-like kernels reach ~80%
+    op_overhead_s: float = 4e-6        # CUDA launch latency order; calibrate measures it
+    framework_overhead_bytes: float = 0.0
+    source: str = ""
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def achievable_flops(self, precision: str) -> float:
+        """``peak_flops[precision] * gemm_fraction``, FLOP/s. Raises ValueError for an unknown precision."""
+        if precision not in self.peak_flops:
+            raise ValueError(f"hardware {self.name!r} has no peak for precision {precision!r}; "
+                             f"known: {sorted(self.peak_flops)}")
+        return self.peak_flops[precision] * self.gemm_fraction
+
+    def link(self, n: int, span: int) -> tuple[float, float]:
+        """(bandwidth bytes/s, latency s) of a group of ``n`` ranks whose members lie ``span``
+        ranks apart: inside one node when ``n * span <= devices_per_node``."""
+        if n * span <= self.devices_per_node:
+            return self.intra_bw, self.intra_latency
+        return self.inter_bw, self.inter_latency
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_MAMF_A100 = 267.9e12 / 312e12    # MAMF A100 SXM bf16 (see module docstring)
+_MAMF_H100 = 792.1e12 / 989e12    # MAMF H100 SXM bf16
+
+BUILTIN: dict[str, Hardware] = {
+    "A100-40GB": Hardware("A100-40GB", {"bf16": 312e12, "fp32": 19.5e12}, 40 * GIB, 1.555e12,
+                          300e9, 5e-6, 25e9, 10e-6, 8, _MAMF_A100, framework_overhead_bytes=1 * GIB,
+                          source="NVIDIA A100 datasheet; MAMF (Bekman) for gemm_fraction"),
+    "A100-80GB": Hardware("A100-80GB", {"bf16": 312e12, "fp32": 19.5e12}, 80 * GIB, 2.039e12,
+                          300e9, 5e-6, 25e9, 10e-6, 8, _MAMF_A100, framework_overhead_bytes=1 * GIB,
+                          source="NVIDIA A100 datasheet; MAMF (Bekman) for gemm_fraction"),
+    "H100-80GB-SXM": Hardware("H100-80GB-SXM", {"bf16": 989e12, "fp32": 67e12}, 80 * GIB, 3.35e12,
+                              450e9, 5e-6, 50e9, 10e-6, 8, _MAMF_H100, framework_overhead_bytes=1 * GIB,
+                              source="NVIDIA H100 datasheet; MAMF (Bekman) for gemm_fraction"),
+    "H200": Hardware("H200", {"bf16": 989e12, "fp32": 67e12}, 141e9, 4.8e12,
+                     450e9, 5e-6, 50e9, 10e-6, 8, _MAMF_H100, framework_overhead_bytes=1 * GIB,
+                     source="NVIDIA H200 datasheet; MAMF of H100 SXM (same die) for gemm_fraction"),
+}
+
+
+def _total_ram_bytes() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def cpu_profile(local_ranks: int = 1) -> Hardware:
+    """An *uncalibrated* estimate of this machine as ``local_ranks`` CPU ranks on one node.
+
+    Memory per rank = total RAM / local_ranks; FLOP/s assumes 32 fp32 FLOP/cycle/core at 2.5 GHz
+    (AVX2 FMA) over the cores a rank gets. Run ``modelpar calibrate`` for measured values.
+
+    Raises:
+        ValueError: ``local_ranks < 1``.
+    """
+    if local_ranks < 1:
+        raise ValueError(f"cpu_profile local_ranks must be >= 1, got {local_ranks}")
+    cores = max(1, (os.cpu_count() or 1) // local_ranks)
+    flops = cores * 32 * 2.5e9
+    return Hardware("cpu", {"fp32": flops, "bf16": flops / 2}, _total_ram_bytes() / local_ranks,
+                    10e9 / local_ranks, 2e9, 50e-6, 2e9, 50e-6, max(local_ranks, 1), 0.5,
+                    mem_bw_fraction=1.0, op_overhead_s=10e-6, source="estimate (uncalibrated)")
+
+
+def get_hardware(name_or_path: str, *, local_ranks: int = 1) -> Hardware:
+    """A built-in profile by name (case-insensitive), ``"cpu"``, or a JSON file saved by calibrate.
+
+    Raises:
+        ValueError: the name is neither built in nor an existing file.
+    """
+    if name_or_path.lower() == "cpu":
+        return cpu_profile(local_ranks)
+    for k, v in BUILTIN.items():
+        if k.lower() == name_or_path.lower():
+            return v
+    if Path(name_or_path).is_file():
+        return load_profile(name_or_path)
+    raise ValueError(f"unknown hardware {name_or_path!r}; valid: {', '.join(BUILTIN)}, cpu, or a JSON "
+                     f"profile written by `modelpar calibrate`")
+
+
+def save_profile(hw: Hardware, path: str | os.PathLike) -> None:
+    """Write ``hw`` as JSON to ``path``."""
+    Path(path).write_text(json.dumps(hw.to_dict(), indent=2, sort_keys=True))
+
+
+def load_profile(path: str | os.PathLike) -> Hardware:
+    """Read a JSON profile written by `save_profile`.
+
+    Raises:
+        ValueError: missing or unknown fields (named).
+    """
+    d = json.loads(Path(path).read_text())
+    names = {f.name for f in dataclasses.fields(Hardware)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ValueError(f"hardware profile {path}: unknown fields {unknown}")
+    try:
+        return Hardware(**d)
+    except TypeError as e:
+        raise ValueError(f"hardware profile {path}: {e}") from None

@@ -1,0 +1,233 @@
+"""Search every layout of N devices, prune what cannot run, rank the rest by predicted throughput.
+
+The space: every factorization dp_replicate x dp_shard x tp x pp = N, times pipeline schedule
+(gpipe, 1f1b, interleaved1f1b and interleavedzerobubble with v in VIRTUAL_STAGES, zbvzerobubble with
+v = 2), pipeline micro-batch count, activation checkpointing (none, full) and micro-batch size.
+Pruning keeps the reason; a whole subtree pruned at the layout level counts every candidate under it.
+Each surviving candidate gets a memory estimate (`memory.rank_memory`) and a step-time estimate
+(`cost.rank_step`), both over a few representative pipeline ranks (first, last, most parameters,
+most activations, most FLOPs), which bound every other rank.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from modelpar.plan import ParallelPlan
+from modelpar.planner.cost import StepEstimate, _finish, rank_step, tp_bytes_per_sample
+from modelpar.planner.hardware import Hardware
+from modelpar.planner.memory import OPTIMIZER_BYTES, Batch, MemoryEstimate, rank_loads, rank_memory
+from modelpar.planner.profile import ModelProfile
+
+VIRTUAL_STAGES = (2, 4, 8)
+MICRO_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+AC_CHOICES = ("none", "full")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    plan: ParallelPlan
+    batch: Batch
+    memory: MemoryEstimate
+    step: StepEstimate
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.batch.micro_batch_size(self.plan)
+
+    def layout_key(self) -> tuple:
+        """Degrees + schedule: variants in micro-batch size, m, v or checkpointing count as one."""
+        p = self.plan
+        return (p.dp_replicate, p.dp_shard, p.tp, p.pp, p.pp_schedule if p.pp > 1 else "")
+
+
+@dataclass
+class SearchReport:
+    """Ranked feasible candidates (fastest first) and what was pruned, by reason."""
+
+    num_devices: int
+    considered: int = 0
+    pruned: Counter = field(default_factory=Counter)
+    ranked: list[Candidate] = field(default_factory=list)
+
+    @property
+    def num_pruned(self) -> int:
+        return sum(self.pruned.values())
+
+    def distinct_layouts(self, k: int) -> list[Candidate]:
+        """The best candidate of each of the first ``k`` distinct layouts (`Candidate.layout_key`)."""
+        out, seen = [], set()
+        for c in self.ranked:
+            if c.layout_key() not in seen:
+                seen.add(c.layout_key())
+                out.append(c)
+                if len(out) == k:
+                    break
+        return out
+
+    def summary(self) -> str:
+        reasons = ", ".join(f"{r}: {n}" for r, n in self.pruned.most_common())
+        return (f"{self.considered} candidates considered on {self.num_devices} devices, "
+                f"{self.num_pruned} pruned ({reasons}), {len(self.ranked)} feasible")
+
+
+def factorizations(n: int) -> list[tuple[int, int, int, int]]:
+    """Every (dp_replicate, dp_shard, tp, pp) with product ``n``."""
+    divs = [d for d in range(1, n + 1) if n % d == 0]
+    out = []
+    for pp in divs:
+        for tp in divs:
+            if (n // pp) % tp:
+                continue
+            rest = n // (pp * tp)
+            for ds in divs:
+                if ds > rest:
+                    break
+                if rest % ds == 0:
+                    out.append((rest // ds, ds, tp, pp))
+    return out
+
+
+def _schedules(pp: int) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    return ([("gpipe", 1), ("1f1b", 1)] + [(s, v) for s in ("interleaved1f1b", "interleavedzerobubble")
+                                           for v in VIRTUAL_STAGES] + [("zbvzerobubble", 2)])
+
+
+def _inner(per_dp: int, pp: int) -> list[tuple[int, int]]:
+    """(micro-batch size, n_microbatches) pairs for a data-parallel rank with ``per_dp`` samples."""
+    out = []
+    for b in MICRO_BATCH_SIZES:
+        if b > per_dp or per_dp % b:
+            continue
+        if pp == 1:
+            out.append((b, 1))
+            continue
+        total = per_dp // b
+        ms = {total} | {k * pp for k in (1, 2, 4) if total % (k * pp) == 0}
+        out.extend((b, m) for m in sorted(ms))
+    return out
+
+
+def _representatives(loads) -> list[tuple[int, object]]:
+    idx = {0, len(loads) - 1}
+    for key in (lambda l: l.params, lambda l: l.fwd_flops + l.fwd_mem):
+        idx.add(max(range(len(loads)), key=lambda i: key(loads[i])))
+    return [(i, loads[i]) for i in sorted(idx)]
+
+
+def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, global_batch_size: int,
+                 optimizer: str = "adamw", precision: str = "bf16", sequence_parallel: bool = False,
+                 dp_overlap: bool = True, memory_fraction: float = 1.0) -> SearchReport:
+    """Enumerate, prune and rank every plan of ``num_devices`` for one model and batch.
+
+    Args:
+        profile: `profile_model` output of the model (any batch size; scaled per sample).
+        num_devices: world size N.
+        hw: device description; a rank may use ``hw.memory_bytes * memory_fraction`` bytes.
+        global_batch_size: samples per optimizer step (the same on every layout).
+        optimizer: ``"sgd"``, ``"sgd_momentum"`` or ``"adamw"``.
+        precision: ``"fp32"`` or ``"bf16"``.
+        sequence_parallel: use SP whenever tp > 1.
+        dp_overlap: DDP overlaps its all-reduce with backward.
+
+    Returns:
+        SearchReport; ``ranked`` is sorted by predicted samples/s, fastest first.
+
+    Raises:
+        ValueError: non-positive device count or batch, unknown optimizer.
+    """
+    if num_devices < 1 or global_batch_size < 1:
+        raise ValueError(f"num_devices={num_devices} and global_batch_size={global_batch_size} must be >= 1")
+    if optimizer not in OPTIMIZER_BYTES:
+        raise ValueError(f"optimizer={optimizer!r} is unknown; valid: {', '.join(OPTIMIZER_BYTES)}")
+    budget = hw.memory_bytes * memory_fraction
+    arch = profile.arch
+    num_layers = len(profile.blocks) - 2 if arch and len(profile.blocks) >= 3 else len(profile.blocks)
+    rep = SearchReport(num_devices)
+    load_cache: dict[tuple, list] = {}
+    act_bytes = 2 if precision == "bf16" else 4
+    for dr, ds, tp, pp in factorizations(num_devices):
+        dp = dr * ds
+        scheds = _schedules(pp)
+        per_dp = global_batch_size // dp
+        inner = _inner(per_dp, pp) if global_batch_size % dp == 0 else []
+        n_inner = max(len(inner), 1) * len(AC_CHOICES)
+        layout_total = len(scheds) * n_inner
+        rep.considered += layout_total
+        if global_batch_size % dp:
+            rep.pruned["global batch not divisible by dp"] += layout_total
+            continue
+        if arch and tp > 1 and any(arch[k] % tp for k in ("n_head", "d_model", "ffn")):
+            rep.pruned["tp does not divide heads/hidden/ffn"] += layout_total
+            continue
+        if not arch and tp > 1 and any(b.num_params and b.num_params < tp for b in profile.blocks):
+            rep.pruned["tp larger than a layer"] += layout_total
+            continue
+        for sched, v in scheds:
+            if pp * v > num_layers:
+                rep.pruned["more pipeline stages than layers"] += n_inner
+                continue
+            key = (tp, pp, v)
+            if key not in load_cache:
+                plan0 = ParallelPlan(tp=tp, pp=pp, virtual_stages=v, sequence_parallel=sequence_parallel and tp > 1,
+                                     pp_schedule=sched, precision=precision)
+                load_cache[key] = _representatives(rank_loads(profile, plan0, act_bytes=act_bytes))
+            reps = load_cache[key]
+            states = max(ld.params for _, ld in reps) / ds * (8 + OPTIMIZER_BYTES[optimizer])
+            if states + hw.framework_overhead_bytes > budget:
+                rep.pruned["model states exceed memory"] += n_inner
+                continue
+            loads = [ld for _, ld in reps]
+            tpb = None
+            for b, m in inner:
+                if sched.startswith("interleaved") and m % pp:
+                    rep.pruned["interleaved needs n_microbatches divisible by pp"] += len(AC_CHOICES)
+                    continue
+                fits_without_ac = False
+                for ac in AC_CHOICES:
+                    if ac == "full" and fits_without_ac:
+                        # dominated: the same plan without recompute fits and is strictly faster
+                        rep.pruned["dominated (fits without checkpointing)"] += 1
+                        continue
+                    plan = ParallelPlan(dp_replicate=dr, dp_shard=ds, tp=tp, pp=pp, pp_schedule=sched,
+                                        n_microbatches=m, virtual_stages=v, activation_checkpointing=ac,
+                                        precision=precision, sequence_parallel=sequence_parallel and tp > 1)
+                    mem = None
+                    for r, ld in reps:
+                        e = rank_memory(ld, plan, micro_batch_size=b, optimizer=optimizer,
+                                        overhead_bytes=hw.framework_overhead_bytes, pp_rank=r)
+                        if mem is None or e.total > mem.total:
+                            mem = e
+                    if mem.total > budget:
+                        rep.pruned["activations exceed memory"] += 1
+                        continue
+                    fits_without_ac = ac == "none"
+                    if tpb is None:
+                        tpb = tp_bytes_per_sample(profile, plan)
+                    local = b * m
+                    acc = global_batch_size // (local * dp)
+                    parts = rank_step(loads, plan, hw, micro_batch_size=b, accumulation=acc,
+                                      optimizer=optimizer, tp_bytes=tpb, dp_overlap=dp_overlap)
+                    st = _finish(parts, profile, plan, global_batch_size)
+                    rep.ranked.append(Candidate(plan, Batch(global_batch_size, local), mem, st))
+    rep.ranked.sort(key=lambda c: (c.step.total, c.memory.total))
+    return rep
+
+
+def choose_plan(profile: ModelProfile, num_devices: int, hw: Hardware, *, global_batch_size: int,
+                **kwargs) -> tuple[ParallelPlan, SearchReport]:
+    """The fastest feasible plan (``--strategy auto``) and the search report.
+
+    The chosen plan's local batch size is ``report.ranked[0].batch.local_batch_size``.
+
+    Raises:
+        ValueError: no plan fits (the report's pruning reasons are in the message).
+    """
+    rep = search_plans(profile, num_devices, hw, global_batch_size=global_batch_size, **kwargs)
+    if not rep.ranked:
+        raise ValueError(f"no plan fits {num_devices} x {hw.name} "
+                         f"({hw.memory_bytes / 2**30:.1f} GiB each): {rep.summary()}")
+    return rep.ranked[0].plan, rep

@@ -1,0 +1,103 @@
+"""`TrainConfig`: every knob of `modelpar train`, as one typed dataclass.
+
+It is read from a YAML/JSON file (``--config``) and CLI overrides by jsonargparse; the effective config
+is printed and saved in the run record. Defaults are the main job: the GPT on the Python
+standard-library corpus, 2 local CPU ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass
+class TrainConfig:
+    """Train a model with a parallel plan.
+
+    Batch terms (one meaning each): global_batch_size = samples per optimizer step (the same on every
+    layout); local_batch_size = samples in one forward/backward on one data-parallel rank; gradient
+    accumulation steps = global / (local x data-parallel degree), derived.
+
+    Args:
+        model: built-in model: gpt-nano, gpt-1m, gpt-3m, gpt-10m (trainable here), larger gpt-* presets,
+            mlp-small, mlp-large, mlp-deep, cnn.
+        strategy: single, placement, ddp, fsdp, hsdp, tp, pp, ddp+tp, fsdp+tp (auto and rules come from
+            the planner). Degrees below override the shorthand.
+        nproc: local ranks to launch (ignored under torchrun, which sets the world size).
+        data: text file or folder for GPT models (default: the Python standard library's sources).
+        steps: optimizer steps.
+        global_batch_size: samples per optimizer step.
+        local_batch_size: samples per forward/backward per data-parallel rank (0: global / dp).
+        seq_len: tokens per sample for GPT models (0: the preset's).
+        lr: peak learning rate (AdamW), reached after warmup_steps, cosine-decayed to min_lr.
+        min_lr: final learning rate.
+        warmup_steps: linear warm-up steps.
+        weight_decay: AdamW weight decay on matrices (not on biases, norms or embeddings' 1-D params).
+        optimizer: adamw or sgd.
+        grad_clip: clip gradients to this global L2 norm (0: off).
+        dropout: dropout probability for GPT models.
+        eval_every: validate every N steps (and before and after training).
+        eval_samples: validation samples per evaluation.
+        seed: seed of initial weights, data order and dropout.
+        threads: torch threads per rank (0: max(1, cores // local ranks)).
+        dp_replicate: override the data-parallel (replicated) degree (0: from strategy).
+        dp_shard: override the FSDP degree (0: from strategy).
+        tp: override the tensor-parallel degree (0: from strategy).
+        pp: override the pipeline-parallel degree (0: from strategy).
+        pp_schedule: gpipe, 1f1b, interleaved1f1b, loopedbfs, interleavedzerobubble, zbvzerobubble, dualpipev.
+        n_microbatches: pipeline micro-batches per local batch (0: 2 x pp).
+        virtual_stages: pipeline stages per rank (interleaved schedules).
+        stage_boundaries: first block of every stage after the first (empty: balanced by parameters).
+        placement_devices: devices for the placement strategy (empty: cuda:0,cuda:1 with 2 GPUs, else cpu,cpu).
+        activation_checkpointing: none or full.
+        precision: fp32 or bf16 (bf16 compute, fp32 master weights).
+        reshard_after_forward: FSDP: free gathered parameters after forward.
+        cpu_offload: FSDP: keep shards and optimizer state in CPU memory (CUDA only).
+        timeout_s: collective timeout in seconds.
+        out_dir: folder for run records.
+        log_every: write metrics every N steps.
+        sample_bytes: bytes of text to generate from the trained GPT at the end (0: none).
+        track_memory: measure peak tensor bytes of one step with torch's MemTracker (CPU).
+    """
+
+    model: str = "gpt-3m"
+    strategy: str = "ddp"
+    nproc: int = 2
+    data: str | None = None
+    steps: int = 600
+    global_batch_size: int = 32
+    local_batch_size: int = 0
+    seq_len: int = 0
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    optimizer: str = "adamw"
+    grad_clip: float = 1.0
+    dropout: float = 0.0
+    eval_every: int = 200
+    eval_samples: int = 128
+    seed: int = 0
+    threads: int = 0
+    dp_replicate: int = 0
+    dp_shard: int = 0
+    tp: int = 0
+    pp: int = 0
+    pp_schedule: str = "1f1b"
+    n_microbatches: int = 0
+    virtual_stages: int = 1
+    stage_boundaries: list[int] = dataclasses.field(default_factory=list)
+    placement_devices: list[str] = dataclasses.field(default_factory=list)
+    activation_checkpointing: str = "none"
+    precision: str = "fp32"
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    timeout_s: float = 60.0
+    out_dir: str = "runs"
+    log_every: int = 1
+    sample_bytes: int = 300
+    track_memory: bool = True
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,0 +1,189 @@
+"""The training loop: one code path for one process and many (with no process group the
+collectives are skipped, not special-cased).
+
+``preflight(cfg, world_size)`` resolves and checks the plan on the meta device before any process
+starts; ``train(cfg)`` is what each rank runs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from modelpar.models import MLP_PRESETS
+from modelpar.parallel.compose import ParallelModel, parallelize
+from modelpar.parallel.mesh import build_mesh, get_device, init_distributed
+from modelpar.parallel.parts import get_model_parts
+from modelpar.parallel.tensor import derive_tp_plan, validate_tp_plan
+from modelpar.plan import ParallelPlan, gradient_accumulation_steps, plan_for_strategy
+from modelpar.train.config import TrainConfig
+from modelpar.train.data import eval_shard, global_batch_slice
+from modelpar.train.grads import clip_grad_norm_
+from modelpar.train.metrics import PeakTensorMemory, RunRecord, peak_rss_bytes
+from modelpar.train.task import Task, build_task, example_input
+
+
+def resolve_plan(cfg: TrainConfig, world_size: int) -> ParallelPlan:
+    """The plan ``cfg`` asks for on ``world_size`` ranks (strategy shorthand + explicit overrides).
+
+    Raises:
+        ValueError: unknown strategy / schedule, or degrees that do not multiply to the world size.
+    """
+    ov = {k: getattr(cfg, k) for k in ("dp_replicate", "dp_shard", "tp", "pp") if getattr(cfg, k)}
+    extra = dict(pp_schedule=cfg.pp_schedule, virtual_stages=cfg.virtual_stages,
+                 activation_checkpointing=cfg.activation_checkpointing, precision=cfg.precision,
+                 reshard_after_forward=cfg.reshard_after_forward, cpu_offload=cfg.cpu_offload)
+    if cfg.stage_boundaries:
+        extra["stage_boundaries"] = tuple(cfg.stage_boundaries)
+    strategy = cfg.strategy.lower()
+    if strategy in ("auto", "rules"):
+        from modelpar.planner import choose_for_config   # the planner resolves the degrees
+        return choose_for_config(cfg, world_size, strategy=strategy)
+    if strategy == "placement":
+        devs = cfg.placement_devices or (["cuda:0", "cuda:1"] if torch.cuda.device_count() >= 2 else ["cpu", "cpu"])
+        return plan_for_strategy("placement", 1, placement_devices=tuple(devs), **extra)
+    if ov and strategy in ("ddp", "fsdp", "tp", "pp") and set(ov) - {
+            {"ddp": "dp_replicate", "fsdp": "dp_shard", "tp": "tp", "pp": "pp"}[strategy]}:
+        plan = ParallelPlan(**ov, **extra)          # explicit degrees describe a hybrid
+    else:
+        plan = plan_for_strategy(strategy, world_size, **ov, **extra)
+    if plan.pp > 1:
+        m = cfg.n_microbatches or 2 * plan.pp
+        plan = ParallelPlan.from_dict({**plan.to_dict(), "n_microbatches": m})
+    return plan
+
+
+@dataclass
+class Batches:
+    """The derived batch terms of a run."""
+
+    global_batch_size: int
+    local_batch_size: int
+    accum_steps: int
+    micro_batch_size: int
+
+
+def batch_terms(cfg: TrainConfig, plan: ParallelPlan) -> Batches:
+    local = cfg.local_batch_size or cfg.global_batch_size // plan.dp
+    if local < 1:
+        raise ValueError(f"global_batch_size={cfg.global_batch_size} is smaller than the data-parallel degree "
+                         f"{plan.dp}")
+    accum = gradient_accumulation_steps(cfg.global_batch_size, local, plan.dp)
+    return Batches(cfg.global_batch_size, local, accum, local // (plan.n_microbatches if plan.pp > 1 else 1))
+
+
+def preflight(cfg: TrainConfig, world_size: int) -> tuple[ParallelPlan, Batches]:
+    """Every check that needs no process: plan, batch terms, model form, TP divisibility (meta device).
+
+    Raises:
+        ValueError: one clear message naming the field and the numbers.
+    """
+    for name in ("steps", "global_batch_size"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.optimizer not in ("adamw", "sgd"):
+        raise ValueError(f"optimizer={cfg.optimizer!r} is unknown; valid: adamw, sgd")
+    plan = resolve_plan(cfg, world_size)
+    task = build_task(cfg, device="meta", load_data=False)
+    parts = get_model_parts(task.model)
+    batches = batch_terms(cfg, plan)
+    plan.validate(1 if plan.is_placement else world_size, num_blocks=parts.num_blocks,
+                  local_batch_size=batches.local_batch_size)
+    if plan.tp > 1:
+        validate_tp_plan(task.model, derive_tp_plan(task.model), plan.tp)
+    if plan.cpu_offload and not torch.cuda.is_available():
+        raise ValueError("cpu_offload=True needs CUDA: on a CPU-only run the shards already live in CPU memory")
+    return plan, batches
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr`` at ``steps``
+    (Loshchilov & Hutter 2017, SGDR, without restarts)."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    t = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(t, 1.0)))
+
+
+def build_optimizer(pm: ParallelModel, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW (decay on >= 2-D weights only) or plain SGD, over this rank's parameters."""
+    params = [p for p in pm.parameters() if p.requires_grad]
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr)
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+
+
+def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t
+
+
+def reduce_loss(pm: ParallelModel, loss_sum: float, count: int, device) -> float:
+    """Mean over data-parallel ranks of a loss held by last-stage ranks (counted once per DP rank)."""
+    own = pm.has_last_stage and pm.mesh.tp_rank == 0
+    t = torch.tensor([loss_sum if own else 0.0, float(count) if own else 0.0], dtype=torch.float64)
+    if pm.mesh.mesh is not None:      # one process (or the one-process reference): nothing to reduce
+        _all_reduce_sum(t)
+    return (t[0] / t[1]).item() if t[1] > 0 else float("nan")
+
+
+@torch.no_grad()
+def evaluate(pm: ParallelModel, task: Task, batches: Batches) -> float:
+    """Mean validation loss over ``task.val``: each DP rank takes a disjoint slice, reduced as
+    (sum, count), so no sample is counted twice (case C2)."""
+    pm.train(False)
+    x, y = task.val
+    sl = eval_shard(len(x), pm.mesh.dp_rank, pm.plan.dp)
+    xs, ys = x[sl], y[sl]
+    step = batches.local_batch_size
+    total, count = 0.0, 0
+    if pm.plan.pp > 1:      # fixed micro-batch shapes: whole local batches only, the rest dropped
+        n_batches = (len(x) // pm.plan.dp) // step
+    else:                   # every rank runs the same number of forwards (FSDP/TP collectives)
+        n_batches = math.ceil(math.ceil(len(x) / pm.plan.dp) / step)
+    for i in range(n_batches):
+        xb, yb = xs[i * step:(i + 1) * step], ys[i * step:(i + 1) * step]
+        n = len(xb)
+        if n == 0:          # this rank's slice ran out: a dummy forward with weight 0
+            xb, yb = x[:1], y[:1]
+        loss = pm.evaluate(xb, yb)
+        if loss is not None:
+            total += loss.item() * n
+            count += n
+    pm.train(True)
+    return reduce_loss(pm, total, count, pm.device)
+
+
+def gather_full_state_dict(pm: ParallelModel) -> dict[str, torch.Tensor]:
+    """The whole model's state dict on rank 0 (CPU tensors, original names); {} on other ranks."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd: dict[str, torch.Tensor] = {}
+    distributed = pm.mesh.mesh is not None
+    for m in pm.modules:
+        if distributed:
+            part = get_model_state_dict(m, options=StateDictOptions(full_state_dict=True))
+        else:
+            part = m.state_dict()
+        sd.update({k: v.detach().cpu().clone() for k, v in part.items()})
+    if not distributed:
+        return sd
+    keep = pm.mesh.dp_rank == 0 and pm.mesh.tp_rank == 0
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(sd if keep else {}, gathered, dst=0)
+    if dist.get_rank() != 0:
+        return {}
+    out: dict[str, torch.Tensor] = {}
+    for part in gathered:
+        out.update(part)
+    return out

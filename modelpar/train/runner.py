@@ -1,0 +1,156 @@
+"""`train(cfg)`: what every rank runs for `modelpar train`."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from modelpar.parallel.compose import parallelize
+from modelpar.parallel.mesh import build_mesh, get_device, init_distributed
+from modelpar.train.config import TrainConfig
+from modelpar.train.loop import (batch_terms, build_optimizer, evaluate, gather_full_state_dict, lr_at,
+                                 preflight, reduce_loss)
+from modelpar.train.metrics import PeakTensorMemory, RunRecord, peak_rss_bytes
+from modelpar.train.step import train_step
+from modelpar.train.task import build_task, example_input
+
+
+def threads_per_rank(requested: int = 0) -> int:
+    """``requested`` or max(1, cores // local ranks)."""
+    if requested > 0:
+        return requested
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, (os.cpu_count() or 1) // local)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def make_run_dir(cfg: TrainConfig) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path(cfg.out_dir) / f"{cfg.model}-{cfg.strategy.replace('+', '_')}-{stamp}"
+
+
+def train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False) -> dict:
+    """Train per ``cfg`` on this rank; returns a summary dict (losses, timings, paths) on every rank."""
+    t_start = time.time()
+    rank, world = init_distributed(cfg.timeout_s)
+    nthreads = threads_per_rank(cfg.threads)
+    torch.set_num_threads(nthreads)
+    plan, batches = preflight(cfg, world)
+    device = get_device() if not plan.is_placement else torch.device(plan.placement_devices[0])
+    is_main = rank == 0
+    say = (lambda *a: print(*a, flush=True)) if (is_main and not quiet) else (lambda *a: None)
+
+    task = build_task(cfg)
+    if run_dir is None and is_main:
+        run_dir = make_run_dir(cfg)
+    record = RunRecord(run_dir if is_main else None)
+    say(f"modelpar train: {cfg.model} on {world} rank(s), plan {plan.describe()}, "
+        f"{nthreads} thread(s) per rank, device {device.type}")
+    say(f"  batch: global {batches.global_batch_size}, local {batches.local_batch_size}, accumulation "
+        f"{batches.accum_steps}, micro-batch {batches.micro_batch_size}")
+    if task.kind == "lm":
+        di = task.data_info
+        say(f"  data: {di['num_files']} files, {di['num_bytes']:,} bytes from {di['source']} "
+            f"(file list sha256 {di['files_sha256'][:16]}...)")
+    nparams = sum(p.numel() for p in task.model.parameters())
+    say(f"  model: {nparams / 1e6:.2f}M parameters")
+    record.write_json("config.json", cfg.to_dict())
+    record.write_json("plan.json", plan.to_dict())
+    record.write_json("data.json", task.data_info)
+
+    mesh = build_mesh(plan, device)
+    pm = parallelize(task.model, plan, mesh, loss_fn=task.loss_fn, device=device,
+                     example_input=example_input(task, batches.micro_batch_size))
+    opt = build_optimizer(pm, cfg)
+
+    val_before = evaluate(pm, task, batches)
+    say(f"  validation loss before training: {val_before:.4f}")
+    record.log(0, val_loss=val_before)
+
+    tokens_per_step = batches.global_batch_size * task.tokens_per_sample
+    progress = None
+    if is_main and not quiet:
+        from tqdm import tqdm
+        progress = tqdm(total=cfg.steps, desc="train", unit="step", dynamic_ncols=True)
+    peak_tensor = 0
+    losses: list[float] = []
+    t_train = time.time()
+    t_last = t_train
+    val_loss = val_before
+    for step in range(cfg.steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        xg, yg = task.train.global_batch(cfg.seed, step, batches.global_batch_size)
+        track = cfg.track_memory and step == 1 and device.type == "cpu"
+        with PeakTensorMemory(device, enabled=track or device.type == "cuda") as mem:
+            loss_sum, n, gnorm = train_step(pm, opt, xg, yg, accum_steps=batches.accum_steps,
+                                            grad_clip=cfg.grad_clip)
+        if mem.peak:
+            peak_tensor = max(peak_tensor, mem.peak)
+        step_loss = reduce_loss(pm, loss_sum, n, device)
+        losses.append(step_loss)
+        now = time.time()
+        tok_s = tokens_per_step / max(now - t_last, 1e-9)
+        t_last = now
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+            val_loss = evaluate(pm, task, batches)
+            record.log(step + 1, val_loss=val_loss)
+        if step % max(cfg.log_every, 1) == 0 or step == cfg.steps - 1:
+            record.log(step + 1, loss=step_loss, grad_norm=gnorm.item(), lr=lr_at(step, cfg),
+                       tokens_per_s=tok_s, peak_rss_bytes=peak_rss_bytes(), peak_tensor_bytes=peak_tensor)
+        if progress is not None:
+            progress.set_postfix_str(f"loss {step_loss:.3f} | val {val_loss:.3f} | {tok_s:,.0f} tok/s | "
+                                     f"mem {_fmt_bytes(peak_tensor)} tensors, {_fmt_bytes(peak_rss_bytes())} RSS")
+            progress.update(1)
+    if progress is not None:
+        progress.close()
+    train_time = time.time() - t_train
+    val_after = evaluate(pm, task, batches)
+    record.log(cfg.steps, val_loss=val_after)
+
+    state = gather_full_state_dict(pm)
+    summary = {"val_loss_before": val_before, "val_loss_after": val_after, "losses": losses,
+               "train_time_s": train_time, "tokens_per_s": tokens_per_step * cfg.steps / train_time,
+               "peak_tensor_bytes": peak_tensor, "peak_rss_bytes": peak_rss_bytes(), "plan": plan.to_dict(),
+               "run_dir": str(run_dir) if run_dir else None, "world_size": world}
+    if is_main and run_dir is not None:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in state.items()}, str(run_dir / "model.safetensors"))
+        record.write_json("summary.json", {k: v for k, v in summary.items() if k != "losses"})
+        if task.kind == "lm" and cfg.sample_bytes > 0:
+            summary["sample"] = sample_text(cfg, run_dir / "model.safetensors", cfg.sample_bytes)
+            say("\n--- sample from the trained model (prompt 'def ') ---\n" + summary["sample"] + "\n---")
+    record.close()
+    say(f"wall time {time.time() - t_start:.1f} s (training {train_time:.1f} s) | validation loss "
+        f"{val_before:.4f} -> {val_after:.4f} nats/byte | {summary['tokens_per_s']:,.0f} tokens/s | "
+        f"peak per rank: {_fmt_bytes(peak_tensor)} tensors, {_fmt_bytes(peak_rss_bytes())} RSS")
+    if run_dir is not None:
+        say(f"run record: {run_dir}")
+    return summary
+
+
+def sample_text(cfg: TrainConfig, weights_path: Path, num_bytes: int, prompt: str = "def ") -> str:
+    """Generate ``num_bytes`` bytes from the saved weights in a fresh single-process model."""
+    from safetensors.torch import load_file
+
+    from modelpar.train.task import build_model_for
+
+    model = build_model_for(cfg)
+    model.load_state_dict(load_file(str(weights_path)))
+    g = torch.Generator().manual_seed(cfg.seed)
+    idx = torch.tensor([list(prompt.encode())], dtype=torch.long)
+    out = model.generate(idx, num_bytes, generator=g)[0].tolist()
+    return bytes(out).decode("utf-8", errors="replace")

@@ -1,0 +1,129 @@
+"""Parity: does a parallel plan train exactly like one device?
+
+`run_steps` trains a model for N steps under a plan (or on one process with the trivial plan) from
+the given initial weights; `compare` checks the losses and final parameters against the reference
+with the project's tolerance (README, "What correct means"):
+
+- the loss at every step within ``loss_rtol`` (1e-5) relative;
+- parameters: per element |delta| <= 1e-4 + 1e-4 |theta| and overall ||delta|| / ||theta|| <= 1e-5
+  (AdamW turns rounding noise in near-zero-gradient elements into lr-sized steps, so an elementwise
+  relative tolerance alone cannot hold); with SGD, elementwise |delta| <= 1e-5 |theta| + 1e-7.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+
+from modelpar.parallel.compose import parallelize
+from modelpar.parallel.mesh import MeshInfo, build_mesh
+from modelpar.plan import ParallelPlan, gradient_accumulation_steps
+from modelpar.train.loop import gather_full_state_dict, reduce_loss
+from modelpar.train.step import train_step
+
+
+@dataclass
+class RunResult:
+    losses: list[float]
+    grad_norms: list[float]
+    state: dict[str, torch.Tensor]      # full state dict on rank 0 ({} elsewhere)
+
+
+def make_optimizer(params, name: str, lr: float) -> torch.optim.Optimizer:
+    params = list(params)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    raise ValueError(f"optimizer={name!r} is unknown; valid: adamw, sgd")
+
+
+def run_steps(model: nn.Module, plan: ParallelPlan, *, loss_fn: Callable, batch_fn: Callable[[int], tuple],
+              steps: int, global_batch_size: int, local_batch_size: int, optimizer: str = "adamw",
+              lr: float = 1e-3, grad_clip: float = 0.0, device: torch.device | None = None,
+              mesh: MeshInfo | None = None, tp_plan=None) -> RunResult:
+    """Train a deep copy of ``model`` for ``steps`` steps under ``plan``.
+
+    Args:
+        batch_fn: ``step -> (inputs, targets)`` of the whole global batch (the same on every rank).
+        mesh: from `build_mesh`; built from the plan when None.
+    """
+    device = device or torch.device("cpu")
+    model = copy.deepcopy(model)
+    mesh = mesh if mesh is not None else build_mesh(plan, device)
+    accum = gradient_accumulation_steps(global_batch_size, local_batch_size, plan.dp)
+    x0, _ = batch_fn(0)
+    mb = local_batch_size // (plan.n_microbatches if plan.pp > 1 else 1)
+    pm = parallelize(model, plan, mesh, loss_fn=loss_fn, device=device, example_input=x0[:mb], tp_plan=tp_plan)
+    opt = make_optimizer(pm.parameters(), optimizer, lr)
+    losses, norms = [], []
+    for step in range(steps):
+        xg, yg = batch_fn(step)
+        loss_sum, n, gnorm = train_step(pm, opt, xg, yg, accum_steps=accum, grad_clip=grad_clip)
+        losses.append(reduce_loss(pm, loss_sum, n, device))
+        norms.append(gnorm.item())
+    return RunResult(losses, norms, gather_full_state_dict(pm))
+
+
+@dataclass
+class ParityReport:
+    name: str
+    passed: bool
+    max_loss_rel_diff: float
+    max_param_abs_diff: float
+    max_param_excess: float              # max over elements of |delta| / (atol + rtol |theta|); <= 1 passes
+    param_rel_norm_diff: float           # ||delta|| / ||theta||
+    max_grad_norm_rel_diff: float
+    loss_diffs: list[float] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def line(self) -> str:
+        return (f"{self.name:34s} {'PASS' if self.passed else 'FAIL'}  loss rel {self.max_loss_rel_diff:.2e}  "
+                f"param abs {self.max_param_abs_diff:.2e}  param rel-norm {self.param_rel_norm_diff:.2e}  "
+                f"grad-norm rel {self.max_grad_norm_rel_diff:.2e}")
+
+
+def compare(name: str, ref: RunResult, got: RunResult, *, optimizer: str = "adamw", loss_rtol: float = 1e-5,
+            atol: float = 1e-4, rtol: float = 1e-4, norm_rtol: float = 1e-5, sgd_rtol: float = 1e-5) -> ParityReport:
+    """Compare a parallel run with the one-process reference (see the module docstring)."""
+    fails = []
+    diffs = [abs(a - b) / max(abs(a), 1e-12) for a, b in zip(ref.losses, got.losses)]
+    if len(ref.losses) != len(got.losses) or any(math.isnan(x) for x in got.losses):
+        fails.append(f"losses differ in length or are NaN: {got.losses}")
+    max_loss = max(diffs) if diffs else float("inf")
+    if max_loss > loss_rtol:
+        fails.append(f"loss differs by {max_loss:.2e} relative (> {loss_rtol:.0e}) at step {diffs.index(max_loss)}")
+    gn = [abs(a - b) / max(abs(a), 1e-12) for a, b in zip(ref.grad_norms, got.grad_norms)]
+    if set(ref.state) != set(got.state):
+        fails.append(f"parameter names differ: only in reference {sorted(set(ref.state) - set(got.state))[:5]}, "
+                     f"only in parallel {sorted(set(got.state) - set(ref.state))[:5]}")
+    max_abs, max_excess, dsq, tsq = 0.0, 0.0, 0.0, 0.0
+    for k in sorted(set(ref.state) & set(got.state)):
+        a, b = ref.state[k].double(), got.state[k].double()
+        if a.shape != b.shape:
+            fails.append(f"{k}: shape {tuple(b.shape)} != reference {tuple(a.shape)}")
+            continue
+        d = (a - b).abs()
+        max_abs = max(max_abs, d.max().item() if d.numel() else 0.0)
+        if optimizer == "sgd":
+            excess = (d / (sgd_rtol * a.abs() + 1e-7)).max().item() if d.numel() else 0.0
+        else:
+            excess = (d / (atol + rtol * a.abs())).max().item() if d.numel() else 0.0
+        if excess > 1:
+            fails.append(f"{k}: elementwise difference {d.max().item():.2e} beyond tolerance (x{excess:.2f})")
+        max_excess = max(max_excess, excess)
+        dsq += d.pow(2).sum().item()
+        tsq += a.pow(2).sum().item()
+    rel_norm = math.sqrt(dsq) / max(math.sqrt(tsq), 1e-12)
+    if optimizer != "sgd" and rel_norm > norm_rtol:
+        fails.append(f"||delta||/||theta|| = {rel_norm:.2e} > {norm_rtol:.0e}")
+    return ParityReport(name, not fails, max_loss, max_abs, max_excess, rel_norm, max(gn) if gn else 0.0,
+                        diffs, fails[:10])

@@ -1,0 +1,95 @@
+"""Shared fixtures.
+
+- ``dist_results(world)``: one torchrun launch per world size runs every parity case of that size
+  (process groups are shared across cases; an 8-rank launch costs ~15 s here), with a hard timeout
+  so a hang fails instead of blocking CI.
+- An autouse fixture restores environment variables and checks no process group leaks from a test.
+- The parity report (largest differences of every case) is written to ``parity-report.md`` and shown
+  in the terminal summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).parent))
+REPORT: dict[str, dict] = {}
+LAUNCH_TIMEOUT_S = {2: 420, 4: 420, 8: 600}
+
+
+def torchrun_cmd(nproc: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+
+
+def run_torchrun(nproc: int, args: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a torchrun job; a job past ``timeout`` is killed and the test fails with its output."""
+    e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    try:
+        return subprocess.run(torchrun_cmd(nproc, *args), capture_output=True, text=True, timeout=timeout,
+                              cwd=ROOT, env=e)
+    except subprocess.TimeoutExpired as ex:
+        pytest.fail(f"torchrun with {nproc} ranks did not finish in {timeout} s (hang?)\n"
+                    f"{(ex.stdout or b'')[-3000:]!r}\n{(ex.stderr or b'')[-3000:]!r}")
+
+
+@pytest.fixture(scope="session")
+def dist_results(tmp_path_factory):
+    """world size -> {case name: result dict}; each world size launched once, on first use."""
+    import parity_cases
+
+    cache: dict[int, dict] = {}
+
+    def get(world: int) -> dict:
+        if world not in cache:
+            names = [n for n, c in parity_cases.CASES.items() if c[0] == world]
+            out = tmp_path_factory.mktemp(f"parity{world}") / "results.json"
+            proc = run_torchrun(world, [str(ROOT / "tests" / "dist_worker.py"), str(out), *names],
+                                LAUNCH_TIMEOUT_S[world])
+            res = json.loads(out.read_text()) if out.exists() else {}
+            if proc.returncode != 0 and not res:
+                pytest.fail(f"parity launch with {world} ranks failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+            cache[world] = res
+        return cache[world]
+    return get
+
+
+@pytest.fixture(autouse=True)
+def _clean_env():
+    import torch.distributed as dist
+
+    saved = dict(os.environ)
+    yield
+    leaked = dist.is_available() and dist.is_initialized()
+    if leaked:
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
+    assert not leaked, "the test left a process group initialised"
+
+
+def record_parity(report: dict) -> None:
+    REPORT[report["name"]] = report
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if not REPORT:
+        return
+    lines = ["| case | pass | max loss rel diff | max param abs diff | param rel-norm diff | grad-norm rel diff |",
+             "|---|---|---|---|---|---|"]
+    for name in sorted(REPORT):
+        r = REPORT[name]
+        lines.append(f"| {name} | {'yes' if r['passed'] else 'NO'} | {r['max_loss_rel_diff']:.2e} | "
+                     f"{r['max_param_abs_diff']:.2e} | {r['param_rel_norm_diff']:.2e} | {r['max_grad_norm_rel_diff']:.2e} |")
+    text = "\n".join(lines)
+    out = ROOT / "parity-report.md"
+    out.write_text("# Parity report (largest differences against one process, 10 steps)\n\n" + text + "\n")
+    terminalreporter.section("parity: largest differences against one process")
+    terminalreporter.write_line(text)
+    terminalreporter.write_line(f"(written to {out})")

@@ -1,0 +1,102 @@
+"""Bad configuration: one clear error before any process starts, naming the field and the numbers."""
+
+import subprocess
+import sys
+
+import pytest
+import torch.nn as nn
+
+from modelpar.parallel.parts import get_model_parts
+from modelpar.parallel.tensor import derive_tp_plan, validate_tp_plan
+from modelpar.plan import ParallelPlan
+from modelpar.train.config import TrainConfig
+from modelpar.train.loop import preflight
+
+
+def _pre(world=2, **kw):
+    cfg = TrainConfig(**{"model": "gpt-nano", **kw})
+    return preflight(cfg, world)
+
+
+def test_tp_degree_not_dividing_heads():
+    with pytest.raises(ValueError, match=r"tensor parallel degree 4 does not divide the number of attention heads n_head=2"):
+        _pre(world=4, strategy="tp")
+
+
+def test_tp_degree_not_dividing_hidden_case_c7():
+    model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 4))
+    with pytest.raises(ValueError, match=r"tensor parallel degree 2 does not divide 0\.out_features=5"):
+        validate_tp_plan(model, derive_tp_plan(model), 2)
+    model = nn.Sequential(nn.Linear(8, 10), nn.ReLU(), nn.Linear(10, 8))
+    with pytest.raises(ValueError, match=r"degree 4 does not divide 0\.out_features=10"):
+        validate_tp_plan(model, derive_tp_plan(model), 4)
+
+
+def test_world_size_not_product_of_degrees():
+    with pytest.raises(ValueError, match=r"dp_replicate x dp_shard x tp x pp = 1 x 2 x 2 x 1 = 4 does not equal "
+                                         r"the world size 2"):
+        _pre(world=2, strategy="fsdp", dp_shard=2, tp=2)
+
+
+def test_more_stages_than_blocks():
+    with pytest.raises(ValueError, match=r"4 pipeline stages but the model has only 2 blocks"):
+        _pre(world=4, strategy="pp")
+
+
+def test_batch_not_divisible_by_microbatches_case_c5():
+    with pytest.raises(ValueError, match=r"local batch size 10 is not divisible by n_microbatches=4"):
+        _pre(world=2, strategy="pp", global_batch_size=10, local_batch_size=10, n_microbatches=4)
+
+
+def test_global_batch_not_divisible():
+    with pytest.raises(ValueError, match=r"global_batch_size=10 is not divisible by local_batch_size x "
+                                         r"data-parallel degree = 4 x 2 = 8"):
+        _pre(world=2, strategy="ddp", global_batch_size=10, local_batch_size=4)
+
+
+def test_unknown_strategy_lists_valid():
+    with pytest.raises(ValueError, match=r"unknown strategy 'zero'; valid: single, placement, ddp, fsdp"):
+        _pre(strategy="zero")
+
+
+def test_unknown_schedule_lists_valid():
+    with pytest.raises(ValueError, match=r"pp_schedule='fast' is unknown; valid: gpipe, 1f1b, interleaved1f1b"):
+        _pre(strategy="pp", pp_schedule="fast")
+
+
+def test_cpu_offload_without_cuda():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA, so cpu_offload is allowed")
+    with pytest.raises(ValueError, match="cpu_offload=True"):
+        _pre(strategy="fsdp", cpu_offload=True)
+
+
+def test_unsplittable_model_names_the_forms():
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.b(self.a(x))
+    with pytest.raises(ValueError, match=r"not an nn.Sequential and has no nn.ModuleList child.*split points"):
+        get_model_parts(Odd())
+    parts = get_model_parts(Odd(), ["a", "b"])
+    assert [n for n, _ in parts.blocks] == ["a", "b"]
+
+
+def test_plan_round_trips():
+    p = ParallelPlan(dp_shard=2, tp=2, pp=2, pp_schedule="gpipe", n_microbatches=4, stage_boundaries=(2,))
+    assert ParallelPlan.from_dict(p.to_dict()) == p
+    with pytest.raises(ValueError, match="unknown ParallelPlan fields"):
+        ParallelPlan.from_dict({"tp_degree": 2})
+
+
+def test_cli_error_before_launch():
+    """The CLI exits 2 with the message and never starts a process group."""
+    r = subprocess.run([sys.executable, "-m", "modelpar", "train", "--model", "gpt-nano", "--strategy", "tp",
+                        "--nproc", "4"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "does not divide the number of attention heads n_head=2" in r.stderr
+    assert "torch.distributed.run" not in r.stderr and "Rendezvous" not in r.stderr

@@ -1,0 +1,43 @@
+"""The parity check itself can fail: perturbed runs are caught (tier 1, no processes)."""
+
+import torch
+
+from modelpar.models import build_mlp
+from modelpar.parallel.mesh import MeshInfo
+from modelpar.plan import ParallelPlan
+from modelpar.train.task import classification_loss
+from modelpar.verify import compare, run_steps
+
+
+def _run(lr=1e-3, optimizer="adamw", local=8):
+    model = build_mlp([8, 16, 4], seed=0)
+
+    def batch_fn(step):
+        g = torch.Generator().manual_seed(step)
+        return torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+    return run_steps(model, ParallelPlan(), loss_fn=classification_loss, batch_fn=batch_fn, steps=5,
+                     global_batch_size=8, local_batch_size=local, optimizer=optimizer, lr=lr,
+                     mesh=MeshInfo(mesh=None))
+
+
+def test_identical_runs_pass_and_accumulation_matches():
+    ref = _run()
+    assert compare("same", ref, _run()).passed
+    rep = compare("accum", ref, _run(local=4))   # 2 accumulation steps of 4 == one batch of 8
+    assert rep.passed, rep.failures
+
+
+def test_different_lr_fails():
+    rep = compare("lr", _run(lr=1e-3), _run(lr=1.1e-3))
+    assert not rep.passed
+    assert rep.max_param_abs_diff > 1e-6
+
+
+def test_sgd_tolerance_is_elementwise():
+    ref = _run(optimizer="sgd", lr=0.1)
+    got = _run(optimizer="sgd", lr=0.1)
+    k = next(iter(got.state))
+    got.state[k] = got.state[k].clone()
+    got.state[k].view(-1)[0] += 1e-3
+    rep = compare("sgd", ref, got, optimizer="sgd")
+    assert not rep.passed and any(k in f for f in rep.failures)
