@@ -17,7 +17,20 @@ commands:
   plan       rank every parallel plan of a model on N devices by predicted throughput
   estimate   does model X fit on N devices of type Y, and how?
   calibrate  measure this machine (matmul FLOP/s, collectives) for the planner
+  verify     train N steps under a plan and on one process; compare losses and parameters
+  bench      measure throughput, memory per device and communication share of strategies
+  export     write a checkpoint as one consolidated safetensors file
 """
+
+# command -> "module:function"; each function takes the remaining argv and returns an exit code.
+COMMANDS = {
+    "plan": "modelpar.planner.commands:plan_main",
+    "estimate": "modelpar.planner.commands:estimate_main",
+    "calibrate": "modelpar.planner.commands:calibrate_main",
+    "verify": "modelpar.verify_cmd:verify_main",
+    "bench": "modelpar.bench.cli:bench_main",
+    "export": "modelpar.train.checkpoint:export_main",
+}
 
 
 def _under_launcher() -> bool:
@@ -73,11 +86,10 @@ def cmd_train(argv: list[str]) -> int:
         return 0
     from torch.distributed.run import main as torchrun
 
-    args = ["--standalone", f"--nproc-per-node={world}", "--max-restarts=0", "--tee=3" if False else "",
-            "-m", "modelpar", "train", *argv]
+    args = ["--standalone", f"--nproc-per-node={world}", "--max-restarts=0", "-m", "modelpar", "train", *argv]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        torchrun([a for a in args if a])
+        torchrun(args)
     except Exception as e:          # ChildFailedError: the ranks' own errors were printed above
         print(f"modelpar train: a rank failed: {type(e).__name__}: {str(e).strip()[:2000]}", file=sys.stderr)
         return 1
@@ -92,9 +104,17 @@ def main(argv: list[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     if cmd == "train":
         return cmd_train(rest)
-    if cmd in ("plan", "estimate", "calibrate"):
-        from modelpar.planner import commands
+    if cmd in COMMANDS:
+        import importlib
 
-        return getattr(commands, f"{cmd}_main")(rest)
+        mod, fn = COMMANDS[cmd].split(":")
+        try:
+            module = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name and e.name.startswith("modelpar"):
+                print(f"modelpar {cmd}: not available in this version ({e.name} is missing)", file=sys.stderr)
+                return 2
+            raise
+        return getattr(module, fn)(rest)
     print(f"modelpar: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
     return 2
