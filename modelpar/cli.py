@@ -33,6 +33,9 @@ COMMANDS = {
 }
 
 
+CONFIG_ENV = "MODELPAR_TRAIN_CONFIG"
+
+
 def _under_launcher() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
@@ -70,6 +73,8 @@ def cmd_train(argv: list[str]) -> int:
     from modelpar.train.loop import preflight
     from modelpar.train.runner import train
 
+    if not argv and os.environ.get(CONFIG_ENV):      # a rank started by our own launch below
+        argv = ["--config", os.environ[CONFIG_ENV]]
     cfg, dumped = parse_train_config(argv)
     if _under_launcher():
         train(cfg)
@@ -86,13 +91,23 @@ def cmd_train(argv: list[str]) -> int:
         return 0
     from torch.distributed.run import main as torchrun
 
-    args = ["--standalone", f"--nproc-per-node={world}", "--max-restarts=0", "-m", "modelpar", "train", *argv]
+    # The ranks read the effective config from a file (not from argv: torchrun's own parser would
+    # claim options such as --nproc), so every rank runs exactly what was checked here.
+    import tempfile
+
+    fd, cfg_path = tempfile.mkstemp(prefix="modelpar-train-", suffix=".yaml")
+    with os.fdopen(fd, "w") as f:
+        f.write(dumped)
+    os.environ[CONFIG_ENV] = cfg_path
+    args = ["--standalone", f"--nproc-per-node={world}", "--max-restarts=0", "-m", "modelpar", "train"]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         torchrun(args)
     except Exception as e:          # ChildFailedError: the ranks' own errors were printed above
         print(f"modelpar train: a rank failed: {type(e).__name__}: {str(e).strip()[:2000]}", file=sys.stderr)
         return 1
+    finally:
+        os.unlink(cfg_path)
     return 0
 
 

@@ -7,7 +7,13 @@ with the project's tolerance (README, "What correct means"):
 - the loss at every step within ``loss_rtol`` (1e-5) relative;
 - parameters: per element |delta| <= 1e-4 + 1e-4 |theta| and overall ||delta|| / ||theta|| <= 1e-5
   (AdamW turns rounding noise in near-zero-gradient elements into lr-sized steps, so an elementwise
-  relative tolerance alone cannot hold); with SGD, elementwise |delta| <= 1e-5 |theta| + 1e-7.
+  relative tolerance alone cannot hold); with SGD, elementwise |delta| <= 1e-5 |theta| + 1e-7;
+- the logged global gradient norm (before clipping) at every step within ``norm_rtol`` (1e-5)
+  relative (case C3: one norm over all shards and stages). AdamW is nearly blind to a constant
+  factor on the gradient, so this is also what catches a wrong loss scale (case C4).
+
+`compare_low_precision` is the bf16 check: every parameter and optimizer state is fp32 (the
+master weights), and the loss is within 2% of the fp32 reference from a given step on.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ class RunResult:
     losses: list[float]
     grad_norms: list[float]
     state: dict[str, torch.Tensor]      # full state dict on rank 0 ({} elsewhere)
+    dtypes: dict[str, list[str]] = field(default_factory=dict)   # master-weight / optimizer-state dtypes
 
 
 def make_optimizer(params, name: str, lr: float) -> torch.optim.Optimizer:
@@ -46,28 +53,47 @@ def make_optimizer(params, name: str, lr: float) -> torch.optim.Optimizer:
 def run_steps(model: nn.Module, plan: ParallelPlan, *, loss_fn: Callable, batch_fn: Callable[[int], tuple],
               steps: int, global_batch_size: int, local_batch_size: int, optimizer: str = "adamw",
               lr: float = 1e-3, grad_clip: float = 0.0, device: torch.device | None = None,
-              mesh: MeshInfo | None = None, tp_plan=None) -> RunResult:
+              mesh: MeshInfo | None = None, tp_plan=None, loss_reduction: str = "mean",
+              loss_parallel: bool | None = None, split_points=None) -> RunResult:
     """Train a deep copy of ``model`` for ``steps`` steps under ``plan``.
 
     Args:
         batch_fn: ``step -> (inputs, targets)`` of the whole global batch (the same on every rank).
         mesh: from `build_mesh`; built from the plan when None.
+        loss_reduction: ``"mean"`` (``loss_fn`` averages over its batch) or ``"sum"``; the reported
+            loss of a step is then the mean, or the sum, over the whole global batch (as one device).
+        loss_parallel: see `modelpar.parallel.compose.parallelize`.
+
+    Raises:
+        ValueError: batch sizes that do not divide (global / (local x dp), local / micro-batches;
+            case C5), raised on every rank before any work.
     """
     device = device or torch.device("cpu")
     model = copy.deepcopy(model)
-    mesh = mesh if mesh is not None else build_mesh(plan, device)
     accum = gradient_accumulation_steps(global_batch_size, local_batch_size, plan.dp)
+    plan.validate(local_batch_size=local_batch_size)
+    mesh = mesh if mesh is not None else build_mesh(plan, device)
     x0, _ = batch_fn(0)
     mb = local_batch_size // (plan.n_microbatches if plan.pp > 1 else 1)
-    pm = parallelize(model, plan, mesh, loss_fn=loss_fn, device=device, example_input=x0[:mb], tp_plan=tp_plan)
+    pm = parallelize(model, plan, mesh, loss_fn=loss_fn, device=device, example_input=x0[:mb], tp_plan=tp_plan,
+                     loss_reduction=loss_reduction, loss_parallel=loss_parallel, split_points=split_points)
     opt = make_optimizer(pm.parameters(), optimizer, lr)
     losses, norms = [], []
+    # a sum loss over the global batch is the sum of the local-batch sums; reduce_loss averages them
+    loss_factor = plan.dp * accum if loss_reduction == "sum" else 1
     for step in range(steps):
         xg, yg = batch_fn(step)
         loss_sum, n, gnorm = train_step(pm, opt, xg, yg, accum_steps=accum, grad_clip=grad_clip)
-        losses.append(reduce_loss(pm, loss_sum, n, device))
+        losses.append(reduce_loss(pm, loss_sum, n, device) * loss_factor)
         norms.append(gnorm.item())
-    return RunResult(losses, norms, gather_full_state_dict(pm))
+    dtypes = {"params": sorted({str(_local(p).dtype) for p in pm.parameters()}),
+              "optimizer_state": sorted({str(_local(v).dtype) for st in opt.state.values()
+                                         for k, v in st.items() if torch.is_tensor(v) and k != "step"})}
+    return RunResult(losses, norms, gather_full_state_dict(pm), dtypes)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 @dataclass
@@ -92,7 +118,8 @@ class ParityReport:
 
 
 def compare(name: str, ref: RunResult, got: RunResult, *, optimizer: str = "adamw", loss_rtol: float = 1e-5,
-            atol: float = 1e-4, rtol: float = 1e-4, norm_rtol: float = 1e-5, sgd_rtol: float = 1e-5) -> ParityReport:
+            atol: float = 1e-4, rtol: float = 1e-4, norm_rtol: float = 1e-5, sgd_rtol: float = 1e-5,
+            grad_norm_rtol: float = 1e-5) -> ParityReport:
     """Compare a parallel run with the one-process reference (see the module docstring)."""
     fails = []
     diffs = [abs(a - b) / max(abs(a), 1e-12) for a, b in zip(ref.losses, got.losses)]
@@ -125,5 +152,34 @@ def compare(name: str, ref: RunResult, got: RunResult, *, optimizer: str = "adam
     rel_norm = math.sqrt(dsq) / max(math.sqrt(tsq), 1e-12)
     if optimizer != "sgd" and rel_norm > norm_rtol:
         fails.append(f"||delta||/||theta|| = {rel_norm:.2e} > {norm_rtol:.0e}")
-    return ParityReport(name, not fails, max_loss, max_abs, max_excess, rel_norm, max(gn) if gn else 0.0,
-                        diffs, fails[:10])
+    max_gn = max(gn) if gn else 0.0
+    if max_gn > grad_norm_rtol:
+        fails.append(f"logged grad norm differs by {max_gn:.2e} relative (> {grad_norm_rtol:.0e}) at step "
+                     f"{gn.index(max_gn)}: {got.grad_norms[gn.index(max_gn)]:.6g} vs reference "
+                     f"{ref.grad_norms[gn.index(max_gn)]:.6g}")
+    return ParityReport(name, not fails, max_loss, max_abs, max_excess, rel_norm, max_gn, diffs, fails[:10])
+
+
+def compare_low_precision(name: str, ref: RunResult, got: RunResult, *, first_step: int = 20,
+                          loss_rtol: float = 0.02) -> ParityReport:
+    """bf16 run against the fp32 reference: fp32 master weights and optimizer state (asserted from
+    ``got.dtypes``), and |loss - ref| / ref <= ``loss_rtol`` at every step from ``first_step`` on."""
+    fails = []
+    diffs = [abs(a - b) / max(abs(a), 1e-12) for a, b in zip(ref.losses, got.losses)]
+    window = diffs[first_step:]
+    if len(ref.losses) != len(got.losses) or not window or any(math.isnan(x) for x in got.losses):
+        fails.append(f"need {first_step + 1}+ steps of finite losses, got {got.losses}")
+    max_loss = max(window) if window else float("inf")
+    if max_loss > loss_rtol:
+        fails.append(f"bf16 loss differs by {max_loss:.2e} relative (> {loss_rtol}) at step "
+                     f"{first_step + window.index(max_loss)}")
+    for kind in ("params", "optimizer_state"):
+        if got.dtypes.get(kind) != ["torch.float32"]:
+            fails.append(f"master {kind} dtypes are {got.dtypes.get(kind)}, expected only torch.float32")
+    low = sorted(k for k, v in got.state.items() if v.is_floating_point() and v.dtype != torch.float32)
+    if low:
+        fails.append(f"saved parameters not fp32: {low[:5]}")
+    abs_d = max((((ref.state[k].double() - got.state[k].double()).abs().max().item())
+                 for k in set(ref.state) & set(got.state)), default=0.0)
+    gn = [abs(a - b) / max(abs(a), 1e-12) for a, b in zip(ref.grad_norms, got.grad_norms)]
+    return ParityReport(name, not fails, max_loss, abs_d, 0.0, 0.0, max(gn) if gn else 0.0, diffs, fails)

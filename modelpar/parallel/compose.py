@@ -10,8 +10,19 @@ The order matters and is the same for every plan:
 4. FSDP (``dp_shard > 1``, HSDP with ``dp_replicate``) or DDP (``dp_replicate`` only) last: data
    parallelism wraps whatever the previous steps produced.
 
+Before step 1, a pipeline plan dry-runs the whole model on one example micro-batch to check every
+stage boundary (case C6, `pipeline.check_stage_boundaries`); every rank holds the whole model at
+that point, so every rank raises the same error.
+
 The result, `ParallelModel`, hides the pipeline / non-pipeline difference behind
 ``forward_backward(x, y)`` and ``evaluate(x, y)``.
+
+Loss scaling (cases C4, C5): one device computes the loss of the whole global batch. For a mean
+loss (``loss_reduction="mean"``) each local batch's loss is multiplied by 1 / accumulation steps and
+each pipeline micro-batch's by a further 1 / n_microbatches; data parallelism averages over its
+ranks. For a sum loss (``"sum"``) no accumulation or micro-batch factor applies, and the loss is
+multiplied by the data-parallel degree to undo the average DDP / FSDP take. Gradients are then the
+one-device gradients whatever the layout.
 """
 
 from __future__ import annotations
@@ -50,6 +61,8 @@ class ParallelModel:
     stage_indices: list[int] = field(default_factory=list)
     stage_ranges: list[tuple[int, int]] = field(default_factory=list)
     layout: list = field(default_factory=list)
+    loss_reduction: str = "mean"          # "mean" | "sum": what loss_fn does over its batch
+    loss_parallel: bool = False           # logits are vocab-sharded DTensors; loss under loss_parallel()
     _loss_scale: float = 1.0
 
     # ---- helpers ------------------------------------------------------------------------------
@@ -95,6 +108,20 @@ class ParallelModel:
     def _scaled_loss(self, out, y):
         return self.loss_fn(out, y) * self._loss_scale
 
+    def _loss_context(self):
+        if self.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def _check_batch(self, x: torch.Tensor) -> None:
+        """Case C5: a local batch the schedule cannot split evenly is refused on every rank (every rank
+        is given the batch) before any stage runs."""
+        m = self.plan.n_microbatches
+        if self.schedule is not None and (len(x) < m or len(x) % m):
+            raise ValueError(f"local batch size {len(x)} is not divisible by n_microbatches={m}: pipeline "
+                             f"micro-batches must all have the same size (no padding or dropping is done)")
+
     # ---- the step -----------------------------------------------------------------------------
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, *, loss_scale: float = 1.0,
                          sync_grads: bool = True) -> torch.Tensor | None:
@@ -110,15 +137,18 @@ class ParallelModel:
             The unscaled mean loss of this local batch (a 0-dim tensor) on ranks holding the last
             stage, None on other pipeline ranks.
         """
-        with self._grad_sync(sync_grads):
+        self._check_batch(x)
+        # sum losses: no 1/accum factor; x dp undoes the data-parallel average (module docstring)
+        scale = loss_scale if self.loss_reduction == "mean" else float(self.plan.dp)
+        with self._grad_sync(sync_grads), self._loss_context():
             if self.schedule is None:
                 with self._autocast():
                     out = self.wrapped(x.to(self.device))
-                    loss = self.loss_fn(out, y.to(out.device))
-                (loss * loss_scale).backward()
-                return loss.detach()
+                    loss = self.loss_fn(out, y.to(self.device))
+                (loss * scale).backward()
+                return _plain(loss.detach())
             m = self.plan.n_microbatches
-            self._loss_scale = loss_scale / m
+            self._loss_scale = scale / m if self.loss_reduction == "mean" else scale
             losses: list[torch.Tensor] = []
             kwargs = {"target": y.to(self.device), "losses": losses} if self.has_last_stage else {}
             args = (x.to(self.device),) if self.has_first_stage else ()
@@ -126,22 +156,38 @@ class ParallelModel:
                 self.schedule.step(*args, **kwargs)
             if not self.has_last_stage:
                 return None
-            return torch.stack([l.detach() for l in losses]).sum() / loss_scale
+            total = torch.stack([_plain(l.detach()) for l in losses]).sum() / self._loss_scale
+            return total / m if self.loss_reduction == "mean" else total
 
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         """Mean loss of ``(x, y)`` without gradients (None on pipeline ranks without the last stage)."""
-        if self.schedule is None:
+        self._check_batch(x)
+        with self._loss_context():
+            if self.schedule is None:
+                with self._autocast():
+                    out = self.wrapped(x.to(self.device))
+                    return _plain(self.loss_fn(out, y.to(self.device))).float()
+            self._loss_scale = 1.0
+            losses: list[torch.Tensor] = []
+            kwargs = {"target": y.to(self.device), "losses": losses} if self.has_last_stage else {}
+            args = (x.to(self.device),) if self.has_first_stage else ()
             with self._autocast():
-                out = self.wrapped(x.to(self.device))
-                return self.loss_fn(out, y.to(out.device)).float()
-        self._loss_scale = 1.0
-        losses: list[torch.Tensor] = []
-        kwargs = {"target": y.to(self.device), "losses": losses} if self.has_last_stage else {}
-        args = (x.to(self.device),) if self.has_first_stage else ()
-        with self._autocast():
-            self.schedule.eval(*args, **kwargs)
-        return torch.stack(losses).float().mean() if self.has_last_stage else None
+                self.schedule.eval(*args, **kwargs)
+        if not self.has_last_stage:
+            return None
+        stacked = torch.stack([_plain(l) for l in losses]).float()
+        return stacked.mean() if self.loss_reduction == "mean" else stacked.sum()
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (the loss under loss parallel) as a plain tensor."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (the loss under loss parallel) as a plain tensor."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn: Callable,
@@ -216,6 +262,106 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
 
     pm = ParallelModel(plan, mesh, modules, runtime_modules[0] if not plan.pp_enabled else None, loss_fn,
                        device, stage_indices=indices, stage_ranges=ranges)
+    if plan.pp_enabled:
+        pm.schedule = pipeline.build_schedule(runtime_modules, indices, plan.num_stages,
+                                              schedule=plan.pp_schedule, n_microbatches=plan.n_microbatches,
+                                              loss_fn=pm._scaled_loss, device=device, pp_group=mesh.group("pp"))
+    return pm
+
+
+def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn: Callable,
+                device: torch.device, example_input: torch.Tensor | None = None,
+                tp_plan: dict[str, str] | None = None, split_points: tuple[str, ...] | None = None,
+                find_unused_parameters: bool = False, loss_reduction: str = "mean",
+                loss_parallel: bool | None = None, block_costs: list[float] | str | None = None) -> ParallelModel:
+    """Lay ``model`` out according to ``plan`` on this rank (see the module docstring for the order).
+
+    Args:
+        model: the full model, on CPU or ``device``, with its initial weights (the same on every rank).
+        mesh: from `modelpar.parallel.mesh.build_mesh`.
+        loss_fn: ``loss_fn(output, target) -> scalar``, the mean (or, with ``loss_reduction="sum"``,
+            the sum) over the batch it is given.
+        example_input: one micro-batch of input; for pipelines it checks the block order and dry-runs
+            the stage boundaries (case C6), and measures block costs.
+        tp_plan: ``{module path: style}`` (`modelpar.parallel.tensor.STYLES`); derived when None.
+        loss_parallel: GPT under TP: split the output head over the vocabulary and compute the cross
+            entropy on the shards (``loss_fn`` must be a cross entropy). None: on with sequence parallel.
+        block_costs: pipeline stage balancing: per-block costs, or ``"flops"`` (counted on
+            ``example_input``), ``"time"`` (measured), ``"params"``; None: ``"flops"`` when an example
+            input is given, else ``"params"`` (`modelpar.parallel.parts.block_costs`).
+
+    Raises:
+        ValueError: the model cannot be split as the plan needs (see `modelpar.parallel.parts`), a
+            stage boundary carries something other than tensors, a TP split does not divide evenly,
+            or an unknown ``loss_reduction``.
+    """
+    if loss_reduction not in ("mean", "sum"):
+        raise ValueError(f"loss_reduction={loss_reduction!r} is unknown; valid: mean, sum")
+    parts: ModelParts = get_model_parts(model, split_points)
+    plan.validate(num_blocks=parts.num_blocks if plan.pp_enabled else None)
+    shard_head = bool(plan.tp_enabled and (plan.sequence_parallel if loss_parallel is None else loss_parallel))
+    if plan.tp_enabled:
+        if tp_plan is None:
+            tp_plan = tensor.derive_tp_plan(model, sequence_parallel=plan.sequence_parallel, shard_head=shard_head)
+        tensor.validate_tp_plan(model, tp_plan, plan.tp)
+        shard_head = tensor.head_is_vocab_sharded(tp_plan)
+
+    if plan.is_placement:                          # one process, many devices
+        layout = placement.apply_placement(parts, plan.placement_devices,
+                                           boundaries=list(plan.stage_boundaries) if plan.stage_boundaries else None)
+        checkpointing.apply_ac([m for _, m in parts.blocks], mode=plan.activation_checkpointing)
+        first = torch.device(plan.placement_devices[0])
+        return ParallelModel(plan, mesh, [model], model, loss_fn, first, layout=layout,
+                             loss_reduction=loss_reduction)
+
+    model.to(device)
+    # 1. pipeline split (first: every later step sees only this rank's stages)
+    schedule, indices, ranges = None, [], []
+    if plan.pp_enabled:
+        if parts.form == "split_points":
+            raise ValueError("pipelines over split points of an arbitrary module are not supported yet; "
+                             "use an nn.Sequential or the ModuleList form (see modelpar.parallel.parts)")
+        specs = None
+        ex = example_input.to(device) if example_input is not None else None
+        if ex is not None:
+            check_parts_order(model, parts, ex)
+        costs = pipeline.stage_costs(parts, block_costs, ex) if plan.stage_boundaries is None else None
+        ranges = pipeline.split_stages(parts, plan.num_stages, plan.stage_boundaries, block_costs=costs)
+        if ex is not None:
+            specs = pipeline.check_stage_boundaries(parts, ranges, ex)
+        indices = pipeline.stage_indices(mesh.pp_rank, plan.pp, plan.virtual_stages, plan.pp_schedule)
+        modules: list[nn.Module] = pipeline.build_stage_modules(parts, ranges, indices, specs)
+    else:
+        modules = [model]
+    block_ids = {id(m) for _, m in parts.blocks}
+
+    def local_blocks(mod: nn.Module) -> list[nn.Module]:
+        return [m for m in mod.modules() if id(m) in block_ids]
+
+    # 2. tensor parallel (before FSDP, which shards the TP DTensors further over the data axes)
+    if plan.tp_enabled:
+        for mod in modules:
+            present = {n for n, _ in mod.named_modules()}
+            tensor.apply_tp(mod, mesh.sub("tp"), tp_plan, present=present)
+    # 3. activation checkpointing (after TP, so recompute replays the TP collectives)
+    for mod in modules:
+        checkpointing.apply_ac(local_blocks(mod), mode=plan.activation_checkpointing)
+    # 4. data parallel last: it wraps whatever the previous steps produced
+    runtime_modules = modules                      # what forward / the pipeline stages call
+    if plan.fsdp_enabled:
+        dp_mesh = mesh.sub("dp_replicate", "dp_shard")
+        for mod in modules:
+            data_parallel.apply_fsdp(mod, dp_mesh, local_blocks(mod), precision=plan.precision,
+                                     reshard_after_forward=plan.reshard_after_forward,
+                                     cpu_offload=plan.cpu_offload)
+    elif plan.dp_replicate > 1:
+        dp_mesh = mesh.sub("dp_replicate")
+        runtime_modules = [data_parallel.apply_ddp(mod, dp_mesh, find_unused_parameters=find_unused_parameters)
+                           for mod in modules]
+
+    pm = ParallelModel(plan, mesh, modules, runtime_modules[0] if not plan.pp_enabled else None, loss_fn,
+                       device, stage_indices=indices, stage_ranges=ranges, loss_reduction=loss_reduction,
+                       loss_parallel=shard_head)
     if plan.pp_enabled:
         pm.schedule = pipeline.build_schedule(runtime_modules, indices, plan.num_stages,
                                               schedule=plan.pp_schedule, n_microbatches=plan.n_microbatches,

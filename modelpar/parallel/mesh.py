@@ -32,8 +32,29 @@ def init_distributed(timeout_s: float = 60.0) -> tuple[int, int]:
         backend = "nccl" if dev.type == "cuda" else "gloo"
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        store = _attempt_store(timeout_s)
+        if store is not None:       # case C11: a store of this restart attempt only
+            dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=world, timeout=timedelta(seconds=timeout_s))
+        else:
+            dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
+
+
+def _attempt_store(timeout_s: float):
+    """Under torchrun's agent store: a `PrefixStore` on it named by ``TORCHELASTIC_RESTART_COUNT``.
+
+    Case C11: the launcher's store outlives a restart, so a restarted attempt that rendezvouses on it
+    unprefixed can read the first attempt's peer addresses (gloo: 'connectFullMesh failed ...
+    Connection refused', or a hang). Keys of attempt ``n`` live under ``modelpar/attempt{n}/``.
+    None outside torchrun's agent store (plain ``env://`` is used then).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true" or "MASTER_PORT" not in os.environ:
+        return None
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"modelpar/attempt{attempt}/pg", base)
 
 
 @dataclass

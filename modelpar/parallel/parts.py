@@ -157,3 +157,63 @@ def stage_ranges(num_blocks: int, boundaries: list[int] | tuple[int, ...]) -> li
     starts = [0] + list(boundaries)
     ends = list(boundaries) + [num_blocks]
     return list(zip(starts, ends))
+
+
+@torch.no_grad()
+def measure_part_costs(parts: ModelParts, example_input: torch.Tensor, *, kind: str = "flops",
+                       repeats: int = 3) -> tuple[list[float], list[float], list[float]]:
+    """Cost of every part on one example micro-batch: ``(pre costs, block costs, post costs)``.
+
+    ``kind="flops"``: forward FLOPs counted by `torch.utils.flop_counter.FlopCounterMode` (matmuls,
+    attention, convolutions) plus one FLOP per output element for the element-wise work the
+    counter does not see (embedding lookups, norms, activations), so no part costs zero. Backward is
+    about 2x forward for every counted op (Kaplan et al. 2020, Sec. 2.1), which does not change the
+    balance. ``kind="time"``: median forward wall time in seconds of ``repeats`` runs.
+
+    Raises:
+        ValueError: an unknown ``kind``.
+    """
+    import time
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    if kind not in ("flops", "time"):
+        raise ValueError(f"block cost kind {kind!r} is unknown; valid: flops, time, params")
+    out = ([], [], [])
+    x = example_input
+    for bucket, group in zip(out, (parts.pre, parts.blocks, parts.post)):
+        for _, m in group:
+            if kind == "flops":
+                counter = FlopCounterMode(display=False)
+                with counter:
+                    y = m(x)
+                numel = y.numel() if isinstance(y, torch.Tensor) else sum(
+                    t.numel() for t in torch.utils._pytree.tree_leaves(y) if isinstance(t, torch.Tensor))
+                bucket.append(float(counter.get_total_flops() + numel))
+            else:
+                ts = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    y = m(x)
+                    ts.append(time.perf_counter() - t0)
+                bucket.append(sorted(ts)[len(ts) // 2])
+            x = y
+    return out
+
+
+def block_costs(parts: ModelParts, kind: str = "params", example_input: torch.Tensor | None = None) -> list[float]:
+    """Per-block cost for stage balancing, the input part added to the first block and the output part
+    to the last (they run on the first and last stage): ``"params"`` (parameter count, no input
+    needed), ``"flops"`` or ``"time"`` (`measure_part_costs` on ``example_input``).
+
+    Raises:
+        ValueError: unknown kind, or ``"flops"`` / ``"time"`` without an example input.
+    """
+    if kind == "params":
+        return block_param_costs(parts)
+    if example_input is None:
+        raise ValueError(f"block costs of kind {kind!r} need an example input (one micro-batch)")
+    pre, blocks, post = measure_part_costs(parts, example_input, kind=kind)
+    blocks[0] += sum(pre)
+    blocks[-1] += sum(post)
+    return [max(c, 1e-12) for c in blocks]

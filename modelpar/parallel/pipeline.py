@@ -1,11 +1,19 @@
 """Pipeline parallel with `torch.distributed.pipelining`.
 
-The model's blocks are cut into ``pp x virtual_stages`` contiguous stages (balanced by parameter
-count unless boundaries are given); the input part goes with the first stage and the output part with
+The model's blocks are cut into ``pp x virtual_stages`` contiguous stages, the split that minimises
+the largest stage cost (exact, `parts.balanced_partition`), with costs counted in FLOPs on an
+example micro-batch (or measured time, or parameter counts) unless boundaries are given; the input part goes with the first stage and the output part with
 the last. Each stage module registers the original modules under their original paths, so stage
 state dicts use the same names as the whole model. The local batch is split into ``n_microbatches``
 micro-batches and run by one of torch's schedules (GPipe: Huang et al. 2019; 1F1B: Narayanan et al.
 2019, PipeDream-Flush; interleaved 1F1B: Narayanan et al. 2021; zero bubble: Qi et al. 2024).
+
+Stage boundaries (case C6): before the schedule is built, `check_stage_boundaries` runs the whole
+model once on an example micro-batch (every rank holds it, so every rank reaches the same verdict)
+and records what crosses each boundary. A tensor, or tuples / lists / dicts of tensors, are flattened
+into a tuple of tensors (what `PipelineStage` sends) and rebuilt on the receiving stage; any other
+leaf (an int, a string, ...) raises one ValueError naming the stage and the field, on every rank,
+before training.
 
 Loss scaling is done in the loss function, not by the schedule (``scale_grads=False``): each
 micro-batch loss is divided by ``n_microbatches x accumulation steps`` for a mean loss, so gradients
@@ -18,8 +26,9 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
-from modelpar.parallel.parts import ModelParts, balanced_partition, block_param_costs, stage_ranges
+from modelpar.parallel.parts import ModelParts, balanced_partition, block_costs, block_param_costs, stage_ranges
 
 SCHEDULE_CLASSES = {
     "gpipe": "ScheduleGPipe",
@@ -49,11 +58,18 @@ def get_schedule_class(name: str):
 
 
 class StageModule(nn.Module):
-    """One pipeline stage: (input part) -> blocks[a:b] -> (output part), original paths kept."""
+    """One pipeline stage: (input part) -> blocks[a:b] -> (output part), original paths kept.
 
-    def __init__(self, parts: ModelParts, first: int, end: int, *, is_first: bool, is_last: bool):
+    ``in_spec`` / ``out_spec``: pytree specs of the structures crossing this stage's boundaries
+    (None for a plain tensor); a structured input arrives as its flattened tensors and is rebuilt,
+    a structured output leaves as a tuple of its tensors.
+    """
+
+    def __init__(self, parts: ModelParts, first: int, end: int, *, is_first: bool, is_last: bool,
+                 in_spec=None, out_spec=None):
         super().__init__()
         self._order: list[str] = []
+        self._in_spec, self._out_spec = in_spec, out_spec
         entries = (parts.pre if is_first else []) + parts.blocks[first:end] + (parts.post if is_last else [])
         for path, mod in entries:
             self._register_path(path, mod)
@@ -68,10 +84,57 @@ class StageModule(nn.Module):
             owner = getattr(owner, h)
         owner.add_module(leaf, mod)
 
-    def forward(self, x):
+    def forward(self, *args):
+        x = pytree.tree_unflatten(list(args), self._in_spec) if self._in_spec is not None else args[0]
         for path in self._order:
             x = self.get_submodule(path)(x)
+        if self._out_spec is not None:
+            return tuple(pytree.tree_leaves(x))
         return x
+
+
+def _field_name(path) -> str:
+    return "".join(str(k) for k in path) or "(the output itself)"
+
+
+@torch.no_grad()
+def check_stage_boundaries(parts: ModelParts, ranges: list[tuple[int, int]], example_input) -> list:
+    """Dry-run the parts in order on ``example_input`` (one micro-batch) and check every boundary.
+
+    Returns one pytree spec per boundary (``len(ranges) - 1``; None where a plain tensor crosses).
+
+    Raises:
+        ValueError: a stage's output holds something other than tensors (in tuples, lists, dicts), naming
+            the stage, its blocks, the field path and the type (case C6). Every rank runs the same dry
+            run on the same model, so every rank raises the same error before training.
+    """
+    specs = []
+    x = example_input
+    for p in parts.pre:
+        x = p[1](x)
+    for i, (a, b) in enumerate(ranges):
+        for _, blk in parts.blocks[a:b]:
+            x = blk(x)
+        if i == len(ranges) - 1:
+            break
+        if isinstance(x, torch.Tensor):
+            specs.append(None)
+            continue
+        leaves, spec = pytree.tree_flatten_with_path(x)
+        bad = [(path, leaf) for path, leaf in leaves if not isinstance(leaf, torch.Tensor)]
+        if bad:
+            path, leaf = bad[0]
+            raise ValueError(
+                f"pipeline stage {i} (blocks {parts.blocks[a][0]}..{parts.blocks[b - 1][0]}) returns "
+                f"{type(x).__name__} whose field {_field_name(path)} is {type(leaf).__name__} ({leaf!r}); only "
+                f"tensors (alone or in tuples, lists, dicts) can be sent to stage {i + 1}. Return it as a "
+                f"tensor, or move the stage boundary (stage_boundaries) so this value stays inside a stage"
+                + (f"; {len(bad) - 1} more such field(s)" if len(bad) > 1 else ""))
+        if not leaves:
+            raise ValueError(f"pipeline stage {i} (blocks {parts.blocks[a][0]}..{parts.blocks[b - 1][0]}) "
+                             f"returns {type(x).__name__} holding no tensor; nothing can be sent to stage {i + 1}")
+        specs.append(spec)
+    return specs
 
 
 def stage_indices(pp_rank: int, pp: int, virtual_stages: int, schedule: str) -> list[int]:
@@ -95,9 +158,36 @@ def split_stages(parts: ModelParts, num_stages: int, boundaries=None, block_cost
     return stage_ranges(parts.num_blocks, boundaries)
 
 
-def build_stage_modules(parts: ModelParts, ranges: list[tuple[int, int]], indices: list[int]) -> list[StageModule]:
+def stage_costs(parts: ModelParts, kind, example_input) -> list[float]:
+    """Per-block costs for `split_stages`: a list given by the user, or a kind (see `parts.block_costs`);
+    None picks ``"flops"`` with an example input, else ``"params"``.
+
+    Raises:
+        ValueError: a cost list of the wrong length, or an unknown kind.
+    """
+    if isinstance(kind, (list, tuple)):
+        if len(kind) != parts.num_blocks:
+            raise ValueError(f"block_costs has {len(kind)} entries; the model has {parts.num_blocks} blocks")
+        return [float(c) for c in kind]
+    if kind is None:
+        kind = "flops" if example_input is not None else "params"
+    costs = block_costs(parts, kind, example_input)
+    import torch.distributed as dist
+    if kind == "time" and dist.is_initialized():       # timings differ per rank: all take rank 0's
+        box = [costs]
+        dist.broadcast_object_list(box, src=0)
+        costs = box[0]
+    return costs
+
+
+def build_stage_modules(parts: ModelParts, ranges: list[tuple[int, int]], indices: list[int],
+                        boundary_specs: list | None = None) -> list[StageModule]:
+    """The stage modules with the given ``indices``; ``boundary_specs`` from `check_stage_boundaries`."""
     n = len(ranges)
-    return [StageModule(parts, *ranges[i], is_first=(i == 0), is_last=(i == n - 1)) for i in indices]
+    specs = boundary_specs or [None] * (n - 1)
+    return [StageModule(parts, *ranges[i], is_first=(i == 0), is_last=(i == n - 1),
+                        in_spec=specs[i - 1] if i > 0 else None, out_spec=specs[i] if i < n - 1 else None)
+            for i in indices]
 
 
 def build_schedule(stage_modules: list[nn.Module], indices: list[int], num_stages: int, *, schedule: str,

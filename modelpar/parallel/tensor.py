@@ -9,7 +9,17 @@ forward and one in backward. The plan is derived automatically:
 - any chain of ``nn.Linear`` layers (with element-wise ops between them): consecutive pairs become
   (colwise, rowwise); an unpaired last Linear stays replicated.
 
-A user may pass their own ``{module path: ParallelStyle}`` plan instead.
+Sequence parallel (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", Sec. 4.2.2) for the GPT: the LayerNorms (and the dropouts after the rowwise Linears) work on
+activations sharded along the sequence (dim 1); each rowwise Linear reduce-scatters into that layout
+instead of all-reducing, and each attention / MLP all-gathers the sequence on entry. The embedding's
+output is cut into sequence shards (no communication) and the head all-gathers before its Linear.
+
+Loss parallel: with ``shard_head`` the GPT output Linear is split colwise over the vocabulary and its
+logits stay a DTensor sharded on the vocab dim, so cross entropy (under torch's ``loss_parallel``)
+never gathers the full (batch, seq, vocab) logits on any rank.
+
+A user may pass their own ``{module path: style}`` plan instead (styles: ``STYLES``).
 Every split is checked before any process group exists (case C7), naming the module, the dimension
 and the degree.
 """
@@ -19,23 +29,53 @@ from __future__ import annotations
 import torch.nn as nn
 
 COLWISE, ROWWISE = "colwise", "rowwise"
+# sequence-parallel / loss-parallel variants of the GPT plan (see the module docstring)
+ROWWISE_SEQ = "rowwise_seq"            # rowwise, output reduce-scattered to sequence shards
+SEQ_NORM = "sequence_parallel"         # LayerNorm / Dropout on sequence shards
+GATHER_SEQ_INPUT = "gather_seq_input"  # module input: sequence shards -> all-gathered
+SHARD_SEQ_OUTPUT = "shard_seq_output"  # module output: replicated -> sequence shards (no communication)
+COLWISE_VOCAB = "colwise_vocab"        # head Linear: logits stay a DTensor sharded on the vocab dim
+COLWISE_VOCAB_SEQ = "colwise_vocab_seq"  # the same, from sequence-sharded input
+STYLES = (COLWISE, ROWWISE, ROWWISE_SEQ, SEQ_NORM, GATHER_SEQ_INPUT, SHARD_SEQ_OUTPUT, COLWISE_VOCAB,
+          COLWISE_VOCAB_SEQ)
+_LINEAR_STYLES = {COLWISE: "out_features", COLWISE_VOCAB: "out_features", COLWISE_VOCAB_SEQ: "out_features",
+                  ROWWISE: "in_features", ROWWISE_SEQ: "in_features"}
 
 
-def derive_tp_plan(model: nn.Module) -> dict[str, str]:
-    """``{module path: "colwise" | "rowwise"}`` for the GPT or a chain of Linears.
+def derive_tp_plan(model: nn.Module, *, sequence_parallel: bool = False, shard_head: bool = False) -> dict[str, str]:
+    """``{module path: style}`` for the GPT or a chain of Linears.
+
+    Args:
+        sequence_parallel: GPT only: shard LayerNorm/dropout regions along the sequence.
+        shard_head: GPT only: split the output head over the vocabulary (loss parallel).
 
     Raises:
-        ValueError: the model has fewer than two Linear layers to pair.
+        ValueError: the model has fewer than two Linear layers to pair; sequence_parallel or
+            shard_head asked of a model other than the built-in GPT.
     """
     from modelpar.models.gpt import GPT
 
     if isinstance(model, GPT):
-        plan = {}
+        sp = sequence_parallel
+        row = ROWWISE_SEQ if sp else ROWWISE
+        plan = {"embed": SHARD_SEQ_OUTPUT} if sp else {}
         for i in range(len(model.blocks)):
             p = f"blocks.{i}."
+            if sp:
+                plan.update({p + "ln1": SEQ_NORM, p + "attn": GATHER_SEQ_INPUT, p + "ln2": SEQ_NORM,
+                             p + "mlp": GATHER_SEQ_INPUT})
             plan.update({p + "attn.q": COLWISE, p + "attn.k": COLWISE, p + "attn.v": COLWISE,
-                         p + "attn.o": ROWWISE, p + "mlp.up": COLWISE, p + "mlp.down": ROWWISE})
+                         p + "attn.o": row, p + "mlp.up": COLWISE, p + "mlp.down": row})
+        if shard_head and sp:       # ln_f on sequence shards, the head Linear gathers them
+            plan.update({"head.ln_f": SEQ_NORM, "head.out": COLWISE_VOCAB_SEQ})
+        elif shard_head:
+            plan["head.out"] = COLWISE_VOCAB
+        elif sp:                    # the whole head (ln_f included) on the gathered sequence
+            plan["head"] = GATHER_SEQ_INPUT
         return plan
+    if sequence_parallel or shard_head:
+        raise ValueError(f"sequence_parallel / loss parallel plans are derived for modelpar's GPT only; "
+                         f"{type(model).__name__} needs its own TP plan")
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     if len(linears) < 2:
         raise ValueError(f"tensor parallel needs at least two nn.Linear layers to pair (colwise, rowwise); "
@@ -59,19 +99,22 @@ def validate_tp_plan(model: nn.Module, tp_plan: dict[str, str], tp_degree: int) 
     if isinstance(model, GPT) and model.cfg.n_head % tp_degree:
         raise ValueError(f"tensor parallel degree {tp_degree} does not divide the number of attention "
                          f"heads n_head={model.cfg.n_head}")
+    if isinstance(model, GPT) and SEQ_NORM in tp_plan.values() and model.cfg.seq_len % tp_degree:
+        raise ValueError(f"sequence parallel: tensor parallel degree {tp_degree} does not divide the "
+                         f"sequence length seq_len={model.cfg.seq_len}")
     modules = dict(model.named_modules())
     for path, style in tp_plan.items():
         m = modules.get(path)
         if m is None:
             raise ValueError(f"TP plan names {path!r}, which is not a module of {type(model).__name__}")
+        if style not in STYLES:
+            raise ValueError(f"TP plan entry {path!r} has style {style!r}; valid: {', '.join(STYLES)}")
+        if style not in _LINEAR_STYLES:
+            continue
         if not isinstance(m, nn.Linear):
             raise ValueError(f"TP plan entry {path!r} is {type(m).__name__}; only nn.Linear can be split")
-        if style == COLWISE:
-            dim_name, dim = "out_features", m.out_features
-        elif style == ROWWISE:
-            dim_name, dim = "in_features", m.in_features
-        else:
-            raise ValueError(f"TP plan entry {path!r} has style {style!r}; valid: colwise, rowwise")
+        dim_name = _LINEAR_STYLES[style]
+        dim = getattr(m, dim_name)
         if dim % tp_degree:
             raise ValueError(f"tensor parallel degree {tp_degree} does not divide {path}.{dim_name}={dim} "
                              f"({style} split of Linear({m.in_features}, {m.out_features}))")
@@ -82,10 +125,42 @@ def apply_tp(model: nn.Module, tp_mesh, tp_plan: dict[str, str], *, present: set
 
     ``present`` restricts to module paths that exist on this rank (pipeline stages hold only some).
     """
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    styles = {COLWISE: ColwiseParallel, ROWWISE: RowwiseParallel}
-    plan = {p: styles[s]() for p, s in tp_plan.items() if present is None or p in present}
+    plan = {p: make_style(s) for p, s in tp_plan.items() if present is None or p in present}
     if plan:
+        from torch.distributed.tensor.parallel import parallelize_module
+
         parallelize_module(model, tp_mesh, plan)
     return len(plan)
+
+
+def make_style(style: str):
+    """The torch `ParallelStyle` of a style name (sequence dim 1, vocab dim -1)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                   RowwiseParallel, SequenceParallel)
+
+    if style == COLWISE:
+        return ColwiseParallel()
+    if style == ROWWISE:
+        return RowwiseParallel()
+    if style == ROWWISE_SEQ:
+        return RowwiseParallel(output_layouts=Shard(1))
+    if style == SEQ_NORM:
+        return SequenceParallel()
+    if style == GATHER_SEQ_INPUT:
+        return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                  use_local_output=True)
+    if style == SHARD_SEQ_OUTPUT:
+        return PrepareModuleOutput(output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),),
+                                   use_local_output=True)
+    if style == COLWISE_VOCAB:
+        return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    if style == COLWISE_VOCAB_SEQ:
+        return ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+    raise ValueError(f"TP style {style!r} is unknown; valid: {', '.join(STYLES)}")
+
+
+def head_is_vocab_sharded(tp_plan: dict[str, str]) -> bool:
+    """True when the plan leaves the logits sharded on the vocab dim (the loss must run under
+    `torch.distributed.tensor.parallel.loss_parallel`)."""
+    return any(s in (COLWISE_VOCAB, COLWISE_VOCAB_SEQ) for s in tp_plan.values())

@@ -73,7 +73,7 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
     raise ValueError(f"unknown pp_schedule {schedule!r}")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StepEstimate:
     """Predicted time of one optimizer step on the slowest rank, by part (seconds)."""
 
@@ -138,6 +138,8 @@ def hfu(step: StepEstimate, hw: Hardware, precision: str) -> float:
 # ---- the step ---------------------------------------------------------------------------------
 def _axis_link(plan: ParallelPlan, axis: str, hw: Hardware) -> tuple[float, float]:
     """Bandwidth and latency of one mesh axis; axes are (pp, dp_replicate, dp_shard, tp), tp innermost."""
+    if hw.devices_per_node % (plan.tp * plan.dp * plan.pp) == 0:
+        return hw.intra_bw, hw.intra_latency
     span = {"tp": 1, "dp_shard": plan.tp, "dp_replicate": plan.tp * plan.dp_shard,
             "pp": plan.tp * plan.dp}[axis]
     n = {"tp": plan.tp, "dp_shard": plan.dp_shard, "dp_replicate": plan.dp_replicate, "pp": 2}[axis]
@@ -231,9 +233,12 @@ def tp_bytes_per_sample(profile: ModelProfile, plan: ParallelPlan) -> float:
     return mid.output_bytes * scale / profile.batch_size
 
 
-def _finish(parts: dict, profile: ModelProfile, plan: ParallelPlan, global_batch: int) -> StepEstimate:
-    fwd = sum(bl.fwd_flops for bl in profile.blocks) / profile.batch_size
-    bwd = sum(bl.bwd_flops for bl in profile.blocks) / profile.batch_size
+def _finish(parts: dict, profile: ModelProfile, plan: ParallelPlan, global_batch: int,
+            flops: tuple[float, float] | None = None) -> StepEstimate:
+    """Wrap step parts; ``flops`` = (forward, backward) FLOPs per sample, computed if None."""
+    if flops is None:
+        flops = (profile.fwd_flops_per_sample, profile.train_flops_per_sample - profile.fwd_flops_per_sample)
+    fwd, bwd = flops
     model = global_batch * (fwd + bwd)
     hw_flops = model + (global_batch * fwd if plan.activation_checkpointing == "full" else 0.0)
     return StepEstimate(**parts, model_flops=model, hardware_flops=hw_flops,

@@ -74,8 +74,9 @@ class Hardware:
 
     def link(self, n: int, span: int) -> tuple[float, float]:
         """(bandwidth bytes/s, latency s) of a group of ``n`` ranks whose members lie ``span``
-        ranks apart: inside one node when ``n * span <= devices_per_node``."""
-        if n * span <= self.devices_per_node:
+        ranks apart: inside one node when the group's extent ``n * span`` divides
+        ``devices_per_node`` (otherwise some groups straddle two nodes and the slowest link rules)."""
+        if self.devices_per_node % (n * span) == 0:
             return self.intra_bw, self.intra_latency
         return self.inter_bw, self.inter_latency
 

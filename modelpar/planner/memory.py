@@ -52,7 +52,7 @@ class Batch:
         return self.global_batch_size // per
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class MemoryEstimate:
     """Peak bytes of the most loaded rank, by part, and which pipeline rank that is."""
 

@@ -263,7 +263,8 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta) -> ModelProfile:
             with fwd_fc, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = torch.func.functional_call(model, {**params, **buffers}, xs)
             outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
-            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+            # a reduction after the model, so the last block's backward hooks see a gradient arrive
+            torch.autograd.backward([o.sum() for o in outs])
     finally:
         for h in handles:
             h.remove()

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from modelpar.plan import ParallelPlan
+from modelpar.plan import AC_MODES, PP_SCHEDULES, ParallelPlan
 from modelpar.planner.cost import StepEstimate, _finish, rank_step, tp_bytes_per_sample
 from modelpar.planner.hardware import Hardware
 from modelpar.planner.memory import OPTIMIZER_BYTES, Batch, MemoryEstimate, rank_loads, rank_memory
@@ -25,7 +25,7 @@ MICRO_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 AC_CHOICES = ("none", "full")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Candidate:
     plan: ParallelPlan
     batch: Batch
@@ -89,11 +89,21 @@ def factorizations(n: int) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def _schedules(pp: int) -> list[tuple[str, int]]:
+SEARCH_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "interleavedzerobubble", "zbvzerobubble")
+
+
+def _schedules(pp: int, allowed: tuple[str, ...]) -> list[tuple[str, int]]:
     if pp == 1:
         return [("1f1b", 1)]
-    return ([("gpipe", 1), ("1f1b", 1)] + [(s, v) for s in ("interleaved1f1b", "interleavedzerobubble")
-                                           for v in VIRTUAL_STAGES] + [("zbvzerobubble", 2)])
+    out = []
+    for s in allowed:
+        if s in ("interleaved1f1b", "interleavedzerobubble", "loopedbfs"):
+            out.extend((s, v) for v in VIRTUAL_STAGES)
+        elif s in ("zbvzerobubble", "dualpipev"):
+            out.append((s, 2))
+        else:
+            out.append((s, 1))
+    return out
 
 
 def _inner(per_dp: int, pp: int) -> list[tuple[int, int]]:
@@ -120,7 +130,9 @@ def _representatives(loads) -> list[tuple[int, object]]:
 
 def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, global_batch_size: int,
                  optimizer: str = "adamw", precision: str = "bf16", sequence_parallel: bool = False,
-                 dp_overlap: bool = True, memory_fraction: float = 1.0) -> SearchReport:
+                 dp_overlap: bool = True, memory_fraction: float = 1.0,
+                 schedules: tuple[str, ...] = SEARCH_SCHEDULES, allow_fsdp: bool = True,
+                 checkpointing: tuple[str, ...] = AC_CHOICES) -> SearchReport:
     """Enumerate, prune and rank every plan of ``num_devices`` for one model and batch.
 
     Args:
@@ -132,6 +144,10 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
         precision: ``"fp32"`` or ``"bf16"``.
         sequence_parallel: use SP whenever tp > 1.
         dp_overlap: DDP overlaps its all-reduce with backward.
+        memory_fraction: share of ``hw.memory_bytes`` a plan may use.
+        schedules: pipeline schedules to consider (names from ``plan.PP_SCHEDULES``).
+        allow_fsdp: consider dp_shard > 1 (set False to search the DDP x TP x PP space only).
+        checkpointing: activation checkpointing modes to consider.
 
     Returns:
         SearchReport; ``ranked`` is sorted by predicted samples/s, fastest first.
@@ -149,12 +165,19 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
     rep = SearchReport(num_devices)
     load_cache: dict[tuple, list] = {}
     act_bytes = 2 if precision == "bf16" else 4
+    flops = (profile.fwd_flops_per_sample, profile.train_flops_per_sample - profile.fwd_flops_per_sample)
+    bad = [s for s in schedules if s not in PP_SCHEDULES] + [a for a in checkpointing if a not in AC_MODES]
+    if bad:
+        raise ValueError(f"unknown schedules/checkpointing modes {bad}; valid: {PP_SCHEDULES}, {AC_MODES}")
+    n_ac = len(checkpointing)
     for dr, ds, tp, pp in factorizations(num_devices):
+        if ds > 1 and not allow_fsdp:
+            continue
         dp = dr * ds
-        scheds = _schedules(pp)
+        scheds = _schedules(pp, tuple(schedules))
         per_dp = global_batch_size // dp
         inner = _inner(per_dp, pp) if global_batch_size % dp == 0 else []
-        n_inner = max(len(inner), 1) * len(AC_CHOICES)
+        n_inner = max(len(inner), 1) * n_ac
         layout_total = len(scheds) * n_inner
         rep.considered += layout_total
         if global_batch_size % dp:
@@ -184,10 +207,10 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
             tpb = None
             for b, m in inner:
                 if sched.startswith("interleaved") and m % pp:
-                    rep.pruned["interleaved needs n_microbatches divisible by pp"] += len(AC_CHOICES)
+                    rep.pruned["interleaved needs n_microbatches divisible by pp"] += n_ac
                     continue
                 fits_without_ac = False
-                for ac in AC_CHOICES:
+                for ac in checkpointing:
                     if ac == "full" and fits_without_ac:
                         # dominated: the same plan without recompute fits and is strictly faster
                         rep.pruned["dominated (fits without checkpointing)"] += 1
@@ -201,6 +224,8 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                                         overhead_bytes=hw.framework_overhead_bytes, pp_rank=r)
                         if mem is None or e.total > mem.total:
                             mem = e
+                            if e.total > budget:
+                                break
                     if mem.total > budget:
                         rep.pruned["activations exceed memory"] += 1
                         continue
@@ -211,7 +236,7 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                     acc = global_batch_size // (local * dp)
                     parts = rank_step(loads, plan, hw, micro_batch_size=b, accumulation=acc,
                                       optimizer=optimizer, tp_bytes=tpb, dp_overlap=dp_overlap)
-                    st = _finish(parts, profile, plan, global_batch_size)
+                    st = _finish(parts, profile, plan, global_batch_size, flops)
                     rep.ranked.append(Candidate(plan, Batch(global_batch_size, local), mem, st))
     rep.ranked.sort(key=lambda c: (c.step.total, c.memory.total))
     return rep

@@ -59,6 +59,15 @@ class TrainConfig:
         log_every: write metrics every N steps.
         sample_bytes: bytes of text to generate from the trained GPT at the end (0: none).
         track_memory: measure peak tensor bytes of one step with torch's MemTracker (CPU).
+        resume: continue a run from a checkpoint: "auto" (the latest complete checkpoint in ckpt_dir;
+            a fresh start if there is none, so an elastic restart resumes by itself), or the path of a
+            checkpoint folder or of a ckpt_dir; "" starts fresh. Any plan and world size may resume.
+        ckpt_dir: folder of checkpoints (step-NNNNNNNN subfolders; "": OUT_DIR/checkpoints). Must be on a
+            filesystem every rank sees.
+        ckpt_every: save a checkpoint after every N optimizer steps, at step 0 and at the end (0: never).
+        keep_last: keep the newest K complete checkpoints in ckpt_dir (0: keep all).
+        async_ckpt: write checkpoints in a background thread (torch.distributed.checkpoint.async_save);
+            training goes on while the files are written.
     """
 
     model: str = "gpt-3m"
@@ -98,6 +107,11 @@ class TrainConfig:
     log_every: int = 1
     sample_bytes: int = 300
     track_memory: bool = True
+    resume: str = ""
+    ckpt_dir: str = ""
+    ckpt_every: int = 0
+    keep_last: int = 3
+    async_ckpt: bool = False
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

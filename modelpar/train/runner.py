@@ -12,10 +12,13 @@ import torch.distributed as dist
 
 from modelpar.parallel.compose import parallelize
 from modelpar.parallel.mesh import build_mesh, get_device, init_distributed
+from modelpar.train.checkpoint import TrainCheckpoints
 from modelpar.train.config import TrainConfig
+from modelpar.train.health import guard, start_heartbeat
 from modelpar.train.loop import (batch_terms, build_optimizer, evaluate, gather_full_state_dict, lr_at,
                                  preflight, reduce_loss)
 from modelpar.train.metrics import PeakTensorMemory, RunRecord, peak_rss_bytes
+from modelpar.train.preflight_checks import check_optimizer_params, check_same_steps, install_first_step_checks
 from modelpar.train.step import train_step
 from modelpar.train.task import build_task, example_input
 
@@ -42,7 +45,16 @@ def make_run_dir(cfg: TrainConfig) -> Path:
 
 
 def train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False) -> dict:
-    """Train per ``cfg`` on this rank; returns a summary dict (losses, timings, paths) on every rank."""
+    """Train per ``cfg`` on this rank; returns a summary dict (losses, timings, paths) on every rank.
+
+    Raises:
+        RankFailureError: a collective failed; names the rank that died or stalled and its step.
+    """
+    with guard():       # a failed collective -> one error naming the rank and step (modelpar.train.health)
+        return _train(cfg, run_dir=run_dir, quiet=quiet)
+
+
+def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False) -> dict:
     t_start = time.time()
     rank, world = init_distributed(cfg.timeout_s)
     nthreads = threads_per_rank(cfg.threads)
@@ -74,6 +86,11 @@ def train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False)
     pm = parallelize(task.model, plan, mesh, loss_fn=task.loss_fn, device=device,
                      example_input=example_input(task, batches.micro_batch_size))
     opt = build_optimizer(pm, cfg)
+    ckpt = TrainCheckpoints(cfg, pm, opt, say=say)    # loads the checkpoint cfg.resume names, on any layout
+    check_same_steps(cfg.steps - ckpt.start_step)     # preflight checks: C2, C9; C1/C8 at the first step
+    check_optimizer_params(pm.named_parameters(), opt)
+    install_first_step_checks(pm.named_parameters, opt)
+    heartbeat = start_heartbeat(rank, world, timeout_s=cfg.timeout_s)
 
     val_before = evaluate(pm, task, batches)
     say(f"  validation loss before training: {val_before:.4f}")
@@ -83,13 +100,16 @@ def train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False)
     progress = None
     if is_main and not quiet:
         from tqdm import tqdm
-        progress = tqdm(total=cfg.steps, desc="train", unit="step", dynamic_ncols=True)
+        progress = tqdm(total=cfg.steps, initial=ckpt.start_step, desc="train", unit="step", dynamic_ncols=True)
     peak_tensor = 0
     losses: list[float] = []
     t_train = time.time()
     t_last = t_train
     val_loss = val_before
-    for step in range(cfg.steps):
+    ckpt.after_step(ckpt.start_step)                  # a checkpoint at step 0 too
+    for step in range(ckpt.start_step, cfg.steps):
+        if heartbeat is not None:
+            heartbeat.beat(step)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         xg, yg = task.train.global_batch(cfg.seed, step, batches.global_batch_size)
@@ -114,6 +134,8 @@ def train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False)
             progress.set_postfix_str(f"loss {step_loss:.3f} | val {val_loss:.3f} | {tok_s:,.0f} tok/s | "
                                      f"mem {_fmt_bytes(peak_tensor)} tensors, {_fmt_bytes(peak_rss_bytes())} RSS")
             progress.update(1)
+        ckpt.after_step(step + 1)
+    ckpt.close()
     if progress is not None:
         progress.close()
     train_time = time.time() - t_train
@@ -122,7 +144,8 @@ def train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False)
 
     state = gather_full_state_dict(pm)
     summary = {"val_loss_before": val_before, "val_loss_after": val_after, "losses": losses,
-               "train_time_s": train_time, "tokens_per_s": tokens_per_step * cfg.steps / train_time,
+               "train_time_s": train_time, "start_step": ckpt.start_step,
+               "tokens_per_s": tokens_per_step * (cfg.steps - ckpt.start_step) / train_time,
                "peak_tensor_bytes": peak_tensor, "peak_rss_bytes": peak_rss_bytes(), "plan": plan.to_dict(),
                "run_dir": str(run_dir) if run_dir else None, "world_size": world}
     if is_main and run_dir is not None:

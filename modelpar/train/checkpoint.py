@@ -1,0 +1,525 @@
+"""Distributed checkpoints: save on any layout, resume on any other, export one safetensors file.
+
+A checkpoint is one folder ``CKPT_DIR/step-NNNNNNNN`` (the state after N optimizer steps):
+
+- the model and optimizer state as `torch.distributed.checkpoint` (DCP) files, taken with
+  ``get_state_dict`` / put back with ``set_state_dict`` (torch.distributed.checkpoint.state_dict), so
+  FSDP and TP shards, DDP replicas and pipeline stages are all stored under the original parameter
+  names with their global shapes, and DCP reshards them on load (optimizer state is flattened per
+  parameter name, so it reshards too);
+- ``rng/rank-R.pt``: each rank's torch RNG state (restored on the same layout only);
+- ``modelpar.json``: format tag, step (= the data position: the samples of step s depend on
+  (seed, s) only), the learning-rate schedule fields, the ParallelPlan, the world size, the model
+  name and config, every parameter's name and global shape, and a manifest of every file with its
+  size (a truncated folder is detected on load);
+- ``COMPLETE``: a marker written last.
+
+Saving is atomic: every file is written into ``CKPT_DIR/.tmp-step-NNNNNNNN``, and rank 0 writes the
+metadata, then the marker, then renames the folder. A crash mid-save leaves only a ``.tmp-*`` folder,
+which is never loaded and is removed by the next save. ``keep_last`` prunes older complete checkpoints
+after a successful save. With ``async_save`` the files are written by `dcp.async_save` on a separate
+gloo process group while training goes on; rank 0 finishes (metadata, marker, rename) when the
+write has completed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+FORMAT = "modelpar-checkpoint"
+VERSION = 1
+META_FILE = "modelpar.json"
+MARKER = "COMPLETE"
+PREFIX = "step-"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be used; the message names the path and the problem."""
+
+
+# ---- where checkpoints are ------------------------------------------------------------------------
+def step_dir(ckpt_dir: str | os.PathLike, step: int) -> Path:
+    return Path(ckpt_dir) / f"{PREFIX}{step:08d}"
+
+
+def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints (marker present) in ``ckpt_dir`` as ``(step, folder)``, oldest first."""
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit() and (p / MARKER).exists():
+            out.append((int(p.name[len(PREFIX):]), p))
+    return sorted(out)
+
+
+def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
+    found = list_checkpoints(ckpt_dir)
+    return found[-1][1] if found else None
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoint folder, or the latest complete one in a folder of checkpoints.
+
+    Raises:
+        CheckpointError: the path does not exist, or holds no complete checkpoint.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"checkpoint {str(p)!r} does not exist")
+    if not p.is_dir():
+        raise CheckpointError(f"checkpoint {str(p)!r} is a file; a checkpoint is a folder written by modelpar")
+    if (p / META_FILE).exists() or (p / ".metadata").exists() or (p / MARKER).exists():
+        return p
+    latest = latest_checkpoint(p)
+    if latest is not None:
+        return latest
+    partial = sorted(q.name for q in p.iterdir() if q.name.startswith((PREFIX, ".tmp-" + PREFIX)))
+    if partial:
+        raise CheckpointError(f"checkpoint folder {str(p)!r} holds no complete checkpoint (found {partial[:5]} "
+                              f"without the {MARKER} marker: saves that were interrupted)")
+    raise CheckpointError(f"{str(p)!r} is not a checkpoint written by modelpar (no {META_FILE}, no "
+                          f"{PREFIX}* folders)")
+
+
+def read_checkpoint_meta(path: str | os.PathLike) -> dict:
+    """The validated ``modelpar.json`` of a checkpoint folder.
+
+    Raises:
+        CheckpointError: missing folder, no/invalid ``modelpar.json`` (not written by modelpar), no
+            ``COMPLETE`` marker (an interrupted save), or a file of the manifest missing or of the wrong
+            size (a truncated copy).
+    """
+    p = resolve_checkpoint(path)
+    meta_path = p / META_FILE
+    if not meta_path.exists():
+        what = "a torch.distributed.checkpoint folder" if (p / ".metadata").exists() else "a folder"
+        raise CheckpointError(f"checkpoint {str(p)!r} was not written by modelpar: it is {what} without "
+                              f"{META_FILE}")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {str(p)!r}: {META_FILE} is unreadable or truncated ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {str(p)!r}: {META_FILE} has format "
+                              f"{meta.get('format') if isinstance(meta, dict) else None!r}, not {FORMAT!r}: "
+                              f"not written by modelpar")
+    if meta.get("version", 0) > VERSION:
+        raise CheckpointError(f"checkpoint {str(p)!r} has format version {meta['version']}; this modelpar reads "
+                              f"up to {VERSION}")
+    if not (p / MARKER).exists():
+        raise CheckpointError(f"checkpoint {str(p)!r} is incomplete: no {MARKER} marker (the save was "
+                              f"interrupted)")
+    for name, size in sorted(meta.get("files", {}).items()):
+        f = p / name
+        if not f.exists():
+            raise CheckpointError(f"checkpoint {str(p)!r} is truncated: file {name} is missing")
+        if f.stat().st_size != size:
+            raise CheckpointError(f"checkpoint {str(p)!r} is truncated: file {name} has {f.stat().st_size} "
+                                  f"bytes, {size} were written")
+    meta["path"] = str(p)
+    return meta
+
+
+# ---- state dicts ----------------------------------------------------------------------------------
+def _state_module(modules: list[nn.Module]) -> nn.Module:
+    """One module holding this rank's modules under their original paths (pipeline ranks may hold
+    several stages, which ``get_state_dict`` takes as one module)."""
+    if len(modules) == 1:
+        return modules[0]
+    holder = nn.Module()
+    for stage in modules:
+        for path in getattr(stage, "_order", []):
+            owner = holder
+            *heads, leaf = path.split(".")
+            for h in heads:
+                if not isinstance(getattr(owner, h, None), nn.Module):
+                    owner.add_module(h, nn.ModuleDict())
+                owner = getattr(owner, h)
+            owner.add_module(leaf, stage.get_submodule(path))
+    return holder
+
+
+def _options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def get_train_state(modules: list[nn.Module], opt: torch.optim.Optimizer | None) -> dict:
+    """``{"model": ..., "optim": ...}`` under original names (DTensor shards stay sharded).
+
+    An optimizer that has not stepped yet is left out (taking its state dict would initialise it with
+    a zero step, a side effect on training).
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    mod = _state_module(modules)
+    if opt is None or not opt.state:
+        return {"model": get_model_state_dict(mod, options=_options())}
+    msd, osd = get_state_dict(mod, opt, options=_options())
+    return {"model": msd, "optim": osd}
+
+
+def _param_shapes(modules: list[nn.Module]) -> dict[str, list[int]]:
+    """Every parameter of the whole model (all ranks) -> global shape."""
+    local = {n: list(p.shape) for m in modules for n, p in m.named_parameters()}
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, local)
+        for part in parts:
+            local.update(part)
+    return dict(sorted(local.items()))
+
+
+def _check_same_model(path: str, saved: dict, current: dict) -> None:
+    missing = sorted(set(current) - set(saved))
+    extra = sorted(set(saved) - set(current))
+    shapes = [f"{k}: checkpoint {saved[k]} vs model {current[k]}" for k in sorted(set(saved) & set(current))
+              if list(saved[k]) != list(current[k])]
+    if missing or extra or shapes:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} parameter(s) of the model are not in it ({', '.join(missing[:5])})")
+        if extra:
+            parts.append(f"{len(extra)} of its parameter(s) are not in the model ({', '.join(extra[:5])})")
+        if shapes:
+            parts.append(f"{len(shapes)} shape(s) differ ({'; '.join(shapes[:3])})")
+        raise CheckpointError(f"checkpoint {path!r} was written for another model: " + "; ".join(parts))
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier(group=None) -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier(group=group)
+
+
+def _fsync_write(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ---- saving ---------------------------------------------------------------------------------------
+class Checkpointer:
+    """Saves checkpoints of this rank's modules and optimizer into ``ckpt_dir`` (collective: every rank
+    calls ``save`` with the same step).
+
+    Args:
+        ckpt_dir: folder of ``step-*`` checkpoints, on a filesystem every rank sees.
+        keep_last: complete checkpoints kept (0: all).
+        async_save: write with `dcp.async_save` (a background thread on its own gloo group).
+    """
+
+    def __init__(self, ckpt_dir: str | os.PathLike, *, keep_last: int = 3, async_save: bool = False):
+        if keep_last < 0:
+            raise ValueError(f"keep_last must be >= 0, got {keep_last}")
+        self.ckpt_dir = Path(ckpt_dir)
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self._pending = None            # (future, finish callable) of an async save in flight
+        self._group = None
+        if async_save and dist.is_initialized():
+            self._group = dist.new_group(backend="gloo")   # DCP's own collectives, off the training group
+        if _rank() == 0:
+            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+            for stale in self.ckpt_dir.glob(".tmp-" + PREFIX + "*"):   # interrupted saves: never complete
+                shutil.rmtree(stale, ignore_errors=True)
+        _barrier()
+
+    def save(self, modules: list[nn.Module], opt: torch.optim.Optimizer | None, step: int, *,
+             meta: dict | None = None) -> Path:
+        """Write the state after ``step`` optimizer steps; returns the final folder (complete once
+        this returns, or, with async_save, once `wait` returns)."""
+        import torch.distributed.checkpoint as dcp
+
+        self.wait()
+        final, tmp = step_dir(self.ckpt_dir, step), self.ckpt_dir / f".tmp-{PREFIX}{step:08d}"
+        rank = _rank()
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "rng").mkdir(parents=True)
+        _barrier()
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        torch.save(rng, tmp / "rng" / f"rank-{rank}.pt")
+        state = get_train_state(modules, opt)
+        info = {"format": FORMAT, "version": VERSION, "step": step, "world_size": _world(),
+                "params": _param_shapes(modules), "optimizer_state": "optim" in state,
+                "optimizer": type(opt).__name__ if opt is not None else None,
+                "torch": torch.__version__, **(meta or {})}
+
+        def finish() -> None:          # rank 0, after every rank's files are written
+            if rank != 0:
+                return
+            info["files"] = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
+            info["saved_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+            _fsync_write(tmp / META_FILE, json.dumps(info, indent=1, sort_keys=True) + "\n")
+            _fsync_write(tmp / MARKER, f"{step}\n")                 # the marker, written last
+            old = None
+            if final.exists():         # a checkpoint of the same step from an earlier run: replace it whole
+                old = self.ckpt_dir / f".old-{final.name}-{time.time_ns()}"
+                final.rename(old)
+            tmp.rename(final)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+            self._prune()
+
+        if self.async_save:
+            fut = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group)
+            self._pending = (fut, finish)
+        else:
+            dcp.save(state, checkpoint_id=str(tmp))
+            finish()
+            _barrier()
+        return final
+
+    def wait(self) -> None:
+        """Finish an async save in flight (no-op otherwise); collective."""
+        if self._pending is None:
+            return
+        fut, finish = self._pending
+        self._pending = None
+        fut.result()
+        finish()
+        _barrier()
+
+    def close(self) -> None:
+        self.wait()
+
+    def _prune(self) -> None:
+        if self.keep_last <= 0:
+            return
+        for _, p in list_checkpoints(self.ckpt_dir)[:-self.keep_last]:
+            (p / MARKER).unlink(missing_ok=True)       # no longer complete before any data goes
+            shutil.rmtree(p, ignore_errors=True)
+
+
+# ---- loading --------------------------------------------------------------------------------------
+def load_checkpoint(modules: list[nn.Module], opt: torch.optim.Optimizer | None, path: str | os.PathLike, *,
+                    restore_rng: bool = False) -> dict:
+    """Load a checkpoint written under any plan and world size into this rank's modules and optimizer
+    (collective). DCP reads each rank's slice of every tensor, whatever the saving layout was.
+
+    Args:
+        modules: this rank's modules (``ParallelModel.modules``), already laid out.
+        opt: the optimizer over them (fresh); its state and hyper-parameters are replaced.
+        restore_rng: also restore this rank's RNG state (only meaningful on the saving layout).
+
+    Returns:
+        The checkpoint's metadata (``step``, ``plan``, ``world_size``, ...).
+
+    Raises:
+        CheckpointError: missing, incomplete, truncated, foreign or other-model checkpoint; the same
+            message on every rank.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    err, meta = None, None
+    try:
+        meta = read_checkpoint_meta(path)
+    except CheckpointError as e:
+        err = str(e)
+    if dist.is_initialized() and dist.get_world_size() > 1:   # rank 0's verdict, so every rank agrees
+        box = [err, meta]
+        dist.broadcast_object_list(box, src=0)
+        err, meta = box
+    if err is not None:
+        raise CheckpointError(err)
+    p = meta["path"]
+    _check_same_model(p, meta.get("params", {}), _param_shapes(modules))
+    mod = _state_module(modules)
+    with_optim = opt is not None and meta.get("optimizer_state", False)
+    if with_optim and meta.get("optimizer") and meta["optimizer"] != type(opt).__name__:
+        raise CheckpointError(f"checkpoint {p!r} holds {meta['optimizer']} state; this run uses "
+                              f"{type(opt).__name__}")
+    if with_optim:
+        state = get_train_state(modules, opt) if opt.state else None
+        if state is None:      # a fresh optimizer: get_state_dict creates its state to load into
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            msd, osd = get_state_dict(mod, opt, options=_options())
+            state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=p)
+        set_state_dict(mod, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=_options())
+    else:
+        state = get_train_state(modules, None)
+        dcp.load(state, checkpoint_id=p)
+        set_model_state_dict(mod, state["model"], options=_options())
+        if opt is not None:
+            opt.state.clear()          # saved before the first step: a fresh optimizer, as then
+    if restore_rng:
+        f = Path(p) / "rng" / f"rank-{_rank()}.pt"
+        if f.exists():
+            rng = torch.load(f, weights_only=True)
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(rng["cuda"])
+    return meta
+
+
+# ---- the hooks of `modelpar train` ---------------------------------------------------------------
+_MUST_MATCH = ("model", "seed", "global_batch_size", "seq_len", "optimizer", "data")
+
+
+class TrainCheckpoints:
+    """Checkpointing of one `modelpar.train.runner.train` run: resume, periodic saves, close.
+
+    Resume carries the step (= data position, since the samples of step s come from (seed, s)), the
+    model and optimizer state on any layout, and the learning-rate position (lr_at(step)). On the
+    saving layout each rank's RNG state is restored too; on another layout the per-rank RNG streams
+    cannot be mapped, so each rank is reseeded from (seed, step, rank) and a note says so (this only
+    matters with dropout > 0).
+    """
+
+    def __init__(self, cfg, pm, opt, *, say=print):
+        self.cfg, self.pm, self.opt, self.say = cfg, pm, opt, say
+        self.every = cfg.ckpt_every
+        self.ckpt_dir = Path(cfg.ckpt_dir or Path(cfg.out_dir) / "checkpoints")
+        self.start_step = 0
+        self.loaded_step: int | None = None
+        self.saver: Checkpointer | None = None
+        source = self._resume_source()
+        if source is not None:
+            self._resume(source)
+        elif self.every > 0:
+            found = list_checkpoints(self.ckpt_dir)
+            if found:
+                raise ValueError(f"ckpt_dir {str(self.ckpt_dir)!r} already holds checkpoints "
+                                 f"({found[-1][1].name} and {len(found) - 1} older); pass --resume auto to "
+                                 f"continue them, or another --ckpt_dir (nothing was overwritten)")
+        if self.every > 0:
+            self.saver = Checkpointer(self.ckpt_dir, keep_last=cfg.keep_last, async_save=cfg.async_ckpt)
+
+    def _resume_source(self) -> Path | None:
+        r = self.cfg.resume
+        if not r:
+            return None
+        if r == "auto":
+            return latest_checkpoint(self.ckpt_dir)     # None: a fresh start (first attempt)
+        return resolve_checkpoint(r)
+
+    def _resume(self, source: Path) -> None:
+        cfg, pm = self.cfg, self.pm
+        meta = read_checkpoint_meta(source) if _rank() == 0 else None
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            box = [meta]
+            dist.broadcast_object_list(box, src=0)
+            meta = box[0]
+        saved_cfg = meta.get("train_config", {})
+        diffs = [f"{k}: checkpoint {saved_cfg[k]!r} vs now {getattr(cfg, k)!r}" for k in _MUST_MATCH
+                 if k in saved_cfg and saved_cfg[k] != getattr(cfg, k)]
+        if diffs:
+            raise CheckpointError(f"checkpoint {meta['path']!r} was written by a run that differs in what "
+                                  f"fixes the model and the sample order: {'; '.join(diffs)}")
+        same_layout = meta.get("plan") == pm.plan.to_dict() and meta.get("world_size") == _world()
+        meta = load_checkpoint(pm.modules, self.opt, meta["path"], restore_rng=same_layout)
+        self.start_step = self.loaded_step = int(meta["step"])
+        if self.start_step > cfg.steps:
+            raise ValueError(f"checkpoint {meta['path']!r} is at step {self.start_step}, past steps={cfg.steps}")
+        old = f"{meta.get('plan_description', '?')} on {meta.get('world_size')} rank(s)"
+        new = f"{pm.plan.describe()} on {_world()} rank(s)"
+        self.say(f"  resumed from {meta['path']} at step {self.start_step} (saved under {old}; now {new})")
+        if not same_layout:
+            torch.manual_seed((cfg.seed * 1_000_003 + self.start_step * 7919 + _rank()) % (2**63 - 1))
+            if cfg.dropout > 0:
+                self.say("  note: new layout, so per-rank dropout RNG streams were reseeded from (seed, step, rank)")
+
+    def after_step(self, steps_done: int) -> None:
+        """Save if ``steps_done`` is a multiple of ckpt_every (0 included) or the last step."""
+        if self.saver is None or steps_done == self.loaded_step:
+            return
+        if steps_done % self.every == 0 or steps_done == self.cfg.steps:
+            cfg = self.cfg
+            meta = {"plan": self.pm.plan.to_dict(), "plan_description": self.pm.plan.describe(),
+                    "train_config": cfg.to_dict(), "model": cfg.model,
+                    "data_position": {"seed": cfg.seed, "next_step": steps_done,
+                                      "global_batch_size": cfg.global_batch_size},
+                    "lr_schedule": {k: getattr(cfg, k) for k in ("lr", "min_lr", "warmup_steps", "steps")}}
+            gpt_cfg = getattr(self._full_model_cfg(), "__dict__", None)
+            if gpt_cfg:
+                meta["model_config"] = {k: v for k, v in gpt_cfg.items() if isinstance(v, (int, float, str, bool))}
+            self.saver.save(self.pm.modules, self.opt, steps_done, meta=meta)
+
+    def _full_model_cfg(self):
+        for m in self.pm.modules:
+            if hasattr(m, "cfg"):
+                return m.cfg
+        return None
+
+    def close(self) -> None:
+        if self.saver is not None:
+            self.saver.close()
+
+
+# ---- modelpar export ------------------------------------------------------------------------------
+def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Write the model of a checkpoint (any layout) as one consolidated safetensors file, loadable by
+    ``model.load_state_dict(safetensors.torch.load_file(out))`` on the plain model. One process.
+
+    Raises:
+        CheckpointError: see `read_checkpoint_meta`.
+    """
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = read_checkpoint_meta(path)
+    p = meta["path"]
+    md = dcp.FileSystemReader(p).read_metadata()
+    sd = {k[len("model."):]: torch.empty(tuple(v.size), dtype=v.properties.dtype)
+          for k, v in md.state_dict_metadata.items()
+          if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    if not sd:
+        raise CheckpointError(f"checkpoint {p!r} holds no model tensors")
+    state = {"model": sd}
+    dcp.load(state, checkpoint_id=p, no_dist=True)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in state["model"].items()}, str(tmp),
+              metadata={"format": "pt", "modelpar_step": str(meta["step"]), "modelpar_model": str(meta.get("model"))})
+    tmp.replace(out)
+    return state["model"]
+
+
+def export_main(argv: list[str]) -> int:
+    """``modelpar export CHECKPOINT [--out FILE]``: one consolidated safetensors file."""
+    ap = argparse.ArgumentParser(prog="modelpar export", description=(
+        "Write the model weights of a modelpar checkpoint (saved under any plan and world size) as one "
+        "safetensors file with the plain model's parameter names."))
+    ap.add_argument("checkpoint", help="a checkpoint folder (step-NNNNNNNN) or a folder of them (the latest)")
+    ap.add_argument("--out", default=None, help="output file (default: CHECKPOINT.safetensors next to it)")
+    args = ap.parse_args(argv)
+    try:
+        src = resolve_checkpoint(args.checkpoint)
+        out = Path(args.out) if args.out else src.parent / f"{src.name}.safetensors"
+        sd = export_checkpoint(src, out)
+    except CheckpointError as e:
+        print(f"modelpar export: error: {e}", file=sys.stderr)
+        return 2
+    n = sum(v.numel() for v in sd.values())
+    print(f"wrote {out}: {len(sd)} tensors, {n:,} parameters (from {src})")
+    return 0

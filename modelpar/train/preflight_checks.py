@@ -1,0 +1,98 @@
+"""Checks on the live model and optimizer, each one clear error raised the same on every rank.
+
+- C2, `check_same_steps`: every rank will run the same number of optimizer steps (a rank that runs
+  fewer leaves the others waiting in a collective).
+- C9, `check_optimizer_params`: the optimizer holds exactly this rank's trainable parameters as they
+  are after wrapping (an optimizer built before ``fully_shard`` / TP holds the replaced tensors and
+  would never change the model).
+- C1 / C8, `install_first_step_checks`: just before the first ``optimizer.step()``, every trainable
+  parameter has a gradient (a layer that forward never calls, or a checkpointed block whose
+  parameters got none), and the optimizer check of C9 again (a forward before the optimizer was
+  built must not have replaced parameters).
+
+Every check gathers each rank's findings (``all_gather_object``) so that all ranks raise the same
+message naming the parameters and the ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _gather(obj) -> list:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+    return [obj]
+
+
+def _raise_if_any(per_rank: list[list[str]], what: str, hint: str) -> None:
+    names = sorted({n for r in per_rank for n in r})
+    if names:
+        ranks = [r for r, found in enumerate(per_rank) if found]
+        raise ValueError(f"{len(names)} {what} (on rank(s) {ranks}): {', '.join(names[:12])}"
+                         f"{' ...' if len(names) > 12 else ''}. {hint}")
+
+
+def check_same_steps(num_steps: int) -> None:
+    """Case C2: raise ValueError on every rank unless all ranks will run ``num_steps`` steps."""
+    steps = _gather(int(num_steps))
+    if len(set(steps)) > 1:
+        raise ValueError(f"ranks would run different numbers of optimizer steps ({dict(enumerate(steps))}); "
+                         f"the ones with fewer would leave the others waiting in a collective")
+
+
+def check_optimizer_params(named_params, opt: torch.optim.Optimizer) -> None:
+    """Case C9: the optimizer's parameters are exactly the trainable ``named_params`` (same objects).
+
+    Raises:
+        ValueError: naming parameters the optimizer lacks and how many it holds that the model no
+            longer has (stale tensors from before wrapping), on every rank.
+    """
+    named = list(named_params)
+    in_opt = {id(p) for g in opt.param_groups for p in g["params"]}
+    live = {id(p) for _, p in named}
+    missing = [n for n, p in named if p.requires_grad and id(p) not in in_opt]
+    stale = sum(1 for g in opt.param_groups for p in g["params"] if id(p) not in live)
+    per_rank = _gather((missing, stale))
+    miss = [m for m, _ in per_rank]
+    n_stale = sum(s for _, s in per_rank)
+    if any(miss) or n_stale:
+        names = sorted({n for r in miss for n in r})
+        raise ValueError(f"the optimizer does not hold the model's parameters as they are after wrapping: "
+                         f"{len(names)} trainable parameter(s) missing from it ({', '.join(names[:8])}), "
+                         f"{n_stale} stale tensor(s) in it that the model no longer uses. Build the optimizer "
+                         f"from ParallelModel.parameters() after parallelize() (case C9)")
+
+
+def missing_grads(named_params) -> list[str]:
+    """Names of trainable parameters whose ``.grad`` is None."""
+    return [n for n, p in named_params if p.requires_grad and p.grad is None]
+
+
+def install_first_step_checks(named_params_fn, opt: torch.optim.Optimizer):
+    """Check, right before the first ``opt.step()``, that every trainable parameter has a gradient
+    and that the optimizer holds the live parameters (cases C1, C8, C9). Collective: every rank must
+    step. Returns the hook handle (removed after the first step).
+
+    Args:
+        named_params_fn: callable returning ``(name, parameter)`` pairs of this rank's modules.
+
+    Raises (from ``opt.step()``):
+        ValueError: naming parameters without a gradient ("forward never uses them, or a checkpointed
+            block gave them none"), the same on every rank.
+    """
+    handle = None
+
+    def hook(optimizer, args, kwargs):
+        handle.remove()
+        named = list(named_params_fn())
+        _raise_if_any(_gather(missing_grads(named)), "trainable parameter(s) got no gradient in the first step",
+                      "Forward never uses them (case C1), or an activation-checkpointed block gave them none "
+                      "(case C8). Remove the unused layers or set requires_grad=False on them.")
+        check_optimizer_params(named, optimizer)
+
+    handle = opt.register_step_pre_hook(hook)
+    return handle
