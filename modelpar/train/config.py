@@ -74,7 +74,7 @@ class TrainConfig:
     strategy: str = "ddp"
     nproc: int = 2
     data: str | None = None
-    steps: int = 600
+    steps: int = 450
     global_batch_size: int = 32
     local_batch_size: int = 0
     seq_len: int = 0
@@ -85,7 +85,7 @@ class TrainConfig:
     optimizer: str = "adamw"
     grad_clip: float = 1.0
     dropout: float = 0.0
-    eval_every: int = 200
+    eval_every: int = 150
     eval_samples: int = 128
     seed: int = 0
     threads: int = 0
