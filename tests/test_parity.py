@@ -14,4 +14,4 @@ def test_parity(name, dist_results):
     assert "error" not in res, res.get("trace", res.get("error"))
     record_parity(res)
     assert res["passed"], "\n".join(res["failures"])
-    assert len(res["loss_diffs"]) == 10
+    assert len(res["loss_diffs"]) >= 10          # at least 10 steps compared
