@@ -289,7 +289,7 @@ class Checkpointer:
             fut = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group)
             self._pending = (fut, finish)
         else:
-            dcp.save(state, checkpoint_id=str(tmp))
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
             finish()
             _barrier()
         return final
@@ -361,12 +361,12 @@ def load_checkpoint(modules: list[nn.Module], opt: torch.optim.Optimizer | None,
 
             msd, osd = get_state_dict(mod, opt, options=_options())
             state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=p)
+        dcp.load(state, checkpoint_id=p, no_dist=not dist.is_initialized())
         set_state_dict(mod, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=_options())
     else:
         state = get_train_state(modules, None)
-        dcp.load(state, checkpoint_id=p)
+        dcp.load(state, checkpoint_id=p, no_dist=not dist.is_initialized())
         set_model_state_dict(mod, state["model"], options=_options())
         if opt is not None:
             opt.state.clear()          # saved before the first step: a fresh optimizer, as then
