@@ -85,6 +85,12 @@ def cmd_train(argv: list[str]) -> int:
     except ValueError as e:
         print(f"modelpar train: error: {e}", file=sys.stderr)
         return 2
+    if cfg.strategy.lower() in ("auto", "rules"):
+        from modelpar.train.auto import choose_for_config, export_choice
+
+        print(f"strategy {cfg.strategy}: {plan.describe()} -- "
+              f"{choose_for_config(cfg, world, strategy=cfg.strategy.lower()).reason}", flush=True)
+        export_choice(cfg, world, cfg.strategy.lower())
     print("effective config:\n" + "\n".join("  " + l for l in dumped.strip().splitlines()), flush=True)
     if world == 1:
         train(cfg)

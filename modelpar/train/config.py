@@ -59,6 +59,10 @@ class TrainConfig:
         log_every: write metrics every N steps.
         sample_bytes: bytes of text to generate from the trained GPT at the end (0: none).
         track_memory: measure peak tensor bytes of one step with torch's MemTracker (CPU).
+        hardware: device profile for strategy auto/rules: a built-in name (A100-40GB, A100-80GB,
+            H100-80GB-SXM, H200), a JSON file written by `modelpar calibrate`, or empty for this machine
+            (the calibration file ~/.cache/modelpar/calibration.json if it exists, else an uncalibrated CPU
+            estimate, or H100-80GB-SXM figures on CUDA).
         resume: continue a run from a checkpoint: "auto" (the latest complete checkpoint in ckpt_dir;
             a fresh start if there is none, so an elastic restart resumes by itself), or the path of a
             checkpoint folder or of a ckpt_dir; "" starts fresh. Any plan and world size may resume.
@@ -112,6 +116,7 @@ class TrainConfig:
     ckpt_every: int = 0
     keep_last: int = 3
     async_ckpt: bool = False
+    hardware: str = ""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

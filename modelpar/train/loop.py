@@ -43,8 +43,8 @@ def resolve_plan(cfg: TrainConfig, world_size: int) -> ParallelPlan:
         extra["stage_boundaries"] = tuple(cfg.stage_boundaries)
     strategy = cfg.strategy.lower()
     if strategy in ("auto", "rules"):
-        from modelpar.planner import choose_for_config   # the planner resolves the degrees
-        return choose_for_config(cfg, world_size, strategy=strategy)
+        from modelpar.train.auto import choose_for_config   # the planner resolves the degrees
+        return choose_for_config(cfg, world_size, strategy=strategy).plan
     if strategy == "placement":
         devs = cfg.placement_devices or (["cuda:0", "cuda:1"] if torch.cuda.device_count() >= 2 else ["cpu", "cpu"])
         return plan_for_strategy("placement", 1, placement_devices=tuple(devs), **extra)
@@ -70,7 +70,11 @@ class Batches:
 
 
 def batch_terms(cfg: TrainConfig, plan: ParallelPlan) -> Batches:
-    local = cfg.local_batch_size or cfg.global_batch_size // plan.dp
+    local = cfg.local_batch_size
+    if not local and cfg.strategy.lower() == "auto":       # the planner also picks the local batch
+        from modelpar.train.auto import choose_for_config
+        local = choose_for_config(cfg, plan.world_size, strategy="auto").local_batch_size
+    local = local or cfg.global_batch_size // plan.dp
     if local < 1:
         raise ValueError(f"global_batch_size={cfg.global_batch_size} is smaller than the data-parallel degree "
                          f"{plan.dp}")

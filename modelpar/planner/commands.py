@@ -1,0 +1,215 @@
+"""``modelpar plan | estimate | calibrate``: each ``*_main(argv) -> exit code`` builds its own parser."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from modelpar.planner.hardware import BUILTIN, Hardware, cpu_profile, get_hardware, save_profile
+
+GIB = 2 ** 30
+
+
+def _profile_builtin(name: str, precision: str):
+    from modelpar.models import MLP_PRESETS, build_model
+    from modelpar.planner.profile import profile_model
+    model = build_model(name, device="meta")
+    if name in MLP_PRESETS:
+        x = torch.zeros(1, MLP_PRESETS[name][0], device="meta")
+    elif name == "cnn":
+        model = build_model(name)                    # tiny: profiled under FakeTensorMode
+        x = torch.zeros(1, 1, 8, 8)
+    else:
+        x = torch.zeros(1, model.cfg.seq_len, dtype=torch.long, device="meta")
+    return profile_model(model, x, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="gpt-3m", help="built-in model name (gpt-nano .. gpt-70b, mlp-*, cnn)")
+    p.add_argument("--devices", "--nproc", type=int, default=2, help="number of devices (world size)")
+    p.add_argument("--hardware", default="cpu",
+                   help=f"one of {', '.join(BUILTIN)}, 'cpu', or a JSON profile from `modelpar calibrate`")
+    p.add_argument("--global-batch-size", type=int, default=32, help="samples per optimizer step")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default=None,
+                   help="default: fp32 on cpu, bf16 on GPUs")
+    p.add_argument("--optimizer", choices=("sgd", "sgd_momentum", "adamw"), default="adamw")
+
+
+def _setup(args):
+    hw = get_hardware(args.hardware, local_ranks=args.devices if args.hardware == "cpu" else 1)
+    prec = args.precision or ("fp32" if hw.name == "cpu" else "bf16")
+    return hw, prec, _profile_builtin(args.model, prec)
+
+
+def _row(i, c, hw, prec) -> str:
+    from modelpar.planner.cost import mfu
+    st = c.step
+    rate = f"{st.tokens_per_s:,.0f} tok/s" if st.tokens_per_sample > 1 else f"{st.samples_per_s:,.1f} smp/s"
+    return (f"{i:>3} {c.plan.describe():<58} {c.micro_batch_size:>4} {c.memory.total / GIB:>8.2f} "
+            f"{st.total * 1e3:>10.1f} {rate:>18} {mfu(st, hw, prec):>6.1%} {st.comm_share:>6.1%} "
+            f"{st.bubble_share:>6.1%}")
+
+
+def plan_main(argv: list[str]) -> int:
+    """Print the top predicted plans for a model on N devices; ``--explain K`` breaks down plan K."""
+    p = argparse.ArgumentParser(prog="modelpar plan", description=(
+        "Predict memory per device and step time of every parallel layout (dp_replicate x dp_shard x "
+        "tp x pp, schedules, micro-batches, checkpointing) and print the fastest that fit."))
+    _common(p)
+    p.add_argument("--top", type=int, default=10, help="how many plans to print")
+    p.add_argument("--explain", type=int, default=None, metavar="K", help="print the breakdown of plan K (1-based)")
+    args = p.parse_args(argv)
+    from modelpar.planner.search import search_plans
+    hw, prec, prof = _setup(args)
+    t = time.perf_counter()
+    rep = search_plans(prof, args.devices, hw, global_batch_size=args.global_batch_size,
+                       optimizer=args.optimizer, precision=prec)
+    print(f"{args.model} ({prof.num_params / 1e6:,.1f}M params) on {args.devices} x {hw.name}, "
+          f"global batch {args.global_batch_size}, {prec}: {rep.summary()} [{time.perf_counter() - t:.2f} s]")
+    if not rep.ranked:
+        print("no plan fits; reasons above")
+        return 1
+    print(f"{'#':>3} {'plan':<58} {'mb':>4} {'GiB/dev':>8} {'step ms':>10} {'throughput':>18} "
+          f"{'MFU':>6} {'comm':>6} {'bubble':>6}")
+    for i, c in enumerate(rep.ranked[:args.top], 1):
+        print(_row(i, c, hw, prec))
+    if args.explain:
+        if not 1 <= args.explain <= len(rep.ranked):
+            p.error(f"--explain {args.explain}: only {len(rep.ranked)} plans are feasible")
+        c = rep.ranked[args.explain - 1]
+        print(f"\nplan {args.explain}: {c.plan.describe()}  local batch {c.batch.local_batch_size}, "
+              f"micro-batch {c.micro_batch_size}\n  {c.plan.to_json()}")
+        print(f"  memory per device (pipeline rank {c.memory.pp_rank}):")
+        for k, v in c.memory.parts().items():
+            print(f"    {k:<14} {v / GIB:10.3f} GiB")
+        print(f"    {'total':<14} {c.memory.total / GIB:10.3f} GiB of {hw.memory_bytes / GIB:.1f}")
+        print("  step time:")
+        for k, v in c.step.parts().items():
+            print(f"    {k:<14} {v * 1e3:10.2f} ms {v / c.step.total:6.1%}")
+        print(f"    {'total':<14} {c.step.total * 1e3:10.2f} ms")
+    return 0
+
+
+def estimate_main(argv: list[str]) -> int:
+    """Answer "does model X fit on N devices of type Y, and how?"."""
+    p = argparse.ArgumentParser(prog="modelpar estimate", description=(
+        "Does the model fit on N devices of this type, and with which strategy? Prints the memory per "
+        "device of each basic strategy and the planner's best plan."))
+    _common(p)
+    args = p.parse_args(argv)
+    from modelpar.plan import plan_for_strategy
+    from modelpar.planner.memory import Batch, estimate_memory
+    from modelpar.planner.search import search_plans
+    hw, prec, prof = _setup(args)
+    n = args.devices
+    print(f"{args.model}: {prof.num_params / 1e6:,.1f}M params; {n} x {hw.name} "
+          f"({hw.memory_bytes / GIB:.1f} GiB each), {prec}, micro-batch 1")
+    for s in (("single",) if n == 1 else ("ddp", "fsdp", "tp", "pp")):
+        try:
+            plan = plan_for_strategy(s, n, precision=prec)
+            local = plan.n_microbatches if plan.pp > 1 else 1
+            m = estimate_memory(prof, plan, Batch(local * plan.dp, local), optimizer=args.optimizer,
+                                overhead_bytes=hw.framework_overhead_bytes)
+            fits = "fits" if m.total <= hw.memory_bytes else "does NOT fit"
+            print(f"  {s:<6} {m.total / GIB:10.2f} GiB/device  {fits}")
+        except ValueError as e:
+            print(f"  {s:<6} not applicable: {e}")
+    rep = search_plans(prof, n, hw, global_batch_size=args.global_batch_size, optimizer=args.optimizer,
+                       precision=prec)
+    if not rep.ranked:
+        print(f"no: nothing fits on {n} devices ({rep.summary()})")
+        return 1
+    c = rep.ranked[0]
+    print(f"yes: best plan {c.plan.describe()} (micro-batch {c.micro_batch_size}), "
+          f"{c.memory.total / GIB:.2f} GiB/device, {c.step.total * 1e3:.1f} ms/step")
+    return 0
+
+
+# ---- calibrate --------------------------------------------------------------------------------
+def _time(fn, reps: int) -> float:
+    fn()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t) / reps
+
+
+def measure_compute(sizes=(128, 256, 512, 1024)) -> dict:
+    """Matmul FLOP/s over square sizes, per-op overhead (tiny add), copy bandwidth. Units: FLOP/s, s, B/s."""
+    flops = {}
+    for n in sizes:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        flops[n] = 2 * n ** 3 / _time(lambda: a @ b, max(3, int(2e8 // n ** 3)))
+    x = torch.ones(8)
+    overhead = _time(lambda: x.add(1.0), 2000)
+    big = torch.ones(16 * 2 ** 20 // 4)
+    bw = 2 * big.numel() * 4 / _time(lambda: big.clone(), 10)     # read + write
+    return {"matmul_flops": flops, "op_overhead_s": overhead, "mem_bandwidth": bw}
+
+
+def _collective_worker(rank: int, world: int, port: int, sizes, out):
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    res = {}
+    for nbytes in sizes:
+        t = torch.zeros(nbytes // 4)
+        dist.barrier()
+        res[nbytes] = _time(lambda: dist.all_reduce(t), 5)
+    dist.destroy_process_group()
+    if rank == 0:
+        out.put(res)
+
+
+def measure_collectives(world: int = 2, sizes=(4096, 4 * 2 ** 20)) -> tuple[float, float]:
+    """(latency s, bandwidth B/s) of gloo all-reduce on ``world`` local ranks, from two sizes:
+    t = 2(n-1) alpha + 2(n-1)/n B / beta (Thakur et al. 2005), solved for alpha and beta."""
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    mp.start_processes(_collective_worker, args=(world, port, sizes, q), nprocs=world, join=True,
+                       start_method="spawn")
+    res = q.get()
+    (s0, t0), (s1, t1) = sorted(res.items())
+    k = 2 * (world - 1) / world
+    beta = k * (s1 - s0) / max(t1 - t0, 1e-9)
+    alpha = max((t0 - k * s0 / beta) / (2 * (world - 1)), 1e-7)
+    return alpha, beta
+
+
+def calibrate_main(argv: list[str]) -> int:
+    """Measure this machine and save a hardware profile the planner then uses (``--hardware FILE``)."""
+    p = argparse.ArgumentParser(prog="modelpar calibrate", description=(
+        "Measure matmul FLOP/s over a sweep of sizes, per-operation overhead, memory bandwidth, and gloo "
+        "all-reduce latency/bandwidth between local ranks; save them as a JSON hardware profile."))
+    p.add_argument("--out", default="hardware-cpu.json", help="where to write the profile (JSON)")
+    p.add_argument("--ranks", type=int, default=2, help="local ranks sharing this machine (memory and cores are split)")
+    p.add_argument("--no-collectives", action="store_true", help="skip the multi-process collective test")
+    args = p.parse_args(argv)
+    if args.ranks < 1:
+        p.error(f"--ranks must be >= 1, got {args.ranks}")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))
+    c = measure_compute()
+    best = max(c["matmul_flops"].values())
+    base = cpu_profile(args.ranks)
+    lat, bw = base.intra_latency, base.intra_bw
+    if not args.no_collectives and args.ranks > 1:
+        lat, bw = measure_collectives(args.ranks)
+    hw = Hardware("cpu", {"fp32": best, "bf16": best / 2}, base.memory_bytes, c["mem_bandwidth"], bw, lat,
+                  bw, lat, args.ranks, 1.0, mem_bw_fraction=1.0, op_overhead_s=c["op_overhead_s"],
+                  source="calibrated by modelpar calibrate",
+                  extra={f"matmul_flops_{n}": f for n, f in c["matmul_flops"].items()})
+    save_profile(hw, args.out)
+    for n, f in c["matmul_flops"].items():
+        print(f"  matmul {n:>5}: {f / 1e9:8.1f} GFLOP/s")
+    print(f"  per-op overhead {c['op_overhead_s'] * 1e6:.1f} us, copy bandwidth {c['mem_bandwidth'] / 1e9:.1f} GB/s")
+    print(f"  all-reduce latency {lat * 1e6:.1f} us, bandwidth {bw / 1e9:.2f} GB/s ({args.ranks} ranks)")
+    print(f"saved {args.out}")
+    return 0

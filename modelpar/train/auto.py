@@ -1,0 +1,96 @@
+"""``--strategy auto`` and ``--strategy rules``: the planner chooses the degrees for a TrainConfig."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from modelpar.plan import ParallelPlan
+
+DEFAULT_CALIBRATION = Path(os.environ.get("MODELPAR_CALIBRATION",
+                                          Path.home() / ".cache" / "modelpar" / "calibration.json"))
+
+
+@dataclass(frozen=True)
+class Choice:
+    plan: ParallelPlan
+    local_batch_size: int        # 0: global / dp
+    reason: str
+
+
+def hardware_for(cfg, world_size: int):
+    """The device profile named by ``cfg.hardware``, else this machine's (see TrainConfig.hardware)."""
+    from modelpar.planner import get_hardware
+
+    local = min(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    if cfg.hardware:
+        return get_hardware(cfg.hardware, local_ranks=local)
+    if torch.cuda.is_available():
+        return get_hardware("H100-80GB-SXM")
+    if DEFAULT_CALIBRATION.is_file():
+        return get_hardware(str(DEFAULT_CALIBRATION), local_ranks=local)
+    return get_hardware("cpu", local_ranks=local)
+
+
+PLAN_ENV = "MODELPAR_CHOSEN_PLAN"      # set by the launcher so every rank runs the plan it checked
+_CACHE: dict[str, Choice] = {}
+
+
+def choose_for_config(cfg, world_size: int, *, strategy: str = "auto") -> Choice:
+    """Cached `_choose` (keyed by the config), or the launcher's choice passed in PLAN_ENV."""
+    key = json.dumps([cfg.to_dict(), world_size, strategy], sort_keys=True, default=str)
+    if key not in _CACHE:
+        handed = os.environ.get(PLAN_ENV)
+        if handed:
+            d = json.loads(handed)
+            if d["key"] == key:
+                _CACHE[key] = Choice(ParallelPlan.from_dict(d["plan"]), d["local_batch_size"], d["reason"])
+        if key not in _CACHE:
+            _CACHE[key] = _choose(cfg, world_size, strategy=strategy)
+    return _CACHE[key]
+
+
+def export_choice(cfg, world_size: int, strategy: str) -> None:
+    """Put the choice in the environment of the ranks about to be launched."""
+    c = choose_for_config(cfg, world_size, strategy=strategy)
+    key = json.dumps([cfg.to_dict(), world_size, strategy], sort_keys=True, default=str)
+    os.environ[PLAN_ENV] = json.dumps({"key": key, "plan": c.plan.to_dict(), "local_batch_size": c.local_batch_size,
+                                       "reason": c.reason})
+
+
+def _choose(cfg, world_size: int, *, strategy: str = "auto") -> Choice:
+    """Profile the config's model on the meta device and let the planner (``auto``) or the
+    rule-of-thumb baseline (``rules``) pick the plan for ``world_size`` ranks.
+
+    The user's explicit choices (precision, activation checkpointing when not "none") are kept.
+
+    Raises:
+        ValueError: no plan fits (the planner's pruning reasons are in the message).
+    """
+    from modelpar.planner import choose_plan, profile_model, rule_plan
+    from modelpar.train.task import build_task, example_input
+
+    task = build_task(cfg, device="meta", load_data=False)
+    x = example_input(task, 1).to("meta")
+    dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+    prof = profile_model(task.model, x, dtype=dtype)
+    hw = hardware_for(cfg, world_size)
+    if strategy == "rules":
+        plan, why = rule_plan(prof, world_size, hw, global_batch_size=cfg.global_batch_size,
+                              task="language" if task.kind == "lm" else "image", precision=cfg.precision)
+        local = 0
+        reason = f"rules: {why}"
+    else:
+        ac = ("none", "full") if cfg.activation_checkpointing == "none" else (cfg.activation_checkpointing,)
+        plan, rep = choose_plan(prof, world_size, hw, global_batch_size=cfg.global_batch_size,
+                                precision=cfg.precision, optimizer="adamw" if cfg.optimizer == "adamw" else "sgd",
+                                checkpointing=ac)
+        local = rep.ranked[0].batch.local_batch_size
+        reason = f"auto: best of {len(rep.ranked)} feasible plans on {hw.name} ({rep.summary()})"
+    d = plan.to_dict()
+    d.update(precision=cfg.precision, cpu_offload=cfg.cpu_offload and d.get("dp_shard", 1) > 1)
+    return Choice(ParallelPlan.from_dict(d), local, reason)

@@ -1,0 +1,57 @@
+"""The planner's CLI mains and the rules baseline (calibrate spawns 2 gloo ranks once)."""
+
+import json
+
+import pytest
+import torch
+
+from modelpar.models import build_model
+from modelpar.planner.commands import calibrate_main, estimate_main, plan_main
+from modelpar.planner.hardware import BUILTIN, cpu_profile, load_profile
+from modelpar.planner.profile import profile_model
+from modelpar.planner.rules import rule_plan
+
+
+def test_plan_main_prints_table_and_explain(capsys):
+    assert plan_main(["--model", "gpt-nano", "--devices", "2", "--global-batch-size", "8",
+                      "--top", "3", "--explain", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "candidates considered" in out and "GiB/dev" in out and "step time:" in out
+    with pytest.raises(SystemExit):
+        plan_main(["--help"])
+
+
+def test_estimate_main_answers_fit(capsys):
+    assert estimate_main(["--model", "gpt-1m", "--devices", "2", "--global-batch-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "ddp" in out and "yes: best plan" in out
+
+
+def _prof(name):
+    m = build_model(name, device="meta")
+    return profile_model(m, torch.zeros(1, m.cfg.seq_len, dtype=torch.long, device="meta"))
+
+
+def test_rules_follow_precedence():
+    hw = cpu_profile(1)
+    small = _prof("gpt-1m")
+    assert rule_plan(small, 1, hw, global_batch_size=8)[0].world_size == 1
+    plan, why = rule_plan(small, 4, hw, global_batch_size=8)
+    assert plan.dp_replicate == 4 and "DDP" in why
+    big = _prof("gpt-2b")
+    plan, why = rule_plan(big, 8, BUILTIN["A100-40GB"], global_batch_size=8, precision="bf16")
+    assert plan.dp_shard == 8 and "FSDP" in why
+    mid = _prof("gpt-1b")            # 0.93B, 24 blocks: >= 2 per device on 4 devices -> pipeline
+    plan, why = rule_plan(mid, 4, BUILTIN["A100-40GB"], global_batch_size=8, precision="bf16")
+    assert plan.pp == 4 and "model parallel" in why
+    with pytest.raises(ValueError, match="task"):
+        rule_plan(small, 2, hw, global_batch_size=8, task="speech")
+
+
+@pytest.mark.timeout(120)
+def test_calibrate_smoke(tmp_path, capsys):
+    out = tmp_path / "hw.json"
+    assert calibrate_main(["--out", str(out), "--ranks", "2"]) == 0
+    hw = load_profile(out)
+    assert hw.peak_flops["fp32"] > 1e8 and 0 < hw.intra_latency < 0.1 and hw.intra_bw > 1e6
+    assert json.loads(out.read_text())["source"].startswith("calibrated")
