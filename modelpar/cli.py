@@ -47,7 +47,7 @@ def train_parser():
 
     p = ArgumentParser(prog="modelpar train", description=(
         "Train a built-in model with a parallel plan. With no options: the 3M-parameter GPT on the Python "
-        "standard library's sources, DDP on 2 local CPU ranks. Examples:\n"
+        "standard library's sources, the plan `--strategy auto` picks on 2 local CPU ranks. Examples:\n"
         "  modelpar train --strategy fsdp --nproc 2\n"
         "  modelpar train --strategy pp --pp_schedule gpipe --n_microbatches 4\n"
         "  modelpar train --strategy fsdp+tp --nproc 4 --precision bf16\n"

@@ -22,8 +22,9 @@ class TrainConfig:
     Args:
         model: built-in model: gpt-nano, gpt-1m, gpt-3m, gpt-10m (trainable here), larger gpt-* presets,
             mlp-small, mlp-large, mlp-deep, cnn.
-        strategy: single, placement, ddp, fsdp, hsdp, tp, pp, ddp+tp, fsdp+tp (auto and rules come from
-            the planner). Degrees below override the shorthand.
+        strategy: auto (the planner picks the fastest plan that fits; the default), rules (the common
+            rule-of-thumb advice), or a shorthand: single, placement, ddp, fsdp, hsdp, tp, pp, ddp+tp,
+            fsdp+tp. Degrees below override the shorthand.
         nproc: local ranks to launch (ignored under torchrun, which sets the world size).
         data: text file or folder for GPT models (default: the Python standard library's sources).
         steps: optimizer steps.
@@ -75,7 +76,7 @@ class TrainConfig:
     """
 
     model: str = "gpt-3m"
-    strategy: str = "ddp"
+    strategy: str = "auto"
     nproc: int = 2
     data: str | None = None
     steps: int = 450
