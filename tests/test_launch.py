@@ -26,17 +26,20 @@ def _env():
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_cli_train_nproc2_writes_run_record(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "modelpar", "train", "--strategy", "fsdp", "--nproc", "2",
+@pytest.mark.parametrize("strategy,plan_key", [("fsdp", "dp_shard"), ("pp", "pp")])
+def test_cli_train_nproc2_writes_run_record(tmp_path, strategy, plan_key):
+    """The whole `modelpar train` path, memory tracking included (pipelines use StepMemory)."""
+    r = subprocess.run([sys.executable, "-m", "modelpar", "train", "--strategy", strategy, "--nproc", "2",
                         "--out_dir", str(tmp_path), *TINY], capture_output=True, text=True, timeout=200, env=_env())
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "plan fsdp2" in r.stdout and "validation loss" in r.stdout and "tokens/s" in r.stdout
+    assert f"plan {strategy}2" in r.stdout and "validation loss" in r.stdout and "tokens/s" in r.stdout
     run = next(tmp_path.iterdir())
     for f in ("config.json", "plan.json", "data.json", "metrics.jsonl", "model.safetensors", "summary.json"):
         assert (run / f).exists(), f
     steps = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps if "loss" in s] == [1, 2, 3]
-    assert json.loads((run / "plan.json").read_text())["dp_shard"] == 2
+    assert json.loads((run / "plan.json").read_text())[plan_key] == 2
+    assert [s for s in steps if "loss" in s][-1]["peak_tensor_bytes"] > 0
     data = json.loads((run / "data.json").read_text())
     assert data["num_files"] > 100 and len(data["files_sha256"]) == 64
 

@@ -96,3 +96,81 @@ class RunRecord:
             self._f.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _storage_bytes(tensors) -> float:
+    """Bytes of the distinct storages behind ``tensors`` (DTensors: their local shards)."""
+    seen, total = set(), 0.0
+    for t in tensors:
+        t = getattr(t, "_local_tensor", t)
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total
+
+
+class StepMemory:
+    """Peak bytes of live tensors during a region, for steps torch's MemTracker cannot follow (a
+    pipeline runs each stage module once per micro-batch, which MemTracker refuses).
+
+    A TorchDispatchMode counts the storages created inside the region until they are freed; parameters,
+    buffers and optimizer state present at entry are counted as static. Parts at the peak: parameters
+    and optimizer state as held, gradients at full size (their final size), activations = the rest.
+    Storage resizes (FSDP's unsharded parameters) are not seen: use MemTracker for FSDP.
+    """
+
+    def __init__(self, modules, optimizer):
+        self.modules, self.opt = modules, optimizer
+        self.peak = 0.0
+
+    def __enter__(self):
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        params = [p for m in self.modules for p in m.parameters()]
+        bufs = [b for m in self.modules for b in m.buffers()]
+        opt_state = [v for st in self.opt.state.values() for v in st.values() if hasattr(v, "untyped_storage")]
+        self.static = _storage_bytes(params + bufs + opt_state)
+        known = {getattr(t, "_local_tensor", t).untyped_storage().data_ptr() for t in params + bufs + opt_state}
+        live: dict[int, float] = {}
+        state = {"cur": self.static, "peak": self.static}
+        self._state, self._refs = state, []
+        outer = self
+
+        def freed(ptr):
+            state["cur"] -= live.pop(ptr, 0.0)
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_leaves(out):
+                    if hasattr(t, "untyped_storage") and t.device.type != "meta":
+                        st = t.untyped_storage()
+                        ptr = st.data_ptr()
+                        if ptr and ptr not in live and ptr not in known:
+                            live[ptr] = float(st.nbytes())
+                            state["cur"] += live[ptr]
+                            outer._refs.append(weakref.finalize(st, freed, ptr))
+                state["peak"] = max(state["peak"], state["cur"])
+                return out
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        self.peak = self._state["peak"]
+        return False
+
+    def parts(self) -> dict[str, float]:
+        params = _storage_bytes([p for m in self.modules for p in m.parameters()] +
+                                [b for m in self.modules for b in m.buffers()])
+        opt = _storage_bytes([v for st in self.opt.state.values() for v in st.values()
+                              if hasattr(v, "untyped_storage")])
+        grads = params - _storage_bytes([b for m in self.modules for b in m.buffers()])
+        return {"params": params, "grads": grads, "optimizer": opt,
+                "activations": max(0.0, self.peak - params - opt - grads), "total": self.peak}
