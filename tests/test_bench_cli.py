@@ -1,0 +1,63 @@
+"""`modelpar bench` end to end on a tiny model: tables, skip reasons, charts, resume, interruption."""
+
+import csv
+import json
+
+import pytest
+
+from modelpar.bench import cli
+
+pytestmark = pytest.mark.slow
+ARGS = ["--models", "gpt-nano", "--warmup", "0", "--steps", "1", "--no-fit", "--timeout", "180"]
+
+
+def rows(out):
+    with open(out / "bench.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_bench_tables_charts_resume(tmp_path, capsys):
+    out = tmp_path / "b"
+    rc = cli.bench_main([*ARGS, "--strategies", "single,pp,pp-interleaved", "--out", str(out)])
+    assert rc == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == str(out.resolve())   # the folder, last
+    r = {x["row"]: x for x in rows(out)}
+    assert r["single"]["status"] == "ok" and float(r["single"]["samples_per_s"]) > 0
+    assert r["pp"]["status"] == "ok"
+    assert r["pp-interleaved"]["status"] == "skipped"
+    assert "only 2 blocks" in r["pp-interleaved"]["reason"]          # gpt-nano cannot take 4 stages
+    md = (out / "bench.md").read_text()
+    assert "skipped: ValueError" in md and "| single device | single | 1 |" in md
+    for name in ("throughput-gpt-nano.png", "memory-gpt-nano.png", "pipeline-gpt-nano-pp.png"):
+        assert 0 < (out / "img" / name).stat().st_size < 300_000
+    # resume: nothing re-run, nothing duplicated
+    calls = []
+    orig = cli.run_row
+    cli.run_row = lambda *a, **k: calls.append(a) or orig(*a, **k)
+    try:
+        assert cli.bench_main([*ARGS, "--strategies", "single,pp,pp-interleaved", "--out", str(out), "--resume"]) == 0
+    finally:
+        cli.run_row = orig
+    assert calls == [] and len(rows(out)) == 3
+
+
+def test_interrupted_bench_keeps_finished_rows(tmp_path, monkeypatch):
+    out = tmp_path / "i"
+    seen = []
+
+    def fake_run_row(spec, out_dir, **kw):
+        if seen:
+            raise KeyboardInterrupt
+        seen.append(spec.key)
+        return json.loads(json.dumps({"status": "failed", "reason": "stand-in"}))
+    monkeypatch.setattr(cli, "run_row", fake_run_row)
+    rc = cli.bench_main([*ARGS, "--strategies", "single,ddp,fsdp", "--out", str(out)])
+    assert rc == 130
+    assert [x["row"] for x in rows(out)] == ["single"]
+    assert (out / "bench.md").exists()
+
+
+def test_bad_arguments_exit_2(capsys):
+    assert cli.bench_main(["--strategies", "warp"]) == 2
+    assert "unknown strategies ['warp']" in capsys.readouterr().err
+    assert cli.bench_main(["--models", "gpt-huge"]) == 2
