@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hybrid-nproc", type=int, default=4, help="ranks of the hybrid rows")
     p.add_argument("--global-batch-size", type=int, default=0, help="samples per step (0: 8; 32 for the MLPs)")
     p.add_argument("--seq-len", type=int, default=0, help="tokens per sample for GPT models (0: the preset's)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per row")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per row (the first step builds the pipeline and profiler state)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per row")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per row before it is killed")
