@@ -133,21 +133,35 @@ def read_checkpoint_meta(path: str | os.PathLike) -> dict:
 
 
 # ---- state dicts ----------------------------------------------------------------------------------
-def _state_module(modules: list[nn.Module]) -> nn.Module:
-    """One module holding this rank's modules under their original paths (pipeline ranks may hold
-    several stages, which ``get_state_dict`` takes as one module)."""
-    if len(modules) == 1:
-        return modules[0]
+def checkpoint_module(modules: list[nn.Module]) -> nn.Module:
+    """One module holding this rank's parameters (and persistent buffers) under their original names,
+    the same objects the optimizer holds. Build it right after `parallelize` and the optimizer, before
+    the first forward: DDP over TP swaps the registered parameters for DTensors during forward (torch's
+    ``_pre_dp_module_transform``), and pipeline ranks may hold several stage modules.
+    """
     holder = nn.Module()
-    for stage in modules:
-        for path in getattr(stage, "_order", []):
-            owner = holder
-            *heads, leaf = path.split(".")
-            for h in heads:
-                if not isinstance(getattr(owner, h, None), nn.Module):
-                    owner.add_module(h, nn.ModuleDict())
-                owner = getattr(owner, h)
-            owner.add_module(leaf, stage.get_submodule(path))
+
+    def owner_of(path: str) -> tuple[nn.Module, str]:
+        owner = holder
+        *heads, leaf = path.split(".")
+        for h in heads:
+            if not isinstance(getattr(owner, h, None), nn.Module):
+                owner.add_module(h, nn.Module())
+            owner = getattr(owner, h)
+        return owner, leaf
+
+    seen = set()
+    for m in modules:
+        for name, prm in m.named_parameters():
+            if id(prm) not in seen:
+                seen.add(id(prm))
+                o, leaf = owner_of(name)
+                o.register_parameter(leaf, prm)
+        for mod_name, mod in m.named_modules():
+            for b_name, buf in mod.named_buffers(recurse=False):
+                if b_name not in mod._non_persistent_buffers_set:
+                    o, leaf = owner_of(f"{mod_name}.{b_name}" if mod_name else b_name)
+                    o.register_buffer(leaf, buf)
     return holder
 
 
@@ -157,24 +171,62 @@ def _options():
     return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def get_train_state(modules: list[nn.Module], opt: torch.optim.Optimizer | None) -> dict:
-    """``{"model": ..., "optim": ...}`` under original names (DTensor shards stay sharded).
+def _tp_specs(holder: nn.Module) -> dict[str, object]:
+    """fqn -> DTensorSpec of parameters that DDP x TP keeps as local tensors between forwards."""
+    return {n: p._st_info for n, p in holder.named_parameters() if getattr(p, "_st_info", None) is not None}
 
-    An optimizer that has not stepped yet is left out (taking its state dict would initialise it with
-    a zero step, a side effect on training).
-    """
+
+def _as_dtensors(state: dict, specs: dict) -> dict:
+    """Local TP shards (DDP x TP) -> DTensors with their global shape, so DCP stores the whole tensor
+    (sharing storage: loading into them writes the local tensors)."""
+    if not specs:
+        return state
+    from torch.distributed.tensor import DTensor
+
+    def wrap(t, spec):
+        return DTensor.from_local(t, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
+                                  stride=spec.stride)
+
+    out = {"model": {k: wrap(v, specs[k]) if k in specs else v for k, v in state["model"].items()}}
+    if "optim" in state:
+        osd = {}
+        for k, v in state["optim"].items():
+            fqn = k[len("state."):].rsplit(".", 1)[0] if k.startswith("state.") else None
+            spec = specs.get(fqn)
+            osd[k] = wrap(v, spec) if spec is not None and torch.is_tensor(v) and v.dim() > 0 else v
+        out["optim"] = osd
+    return out
+
+
+def _as_local(wrapped: dict, plain: dict) -> None:
+    """Copy what DCP loaded into DTensor wrappers back into the plain tensors they wrap."""
+    from torch.distributed.tensor import DTensor
+
+    for part in plain:
+        for k, v in wrapped[part].items():
+            if isinstance(v, DTensor) and not isinstance(plain[part][k], DTensor):
+                if v._local_tensor.data_ptr() != plain[part][k].data_ptr():
+                    plain[part][k].copy_(v._local_tensor)
+            else:
+                plain[part][k] = v
+
+
+def get_train_state(holder: nn.Module, opt: torch.optim.Optimizer | None) -> dict:
+    """``{"model": ..., "optim": ...}`` of a `checkpoint_module` under original names (DTensor shards
+    stay sharded). An optimizer that has not stepped yet is left out (taking its state dict would
+    initialise it with a zero step, a side effect on training)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-    mod = _state_module(modules)
     if opt is None or not opt.state:
-        return {"model": get_model_state_dict(mod, options=_options())}
-    msd, osd = get_state_dict(mod, opt, options=_options())
+        return {"model": get_model_state_dict(holder, options=_options())}
+    msd, osd = get_state_dict(holder, opt, options=_options())
     return {"model": msd, "optim": osd}
 
 
-def _param_shapes(modules: list[nn.Module]) -> dict[str, list[int]]:
+def _param_shapes(holder: nn.Module) -> dict[str, list[int]]:
     """Every parameter of the whole model (all ranks) -> global shape."""
-    local = {n: list(p.shape) for m in modules for n, p in m.named_parameters()}
+    specs = _tp_specs(holder)
+    local = {n: list(specs[n].shape if n in specs else p.shape) for n, p in holder.named_parameters()}
     if dist.is_initialized() and dist.get_world_size() > 1:
         parts = [None] * dist.get_world_size()
         dist.all_gather_object(parts, local)
@@ -246,10 +298,11 @@ class Checkpointer:
                 shutil.rmtree(stale, ignore_errors=True)
         _barrier()
 
-    def save(self, modules: list[nn.Module], opt: torch.optim.Optimizer | None, step: int, *,
+    def save(self, holder: nn.Module, opt: torch.optim.Optimizer | None, step: int, *,
              meta: dict | None = None) -> Path:
-        """Write the state after ``step`` optimizer steps; returns the final folder (complete once
-        this returns, or, with async_save, once `wait` returns)."""
+        """Write the state after ``step`` optimizer steps of ``holder`` (a `checkpoint_module`) and
+        ``opt``; returns the final folder (complete once this returns, or, with async_save, once
+        `wait` returns)."""
         import torch.distributed.checkpoint as dcp
 
         self.wait()
@@ -263,9 +316,9 @@ class Checkpointer:
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
         torch.save(rng, tmp / "rng" / f"rank-{rank}.pt")
-        state = get_train_state(modules, opt)
+        state = _as_dtensors(get_train_state(holder, opt), _tp_specs(holder))
         info = {"format": FORMAT, "version": VERSION, "step": step, "world_size": _world(),
-                "params": _param_shapes(modules), "optimizer_state": "optim" in state,
+                "params": _param_shapes(holder), "optimizer_state": "optim" in state,
                 "optimizer": type(opt).__name__ if opt is not None else None,
                 "torch": torch.__version__, **(meta or {})}
 
@@ -316,13 +369,13 @@ class Checkpointer:
 
 
 # ---- loading --------------------------------------------------------------------------------------
-def load_checkpoint(modules: list[nn.Module], opt: torch.optim.Optimizer | None, path: str | os.PathLike, *,
+def load_checkpoint(holder: nn.Module, opt: torch.optim.Optimizer | None, path: str | os.PathLike, *,
                     restore_rng: bool = False) -> dict:
-    """Load a checkpoint written under any plan and world size into this rank's modules and optimizer
-    (collective). DCP reads each rank's slice of every tensor, whatever the saving layout was.
+    """Load a checkpoint written under any plan and world size into this rank's parameters and
+    optimizer (collective). DCP reads each rank's slice of every tensor, whatever the saving layout was.
 
     Args:
-        modules: this rank's modules (``ParallelModel.modules``), already laid out.
+        holder: `checkpoint_module` of this rank's modules, already laid out.
         opt: the optimizer over them (fresh); its state and hyper-parameters are replaced.
         restore_rng: also restore this rank's RNG state (only meaningful on the saving layout).
 
@@ -334,7 +387,7 @@ def load_checkpoint(modules: list[nn.Module], opt: torch.optim.Optimizer | None,
             message on every rank.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 
     err, meta = None, None
     try:
@@ -348,26 +401,24 @@ def load_checkpoint(modules: list[nn.Module], opt: torch.optim.Optimizer | None,
     if err is not None:
         raise CheckpointError(err)
     p = meta["path"]
-    _check_same_model(p, meta.get("params", {}), _param_shapes(modules))
-    mod = _state_module(modules)
+    _check_same_model(p, meta.get("params", {}), _param_shapes(holder))
     with_optim = opt is not None and meta.get("optimizer_state", False)
     if with_optim and meta.get("optimizer") and meta["optimizer"] != type(opt).__name__:
         raise CheckpointError(f"checkpoint {p!r} holds {meta['optimizer']} state; this run uses "
                               f"{type(opt).__name__}")
+    if with_optim:     # a fresh optimizer: get_state_dict creates its state, which DCP then fills
+        msd, osd = get_state_dict(holder, opt, options=_options())
+        plain = {"model": msd, "optim": osd}
+    else:
+        plain = get_train_state(holder, None)
+    wrapped = _as_dtensors(plain, _tp_specs(holder))
+    dcp.load(wrapped, checkpoint_id=p, no_dist=not dist.is_initialized())
+    _as_local(wrapped, plain)
     if with_optim:
-        state = get_train_state(modules, opt) if opt.state else None
-        if state is None:      # a fresh optimizer: get_state_dict creates its state to load into
-            from torch.distributed.checkpoint.state_dict import get_state_dict
-
-            msd, osd = get_state_dict(mod, opt, options=_options())
-            state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=p, no_dist=not dist.is_initialized())
-        set_state_dict(mod, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+        set_state_dict(holder, opt, model_state_dict=plain["model"], optim_state_dict=plain["optim"],
                        options=_options())
     else:
-        state = get_train_state(modules, None)
-        dcp.load(state, checkpoint_id=p, no_dist=not dist.is_initialized())
-        set_model_state_dict(mod, state["model"], options=_options())
+        set_model_state_dict(holder, plain["model"], options=_options())
         if opt is not None:
             opt.state.clear()          # saved before the first step: a fresh optimizer, as then
     if restore_rng:
@@ -401,6 +452,7 @@ class TrainCheckpoints:
         self.start_step = 0
         self.loaded_step: int | None = None
         self.saver: Checkpointer | None = None
+        self.holder = checkpoint_module(pm.modules)      # before the first forward (see checkpoint_module)
         source = self._resume_source()
         if source is not None:
             self._resume(source)
@@ -435,7 +487,7 @@ class TrainCheckpoints:
             raise CheckpointError(f"checkpoint {meta['path']!r} was written by a run that differs in what "
                                   f"fixes the model and the sample order: {'; '.join(diffs)}")
         same_layout = meta.get("plan") == pm.plan.to_dict() and meta.get("world_size") == _world()
-        meta = load_checkpoint(pm.modules, self.opt, meta["path"], restore_rng=same_layout)
+        meta = load_checkpoint(self.holder, self.opt, meta["path"], restore_rng=same_layout)
         self.start_step = self.loaded_step = int(meta["step"])
         if self.start_step > cfg.steps:
             raise ValueError(f"checkpoint {meta['path']!r} is at step {self.start_step}, past steps={cfg.steps}")
@@ -461,7 +513,7 @@ class TrainCheckpoints:
             gpt_cfg = getattr(self._full_model_cfg(), "__dict__", None)
             if gpt_cfg:
                 meta["model_config"] = {k: v for k, v in gpt_cfg.items() if isinstance(v, (int, float, str, bool))}
-            self.saver.save(self.pm.modules, self.opt, steps_done, meta=meta)
+            self.saver.save(self.holder, self.opt, steps_done, meta=meta)
 
     def _full_model_cfg(self):
         for m in self.pm.modules:

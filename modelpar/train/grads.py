@@ -1,7 +1,8 @@
 """Gradient norm and clipping over every shard and pipeline stage.
 
 The norm is the L2 norm of the whole model's gradient, as one device would compute it: DTensor
-gradients (FSDP / TP shards) are reduced through their own mesh by DTensor, plain gradients are
+gradients (FSDP / TP shards, also TP shards that DDP holds as local tensors) are reduced through
+their own mesh by DTensor, plain gradients are
 counted once (they are replicated across TP and DP ranks), and the squared norms of the pipeline
 stages are summed over the ``pp`` group (case C3). Every rank then applies the same clip factor.
 """
@@ -24,6 +25,13 @@ def global_grad_norm(params, *, pp_group=None) -> torch.Tensor:
         g = p.grad
         if g is None:
             continue
+        spec = getattr(p, "_st_info", None)
+        if spec is not None and not isinstance(g, DTensor):
+            # DDP x TP keeps TP shards as local tensors between forwards (torch's
+            # _pre_dp_module_transform) with their DTensor spec in _st_info: view the gradient
+            # as the DTensor it is, or its norm would count this rank's shard as the whole
+            g = DTensor.from_local(g, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
+                                   stride=spec.stride)
         if isinstance(g, DTensor):
             groups[(id(g.device_mesh), g.placements)].append(g)
         else:

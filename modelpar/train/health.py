@@ -114,8 +114,8 @@ class Heartbeat:
         top = max(steps.values())
         behind = [r for r, s in steps.items() if s < top]
         if behind:
-            return "; ".join(f"rank {r} stalled at step {steps[r]} (no progress for {second[r][1]:.0f} s) "
-                             f"while the others reached step {top}" for r in behind)
+            return "; ".join(f"rank {r} stalled at step {steps[r]} (no progress for {second[r][1]:.0f} s; it "
+                             f"never began step {steps[r] + 1}) while the others reached step {top}" for r in behind)
         slow = max(second, key=lambda r: second[r][1])
         return (f"no rank made progress in step {top} for {second[slow][1]:.0f} s; the longest in its step is "
                 f"rank {slow}")

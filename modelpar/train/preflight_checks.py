@@ -63,7 +63,7 @@ def check_optimizer_params(named_params, opt: torch.optim.Optimizer) -> None:
         names = sorted({n for r in miss for n in r})
         raise ValueError(f"the optimizer does not hold the model's parameters as they are after wrapping: "
                          f"{len(names)} trainable parameter(s) missing from it ({', '.join(names[:8])}), "
-                         f"{n_stale} stale tensor(s) in it that the model no longer uses. Build the optimizer "
+                         f"up to {n_stale} stale tensor(s) per rank in it that the model no longer uses. Build the optimizer "
                          f"from ParallelModel.parameters() after parallelize() (case C9)")
 
 
@@ -72,27 +72,71 @@ def missing_grads(named_params) -> list[str]:
     return [n for n, p in named_params if p.requires_grad and p.grad is None]
 
 
-def install_first_step_checks(named_params_fn, opt: torch.optim.Optimizer):
+def install_first_step_checks(named_params, opt: torch.optim.Optimizer):
     """Check, right before the first ``opt.step()``, that every trainable parameter has a gradient
-    and that the optimizer holds the live parameters (cases C1, C8, C9). Collective: every rank must
-    step. Returns the hook handle (removed after the first step).
+    (cases C1, C8) and that every tensor the optimizer holds got one (case C9: a stale tensor is no
+    longer in the graph, so it gets none). Collective: every rank must step. Returns the hook handle
+    (removed after the first step).
 
     Args:
-        named_params_fn: callable returning ``(name, parameter)`` pairs of this rank's modules.
+        named_params: ``(name, parameter)`` pairs of this rank's modules, taken before the first
+            forward (DDP over TP swaps the registered parameters for DTensors during forward).
 
     Raises (from ``opt.step()``):
-        ValueError: naming parameters without a gradient ("forward never uses them, or a checkpointed
-            block gave them none"), the same on every rank.
+        ValueError: naming parameters without a gradient, the same on every rank.
     """
+    named = list(named_params)
     handle = None
 
     def hook(optimizer, args, kwargs):
         handle.remove()
-        named = list(named_params_fn())
         _raise_if_any(_gather(missing_grads(named)), "trainable parameter(s) got no gradient in the first step",
                       "Forward never uses them (case C1), or an activation-checkpointed block gave them none "
                       "(case C8). Remove the unused layers or set requires_grad=False on them.")
-        check_optimizer_params(named, optimizer)
+        stale = sum(1 for g in optimizer.param_groups for p in g["params"] if p.requires_grad and p.grad is None)
+        per_rank = _gather(stale)
+        if any(per_rank):
+            raise ValueError(f"the optimizer holds tensors that got no gradient in the first step "
+                             f"({dict(enumerate(per_rank))} per rank): stale copies of parameters that wrapping "
+                             f"replaced. Build the optimizer from ParallelModel.parameters() after parallelize() "
+                             f"(case C9)")
 
     handle = opt.register_step_pre_hook(hook)
     return handle
+
+
+def rebind_replaced_params(modules, named_params) -> int:
+    """Handle case C9 for DDP over TP on purpose: put back the parameters a no-grad forward replaced.
+
+    torch's DDP x TP composition (``_pre_dp_module_transform``) keeps TP weights as local tensors
+    between forwards and, in the first forward, sets each module attribute to a DTensor made from
+    them. If that first forward runs under ``no_grad`` (a validation pass before training), the
+    DTensor is detached from the parameter the optimizer holds, so that parameter would never get a
+    gradient. Re-registering the original parameters makes the next forward rebuild connected
+    DTensors. Call after any forward that may precede the first training step.
+
+    Args:
+        named_params: ``(name, parameter)`` pairs taken before the first forward.
+
+    Returns:
+        How many parameters were put back (0 outside DDP x TP).
+    """
+    n = 0
+    for name, p in named_params:
+        if getattr(p, "_st_info", None) is None:
+            continue
+        owner_path, _, leaf = name.rpartition(".")
+        for m in modules:
+            try:
+                owner = m.get_submodule(owner_path) if owner_path else m
+            except AttributeError:
+                continue
+            if owner._parameters.get(leaf) is not p:
+                if leaf in owner._parameters:
+                    del owner._parameters[leaf]
+                elif hasattr(owner, leaf):
+                    delattr(owner, leaf)
+                owner.register_parameter(leaf, p)
+                n += 1
+            break
+    return n

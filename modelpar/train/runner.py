@@ -17,8 +17,9 @@ from modelpar.train.config import TrainConfig
 from modelpar.train.health import guard, start_heartbeat
 from modelpar.train.loop import (batch_terms, build_optimizer, evaluate, gather_full_state_dict, lr_at,
                                  preflight, reduce_loss)
-from modelpar.train.metrics import PeakTensorMemory, RunRecord, peak_rss_bytes
-from modelpar.train.preflight_checks import check_optimizer_params, check_same_steps, install_first_step_checks
+from modelpar.train.metrics import PeakTensorMemory, RunRecord, StepMemory, peak_rss_bytes
+from modelpar.train.preflight_checks import (check_optimizer_params, check_same_steps, install_first_step_checks,
+                                             rebind_replaced_params)
 from modelpar.train.step import train_step
 from modelpar.train.task import build_task, example_input
 
@@ -89,10 +90,12 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
     ckpt = TrainCheckpoints(cfg, pm, opt, say=say)    # loads the checkpoint cfg.resume names, on any layout
     check_same_steps(cfg.steps - ckpt.start_step)     # preflight checks: C2, C9; C1/C8 at the first step
     check_optimizer_params(pm.named_parameters(), opt)
-    install_first_step_checks(pm.named_parameters, opt)
+    named_params = list(pm.named_parameters())       # before any forward (DDP x TP swaps them)
+    install_first_step_checks(named_params, opt)
     heartbeat = start_heartbeat(rank, world, timeout_s=cfg.timeout_s)
 
     val_before = evaluate(pm, task, batches)
+    rebind_replaced_params(pm.modules, named_params)  # case C9 under DDP x TP: the no-grad pass above
     say(f"  validation loss before training: {val_before:.4f}")
     record.log(0, val_loss=val_before)
 
@@ -114,7 +117,11 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
             g["lr"] = lr_at(step, cfg)
         xg, yg = task.train.global_batch(cfg.seed, step, batches.global_batch_size)
         track = cfg.track_memory and step == 1 and device.type == "cpu"
-        with PeakTensorMemory(device, enabled=track or device.type == "cuda") as mem:
+        # MemTracker refuses modules that run more than once per step (pipeline stages run once per
+        # micro-batch): pipelines are measured with StepMemory instead
+        tracker = (StepMemory(pm.modules, opt) if (track and plan.pp_enabled)
+                   else PeakTensorMemory(device, enabled=track or device.type == "cuda"))
+        with tracker as mem:
             loss_sum, n, gnorm = train_step(pm, opt, xg, yg, accum_steps=batches.accum_steps,
                                             grad_clip=cfg.grad_clip)
         if mem.peak:

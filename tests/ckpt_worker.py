@@ -1,0 +1,79 @@
+"""Entry point run by torchrun (or plainly, for one process) for the checkpoint, fault and preflight
+tests: runs a list of scenarios in one launch (the process group is shared) and writes their results.
+
+usage: torchrun --nproc-per-node N tests/ckpt_worker.py OUT.json SPEC.json
+SPEC.json: a list of {"name": ..., "kind": "train" | "c1" | "c2" | "c9", "cfg": {TrainConfig fields},
+"run_dir": ...}. Every rank's error message is kept (``errors``: rank -> message), so a test can
+check that all ranks raised the same one.
+"""
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from modelpar.parallel.mesh import init_distributed  # noqa: E402
+
+BASE = dict(model="gpt-nano", seq_len=16, global_batch_size=8, steps=8, warmup_steps=2, eval_every=0,
+            eval_samples=8, sample_bytes=0, track_memory=False, log_every=1, threads=1)
+
+
+def data_dir() -> str:
+    """A small, fixed corpus: the standard library's json package."""
+    import json as _json
+    return str(Path(_json.__file__).parent)
+
+
+def base_cfg(**kw) -> dict:
+    return {**BASE, "data": data_dir(), **kw}
+
+
+def run_train(spec: dict) -> dict | None:
+    from modelpar.train.config import TrainConfig
+    from modelpar.train.runner import train
+
+    s = train(TrainConfig(**spec["cfg"]), run_dir=Path(spec["run_dir"]), quiet=True)
+    return {"losses": s["losses"], "start_step": s["start_step"], "val_loss_after": s["val_loss_after"],
+            "plan": s["plan"], "world_size": s["world_size"]}
+
+
+def main() -> None:
+    out, spec_file = sys.argv[1], sys.argv[2]
+    specs = json.loads(Path(spec_file).read_text())
+    torch.set_num_threads(1)
+    rank, world = init_distributed(timeout_s=90)
+    import preflight_cases
+
+    results = {}
+    for spec in specs:
+        err = None
+        res = None
+        try:
+            res = run_train(spec) if spec["kind"] == "train" else preflight_cases.run(spec)
+        except Exception as e:  # noqa: BLE001 - reported per scenario
+            err = f"{type(e).__name__}: {e}"
+            print(f"[rank {rank}] {spec['name']}: {traceback.format_exc()}", file=sys.stderr, flush=True)
+        errors = [err]
+        if world > 1:
+            errors = [None] * world
+            dist.all_gather_object(errors, err)
+        results[spec["name"]] = {"result": res, "errors": {str(r): e for r, e in enumerate(errors) if e}}
+        if rank == 0:
+            Path(out).write_text(json.dumps(results, indent=1))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    # Every result is written; skip interpreter teardown, where a C++ thread's destructor aborted once
+    # in four 2-rank pipeline launches ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

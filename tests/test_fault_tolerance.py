@@ -1,0 +1,96 @@
+"""Fault tolerance (case C11) and no hangs.
+
+- kill and restart: under ``torchrun --max-restarts 1`` on gloo, rank 1 is SIGKILLed at the start of
+  step 5 (after the step-4 checkpoint; test-only hook ``MODELPAR_TEST_KILL_AT_STEP``); the launcher
+  restarts both ranks, the new attempt builds its process group on a store of its own (C11),
+  resumes from step 4 and ends bit-identical to an uninterrupted run.
+- a stalled rank: the survivor's collective times out (``--timeout_s 6``) and it raises one error
+  naming the stalled rank and step, instead of gloo's message that names neither.
+- the heartbeat's diagnosis, in one process over a HashStore.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ckpt_worker import data_dir  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["--model", "gpt-nano", "--seq_len", "16", "--global_batch_size", "8", "--steps", "8", "--warmup_steps", "2",
+        "--eval_every", "0", "--eval_samples", "8", "--sample_bytes", "0", "--track_memory", "false",
+        "--threads", "1", "--strategy", "ddp", "--data", data_dir()]
+
+
+def torchrun(args: list[str], *, restarts: int, env: dict | None = None, timeout: int = 240):
+    cmd = ["timeout", "-k", "10", str(timeout), sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node=2", f"--max-restarts={restarts}", "-m", "modelpar", "train", *args]
+    e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    t = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=e, timeout=timeout + 30)
+    return p, time.time() - t
+
+
+def final(out_dir: Path) -> tuple[float, float]:
+    """(loss at step 8, validation loss after training) from the run record that reached step 8."""
+    for run in sorted(out_dir.iterdir()):
+        if not (run / "summary.json").exists():
+            continue
+        rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+        loss = [r["loss"] for r in rows if r["step"] == 8 and "loss" in r]
+        return loss[0], json.loads((run / "summary.json").read_text())["val_loss_after"]
+    raise AssertionError(f"no finished run record in {out_dir}: {list(out_dir.iterdir())}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_kill_one_rank_restart_resume_bit_identical(tmp_path):
+    ref, _ = torchrun([*TINY, "--out_dir", str(tmp_path / "ref")], restarts=0)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    ckpt = tmp_path / "ckpt"
+    run, secs = torchrun([*TINY, "--out_dir", str(tmp_path / "run"), "--ckpt_dir", str(ckpt), "--ckpt_every", "2",
+                          "--resume", "auto"], restarts=1,
+                         env={"MODELPAR_TEST_KILL_AT_STEP": "5", "MODELPAR_TEST_FAULT_RANK": "1"})
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, log[-4000:]
+    assert "[test fault] rank 1: SIGKILL at step 5" in log
+    assert "resumed from" in log and "step-00000004 at step 4" in log, log[-3000:]
+    assert final(tmp_path / "run") == final(tmp_path / "ref")          # bit-identical: loss and val loss
+    assert [p.name for p in sorted(ckpt.iterdir())] == ["step-00000004", "step-00000006", "step-00000008"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_stalled_rank_is_named_within_the_timeout(tmp_path):
+    run, secs = torchrun([*TINY, "--out_dir", str(tmp_path), "--timeout_s", "6"], restarts=0,
+                         env={"MODELPAR_TEST_STALL_AT_STEP": "2", "MODELPAR_TEST_FAULT_RANK": "1"}, timeout=150)
+    log = run.stdout + run.stderr
+    assert run.returncode != 0
+    assert "RankFailureError" in log and "rank 1 stalled at step 1" in log and "never began step 2" in log, log[-4000:]
+    assert secs < 60, f"took {secs:.0f} s"
+
+
+def test_heartbeat_names_a_dead_rank_and_a_stalled_one():
+    import torch.distributed as dist
+
+    from modelpar.train.health import Heartbeat
+
+    store = dist.HashStore()
+    a, b, c = (Heartbeat(store, r, 3, interval_s=0.1) for r in range(3))
+    for hb in (a, b, c):
+        hb.beat(3)
+    a.beat(4)
+    c.beat(4)
+    assert "rank 1 stalled at step 3" in a.diagnose()
+    c.close()                                     # rank 2's process is gone
+    msg = a.diagnose()
+    assert "rank 2 stopped" in msg and "at step 4" in msg
+    a.close()
+    b.close()

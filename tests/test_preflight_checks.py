@@ -1,0 +1,97 @@
+"""Preflight checks on the live model and optimizer (cases C1, C2, C8, C9), one launch per world size."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_checkpoint_reshard import launch  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return launch(2, [{"name": "c1_ddp", "kind": "c1", "plan": {"dp_replicate": 2}},
+                      {"name": "c1_fsdp", "kind": "c1", "plan": {"dp_shard": 2}},
+                      {"name": "c9", "kind": "c9"}], tmp_path_factory.mktemp("pre2"), "pre2")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", ["c1_ddp", "c1_fsdp"])
+def test_c1_unused_parameters_one_error_on_every_rank(two_ranks, name):
+    errs = two_ranks[name]["errors"]
+    assert set(errs) == {"0", "1"} and errs["0"] == errs["1"], errs
+    assert "2 trainable parameter(s) got no gradient in the first step" in errs["0"]
+    assert "unused.bias, unused.weight" in errs["0"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_c9_forward_before_optimizer_updates_like_reference(two_ranks):
+    r = two_ranks["c9"]
+    assert not r["errors"], r["errors"]
+    res = r["result"]
+    assert res["max_param_diff_vs_reference"] < 1e-6 and res["min_param_change"] > 1e-4, res
+    assert "stale tensor(s)" in res["stale_error"] and "case C9" in res["stale_error"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_c2_same_steps_and_eval_counts_each_sample_once(tmp_path):
+    res = launch(4, [{"name": "c2", "kind": "c2"}, {"name": "c2_steps", "kind": "c2", "steps_differ": True}],
+                 tmp_path, "pre4")
+    r = res["c2"]
+    assert not r["errors"], r["errors"]
+    assert abs(r["result"]["eval"] - r["result"]["reference"]) <= 1e-5 * r["result"]["reference"], r["result"]
+    errs = res["c2_steps"]["errors"]
+    assert set(errs) == {"0", "1", "2", "3"} and len(set(errs.values())) == 1
+    assert "different numbers of optimizer steps ({0: 10, 1: 10, 2: 10, 3: 11})" in errs["0"]
+
+
+class _Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.relu(b(x))
+        return x
+
+
+def _first_step(model):
+    from modelpar.train.preflight_checks import install_first_step_checks
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    install_first_step_checks(model.named_parameters(), opt)
+    model(torch.randn(3, 4)).sum().backward()       # the input does not require grad
+    opt.step()
+
+
+def test_c8_reentrant_checkpoint_without_grads_is_an_error():
+    import functools
+    import warnings
+
+    from torch.utils.checkpoint import checkpoint
+
+    m = _Blocks()
+    m.blocks[0].forward = functools.partial(checkpoint, m.blocks[0].forward, use_reentrant=True)
+    with warnings.catch_warnings(), pytest.raises(ValueError, match=r"2 trainable parameter\(s\) got no gradient.*"
+                                                  r"blocks\.0\.bias, blocks\.0\.weight.*case C8"):
+        warnings.simplefilter("ignore")
+        _first_step(m)
+
+
+def test_c8_modelpar_checkpointing_gives_every_parameter_a_grad():
+    from modelpar.parallel.checkpointing import apply_ac
+
+    m = _Blocks()
+    apply_ac(list(m.blocks), mode="full")
+    _first_step(m)                                   # no error: non-reentrant by default
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in m.parameters())
