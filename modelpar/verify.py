@@ -29,6 +29,7 @@ import torch.nn as nn
 from modelpar.parallel.compose import parallelize
 from modelpar.parallel.mesh import MeshInfo, build_mesh
 from modelpar.plan import ParallelPlan, gradient_accumulation_steps
+from modelpar.train.data import global_batch_slice
 from modelpar.train.loop import gather_full_state_dict, reduce_loss
 from modelpar.train.step import train_step
 
@@ -39,6 +40,7 @@ class RunResult:
     grad_norms: list[float]
     state: dict[str, torch.Tensor]      # full state dict on rank 0 ({} elsewhere)
     dtypes: dict[str, list[str]] = field(default_factory=dict)   # master-weight / optimizer-state dtypes
+    eval_loss: float | None = None      # loss of batch_fn(steps) after training, through evaluate()
 
 
 def make_optimizer(params, name: str, lr: float) -> torch.optim.Optimizer:
@@ -54,7 +56,7 @@ def run_steps(model: nn.Module, plan: ParallelPlan, *, loss_fn: Callable, batch_
               steps: int, global_batch_size: int, local_batch_size: int, optimizer: str = "adamw",
               lr: float = 1e-3, grad_clip: float = 0.0, device: torch.device | None = None,
               mesh: MeshInfo | None = None, tp_plan=None, loss_reduction: str = "mean",
-              loss_parallel: bool | None = None, split_points=None) -> RunResult:
+              loss_parallel: bool | None = None, split_points=None, probe: Callable | None = None) -> RunResult:
     """Train a deep copy of ``model`` for ``steps`` steps under ``plan``.
 
     Args:
@@ -63,6 +65,7 @@ def run_steps(model: nn.Module, plan: ParallelPlan, *, loss_fn: Callable, batch_
         loss_reduction: ``"mean"`` (``loss_fn`` averages over its batch) or ``"sum"``; the reported
             loss of a step is then the mean, or the sum, over the whole global batch (as one device).
         loss_parallel: see `modelpar.parallel.compose.parallelize`.
+        probe: called with the `ParallelModel` before the first step (tests attach hooks with it).
 
     Raises:
         ValueError: batch sizes that do not divide (global / (local x dp), local / micro-batches;
@@ -77,6 +80,8 @@ def run_steps(model: nn.Module, plan: ParallelPlan, *, loss_fn: Callable, batch_
     mb = local_batch_size // (plan.n_microbatches if plan.pp > 1 else 1)
     pm = parallelize(model, plan, mesh, loss_fn=loss_fn, device=device, example_input=x0[:mb], tp_plan=tp_plan,
                      loss_reduction=loss_reduction, loss_parallel=loss_parallel, split_points=split_points)
+    if probe is not None:
+        probe(pm)
     opt = make_optimizer(pm.parameters(), optimizer, lr)
     losses, norms = [], []
     # a sum loss over the global batch is the sum of the local-batch sums; reduce_loss averages them
@@ -86,10 +91,24 @@ def run_steps(model: nn.Module, plan: ParallelPlan, *, loss_fn: Callable, batch_
         loss_sum, n, gnorm = train_step(pm, opt, xg, yg, accum_steps=accum, grad_clip=grad_clip)
         losses.append(reduce_loss(pm, loss_sum, n, device) * loss_factor)
         norms.append(gnorm.item())
+    eval_loss = 0.0                     # the next global batch through the evaluation path
+    for a in range(accum):
+        sl = global_batch_slice(batch_size_of(batch_fn(steps)), accum_step=a, num_accum=accum,
+                                dp_rank=pm.mesh.dp_rank, dp_degree=plan.dp)
+        xe, ye = batch_fn(steps)
+        pm.train(False)
+        le = pm.evaluate(xe[sl], ye[sl])
+        pm.train(True)
+        eval_loss += reduce_loss(pm, le.item() if le is not None else 0.0, 1 if le is not None else 0, device)
+    eval_loss = eval_loss * plan.dp if loss_reduction == "sum" else eval_loss / accum
     dtypes = {"params": sorted({str(_local(p).dtype) for p in pm.parameters()}),
               "optimizer_state": sorted({str(_local(v).dtype) for st in opt.state.values()
                                          for k, v in st.items() if torch.is_tensor(v) and k != "step"})}
-    return RunResult(losses, norms, gather_full_state_dict(pm), dtypes)
+    return RunResult(losses, norms, gather_full_state_dict(pm), dtypes, eval_loss)
+
+
+def batch_size_of(batch) -> int:
+    return len(batch[0])
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -152,6 +171,11 @@ def compare(name: str, ref: RunResult, got: RunResult, *, optimizer: str = "adam
     rel_norm = math.sqrt(dsq) / max(math.sqrt(tsq), 1e-12)
     if optimizer != "sgd" and rel_norm > norm_rtol:
         fails.append(f"||delta||/||theta|| = {rel_norm:.2e} > {norm_rtol:.0e}")
+    if ref.eval_loss is not None and got.eval_loss is not None:
+        ed = abs(ref.eval_loss - got.eval_loss) / max(abs(ref.eval_loss), 1e-12)
+        if not ed <= loss_rtol:
+            fails.append(f"evaluation loss after training differs by {ed:.2e} relative (> {loss_rtol:.0e}): "
+                         f"{got.eval_loss:.6g} vs reference {ref.eval_loss:.6g}")
     max_gn = max(gn) if gn else 0.0
     if max_gn > grad_norm_rtol:
         fails.append(f"logged grad norm differs by {max_gn:.2e} relative (> {grad_norm_rtol:.0e}) at step "

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from modelpar.models import build_gpt, build_mlp
@@ -51,21 +52,78 @@ def mlp_task(n_layer: int = 2):
     return model, batch_fn
 
 
+class DictIn(nn.Module):
+    """x (b, 32) -> {"h": (b, 32), "g": (b, 32)}: a structured value crosses every stage boundary (C6)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return {"h": self.lin(x), "g": x}
+
+
+class DictBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.gate = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, s):
+        h = s["h"]
+        return {"h": h + torch.tanh(self.lin(h)) * torch.sigmoid(s["g"]), "g": self.gate(h)}
+
+
+class DictHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.out = nn.Linear(32, 10)
+
+    def forward(self, s):
+        return self.out(s["h"] + s["g"])
+
+
+class DictNet(nn.Module):
+    """The ModuleList form whose blocks pass dicts of tensors (carried flattened between stages)."""
+
+    def __init__(self, n_blocks: int = 4, with_int: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = DictIn()
+        self.blocks = nn.ModuleList(DictBlock() for _ in range(n_blocks))
+        self.head = DictHead()
+        self.with_int = with_int
+        if with_int:          # case C6: a plain int in the structure cannot be sent
+            for b in self.blocks:
+                b.register_forward_hook(lambda m, a, out: {**out, "n": 3})
+
+    def forward(self, x):
+        s = self.embed(x)
+        for b in self.blocks:
+            s = b(s)
+        return self.head(s)
+
+
+def dict_task(n_layer: int = 4, with_int: bool = False):
+    _, batch_fn = mlp_task()
+    return DictNet(n_layer, with_int), batch_fn
+
+
 class Case(NamedTuple):
     """One parity case; ``world`` first so ``case[0]`` is the world size (tests/conftest.py)."""
 
     world: int
-    task: str                   # "gpt" | "mlp"
+    task: str                   # "gpt" | "mlp" | "dict" | "dict-int"
     plan: dict                  # ParallelPlan fields
     optimizer: str = "adamw"
     local: int = 0              # local batch size; 0: global / dp (no accumulation)
     clip: float = 0.0           # global grad-norm clip (0: off)
     n_layer: int = 2            # GPT blocks (4 or 8 for virtual stages)
     loss: str = "mean"          # "mean" | "sum" (case C4)
-    check: str = "parity"       # "parity" | "bf16"
+    check: str = "parity"       # "parity" | "bf16" | "error" (every rank raises the same ValueError)
     steps: int = STEPS
     lr: float = 0.0             # 0: 1e-3 for adamw, 0.05 for sgd
     loss_parallel: bool | None = None   # shard the GPT head over vocab, loss without full logits
+    global_batch: int = 0       # 0: GLOBAL_BATCH
 
 
 # name -> Case
@@ -115,6 +173,19 @@ _case("gpt-fsdp2-accum2-sum", 2, "gpt", dict(dp_shard=2), local=2, loss="sum", o
 _case("gpt-fsdp2-bf16", 2, "gpt", dict(dp_shard=2, precision="bf16"), check="bf16", steps=50)
 _case("gpt-pp2-bf16", 2, "gpt", dict(pp=2, n_microbatches=2, precision="bf16"), check="bf16", steps=50)
 
+# sequence parallel (and with it the vocab-sharded head: loss without full logits); loss parallel alone
+_case("gpt-tp2-sp", 2, "gpt", dict(tp=2, sequence_parallel=True))
+_case("gpt-tp2-lossparallel", 2, "gpt", dict(tp=2), loss_parallel=True)
+_case("gpt-tp2-sp-accum2-sum", 2, "gpt", dict(tp=2, sequence_parallel=True), local=4, loss="sum",
+      optimizer="sgd", lr=1e-4)
+
+# C6: a dict of tensors crosses the stage boundaries (carried); a dict holding an int is refused
+_case("dict-pp2-1f1b", 2, "dict", dict(pp=2, n_microbatches=2))
+_case("dict4-pp2-interleaved1f1b", 2, "dict", dict(_V2, pp_schedule="interleaved1f1b"))
+_case("c6-dict-int-pp2", 2, "dict-int", dict(pp=2, n_microbatches=2), check="error")
+# C5: batch 10 split into 4 micro-batches is refused on every rank before training
+_case("c5-batch10-mb4-pp2", 2, "gpt", dict(pp=2, n_microbatches=4), global_batch=10, check="error")
+
 # ---- hybrids on 4 ranks
 _case("gpt-hsdp2x2", 4, "gpt", dict(dp_replicate=2, dp_shard=2))
 _case("gpt-pp2xddp2", 4, "gpt", dict(pp=2, dp_replicate=2, n_microbatches=2))
@@ -122,10 +193,16 @@ _case("gpt-pp2xfsdp2", 4, "gpt", dict(pp=2, dp_shard=2, n_microbatches=2))
 _case("gpt-pp2xtp2", 4, "gpt", dict(pp=2, tp=2, n_microbatches=2))
 _case("gpt4-pp2xfsdp2-interleaved-clip", 4, "gpt", dict(_V2, dp_shard=2, pp_schedule="interleaved1f1b",
                                                         n_microbatches=2), n_layer=4, clip=0.05)
+_case("gpt-ddp2xtp2-clip", 4, "gpt", dict(dp_replicate=2, tp=2), clip=0.05)
+_case("gpt-fsdp2xtp2-sp", 4, "gpt", dict(dp_shard=2, tp=2, sequence_parallel=True))
+_case("gpt-pp2xtp2-sp", 4, "gpt", dict(pp=2, tp=2, sequence_parallel=True, n_microbatches=2))
 _case("gpt-pp2xddp2-accum2-clip", 4, "gpt", dict(pp=2, dp_replicate=2, n_microbatches=2), local=2, clip=0.05)
 
 # ---- 3-D on 8 ranks
 _case("gpt-pp2xfsdp2xtp2", 8, "gpt", dict(pp=2, dp_shard=2, tp=2, n_microbatches=2))
+_case("gpt4-pp2xfsdp2xtp2-sp-interleaved", 8, "gpt", dict(_V2, dp_shard=2, tp=2, sequence_parallel=True,
+                                                          pp_schedule="interleaved1f1b", n_microbatches=2),
+      n_layer=4, clip=0.05)
 
 
 def run_case(name: str, mesh=None, device=None):
@@ -136,18 +213,78 @@ def run_case(name: str, mesh=None, device=None):
     from modelpar.verify import compare, compare_low_precision, run_steps
 
     c = CASES[name]
-    model, batch_fn = gpt_task(c.n_layer) if c.task == "gpt" else mlp_task()
+    if c.task in ("dict", "dict-int"):
+        model, batch_fn = dict_task(c.n_layer if c.n_layer != 2 else 4, with_int=c.task == "dict-int")
+    else:
+        model, batch_fn = gpt_task(c.n_layer) if c.task == "gpt" else mlp_task()
+    gb = c.global_batch or GLOBAL_BATCH
+    if gb != GLOBAL_BATCH:
+        base = batch_fn
+        batch_fn = lambda step: tuple(t[:gb] if len(t) >= gb else t.repeat(2, *[1] * (t.dim() - 1))[:gb]
+                                      for t in base(step))
     loss_fn = (lm_loss_sum if c.loss == "sum" else lm_loss) if c.task == "gpt" else classification_loss
     plan = ParallelPlan(**c.plan).validate(c.world)
-    local = c.local or GLOBAL_BATCH // plan.dp
+    local = c.local or gb // plan.dp
     lr = c.lr or (1e-3 if c.optimizer == "adamw" else 0.05)
-    kw = dict(loss_fn=loss_fn, batch_fn=batch_fn, steps=c.steps, global_batch_size=GLOBAL_BATCH,
+    kw = dict(loss_fn=loss_fn, batch_fn=batch_fn, steps=c.steps, global_batch_size=gb,
               optimizer=c.optimizer, lr=lr, grad_clip=c.clip, loss_reduction=c.loss)
-    got = run_steps(model, plan, local_batch_size=local, loss_parallel=c.loss_parallel, **kw)
+    if c.check == "error":
+        return _expect_same_error(lambda: run_steps(model, plan, local_batch_size=local, **kw))
+    seen: dict[str, int] = {}
+    got = run_steps(model, plan, local_batch_size=local, loss_parallel=c.loss_parallel,
+                    probe=lambda pm: _attach_shape_probes(pm, seen), **kw)
     if dist.get_rank() != 0:
         return None
     # the reference: one process, fp32, the whole global batch in one forward/backward
-    ref = run_steps(model, ParallelPlan(), local_batch_size=GLOBAL_BATCH, mesh=MeshInfo(mesh=None), **kw)
+    ref = run_steps(model, ParallelPlan(), local_batch_size=gb, mesh=MeshInfo(mesh=None), **kw)
     if c.check == "bf16":
-        return compare_low_precision(name, ref, got, first_step=20, loss_rtol=0.02).to_dict()
-    return compare(name, ref, got, optimizer=c.optimizer).to_dict()
+        rep = compare_low_precision(name, ref, got, first_step=20, loss_rtol=0.02)
+    else:
+        rep = compare(name, ref, got, optimizer=c.optimizer)
+    out = rep.to_dict()
+    out["local_shapes"] = seen
+    # the layout really is what the plan says: sequence shards between blocks, vocab-sharded logits
+    if plan.sequence_parallel and seen.get("block_input_seq") != SEQ // plan.tp:
+        out["passed"] = False
+        out["failures"].append(f"sequence parallel: blocks saw {seen.get('block_input_seq')} positions, "
+                               f"expected {SEQ // plan.tp}")
+    vocab_sharded = plan.tp > 1 and (plan.sequence_parallel if c.loss_parallel is None else c.loss_parallel)
+    if vocab_sharded and "logits_local_vocab" in seen and seen["logits_local_vocab"] != 256 // plan.tp:
+        out["passed"] = False
+        out["failures"].append(f"loss parallel: local logits had {seen['logits_local_vocab']} classes, "
+                               f"expected {256 // plan.tp}")
+    return out
+
+
+def _expect_same_error(fn) -> dict | None:
+    """Run ``fn`` on every rank; pass when every rank raised a ValueError with the same message."""
+    import torch.distributed as dist
+
+    try:
+        fn()
+        msg = None
+    except ValueError as e:
+        msg = str(e)
+    msgs = [None] * dist.get_world_size()
+    dist.all_gather_object(msgs, msg)
+    if dist.get_rank() != 0:
+        return None
+    ok = msgs[0] is not None and all(m == msgs[0] for m in msgs)
+    return {"name": "error", "passed": ok, "messages": msgs,
+            "failures": [] if ok else [f"expected one ValueError on every rank, got {msgs}"]}
+
+
+def _attach_shape_probes(pm, seen: dict) -> None:
+    """Record the local sequence length entering a block and the local vocab width of the logits."""
+    import re
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    for mod in pm.modules:
+        for name, m in mod.named_modules():
+            if re.fullmatch(r"blocks\.\d+", name):
+                m.register_forward_pre_hook(lambda _m, a: seen.__setitem__("block_input_seq", local(a[0]).shape[1])
+                                            if torch.is_tensor(a[0]) and a[0].dim() == 3 else None)
+            elif name == "head.out":
+                m.register_forward_hook(lambda _m, a, o: seen.__setitem__("logits_local_vocab", local(o).shape[-1]))

@@ -8,7 +8,11 @@ The order matters and is the same for every plan:
    DTensors to shard them further over the data axis (2-D FSDP x TP);
 3. activation checkpointing: wraps block forwards, after TP so recompute replays the TP collectives;
 4. FSDP (``dp_shard > 1``, HSDP with ``dp_replicate``) or DDP (``dp_replicate`` only) last: data
-   parallelism wraps whatever the previous steps produced.
+   parallelism wraps whatever the previous steps produced. With a pipeline or TP, ``dp_replicate``
+   alone uses FSDP2's ``replicate`` (the same semantics as DDP): the pipelining runtime drives the
+   gradient reduction of FSDP-style modules itself, and DDP's DTensor path swaps TP parameters for
+   plain local tensors after each forward, so ``parameters()`` and ``state_dict()`` lose them
+   (clipping and checkpoints then miss the TP weights).
 
 Before step 1, a pipeline plan dry-runs the whole model on one example micro-batch to check every
 stage boundary (case C6, `pipeline.check_stage_boundaries`); every rank holds the whole model at
@@ -32,7 +36,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from modelpar.parallel import checkpointing, data_parallel, pipeline, placement, tensor
@@ -63,7 +66,12 @@ class ParallelModel:
     layout: list = field(default_factory=list)
     loss_reduction: str = "mean"          # "mean" | "sum": what loss_fn does over its batch
     loss_parallel: bool = False           # logits are vocab-sharded DTensors; loss under loss_parallel()
-    _loss_scale: float = 1.0
+    fsdp_mixed_precision: bool = False    # bf16 done by FSDP2's MixedPrecisionPolicy (no autocast)
+    _scaled: "_ScaledLoss | None" = None  # the schedule's loss function (see _ScaledLoss)
+
+    def __post_init__(self):
+        if self._scaled is None:
+            self._scaled = _ScaledLoss(self.loss_fn)
 
     # ---- helpers ------------------------------------------------------------------------------
     @property
@@ -91,7 +99,7 @@ class ParallelModel:
             m.train(mode)
 
     def _autocast(self):
-        if self.plan.precision == "bf16" and not self.plan.fsdp_enabled:
+        if self.plan.precision == "bf16" and not self.fsdp_mixed_precision:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -105,8 +113,13 @@ class ParallelModel:
                 m.set_requires_gradient_sync(enabled)
         return contextlib.nullcontext()
 
-    def _scaled_loss(self, out, y):
-        return self.loss_fn(out, y) * self._loss_scale
+    @property
+    def _loss_scale(self) -> float:
+        return self._scaled.scale
+
+    @_loss_scale.setter
+    def _loss_scale(self, v: float) -> None:
+        self._scaled.scale = v
 
     def _loss_context(self):
         if self.loss_parallel:
@@ -121,6 +134,17 @@ class ParallelModel:
         if self.schedule is not None and (len(x) < m or len(x) % m):
             raise ValueError(f"local batch size {len(x)} is not divisible by n_microbatches={m}: pipeline "
                              f"micro-batches must all have the same size (no padding or dropping is done)")
+
+    def _eval_by_training_step(self, args, kwargs) -> None:
+        """One schedule step for its losses only: gradients before it are restored after it."""
+        params = list(self.parameters())
+        saved = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        with torch.enable_grad(), self._grad_sync(False):
+            self.schedule.step(*args, **kwargs)
+        for p, g in zip(params, saved):
+            p.grad = g
 
     # ---- the step -----------------------------------------------------------------------------
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, *, loss_scale: float = 1.0,
@@ -159,8 +183,28 @@ class ParallelModel:
             total = torch.stack([_plain(l.detach()) for l in losses]).sum() / self._loss_scale
             return total / m if self.loss_reduction == "mean" else total
 
-    @torch.no_grad()
+    def _reshard(self) -> None:
+        """Free FSDP's gathered parameters: a forward without backward (evaluation) leaves the root's
+        (``reshard_after_forward=False``) gathered, and while gathered the module's registered
+        parameters are the unsharded compute-dtype (bf16) copies instead of the fp32 shards."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for mod in self.modules:
+            for m in mod.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
+
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """Mean (or, for sum losses, summed) loss of ``(x, y)`` without gradients (None on pipeline
+        ranks without the last stage); FSDP parameters are resharded after it."""
+        try:
+            with torch.no_grad():
+                return self._evaluate(x, y)
+        finally:
+            if self.fsdp_mixed_precision or self.plan.fsdp_enabled:
+                self._reshard()
+
+    def _evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         """Mean loss of ``(x, y)`` without gradients (None on pipeline ranks without the last stage)."""
         self._check_batch(x)
         with self._loss_context():
@@ -173,100 +217,42 @@ class ParallelModel:
             kwargs = {"target": y.to(self.device), "losses": losses} if self.has_last_stage else {}
             args = (x.to(self.device),) if self.has_first_stage else ()
             with self._autocast():
-                self.schedule.eval(*args, **kwargs)
+                if self.plan.pp_schedule in EVAL_WITH_BACKWARD:
+                    self._eval_by_training_step(args, kwargs)
+                else:
+                    self.schedule.eval(*args, **kwargs)
         if not self.has_last_stage:
             return None
         stacked = torch.stack([_plain(l) for l in losses]).float()
         return stacked.mean() if self.loss_reduction == "mean" else stacked.sum()
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """A replicated DTensor (the loss under loss parallel) as a plain tensor."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+# torch 2.13's forward-only `schedule.eval` fails for the zero-bubble schedules ("can't
+# steal_bwd_input if this stage doesn't have backward"): they evaluate with a full schedule step whose
+# gradients are thrown away (about 3x the compute of a forward; the losses are exact).
+EVAL_WITH_BACKWARD = ("interleavedzerobubble", "zbvzerobubble", "dualpipev")
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """A replicated DTensor (the loss under loss parallel) as a plain tensor."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+class _ScaledLoss:
+    """``loss_fn(out, y) * scale``: the loss function given to the pipeline schedule.
 
-
-def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn: Callable,
-                device: torch.device, example_input: torch.Tensor | None = None,
-                tp_plan: dict[str, str] | None = None, split_points: tuple[str, ...] | None = None,
-                find_unused_parameters: bool = False) -> ParallelModel:
-    """Lay ``model`` out according to ``plan`` on this rank (see the module docstring for the order).
-
-    Args:
-        model: the full model, on CPU or ``device``, with its initial weights (the same on every rank).
-        mesh: from `modelpar.parallel.mesh.build_mesh`.
-        loss_fn: ``loss_fn(output, target) -> scalar`` mean loss.
-        example_input: one micro-batch of input, used to check the block order for pipelines.
-        tp_plan: ``{module path: "colwise" | "rowwise"}``; derived when None.
-
-    Raises:
-        ValueError: the model cannot be split as the plan needs (see `modelpar.parallel.parts`), or a
-            TP split does not divide evenly.
+    A separate object rather than a bound method of `ParallelModel`, so the schedule holds no
+    reference back to the model: without that cycle the schedule, its stages and their pending
+    point-to-point work are freed as soon as the `ParallelModel` is dropped, while the process group
+    still exists (freed later by the cyclic collector, after the group was destroyed, gloo aborted
+    the process at exit: 'terminate called without an active exception').
     """
-    parts: ModelParts = get_model_parts(model, split_points)
-    plan.validate(num_blocks=parts.num_blocks if plan.pp_enabled else None)
-    if plan.tp_enabled:
-        tp_plan = tp_plan if tp_plan is not None else tensor.derive_tp_plan(model)
-        tensor.validate_tp_plan(model, tp_plan, plan.tp)
 
-    if plan.is_placement:                          # one process, many devices
-        layout = placement.apply_placement(parts, plan.placement_devices,
-                                           boundaries=list(plan.stage_boundaries) if plan.stage_boundaries else None)
-        checkpointing.apply_ac([m for _, m in parts.blocks], mode=plan.activation_checkpointing)
-        first = torch.device(plan.placement_devices[0])
-        return ParallelModel(plan, mesh, [model], model, loss_fn, first, layout=layout)
+    def __init__(self, loss_fn: Callable):
+        self.loss_fn, self.scale = loss_fn, 1.0
 
-    model.to(device)
-    # 1. pipeline split
-    schedule, indices, ranges = None, [], []
-    if plan.pp_enabled:
-        if parts.form == "split_points":
-            raise ValueError("pipelines over split points of an arbitrary module are not supported yet; "
-                             "use an nn.Sequential or the ModuleList form (see modelpar.parallel.parts)")
-        if example_input is not None:
-            check_parts_order(model, parts, example_input.to(device))
-        ranges = pipeline.split_stages(parts, plan.num_stages, plan.stage_boundaries)
-        indices = pipeline.stage_indices(mesh.pp_rank, plan.pp, plan.virtual_stages, plan.pp_schedule)
-        modules: list[nn.Module] = pipeline.build_stage_modules(parts, ranges, indices)
-    else:
-        modules = [model]
-    block_ids = {id(m) for _, m in parts.blocks}
+    def __call__(self, out, y):
+        return self.loss_fn(out, y) * self.scale
 
-    def local_blocks(mod: nn.Module) -> list[nn.Module]:
-        return [m for m in mod.modules() if id(m) in block_ids]
 
-    # 2. tensor parallel
-    if plan.tp_enabled:
-        for mod in modules:
-            present = {n for n, _ in mod.named_modules()}
-            tensor.apply_tp(mod, mesh.sub("tp"), tp_plan, present=present)
-    # 3. activation checkpointing
-    for mod in modules:
-        checkpointing.apply_ac(local_blocks(mod), mode=plan.activation_checkpointing)
-    # 4. data parallel
-    runtime_modules = modules                      # what forward / the pipeline stages call
-    if plan.fsdp_enabled:
-        dp_mesh = mesh.sub("dp_replicate", "dp_shard")
-        for mod in modules:
-            data_parallel.apply_fsdp(mod, dp_mesh, local_blocks(mod), precision=plan.precision,
-                                     reshard_after_forward=plan.reshard_after_forward,
-                                     cpu_offload=plan.cpu_offload)
-    elif plan.dp_replicate > 1:
-        dp_mesh = mesh.sub("dp_replicate")
-        runtime_modules = [data_parallel.apply_ddp(mod, dp_mesh, find_unused_parameters=find_unused_parameters)
-                           for mod in modules]
-
-    pm = ParallelModel(plan, mesh, modules, runtime_modules[0] if not plan.pp_enabled else None, loss_fn,
-                       device, stage_indices=indices, stage_ranges=ranges)
-    if plan.pp_enabled:
-        pm.schedule = pipeline.build_schedule(runtime_modules, indices, plan.num_stages,
-                                              schedule=plan.pp_schedule, n_microbatches=plan.n_microbatches,
-                                              loss_fn=pm._scaled_loss, device=device, pp_group=mesh.group("pp"))
-    return pm
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (the loss under loss parallel) as a plain tensor."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn: Callable,
@@ -348,12 +334,17 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
         checkpointing.apply_ac(local_blocks(mod), mode=plan.activation_checkpointing)
     # 4. data parallel last: it wraps whatever the previous steps produced
     runtime_modules = modules                      # what forward / the pipeline stages call
+    fsdp_style = plan.fsdp_enabled or (plan.dp_replicate > 1 and (plan.pp_enabled or plan.tp_enabled))
     if plan.fsdp_enabled:
         dp_mesh = mesh.sub("dp_replicate", "dp_shard")
         for mod in modules:
             data_parallel.apply_fsdp(mod, dp_mesh, local_blocks(mod), precision=plan.precision,
                                      reshard_after_forward=plan.reshard_after_forward,
                                      cpu_offload=plan.cpu_offload)
+    elif plan.dp_replicate > 1 and (plan.pp_enabled or plan.tp_enabled):   # DDP semantics, see docstring
+        dp_mesh = mesh.sub("dp_replicate")
+        for mod in modules:
+            data_parallel.apply_replicate(mod, dp_mesh, local_blocks(mod), precision=plan.precision)
     elif plan.dp_replicate > 1:
         dp_mesh = mesh.sub("dp_replicate")
         runtime_modules = [data_parallel.apply_ddp(mod, dp_mesh, find_unused_parameters=find_unused_parameters)
@@ -361,9 +352,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
 
     pm = ParallelModel(plan, mesh, modules, runtime_modules[0] if not plan.pp_enabled else None, loss_fn,
                        device, stage_indices=indices, stage_ranges=ranges, loss_reduction=loss_reduction,
-                       loss_parallel=shard_head)
+                       loss_parallel=shard_head, fsdp_mixed_precision=fsdp_style)
     if plan.pp_enabled:
         pm.schedule = pipeline.build_schedule(runtime_modules, indices, plan.num_stages,
                                               schedule=plan.pp_schedule, n_microbatches=plan.n_microbatches,
-                                              loss_fn=pm._scaled_loss, device=device, pp_group=mesh.group("pp"))
+                                              loss_fn=pm._scaled, device=device, pp_group=mesh.group("pp"))
     return pm

@@ -58,3 +58,25 @@ def apply_fsdp(model: nn.Module, dp_mesh, blocks: list[nn.Module], *, precision:
                     reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=False)
     return model
+
+
+def apply_replicate(model: nn.Module, dp_mesh, blocks: list[nn.Module], *, precision: str = "fp32") -> nn.Module:
+    """DDP semantics (replicated states, gradients averaged over ``dp_mesh``) through FSDP2's
+    ``replicate`` (`torch.distributed._composable.replicate_with_fsdp`), per block and then the root.
+
+    Used for pipeline stages and under TP: `torch.distributed.pipelining` runs several micro-batch
+    forwards before their backwards and drives the gradient reduction of FSDP-style modules itself,
+    which the `DistributedDataParallel` reducer does not support (its bucket rebuild fails with
+    "rebuilt parameter indices size is not same as original model parameters size"); and DDP's
+    DTensor path replaces TP parameters by plain local tensors after each forward, so the module's
+    ``parameters()`` and ``state_dict()`` no longer list them.
+    """
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if precision == "bf16" else MixedPrecisionPolicy())
+    for block in blocks:
+        replicate(block, mesh=dp_mesh, mp_policy=mp)
+    replicate(model, mesh=dp_mesh, mp_policy=mp)
+    return model

@@ -74,6 +74,23 @@ def get_model_parts(model: nn.Module, split_points: tuple[str, ...] | list[str] 
                      f"has {found}. {FORMS_HELP}")
 
 
+class eval_mode:
+    """Context: the given modules in eval mode (dropout off, so dry runs draw no random numbers and
+    leave the RNG state as they found it), restored after."""
+
+    def __init__(self, modules):
+        self.modules = [m for _, m in modules] if modules and isinstance(modules[0], tuple) else list(modules)
+
+    def __enter__(self):
+        self.was = [m.training for m in self.modules]
+        for m in self.modules:
+            m.eval()
+
+    def __exit__(self, *exc):
+        for m, w in zip(self.modules, self.was):
+            m.train(w)
+
+
 def run_parts(parts: ModelParts, x):
     """Run pre -> blocks -> post in order (the contract of forms 1 and 2)."""
     for _, m in parts.all():
@@ -173,14 +190,20 @@ def measure_part_costs(parts: ModelParts, example_input: torch.Tensor, *, kind: 
     Raises:
         ValueError: an unknown ``kind``.
     """
-    import time
-
-    from torch.utils.flop_counter import FlopCounterMode
-
     if kind not in ("flops", "time"):
         raise ValueError(f"block cost kind {kind!r} is unknown; valid: flops, time, params")
     out = ([], [], [])
     x = example_input
+    with eval_mode(parts.all()):
+        _measure(parts, x, kind, repeats, out)
+    return out
+
+
+def _measure(parts, x, kind, repeats, out) -> None:
+    import time
+
+    from torch.utils.flop_counter import FlopCounterMode
+
     for bucket, group in zip(out, (parts.pre, parts.blocks, parts.post)):
         for _, m in group:
             if kind == "flops":
@@ -198,7 +221,6 @@ def measure_part_costs(parts: ModelParts, example_input: torch.Tensor, *, kind: 
                     ts.append(time.perf_counter() - t0)
                 bucket.append(sorted(ts)[len(ts) // 2])
             x = y
-    return out
 
 
 def block_costs(parts: ModelParts, kind: str = "params", example_input: torch.Tensor | None = None) -> list[float]:

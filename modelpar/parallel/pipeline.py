@@ -28,7 +28,8 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from modelpar.parallel.parts import ModelParts, balanced_partition, block_costs, block_param_costs, stage_ranges
+from modelpar.parallel.parts import (ModelParts, balanced_partition, block_costs, block_param_costs, eval_mode,
+                                    stage_ranges)
 
 SCHEDULE_CLASSES = {
     "gpipe": "ScheduleGPipe",
@@ -108,6 +109,11 @@ def check_stage_boundaries(parts: ModelParts, ranges: list[tuple[int, int]], exa
             the stage, its blocks, the field path and the type (case C6). Every rank runs the same dry
             run on the same model, so every rank raises the same error before training.
     """
+    with eval_mode(parts.all()):
+        return _check_boundaries(parts, ranges, example_input)
+
+
+def _check_boundaries(parts: ModelParts, ranges, example_input) -> list:
     specs = []
     x = example_input
     for p in parts.pre:
@@ -204,3 +210,67 @@ def build_schedule(stage_modules: list[nn.Module], indices: list[int], num_stage
     if len(stages) == 1 and schedule in ("gpipe", "1f1b"):
         return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+class ActionTimer:
+    """Wall time inside every compute action this rank runs: ``F`` (forward), ``B`` (full backward),
+    ``I`` / ``W`` (zero-bubble input / weight backward), per stage and micro-batch.
+
+    Wraps the `PipelineStage` methods the schedules call (``forward_one_chunk``,
+    ``backward_one_chunk``, ``backward_weight_one_chunk``) on the given schedule's stages, so the
+    timings are those of the schedule's own actions. Use as a context manager around
+    ``schedule.step``; ``records`` holds ``(stage index, action, micro-batch, start s, end s)``.
+    """
+
+    def __init__(self, schedule):
+        self.stages = list(getattr(schedule, "_stages", None) or [schedule._stage])
+        self.records: list[tuple[int, str, int, float, float]] = []
+        self._saved = []
+
+    def _wrap(self, stage, attr: str, kind):
+        import time
+
+        orig = getattr(stage, attr)
+
+        def timed(chunk_id, *a, **k):
+            t0 = time.perf_counter()
+            try:
+                return orig(chunk_id, *a, **k)
+            finally:
+                self.records.append((stage.stage_index, kind(a, k), chunk_id, t0, time.perf_counter()))
+        self._saved.append((stage, attr, orig))
+        setattr(stage, attr, timed)
+
+    def __enter__(self):
+        for st in self.stages:
+            self._wrap(st, "forward_one_chunk", lambda a, k: "F")
+            self._wrap(st, "backward_one_chunk",
+                       lambda a, k: "B" if k.get("full_backward", a[1] if len(a) > 1 else True) else "I")
+            self._wrap(st, "backward_weight_one_chunk", lambda a, k: "W")
+        return self
+
+    def __exit__(self, *exc):
+        for st, attr, orig in reversed(self._saved):
+            setattr(st, attr, orig)
+        self._saved.clear()
+
+    def busy_seconds(self) -> float:
+        """Sum of the time inside all recorded actions (s)."""
+        return sum(t1 - t0 for *_, t0, t1 in self.records)
+
+    def busy_by_stage(self) -> dict[int, float]:
+        """Compute time per stage index (s): the measured cost of each stage."""
+        out: dict[int, float] = {}
+        for s, _, _, t0, t1 in self.records:
+            out[s] = out.get(s, 0.0) + (t1 - t0)
+        return out
+
+
+def bubble_formula(pp: int, n_microbatches: int, virtual_stages: int = 1) -> float:
+    """Idle fraction of a synchronous pipeline step: (p - 1) / (v m + p - 1).
+
+    From Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters Using
+    Megatron-LM", Sec. 2.2: bubble time fraction (p - 1) / m of the ideal time, interleaved (p - 1) /
+    (v m)), written as a fraction of the whole step. v = 1 for GPipe / 1F1B.
+    """
+    return (pp - 1) / (virtual_stages * n_microbatches + pp - 1)
