@@ -44,7 +44,7 @@ def megatron_profile(a: int, h: int, l: int):
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab_size=V, seq_len=S, n_layer=l, n_head=a, d_model=h))
     x = torch.zeros(1, S, dtype=torch.long, device="meta")
-    return profile_model(model, x, dtype=torch.bfloat16)
+    return profile_model(model, x, dtype=torch.bfloat16, attention="math")   # unfused, as Megatron-LM 2021
 
 
 def predict_row(row, hw=BUILTIN["A100-80GB"]) -> dict:
@@ -65,7 +65,7 @@ def predict_row(row, hw=BUILTIN["A100-80GB"]) -> dict:
                                 activation_checkpointing="full", precision="bf16")
             batch = Batch(B, per_dp if pp > 1 else b)
             mem = estimate_memory(prof, plan, batch, optimizer="adamw",
-                                  overhead_bytes=hw.framework_overhead_bytes)
+                                  overhead_bytes=hw.framework_overhead_bytes, recv_per_microbatch=False)
             if mem.total > hw.memory_bytes:
                 continue
             st = estimate_step(prof, plan, batch, hw, optimizer="adamw", dp_overlap=False)

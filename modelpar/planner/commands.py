@@ -82,7 +82,7 @@ def plan_main(argv: list[str]) -> int:
         c = rep.ranked[args.explain - 1]
         print(f"\nplan {args.explain}: {c.plan.describe()}  local batch {c.batch.local_batch_size}, "
               f"micro-batch {c.micro_batch_size}\n  {c.plan.to_json()}")
-        print(f"  memory per device (pipeline rank {c.memory.pp_rank}):")
+        print(f"  memory per device (pipeline rank {c.memory.pp_rank}, peak at {c.memory.phase}):")
         for k, v in c.memory.parts().items():
             print(f"    {k:<14} {v / GIB:10.3f} GiB")
         print(f"    {'total':<14} {c.memory.total / GIB:10.3f} GiB of {hw.memory_bytes / GIB:.1f}")
@@ -129,44 +129,107 @@ def estimate_main(argv: list[str]) -> int:
 
 
 # ---- calibrate --------------------------------------------------------------------------------
+MATMUL_SIZES = (32, 64, 128, 256, 512, 1024, 2048)
+COLLECTIVE_SIZES = (4 * 2 ** 10, 256 * 2 ** 10, 4 * 2 ** 20, 16 * 2 ** 20)      # bytes
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+
+
+def default_calibration_path() -> str:
+    """``$MODELPAR_CALIBRATION``, else ``~/.cache/modelpar/calibration.json`` (what `--strategy auto` reads)."""
+    return os.environ.get("MODELPAR_CALIBRATION",
+                          os.path.join(os.path.expanduser("~"), ".cache", "modelpar", "calibration.json"))
+
+
 def _time(fn, reps: int) -> float:
+    """Median seconds of ``fn`` over ``reps`` calls after one warm-up (medians resist a shared machine)."""
+    import statistics
     fn()
-    t = time.perf_counter()
+    ts = []
     for _ in range(reps):
+        t = time.perf_counter()
         fn()
-    return (time.perf_counter() - t) / reps
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
 
 
-def measure_compute(sizes=(128, 256, 512, 1024)) -> dict:
-    """Matmul FLOP/s over square sizes, per-op overhead (tiny add), copy bandwidth. Units: FLOP/s, s, B/s."""
+def measure_compute(sizes=MATMUL_SIZES) -> dict:
+    """Matmul FLOP/s of N x N x N fp32 products over ``sizes`` (the curve the cost model interpolates),
+    per-op overhead (a tiny add), copy bandwidth. Units: FLOP/s, s, B/s."""
     flops = {}
     for n in sizes:
         a, b = torch.randn(n, n), torch.randn(n, n)
-        flops[n] = 2 * n ** 3 / _time(lambda: a @ b, max(3, int(2e8 // n ** 3)))
-    x = torch.ones(8)
-    overhead = _time(lambda: x.add(1.0), 2000)
-    big = torch.ones(16 * 2 ** 20 // 4)
-    bw = 2 * big.numel() * 4 / _time(lambda: big.clone(), 10)     # read + write
+        flops[n] = 2 * n ** 3 / _time(lambda: a @ b, max(5, min(200, int(3e9 // n ** 3))))
+    overhead = _time(_op_chain, 30) / (2 * _CHAIN)         # forward op + its backward op
+    a, b = torch.ones(32 * 2 ** 20), torch.ones(32 * 2 ** 20)   # 128 MiB each: past the caches
+    c = torch.empty_like(a)
+    bw = 3 * a.numel() * 4 / _time(lambda: torch.add(a, b, out=c), 5)     # read 2 + write 1
     return {"matmul_flops": flops, "op_overhead_s": overhead, "mem_bandwidth": bw}
 
 
+_CHAIN = 64
+
+
+def _op_chain() -> None:
+    """``_CHAIN`` tiny element-wise ops with autograd on, then their backward: the fixed cost of one
+    eager operator (dispatch, autograd node, allocation) without arithmetic to speak of."""
+    x = torch.ones(16, requires_grad=True)
+    y = x
+    for _ in range(_CHAIN):
+        y = y * 1.0001
+    y.sum().backward()
+
+
 def _collective_worker(rank: int, world: int, port: int, sizes, out):
+    import warnings
+
     import torch.distributed as dist
+    warnings.simplefilter("ignore", FutureWarning)     # *_tensor collectives' rename notices
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    res = {}
+    res = {op: {} for op in COLLECTIVES}
+    # memory bandwidth per rank while every rank streams at once (ranks share the memory bus)
+    a, b = torch.ones(16 * 2 ** 20), torch.ones(16 * 2 ** 20)     # 64 MiB each: past the caches
+    c = torch.empty_like(a)
+    dist.barrier()
+    res["mem_bandwidth"] = 3 * a.numel() * 4 / _time(lambda: torch.add(a, b, out=c), 7)
+    del a, b, c
     for nbytes in sizes:
-        t = torch.zeros(nbytes // 4)
-        dist.barrier()
-        res[nbytes] = _time(lambda: dist.all_reduce(t), 5)
+        full = torch.zeros(nbytes // 4)
+        shard = torch.zeros(nbytes // 4 // world)
+        ops = {"all_reduce": lambda: dist.all_reduce(full),
+               "all_gather": lambda: dist.all_gather_into_tensor(full, shard),
+               "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),
+               "send_recv": (lambda: dist.send(full, 1)) if rank == 0 else
+                            (lambda: dist.recv(full, 0)) if rank == 1 else (lambda: None)}
+        for op, fn in ops.items():
+            dist.barrier()
+            res[op][nbytes] = _time(fn, 7)
+    dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
         out.put(res)
 
 
-def measure_collectives(world: int = 2, sizes=(4096, 4 * 2 ** 20)) -> tuple[float, float]:
-    """(latency s, bandwidth B/s) of gloo all-reduce on ``world`` local ranks, from two sizes:
-    t = 2(n-1) alpha + 2(n-1)/n B / beta (Thakur et al. 2005), solved for alpha and beta."""
+def fit_alpha_beta(times: dict[int, float], *, steps: float, volume: float) -> tuple[float, float]:
+    """Least-squares fit of ``t = steps * alpha + volume * B / beta`` over (bytes B, seconds t) pairs
+    (Thakur et al. 2005 forms: all-reduce steps 2(n-1), volume 2(n-1)/n; all-gather and reduce-scatter
+    n-1 and (n-1)/n; send/recv 1 and 1). Returns (alpha s, beta B/s); alpha >= 1e-7."""
+    xs = [volume * b for b in times]
+    ys = list(times.values())
+    k = len(xs)
+    mx, my = sum(xs) / k, sum(ys) / k
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    slope = max(slope, 1e-12)
+    alpha = max((my - slope * mx) / steps, 1e-7)
+    return alpha, 1.0 / slope
+
+
+def measure_collectives(world: int = 2, sizes=COLLECTIVE_SIZES) -> dict[str, tuple[float, float]]:
+    """``{op: (latency s, bandwidth B/s)}`` of gloo all-reduce, all-gather, reduce-scatter and
+    send/recv between ``world`` local ranks, each fitted by `fit_alpha_beta` over ``sizes``, and
+    ``"mem_bandwidth"``: bytes/s one rank streams while all ``world`` ranks stream at once."""
     import socket
     import torch.multiprocessing as mp
     with socket.socket() as s:
@@ -177,39 +240,51 @@ def measure_collectives(world: int = 2, sizes=(4096, 4 * 2 ** 20)) -> tuple[floa
     mp.start_processes(_collective_worker, args=(world, port, sizes, q), nprocs=world, join=True,
                        start_method="spawn")
     res = q.get()
-    (s0, t0), (s1, t1) = sorted(res.items())
-    k = 2 * (world - 1) / world
-    beta = k * (s1 - s0) / max(t1 - t0, 1e-9)
-    alpha = max((t0 - k * s0 / beta) / (2 * (world - 1)), 1e-7)
-    return alpha, beta
+    n = world
+    form = {"all_reduce": (2 * (n - 1), 2 * (n - 1) / n), "all_gather": (n - 1, (n - 1) / n),
+            "reduce_scatter": (n - 1, (n - 1) / n), "send_recv": (1, 1)}
+    fits = {op: fit_alpha_beta(res[op], steps=form[op][0], volume=form[op][1]) for op in COLLECTIVES}
+    fits["mem_bandwidth"] = res["mem_bandwidth"]
+    return fits
 
 
 def calibrate_main(argv: list[str]) -> int:
-    """Measure this machine and save a hardware profile the planner then uses (``--hardware FILE``)."""
+    """Measure this machine and save a hardware profile the planner then uses."""
     p = argparse.ArgumentParser(prog="modelpar calibrate", description=(
         "Measure matmul FLOP/s over a sweep of sizes, per-operation overhead, memory bandwidth, and gloo "
-        "all-reduce latency/bandwidth between local ranks; save them as a JSON hardware profile."))
-    p.add_argument("--out", default="hardware-cpu.json", help="where to write the profile (JSON)")
+        "all-reduce / all-gather / reduce-scatter / send-recv latency and bandwidth between local ranks; "
+        "save them as a JSON hardware profile (read by `modelpar train --strategy auto` and "
+        "`modelpar plan --hardware FILE`). Only micro-benchmarks are timed, never a model."))
+    p.add_argument("--out", default=None, help="where to write the profile (JSON; default "
+                   "$MODELPAR_CALIBRATION or ~/.cache/modelpar/calibration.json)")
     p.add_argument("--ranks", type=int, default=2, help="local ranks sharing this machine (memory and cores are split)")
     p.add_argument("--no-collectives", action="store_true", help="skip the multi-process collective test")
     args = p.parse_args(argv)
     if args.ranks < 1:
         p.error(f"--ranks must be >= 1, got {args.ranks}")
+    out = args.out or default_calibration_path()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))
     c = measure_compute()
     best = max(c["matmul_flops"].values())
     base = cpu_profile(args.ranks)
     lat, bw = base.intra_latency, base.intra_bw
+    extra = {f"matmul_flops_{n}": f for n, f in c["matmul_flops"].items()}
+    coll = {}
     if not args.no_collectives and args.ranks > 1:
-        lat, bw = measure_collectives(args.ranks)
+        coll = measure_collectives(args.ranks)
+        c["mem_bandwidth"] = coll.pop("mem_bandwidth")
+        lat, bw = coll["all_reduce"]
+        for op, (a, b) in coll.items():
+            extra[f"{op}_latency"], extra[f"{op}_bw"] = a, b
     hw = Hardware("cpu", {"fp32": best, "bf16": best / 2}, base.memory_bytes, c["mem_bandwidth"], bw, lat,
                   bw, lat, args.ranks, 1.0, mem_bw_fraction=1.0, op_overhead_s=c["op_overhead_s"],
-                  source="calibrated by modelpar calibrate",
-                  extra={f"matmul_flops_{n}": f for n, f in c["matmul_flops"].items()})
-    save_profile(hw, args.out)
+                  source="calibrated by modelpar calibrate", extra=extra)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    save_profile(hw, out)
     for n, f in c["matmul_flops"].items():
         print(f"  matmul {n:>5}: {f / 1e9:8.1f} GFLOP/s")
-    print(f"  per-op overhead {c['op_overhead_s'] * 1e6:.1f} us, copy bandwidth {c['mem_bandwidth'] / 1e9:.1f} GB/s")
-    print(f"  all-reduce latency {lat * 1e6:.1f} us, bandwidth {bw / 1e9:.2f} GB/s ({args.ranks} ranks)")
-    print(f"saved {args.out}")
+    print(f"  per-op overhead {c['op_overhead_s'] * 1e6:.1f} us, memory bandwidth per rank {c['mem_bandwidth'] / 1e9:.1f} GB/s")
+    for op, (a, b) in coll.items():
+        print(f"  {op:<15} latency {a * 1e6:8.1f} us, bandwidth {b / 1e9:6.2f} GB/s ({args.ranks} ranks)")
+    print(f"saved {out}")
     return 0

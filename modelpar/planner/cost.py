@@ -32,7 +32,14 @@ from modelpar.planner.memory import Batch, RankLoad, rank_loads
 from modelpar.planner.profile import ModelProfile
 
 DDP_BUCKET_BYTES = 25 * 2 ** 20
-OPT_TRAFFIC = {"sgd": 12, "sgd_momentum": 20, "adamw": 28}   # bytes read+written per parameter
+# bytes read + written per parameter by the optimizer step. Accelerators (fused / foreach kernels):
+# one pass, read param, grad and state, write param and state (SGD 12, momentum 20, AdamW 28).
+# CPU (torch's single-tensor loop, one pass per kernel): AdamW decay mul_ 8, lerp_ 12, mul_ 8,
+# addcmul_ 16, sqrt 8, div 8, add_ 8, addcdiv_ 16 = 84; SGD add_ 12; momentum + mul_/add_ 16; plus
+# gradient clipping (squared copy 8, sum 4, scale 8 = 20).
+OPT_TRAFFIC = {"sgd": 12, "sgd_momentum": 20, "adamw": 28}
+OPT_TRAFFIC_CPU = {"sgd": 12 + 20, "sgd_momentum": 28 + 20, "adamw": 84 + 20}
+OPT_KERNELS = {"sgd": 1 + 3, "sgd_momentum": 3 + 3, "adamw": 8 + 3}   # per parameter tensor (CPU loop)
 
 
 # ---- collectives (alpha-beta) ------------------------------------------------------------------
@@ -136,10 +143,11 @@ def hfu(step: StepEstimate, hw: Hardware, precision: str) -> float:
 
 
 # ---- the step ---------------------------------------------------------------------------------
-def _axis_link(plan: ParallelPlan, axis: str, hw: Hardware) -> tuple[float, float]:
-    """Bandwidth and latency of one mesh axis; axes are (pp, dp_replicate, dp_shard, tp), tp innermost."""
+def _axis_link(plan: ParallelPlan, axis: str, hw: Hardware, op: str = "all_reduce") -> tuple[float, float]:
+    """Bandwidth and latency of ``op`` on one mesh axis; axes are (pp, dp_replicate, dp_shard, tp),
+    tp innermost. Inside one node a calibrated per-operation fit (`Hardware.collective`) is used."""
     if hw.devices_per_node % (plan.tp * plan.dp * plan.pp) == 0:
-        return hw.intra_bw, hw.intra_latency
+        return hw.collective(op) or (hw.intra_bw, hw.intra_latency)
     span = {"tp": 1, "dp_shard": plan.tp, "dp_replicate": plan.tp * plan.dp_shard,
             "pp": plan.tp * plan.dp}[axis]
     n = {"tp": plan.tp, "dp_shard": plan.dp_shard, "dp_replicate": plan.dp_replicate, "pp": 2}[axis]
@@ -157,10 +165,15 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     tp_bw, tp_lat = _axis_link(plan, "tp", hw)
     ar_tp = all_reduce_time(tp_bytes * b, plan.tp, tp_bw, tp_lat)
     best = None
+    curve = any(k.startswith("matmul_flops_") for k in hw.extra)
     for ld in loads:
-        t_f = ld.fwd_flops * b / flops_s + ld.fwd_mem * b / mem_s + ld.fwd_ops * hw.op_overhead_s
-        t_b = (ld.bwd_flops * b / flops_s + ld.bwd_mem * b / mem_s
-               + (ld.ops - ld.fwd_ops) * hw.op_overhead_s)
+        rf = hw.gemm_flops(prec, ld.fwd_flops * b / ld.fwd_gemms) if curve and ld.fwd_gemms else flops_s
+        rb = hw.gemm_flops(prec, ld.bwd_flops * b / ld.bwd_gemms) if curve and ld.bwd_gemms else flops_s
+        # matmuls: roofline of their FLOPs and the bytes they move (weights once per micro-batch)
+        g_f = max(ld.fwd_flops * b / rf, (ld.gemm_param_bytes[0] + ld.gemm_act_bytes[0] * b) / mem_s)
+        g_b = max(ld.bwd_flops * b / rb, (ld.gemm_param_bytes[1] + ld.gemm_act_bytes[1] * b) / mem_s)
+        t_f = g_f + ld.fwd_mem * b / mem_s + ld.fwd_ops * hw.op_overhead_s
+        t_b = g_b + ld.bwd_mem * b / mem_s + (ld.ops - ld.fwd_ops) * hw.op_overhead_s
         t_rc = t_f if ac else 0.0
         t_tp = ld.tp_collectives * ar_tp * (3 if ac else 2)
         work = t_f + t_b + t_rc + t_tp
@@ -170,17 +183,18 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     _, ld, t_f, t_b, t_rc, t_tp = best
     t_p2p = 0.0
     if p > 1:
-        pbw, plat = _axis_link(plan, "pp", hw)
+        pbw, plat = _axis_link(plan, "pp", hw, "send_recv")
         t_p2p = 2 * v * p2p_time(ld.boundary * b, pbw, plat)
     # data parallel
     grad_bytes = 4 * ld.params                    # fp32 gradients / reductions
     work_bytes = (2 if prec == "bf16" else 4) * ld.params
     dp_exposed, fsdp_per_mb = 0.0, 0.0
     if plan.dp_shard > 1:
-        sbw, slat = _axis_link(plan, "dp_shard", hw)
+        sbw, slat = _axis_link(plan, "dp_shard", hw, "all_gather")
+        rsbw, rslat = _axis_link(plan, "dp_shard", hw, "reduce_scatter")
         n = plan.dp_shard
         gathers = 2 if plan.reshard_after_forward else 1
-        comm = gathers * all_gather_time(work_bytes, n, sbw, slat) + all_gather_time(grad_bytes, n, sbw, slat)
+        comm = gathers * all_gather_time(work_bytes, n, sbw, slat) + all_gather_time(grad_bytes, n, rsbw, rslat)
         first = all_gather_time(work_bytes * ld.max_unit_params / max(ld.params, 1), n, sbw, slat)
         fsdp_per_mb = max(0.0, comm - (t_f + t_b + t_rc)) + first
         if plan.dp_replicate > 1:
@@ -194,7 +208,11 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
         dp_exposed = max(t_ar - t_b, last) if dp_overlap else t_ar
     per_mb_compute = t_f + t_b + t_tp
     bub = bubble_fraction(plan.pp_schedule, p, m, v) * m * (per_mb_compute + t_rc)
-    opt = ld.params / plan.dp_shard * OPT_TRAFFIC[optimizer] / mem_s
+    if hw.name == "cpu":
+        opt = (ld.params / plan.dp_shard * OPT_TRAFFIC_CPU[optimizer] / mem_s
+               + ld.num_tensors * OPT_KERNELS[optimizer] * hw.op_overhead_s)
+    else:
+        opt = ld.params / plan.dp_shard * OPT_TRAFFIC[optimizer] / mem_s
     return {"compute": accumulation * m * (t_f + t_b), "recompute": accumulation * m * t_rc,
             "tp_comm": accumulation * m * t_tp, "pp_comm": accumulation * m * t_p2p,
             "dp_comm": dp_exposed + accumulation * m * fsdp_per_mb, "bubble": accumulation * bub,

@@ -72,6 +72,37 @@ class Hardware:
                              f"known: {sorted(self.peak_flops)}")
         return self.peak_flops[precision] * self.gemm_fraction
 
+    def gemm_flops(self, precision: str, call_flops: float) -> float:
+        """Achievable FLOP/s of a matrix product of ``call_flops`` FLOPs.
+
+        With a calibrated curve (``extra["matmul_flops_N"]``: FLOP/s of an N x N x N product, from
+        `modelpar calibrate`) the rate is interpolated log-linearly in the equivalent square size
+        ``(call_flops / 2) ** (1/3)`` and clamped at the ends; otherwise `achievable_flops`. The
+        curve is measured in fp32; bf16 scales it by ``peak[bf16] / peak[fp32]``.
+        """
+        pts = sorted((int(k.rsplit("_", 1)[1]), v) for k, v in self.extra.items()
+                     if k.startswith("matmul_flops_"))
+        if not pts or call_flops <= 0:
+            return self.achievable_flops(precision)
+        import math
+        scale = self.peak_flops[precision] / self.peak_flops.get("fp32", self.peak_flops[precision])
+        n = (call_flops / 2) ** (1 / 3)
+        if n <= pts[0][0]:
+            return pts[0][1] * scale
+        if n >= pts[-1][0]:
+            return pts[-1][1] * scale
+        for (n0, f0), (n1, f1) in zip(pts, pts[1:]):
+            if n0 <= n <= n1:
+                w = (math.log(n) - math.log(n0)) / (math.log(n1) - math.log(n0))
+                return math.exp(math.log(f0) + w * (math.log(f1) - math.log(f0))) * scale
+        return self.achievable_flops(precision)
+
+    def collective(self, op: str) -> tuple[float, float] | None:
+        """Calibrated (bandwidth bytes/s, latency s) of ``op`` (``all_reduce``, ``all_gather``,
+        ``reduce_scatter``, ``send_recv``) between local ranks, or None if not calibrated."""
+        bw, lat = self.extra.get(f"{op}_bw"), self.extra.get(f"{op}_latency")
+        return (bw, lat) if bw and lat is not None else None
+
     def link(self, n: int, span: int) -> tuple[float, float]:
         """(bandwidth bytes/s, latency s) of a group of ``n`` ranks whose members lie ``span``
         ranks apart: inside one node when the group's extent ``n * span`` divides

@@ -64,6 +64,7 @@ class MemoryEstimate:
     comm_buffers: float
     overhead: float
     pp_rank: int = 0
+    phase: str = "backward"        # when: "backward" (start), "fsdp_backward" (largest unit), "optimizer"
 
     @property
     def total(self) -> float:
@@ -71,7 +72,7 @@ class MemoryEstimate:
                 + self.comm_buffers + self.overhead)
 
     def parts(self) -> dict[str, float]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "pp_rank"}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("pp_rank", "phase")}
 
 
 # ---- stages ----------------------------------------------------------------------------------
@@ -112,6 +113,8 @@ class RankLoad:
     max_block_saved: float = 0.0   # recompute transient per sample (one block's saved bytes)
     logits: float = 0.0            # last-stage output bytes per sample (logits + their gradient)
     boundary: float = 0.0          # stage output bytes per sample (p2p send/recv buffers)
+    recv: float = 0.0              # bytes per sample received per micro-batch: stage inputs (non-first
+                                   # stages) + output gradients (non-last stages), over the rank's stages
     fwd_flops: float = 0.0
     bwd_flops: float = 0.0
     fwd_mem: float = 0.0
@@ -119,6 +122,51 @@ class RankLoad:
     ops: float = 0.0               # fwd+bwd ops per micro-batch (not per sample)
     fwd_ops: float = 0.0
     tp_collectives: int = 0        # TP all-reduces in one forward of the rank's blocks
+    is_last: bool = False          # holds the model's last block (logits and loss)
+    max_param: float = 0.0         # largest parameter tensor (elements, TP applied)
+    num_tensors: int = 0           # parameter tensors (optimizer kernels are launched per tensor on CPU)
+    opt_temp: float = 0.0          # elements of the non-foreach AdamW step transient (see `_adamw_temp`)
+    data: float = 0.0              # bytes per global-batch sample of inputs + targets (held by every rank)
+    fwd_gemms: int = 0             # matmul-class calls per micro-batch (forward, backward)
+    bwd_gemms: int = 0
+    gemm_param_bytes: tuple = (0.0, 0.0)   # (fwd, bwd) bytes of parameters the matmuls touch, per micro-batch
+    gemm_act_bytes: tuple = (0.0, 0.0)     # (fwd, bwd) other matmul bytes, per sample
+    # FSDP's busiest backward moment (see `_fsdp_unit_peak`): unit i's parameters, the unit after it
+    # (whose reduce-scatter is in flight), activations still saved per sample, parameters whose
+    # gradients are already reduce-scattered
+    fsdp_unit: float = 0.0
+    fsdp_next: float = 0.0
+    fsdp_saved: float = 0.0
+    fsdp_done: float = 0.0
+
+
+def _adamw_temp(numels: list[tuple[float, bool]]) -> float:
+    """Largest transient of torch's single-tensor AdamW step, in elements: for each parameter j it
+    builds ``denom = exp_avg_sq.sqrt() / c`` (two temporaries of p_j's size) while the previous
+    parameter's ``denom`` is still referenced, so max_j (s_{j-1} + 2 s_j) over the optimizer's order
+    (modelpar's `build_optimizer`: matrices first, then vectors)."""
+    order = [n for n, mat in numels if mat] + [n for n, mat in numels if not mat]
+    best, prev = 0.0, 0.0
+    for n in order:
+        best = max(best, prev + 2 * n)
+        prev = n
+    return best
+
+
+def _fsdp_unit_peak(ld: RankLoad, units: list[tuple[float, float]]) -> None:
+    """Locate FSDP's busiest backward moment on a rank: while unit i runs its backward, its gathered
+    parameters and unsharded gradient are live together with unit i+1's (gathered parameters,
+    unsharded gradient and the reduce-scatter input), per FSDP2's backward prefetch and asynchronous
+    reduce-scatter (Zhao et al. 2023, Sec. 3.3). ``units``: (parameters, saved bytes per sample) of
+    each FSDP unit in forward order. The unit maximising 8 U_i + 12 U_{i+1} (fp32 bytes) is kept."""
+    best = -1.0
+    for i, (u, _) in enumerate(units):
+        nxt = units[i + 1][0] if i + 1 < len(units) else 0.0
+        if 8 * u + 12 * nxt > best:
+            best = 8 * u + 12 * nxt
+            ld.fsdp_unit, ld.fsdp_next = u, nxt
+            ld.fsdp_saved = sum(sv for _, sv in units[:i + 1])
+            ld.fsdp_done = sum(p for p, _ in units[i + 1:])
 
 
 def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float) -> list[RankLoad]:
@@ -132,20 +180,30 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float) -
     bs = profile.batch_size
     rng = stage_ranges(profile, plan.num_stages) if plan.num_stages > 1 else [(0, len(profile.blocks))]
     loads = [RankLoad() for _ in range(plan.pp)]
+    numels: list[list[tuple[float, bool]]] = [[] for _ in range(plan.pp)]
+    units: list[list[tuple[float, float]]] = [[] for _ in range(plan.pp)]
     n = len(profile.blocks)
     transformer = bool(profile.arch)
+    first_in = profile.blocks[0].input_bytes / bs
+    data = first_in * (2 if profile.tokens_per_sample > 1 else 1) + (0 if profile.tokens_per_sample > 1 else 8)
     for s, (a, b) in enumerate(rng):
         ld = loads[s % plan.pp]
         for i in range(a, b):
             bl = profile.blocks[i]
             is_end = transformer and (i == 0 or i == n - 1)
-            ld.params += bl.num_params / t
-            if is_end or not transformer:
-                ld.root_params += bl.num_params / t
-            ld.max_unit_params = max(ld.max_unit_params, bl.num_params / t)
+            local = bl.num_params - bl.tp_sharded_params + bl.tp_sharded_params / t
+            ld.params += local
+            if is_end:          # the GPT's embed / head belong to the FSDP root; other blocks are units
+                ld.root_params += local
+            else:
+                ld.max_unit_params = max(ld.max_unit_params, local)
+            for k, mat, sh in bl.param_numels:
+                numels[s % plan.pp].append((k / t if sh else k, mat))
             rep = bl.saved_bytes - bl.saved_tp_sharded_bytes
             saved = (bl.saved_bytes / t) if sp else (rep + bl.saved_tp_sharded_bytes / t)
             ld.saved += saved * scale / bs
+            if not is_end:
+                units[s % plan.pp].append((local, saved * scale / bs))
             ld.max_block_saved = max(ld.max_block_saved, saved * scale / bs)
             ld.saved_ac += bl.input_bytes * scale / bs / (t if sp else 1)
             frac = bl.saved_tp_sharded_bytes / bl.saved_bytes if bl.saved_bytes else 0.0
@@ -156,11 +214,31 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float) -
             ld.bwd_mem += bl.bwd_mem_bytes * scale / bs * tp_div
             ld.ops += bl.fwd_ops + bl.bwd_ops
             ld.fwd_ops += bl.fwd_ops
+            ld.fwd_gemms += bl.fwd_gemms
+            ld.bwd_gemms += bl.bwd_gemms
+            shr = local / bl.num_params if bl.num_params else 1.0
+            ld.gemm_param_bytes = (ld.gemm_param_bytes[0] + bl.fwd_gemm_param_bytes * scale * shr,
+                                   ld.gemm_param_bytes[1] + bl.bwd_gemm_param_bytes * scale * shr)
+            ld.gemm_act_bytes = (ld.gemm_act_bytes[0] + bl.fwd_gemm_act_bytes * scale / bs * tp_div,
+                                 ld.gemm_act_bytes[1] + bl.bwd_gemm_act_bytes * scale / bs * tp_div)
             if t > 1:
                 ld.tp_collectives += 2 if (transformer and not is_end) else 1
         ld.boundary = profile.blocks[b - 1].output_bytes * scale / bs / (t if sp else 1)
+        if s > 0:
+            ld.recv += profile.blocks[a].input_bytes * scale / bs / (t if sp else 1)
+        if s < len(rng) - 1:
+            ld.recv += ld.boundary
+        ld.data = data
+    for ld, nl, un in zip(loads, numels, units):
+        ld.max_param = max((k for k, _ in nl), default=0.0)
+        ld.opt_temp = _adamw_temp(nl)
+        ld.num_tensors = len(nl)
+        _fsdp_unit_peak(ld, un)
     last = loads[(len(rng) - 1) % plan.pp]
-    last.logits = 2 * profile.blocks[-1].output_bytes * scale / bs / t
+    last.is_last = True
+    # the logits (model output) and the loss's saved copy of them (log-softmax output); replicated
+    # under TP unless the head is vocab-sharded (sequence parallel turns loss parallel on)
+    last.logits = 2 * profile.blocks[-1].output_bytes * scale / bs / (t if sp else 1)
     return loads
 
 
@@ -181,38 +259,90 @@ def in_flight(plan: ParallelPlan, pp_rank: int) -> float:
 
 
 def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, optimizer: str,
-                overhead_bytes: float, pp_rank: int) -> MemoryEstimate:
-    """Peak memory of one pipeline rank (see module docstring for bytes per parameter)."""
+                overhead_bytes: float, pp_rank: int, accumulation: int = 1, global_batch_size: int = 0,
+                foreach: bool = False, recv_per_microbatch: bool = True) -> MemoryEstimate:
+    """Peak memory of one pipeline rank, with its parts at the moment of the peak.
+
+    Two candidate moments (steady state: optimizer state exists; gradients are freed after each
+    step, ``zero_grad(set_to_none=True)``):
+
+    - backward start of the micro-batch with the most activations in flight: parameters, optimizer
+      state, gradients only if an earlier micro-batch of the step already made them (accumulation, or
+      a pipeline rank that runs a backward before its last forward), the saved activations, the
+      logits and the loss's copy of them, and the first gradients of backward (two tensors of the
+      last output's size: the loss gradient and the logits gradient), FSDP's gathered parameters,
+      communication buffers;
+    - the optimizer step: parameters, gradients, optimizer state plus the step's transient
+      (single-tensor AdamW on CPU: `_adamw_temp`; foreach AdamW on GPUs: one copy of the local
+      parameters), communication buffers that persist (DDP buckets).
+
+    The global batch (inputs and targets) is held by every rank at both moments.
+    """
     bf16 = plan.precision == "bf16"
     shard = plan.dp_shard
+    b = micro_batch_size
     p_local = ld.params / shard
     params = 4 * p_local
     grads = 4 * p_local
     opt = OPTIMIZER_BYTES[optimizer] * p_local
-    b = micro_batch_size
+    data = ld.data * global_batch_size
     if plan.activation_checkpointing == "full":
         per_mb = ld.saved_ac
         transient = ld.max_block_saved * b
     else:
         per_mb, transient = ld.saved, 0.0
-    acts = per_mb * b * in_flight(plan, pp_rank) + transient + ld.logits * b
+    flight = in_flight(plan, pp_rank)
+    m = plan.n_microbatches if plan.pp > 1 else 1
+    # gradient of the loss and of the logits (last stage), or received + computed output gradient
+    bw_start = 2 * (ld.logits / 2 if ld.is_last else ld.boundary) * b
+    # every micro-batch in flight also keeps its stage output (the pipeline runtime holds it for the
+    # stage's backward) or, on the last stage, its logits and the loss's copy of them
+    kept = (ld.logits if ld.is_last else (ld.boundary if plan.pp > 1 else 0.0)) * b * flight
+    acts = per_mb * b * flight + transient + kept + bw_start + data
+    grads_fb = grads if (accumulation > 1 or flight < m) else 0.0
     work = 2 if bf16 else 4                  # bytes of a gathered / working parameter
+    comm_persist = 0.0
     if shard > 1:
         # ZeRO-3: the root (embed/head) stays gathered from forward to backward; each block unit is
-        # gathered when used and the next is prefetched (2 units); reshard_after_forward=False keeps all.
-        units = (ld.params - ld.root_params) if not plan.reshard_after_forward else 2 * ld.max_unit_params
-        gathered = work * (ld.root_params + min(units, ld.params - ld.root_params))
-        comm = 2 * 4 * ld.max_unit_params    # unsharded fp32 gradient of the unit being reduce-scattered
+        # gathered when used (FSDP2 prefetches the next one in backward).
+        # at backward start: the root, plus the block unit prefetched for the first block backward
+        # (all units with reshard_after_forward=False); no reduce-scatter is in flight yet
+        rest = ld.params - ld.root_params
+        units = rest if not plan.reshard_after_forward else ld.max_unit_params
+        gathered = work * (ld.root_params + (units if units < rest else rest))
+        comm = 0.0
     else:
         gathered = 2 * ld.params if bf16 else 0.0   # autocast's bf16 weight cache
-        comm = 4 * ld.params if plan.dp_replicate > 1 else 0.0   # DDP buckets (a copy of the grads)
+        comm = comm_persist = 4 * ld.params if plan.dp_replicate > 1 else 0.0   # DDP buckets
     if plan.pp > 1:
-        comm += 2 * ld.boundary * b * plan.virtual_stages    # send + recv activation buffers
-    return MemoryEstimate(params, grads, opt, acts, gathered, comm, overhead_bytes, pp_rank)
+        # torch.distributed.pipelining allocates one receive buffer per micro-batch and stage
+        # (activations on non-first stages, gradients on non-last stages); Megatron-LM reuses 2
+        recv = (m if recv_per_microbatch else 2) * ld.recv * b
+        comm += recv
+        comm_persist += recv
+    # three candidate moments; only the winner becomes a MemoryEstimate (the search calls this ~10^5 times)
+    best = (params, grads_fb, opt, acts, gathered, comm)
+    best_total, phase = params + grads_fb + opt + acts + gathered + comm, "backward"
+    if shard > 1 and ld.fsdp_unit:
+        # inside backward, at the unit with the largest gathered + unsharded-gradient footprint
+        g = grads if grads_fb else 4 * ld.fsdp_done / shard
+        u = (params, g, opt, ld.fsdp_saved * b * flight + data,
+             work * (ld.root_params + ld.fsdp_unit + ld.fsdp_next), 4 * ld.fsdp_unit + 8 * ld.fsdp_next + comm)
+        tot = u[0] + u[1] + u[2] + u[3] + u[4] + u[5]
+        if tot > best_total:
+            best, best_total, phase = u, tot, "fsdp_backward"
+    if optimizer == "adamw":
+        step_tmp = (ld.params if foreach else ld.opt_temp) * 4 / shard
+    else:
+        step_tmp = ld.max_param * 4 / shard     # grad-norm's squared copy of one gradient
+    if params + grads + opt + step_tmp + data + comm_persist > best_total:
+        best, phase = (params, grads, opt + step_tmp, data, 0.0, comm_persist), "optimizer"
+    return MemoryEstimate(*best, overhead_bytes, pp_rank, phase)
 
 
 def estimate_memory(profile: ModelProfile, plan: ParallelPlan, batch: Batch, *,
-                    optimizer: str = "adamw", overhead_bytes: float = 0.0) -> MemoryEstimate:
+                    optimizer: str = "adamw", overhead_bytes: float = 0.0, foreach: bool = False,
+                    recv_per_microbatch: bool = True) -> MemoryEstimate:
     """Peak memory per rank for ``plan``: the most loaded pipeline rank, with its parts (bytes).
 
     Args:
@@ -221,6 +351,10 @@ def estimate_memory(profile: ModelProfile, plan: ParallelPlan, batch: Batch, *,
         batch: global and local batch sizes (samples).
         optimizer: ``"sgd"``, ``"sgd_momentum"`` or ``"adamw"``.
         overhead_bytes: framework allowance (``Hardware.framework_overhead_bytes``).
+        foreach: the optimizer uses torch's foreach kernels (the default on CUDA), whose step
+            transient is one copy of the local parameters.
+        recv_per_microbatch: pipeline receive buffers per micro-batch (torch.distributed.pipelining,
+            what modelpar runs) rather than two reused ones (Megatron-LM).
 
     Raises:
         ValueError: unknown optimizer, batch sizes that do not divide, more stages than blocks.
@@ -228,8 +362,10 @@ def estimate_memory(profile: ModelProfile, plan: ParallelPlan, batch: Batch, *,
     if optimizer not in OPTIMIZER_BYTES:
         raise ValueError(f"optimizer={optimizer!r} is unknown; valid: {', '.join(OPTIMIZER_BYTES)}")
     b = batch.micro_batch_size(plan)
-    batch.accumulation_steps(plan)
+    acc = batch.accumulation_steps(plan)
     loads = rank_loads(profile, plan, act_bytes=2 if plan.precision == "bf16" else 4)
-    ests = [rank_memory(ld, plan, micro_batch_size=b, optimizer=optimizer,
-                        overhead_bytes=overhead_bytes, pp_rank=r) for r, ld in enumerate(loads)]
+    ests = [rank_memory(ld, plan, micro_batch_size=b, optimizer=optimizer, overhead_bytes=overhead_bytes,
+                        pp_rank=r, accumulation=acc, global_batch_size=batch.global_batch_size, foreach=foreach,
+                        recv_per_microbatch=recv_per_microbatch)
+            for r, ld in enumerate(loads)]
     return max(ests, key=lambda e: e.total)

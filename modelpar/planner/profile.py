@@ -11,12 +11,17 @@ allocated and the user's module is never modified. It records, per block:
 - the number of dispatched non-view ops (for a per-op overhead term);
 - bytes saved for backward, via ``torch.autograd.graph.saved_tensors_hooks``: every storage counted
   once, parameters excluded, attributed to the block whose forward saved it first; the part of it a
-  Megatron tensor-parallel split would shard (saved inside ``attn`` / ``mlp`` except by the colwise
-  Linears q/k/v/up, whose input is replicated; Korthikanti et al. 2022, Sec. 4.1).
+  tensor-parallel split would shard: what is saved between a colwise Linear's output and its rowwise
+  partner, by modelpar's derived TP plan (for the GPT: the attention / MLP interior, not the inputs of
+  q/k/v/up; Korthikanti et al. 2022, Sec. 4.1), and the parameters that split shards.
 
-Note: on the meta device ``scaled_dot_product_attention`` takes its math path, which materialises the
-(batch, heads, seq, seq) scores, as unfused attention does (e.g. Megatron-LM 2021). Real-device models
-are profiled under FakeTensorMode on their own device type, so they see the kernels they would run.
+Attention: ``attention="flash"`` (the default) profiles ``scaled_dot_product_attention`` as a fused
+flash / memory-efficient kernel, which is what torch runs on CPUs (``_scaled_dot_product_flash_
+attention_for_cpu``) and on current GPUs: it saves q, k, v, the output and the (batch, heads, seq)
+log-sum-exp, O(seq) bytes per head (Dao et al., "FlashAttention", NeurIPS 2022, Sec. 3.1).
+``attention="math"`` keeps torch's math path on the meta device, which materialises the (batch,
+heads, seq, seq) scores and probabilities as unfused attention does (Megatron-LM 2021, Korthikanti et
+al. 2022 Eq. 1). The FLOPs are the same either way (torch's counter counts both score products).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
@@ -36,8 +42,6 @@ _VIEW_OPS = {"view", "_unsafe_view", "t", "transpose", "expand", "detach", "perm
              "squeeze", "slice", "select", "alias", "as_strided", "split", "unbind", "lift_fresh",
              "_reshape_alias", "reshape", "split_with_sizes", "chunk", "expand_as",
              "device", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "dim", "is_contiguous"}
-_COLWISE = ("q", "k", "v", "up")        # Linears whose *input* stays replicated under TP
-_TP_REGIONS = ("attn", "mlp")           # submodules a Megatron TP plan shards
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,17 @@ class BlockProfile:
     saved_tp_sharded_bytes: int  # part of saved_bytes a TP split shards by the TP degree
     input_bytes: int            # the block's tensor inputs (what full checkpointing keeps)
     output_bytes: int           # the block's tensor outputs (what a pipeline stage sends)
+    tp_sharded_params: int = 0  # parameters a TP split shards (colwise weight + bias, rowwise weight)
+    # per parameter, in registration order: (numel, is a matrix (decayed by AdamW), TP-sharded)
+    param_numels: tuple[tuple[int, bool, bool], ...] = ()
+    fwd_gemms: int = 0          # matmul-class calls in forward (their mean size picks the FLOP/s)
+    bwd_gemms: int = 0
+    # bytes the matmul-class calls read + write: of parameters (once per micro-batch, whatever its
+    # size) and of everything else (proportional to the batch); for the roofline's memory bound
+    fwd_gemm_param_bytes: int = 0
+    bwd_gemm_param_bytes: int = 0
+    fwd_gemm_act_bytes: int = 0
+    bwd_gemm_act_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -93,7 +108,8 @@ class ModelProfile:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelProfile":
         d = dict(d)
-        d["blocks"] = tuple(BlockProfile(**b) for b in d["blocks"])
+        d["blocks"] = tuple(BlockProfile(**{**b, "param_numels": tuple(tuple(x) for x in b.get("param_numels", ()))})
+                            for b in d["blocks"])
         return cls(**d)
 
 
@@ -116,6 +132,16 @@ def _arch_of(model: nn.Module) -> dict[str, int]:
             "vocab_size": cfg.vocab_size, "seq_len": cfg.seq_len}
 
 
+def _tp_styles(model: nn.Module) -> dict[str, str]:
+    """``{module path: "colwise" | "rowwise"}`` of the TP plan modelpar derives for ``model`` ({} if none)."""
+    from modelpar.parallel.tensor import COLWISE, ROWWISE, derive_tp_plan
+    try:
+        plan = derive_tp_plan(model)
+    except ValueError:
+        return {}
+    return {k: v for k, v in plan.items() if v in (COLWISE, ROWWISE)}
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()
 
@@ -123,25 +149,53 @@ def _nbytes(t: torch.Tensor) -> int:
 class _OpCounter(TorchDispatchMode):
     """Counts non-view ops and the bytes they read + write, per block and pass."""
 
-    def __init__(self, tracker: ModuleTracker, names: dict[str, int], n: int):
+    def __init__(self, tracker: ModuleTracker, names: dict[str, int], n: int, param_keys=frozenset()):
         super().__init__()
-        self.tracker, self.names = tracker, names
+        self.tracker, self.names, self.param_keys = tracker, names, param_keys
+        self.gemm_bytes = [[0, 0, 0, 0] for _ in range(n)]     # param fwd, param bwd, act fwd, act bwd
         self.mem = [[0, 0] for _ in range(n)]
         self.ops = [[0, 0] for _ in range(n)]
+        self.gemms = [[0, 0] for _ in range(n)]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if name in _VIEW_OPS or name in _FLOP_OPS:
+        if name in _VIEW_OPS:
             return out
         idx = next((self.names[p] for p in self.tracker.parents if p in self.names), None)
         if idx is None:
+            return out
+        if name in _FLOP_OPS:
+            ph = 1 if self.tracker.is_bw else 0
+            self.gemms[idx][ph] += 1
+            for t in tree_flatten((args, kwargs, out))[0]:
+                if isinstance(t, torch.Tensor):
+                    nb = t.numel() * t.element_size()
+                    # a parameter (or its transposed view) reads the same storage
+                    self.gemm_bytes[idx][ph if t.untyped_storage()._cdata in self.param_keys else 2 + ph] += nb
             return out
         flat = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
         phase = 1 if self.tracker.is_bw else 0
         self.mem[idx][phase] += sum(t.numel() * t.element_size() for t in flat)
         self.ops[idx][phase] += 1
         return out
+
+
+class _FlashAttention(TorchFunctionMode):
+    """Routes ``F.scaled_dot_product_attention`` (no mask, no dropout) to the fused CPU flash kernel,
+    whose meta/fake implementation and saved tensors match a fused GPU kernel's (see module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            q, k, v = args[:3]
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            drop = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+            causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
+            if mask is None and not drop and q.shape[-1] == v.shape[-1] and q.dim() == 4:
+                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    q, k, v, 0.0, bool(causal), scale=kwargs.get("scale"))[0]
+        return func(*args, **kwargs)
 
 
 _FLOP_OPS = {"mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward", "_convolution",
@@ -153,9 +207,27 @@ _FLOP_OPS = {"mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backwa
              "_scaled_dot_product_flash_attention_for_cpu_backward"}
 
 
+def _cpu_flash_fwd(q, k, v, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_flop_count
+    return sdpa_flop_count(q, k, v)
+
+
+def _cpu_flash_bwd(grad_out, q, k, v, *args, out_shape=None, **kwargs) -> int:
+    # model FLOPs: the 4 products of an unfused backward (the fused kernel's recomputed scores are
+    # not counted, as PaLM App. B counts no recomputation)
+    from torch.utils.flop_counter import sdpa_flop_count
+    return 2 * sdpa_flop_count(q, k, v)
+
+
+# torch's counter has no formula for the CPU flash kernel (used on CPU and by attention="flash")
+_FLOP_FORMULAS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_fwd,
+                  torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_bwd}
+
+
 def profile_model(model: nn.Module, example_input: torch.Tensor | Sequence[torch.Tensor], *,
                   dtype: torch.dtype = torch.float32,
-                  blocks: Sequence[tuple[str, nn.Module]] | None = None) -> ModelProfile:
+                  blocks: Sequence[tuple[str, nn.Module]] | None = None,
+                  attention: str = "flash") -> ModelProfile:
     """Profile one training forward + backward of ``model`` on ``example_input`` without weights.
 
     Args:
@@ -165,13 +237,18 @@ def profile_model(model: nn.Module, example_input: torch.Tensor | Sequence[torch
             ``(batch, seq)`` int64 or features ``(batch, in)``; floating inputs are cast to ``dtype``.
         dtype: ``torch.float32`` or ``torch.bfloat16``: the dtype of parameters and activations.
         blocks: ``(name, submodule)`` pairs to attribute costs to; default `default_blocks`.
+        attention: ``"flash"`` (fused kernel, O(seq) saved bytes) or ``"math"`` (unfused, the
+            (seq, seq) scores saved); see the module docstring.
 
     Returns:
         ModelProfile with one BlockProfile per block, for the batch of ``example_input``.
 
     Raises:
-        ValueError: unsupported dtype, an empty input, or a block that is not a submodule of model.
+        ValueError: unsupported dtype or attention, an empty input, or a block that is not a
+            submodule of model.
     """
+    if attention not in ("flash", "math"):
+        raise ValueError(f"profile_model attention must be 'flash' or 'math', got {attention!r}")
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"profile_model dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     inputs = tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)
@@ -191,9 +268,14 @@ def profile_model(model: nn.Module, example_input: torch.Tensor | Sequence[torch
         from torch._subclasses.fake_tensor import FakeTensorMode
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         fake_mode.__enter__()
+    flash = _FlashAttention() if attention == "flash" else None
     try:
+        if flash is not None:
+            flash.__enter__()
         return _profile(model, inputs, dtype, blocks, names, fqn, on_meta)
     finally:
+        if flash is not None:
+            flash.__exit__(None, None, None)
         if fake_mode is not None:
             fake_mode.__exit__(None, None, None)
 
@@ -221,6 +303,8 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta) -> ModelProfile:
     block_of = {m: i for i, (_, m) in enumerate(blocks)}
     current: list[int] = []                   # stack of active block indices
     sub_stack: list[str] = []                 # fqn of innermost active submodule
+    styles = _tp_styles(model)
+    sharded_region = [False]                  # inside a (colwise -> rowwise) TP pair
 
     def pre(mod, args):
         if mod in block_of:
@@ -231,6 +315,9 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta) -> ModelProfile:
 
     def post(mod, args, out):
         sub_stack.pop()
+        style = styles.get(fqn.get(mod, ""))
+        if style is not None:
+            sharded_region[0] = style == "colwise"
         if mod in block_of:
             current.pop()
             out_bytes[block_of[mod]] = sum(_nbytes(o) for o in tree_flatten(out)[0]
@@ -246,18 +333,18 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta) -> ModelProfile:
         i = current[-1]
         b = _nbytes(t)
         saved[i] += b
-        path = sub_stack[-1].split(".") if sub_stack else []
-        if any(r in path for r in _TP_REGIONS) and path[-1] not in _COLWISE:
+        if sharded_region[0]:         # between a colwise Linear's output and its rowwise partner
             saved_tp[i] += b
         return t
 
     handles = [m.register_forward_pre_hook(pre) for m in model.modules()]
     handles += [m.register_forward_hook(post) for m in model.modules()]
     tracker = ModuleTracker()
-    counter = _OpCounter(tracker, names, n)
+    counter = _OpCounter(tracker, names, n, frozenset(param_keys))
     # FlopCounterMode attributes backward FLOPs to modules only if it saw their forward: one counter
     # spans both passes, a nested one the forward alone; backward = all - forward.
-    all_fc, fwd_fc = FlopCounterMode(display=False), FlopCounterMode(display=False)
+    all_fc = FlopCounterMode(display=False, custom_mapping=_FLOP_FORMULAS)
+    fwd_fc = FlopCounterMode(display=False, custom_mapping=_FLOP_FORMULAS)
     try:
         with tracker, counter, all_fc:
             with fwd_fc, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -273,6 +360,12 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta) -> ModelProfile:
     rows = []
     for (name, mod), (mod_name, i) in zip(blocks, names.items()):
         bp = [p for p in mod.parameters()]
+        base = fqn[mod]
+        numels = []
+        for pn, p in mod.named_parameters():
+            owner, _, leaf = (f"{base}.{pn}" if base else pn).rpartition(".")
+            st = styles.get(owner)
+            numels.append((p.numel(), p.dim() >= 2, st == "colwise" or (st == "rowwise" and leaf == "weight")))
         rows.append(BlockProfile(
             name=name, num_params=sum(p.numel() for p in bp),
             param_bytes=sum(p.numel() for p in bp) * torch.empty((), dtype=dtype).element_size(),
@@ -282,7 +375,11 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta) -> ModelProfile:
             fwd_mem_bytes=counter.mem[i][0], bwd_mem_bytes=counter.mem[i][1],
             fwd_ops=counter.ops[i][0], bwd_ops=counter.ops[i][1],
             saved_bytes=saved[i], saved_tp_sharded_bytes=saved_tp[i],
-            input_bytes=in_bytes[i], output_bytes=out_bytes[i]))
+            input_bytes=in_bytes[i], output_bytes=out_bytes[i],
+            tp_sharded_params=sum(n for n, _, sh in numels if sh), param_numels=tuple(numels),
+            fwd_gemms=counter.gemms[i][0], bwd_gemms=counter.gemms[i][1],
+            fwd_gemm_param_bytes=counter.gemm_bytes[i][0], bwd_gemm_param_bytes=counter.gemm_bytes[i][1],
+            fwd_gemm_act_bytes=counter.gemm_bytes[i][2], bwd_gemm_act_bytes=counter.gemm_bytes[i][3]))
     x0 = inputs[0]
     tokens = x0.shape[1] if (x0.dim() == 2 and not x0.is_floating_point()) else 1
     return ModelProfile(blocks=tuple(rows), dtype="bf16" if dtype == torch.bfloat16 else "fp32",

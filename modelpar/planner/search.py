@@ -132,7 +132,7 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                  optimizer: str = "adamw", precision: str = "bf16", sequence_parallel: bool = False,
                  dp_overlap: bool = True, memory_fraction: float = 1.0,
                  schedules: tuple[str, ...] = SEARCH_SCHEDULES, allow_fsdp: bool = True,
-                 checkpointing: tuple[str, ...] = AC_CHOICES) -> SearchReport:
+                 checkpointing: tuple[str, ...] = AC_CHOICES, recv_per_microbatch: bool = True) -> SearchReport:
     """Enumerate, prune and rank every plan of ``num_devices`` for one model and batch.
 
     Args:
@@ -148,6 +148,7 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
         schedules: pipeline schedules to consider (names from ``plan.PP_SCHEDULES``).
         allow_fsdp: consider dp_shard > 1 (set False to search the DDP x TP x PP space only).
         checkpointing: activation checkpointing modes to consider.
+        recv_per_microbatch: see `memory.estimate_memory` (False models Megatron-LM's runtime).
 
     Returns:
         SearchReport; ``ranked`` is sorted by predicted samples/s, fastest first.
@@ -160,6 +161,7 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
     if optimizer not in OPTIMIZER_BYTES:
         raise ValueError(f"optimizer={optimizer!r} is unknown; valid: {', '.join(OPTIMIZER_BYTES)}")
     budget = hw.memory_bytes * memory_fraction
+    foreach = hw.name != "cpu"             # torch's optimizers use foreach kernels on accelerators
     arch = profile.arch
     num_layers = len(profile.blocks) - 2 if arch and len(profile.blocks) >= 3 else len(profile.blocks)
     rep = SearchReport(num_devices)
@@ -219,9 +221,12 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                                         n_microbatches=m, virtual_stages=v, activation_checkpointing=ac,
                                         precision=precision, sequence_parallel=sequence_parallel and tp > 1)
                     mem = None
+                    acc = global_batch_size // (b * m * dp)
                     for r, ld in reps:
                         e = rank_memory(ld, plan, micro_batch_size=b, optimizer=optimizer,
-                                        overhead_bytes=hw.framework_overhead_bytes, pp_rank=r)
+                                        overhead_bytes=hw.framework_overhead_bytes, pp_rank=r,
+                                        accumulation=acc, global_batch_size=global_batch_size,
+                                        foreach=foreach, recv_per_microbatch=recv_per_microbatch)
                         if mem is None or e.total > mem.total:
                             mem = e
                             if e.total > budget:
@@ -233,7 +238,6 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                     if tpb is None:
                         tpb = tp_bytes_per_sample(profile, plan)
                     local = b * m
-                    acc = global_batch_size // (local * dp)
                     parts = rank_step(loads, plan, hw, micro_batch_size=b, accumulation=acc,
                                       optimizer=optimizer, tp_bytes=tpb, dp_overlap=dp_overlap)
                     st = _finish(parts, profile, plan, global_batch_size, flops)

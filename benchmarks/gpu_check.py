@@ -1,0 +1,183 @@
+"""GPU check (issue 4, item 8): MFU, predicted vs measured memory and step time, placement parity.
+
+Needs only torch and modelpar's library modules (models, plan, parallel, planner; not the CLI's
+dependencies). On a machine with a CUDA GPU it prints, for a GPT of about 1B parameters
+(``gpt-1b``, 0.93B) trained in bf16 (autocast, fp32 master weights, fused-attention SDPA, AdamW) on
+one GPU:
+
+1. training MFU = model FLOPs per step (the planner's profile: forward + backward, each counted
+   once; PaLM App. B) / (median step time x dense bf16 peak). Goal: >= 45% of 989 TFLOP/s on an
+   H100 / H200;
+2. predicted (`planner.memory.estimate_memory`, foreach AdamW) against measured
+   (``torch.cuda.max_memory_allocated`` over step 3) peak memory, and predicted
+   (`planner.cost.estimate_step` on the built-in H100/H200 profile) against measured median step time;
+3. a placement run: gpt-3m split between ``cpu`` and ``cuda:0`` (fp32, TF32 off) against its
+   one-device reference, loss by loss over a few SGD steps.
+
+Without CUDA it says so and exits 0. Run: ``python benchmarks/gpu_check.py [--model gpt-1b]
+[--micro-batch 4] [--steps 8] [--compile]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+GOAL_MFU = 0.45
+DENSE_BF16_PEAK = 989e12        # H100 / H200 SXM dense bf16 (NVIDIA datasheets)
+
+
+def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
+def hardware_for_device(name: str):
+    """The built-in profile matching a CUDA device name (H200 / H100 / A100), H100 otherwise."""
+    from modelpar.planner.hardware import BUILTIN
+    n = name.upper()
+    if "H200" in n:
+        return BUILTIN["H200"]
+    if "A100" in n:
+        return BUILTIN["A100-80GB" if "80" in n else "A100-40GB"]
+    return BUILTIN["H100-80GB-SXM"]
+
+
+def mfu(model_flops_per_step: float, step_s: float, peak: float) -> float:
+    """Model FLOPs utilization (PaLM App. B): FLOPs per step / (seconds per step x peak FLOP/s)."""
+    return model_flops_per_step / (step_s * peak)
+
+
+def predict(model_name: str, micro_batch: int, hw):
+    """(profile, predicted MemoryEstimate, predicted StepEstimate) of one-device bf16 training."""
+    from modelpar.models import build_model
+    from modelpar.plan import ParallelPlan
+    from modelpar.planner.cost import estimate_step
+    from modelpar.planner.memory import Batch, estimate_memory
+    from modelpar.planner.profile import profile_model
+    m = build_model(model_name, device="meta")
+    prof = profile_model(m, torch.zeros(1, m.cfg.seq_len, dtype=torch.long, device="meta"),
+                         dtype=torch.bfloat16, attention="flash")
+    plan = ParallelPlan(precision="bf16")
+    batch = Batch(micro_batch, micro_batch)
+    return (prof, estimate_memory(prof, plan, batch, optimizer="adamw", foreach=True),
+            estimate_step(prof, plan, batch, hw, optimizer="adamw"))
+
+
+def train_steps(model_name: str, device: str, *, micro_batch: int, steps: int, precision: str = "bf16",
+                compile_model: bool = False, seed: int = 0) -> dict:
+    """Train ``steps`` steps of one-device training; returns step seconds, step-3 peak bytes (CUDA) and losses."""
+    from modelpar.models import build_model
+    from modelpar.parallel.compose import parallelize
+    from modelpar.parallel.mesh import MeshInfo
+    from modelpar.plan import ParallelPlan
+
+    dev = torch.device(device)
+    model = build_model(model_name, device="cpu", seed=seed)
+    if compile_model:
+        for blk in model.blocks:
+            blk.compile()
+    pm = parallelize(model, ParallelPlan(precision=precision), MeshInfo(None), loss_fn=lm_loss, device=dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=dev.type == "cuda")
+    g = torch.Generator().manual_seed(seed)
+    seq = model.cfg.seq_len
+    x = torch.randint(0, model.cfg.vocab_size, (micro_batch, seq), generator=g).to(dev)
+    y = torch.randint(0, model.cfg.vocab_size, (micro_batch, seq), generator=g).to(dev)
+    times, losses, peak = [], [], 0
+    cuda = dev.type == "cuda"
+    for i in range(steps):
+        if cuda and i == 2:
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+        if cuda:
+            torch.cuda.synchronize(dev)
+        t = time.perf_counter()
+        loss = pm.forward_backward(x, y)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - t)
+        losses.append(float(loss))
+        if cuda and i == 2:
+            peak = torch.cuda.max_memory_allocated(dev)
+    return {"times": times, "median_s": statistics.median(times[2:] or times), "peak_bytes": peak, "losses": losses}
+
+
+def placement_check(devices=("cpu", "cuda:0"), *, model_name: str = "gpt-3m", steps: int = 3,
+                    batch: int = 4, seed: int = 0) -> dict:
+    """Train ``model_name`` with its blocks split over ``devices`` and on ``devices[0]`` alone
+    (fp32, SGD, same data); returns both loss lists and the largest relative loss difference."""
+    from modelpar.models import build_model
+    from modelpar.parallel.compose import parallelize
+    from modelpar.parallel.mesh import MeshInfo
+    from modelpar.plan import ParallelPlan
+
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    ref_model = build_model(model_name, device="cpu", seed=seed)
+    split_model = copy.deepcopy(ref_model)
+    ref = parallelize(ref_model, ParallelPlan(), MeshInfo(None), loss_fn=lm_loss, device=torch.device(devices[0]))
+    split = parallelize(split_model, ParallelPlan(placement_devices=tuple(devices)), MeshInfo(None),
+                        loss_fn=lm_loss, device=torch.device(devices[0]))
+    g = torch.Generator().manual_seed(seed + 1)
+    seq = ref_model.cfg.seq_len
+    out = {}
+    for name, pm, mod in (("reference", ref, ref_model), ("placement", split, split_model)):
+        opt = torch.optim.SGD(mod.parameters(), lr=0.1)
+        g.manual_seed(seed + 1)
+        losses = []
+        for _ in range(steps):
+            x = torch.randint(0, 256, (batch, seq), generator=g)
+            y = torch.randint(0, 256, (batch, seq), generator=g)
+            losses.append(float(pm.forward_backward(x, y)))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        out[name] = losses
+    diff = max(abs(a - b) / abs(a) for a, b in zip(out["reference"], out["placement"]))
+    return {**out, "max_rel_diff": diff, "devices": list(devices)}
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gpt-1b")
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--compile", action="store_true", help="torch.compile each block")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device is available (torch.cuda.is_available() is False); nothing to check. "
+              "Run it on a machine with an NVIDIA GPU.")
+        return 0
+    name = torch.cuda.get_device_name(0)
+    hw = hardware_for_device(name)
+    prof, pmem, pstep = predict(args.model, args.micro_batch, hw)
+    flops = prof.train_flops_per_sample * args.micro_batch
+    print(f"{args.model}: {prof.num_params / 1e9:.2f}B params, micro-batch {args.micro_batch} x {prof.tokens_per_sample} "
+          f"tokens, bf16, on {name} (planner profile {hw.name})")
+    run = train_steps(args.model, "cuda:0", micro_batch=args.micro_batch, steps=args.steps,
+                      compile_model=args.compile)
+    u = mfu(flops, run["median_s"], DENSE_BF16_PEAK)
+    print(f"MFU {u:.1%} of {DENSE_BF16_PEAK / 1e12:.0f} TFLOP/s ({flops / run['median_s'] / 1e12:.1f} TFLOP/s achieved; "
+          f"goal >= {GOAL_MFU:.0%}): {'met' if u >= GOAL_MFU else 'NOT met'}")
+    mem_err = pmem.total / run["peak_bytes"] - 1 if run["peak_bytes"] else float("nan")
+    print(f"peak memory: predicted {pmem.total / 2**30:.2f} GiB ({pmem.phase}), measured "
+          f"{run['peak_bytes'] / 2**30:.2f} GiB, error {mem_err:+.1%}")
+    print(f"step time: predicted {pstep.total * 1e3:.1f} ms, measured median {run['median_s'] * 1e3:.1f} ms "
+          f"(steps {', '.join(f'{t * 1e3:.0f}' for t in run['times'])} ms), error {pstep.total / run['median_s'] - 1:+.1%}")
+    torch.cuda.empty_cache()
+    pc = placement_check(("cpu", "cuda:0"))
+    ok = pc["max_rel_diff"] <= 1e-4
+    print(f"placement cpu + cuda:0 vs one device: losses {pc['placement']} vs {pc['reference']}, largest relative "
+          f"difference {pc['max_rel_diff']:.2e} ({'matches' if ok else 'DOES NOT match'}, tolerance 1e-4)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

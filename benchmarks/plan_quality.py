@@ -1,0 +1,95 @@
+"""Plan quality: does `--strategy auto`'s pick run as fast as the best finalist? (issue 4, item 7)
+
+On CPU with N ranks (default 2) for one model at the default batch (global 32, AdamW, fp32): the
+finalists are the planner's top 5 predicted distinct layouts plus the best-predicted plan of each
+basic strategy (ddp, fsdp, tp, pp) and the `rules` baseline's plan; all are built once in one launch
+and re-measured in alternation (`modelpar.planner.measure.time_cases`). Goal: the median throughput
+of auto's pick >= 90% of the best median, and >= that of rules.
+
+Run: ``.venv/bin/python benchmarks/plan_quality.py [--model gpt-3m] [--nproc 2] [--rounds 4]``
+(uses the calibration file of `modelpar calibrate`, like ``modelpar train --strategy auto``)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from modelpar.plan import ParallelPlan  # noqa: E402
+from modelpar.planner.measure import Case, launch  # noqa: E402
+
+GLOBAL_BATCH = 32
+
+
+def basic_strategy(p: ParallelPlan) -> str | None:
+    """"ddp", "fsdp", "tp" or "pp" when the plan uses that parallelism alone, else None."""
+    kinds = [k for k, d in (("ddp", p.dp_replicate), ("fsdp", p.dp_shard), ("tp", p.tp), ("pp", p.pp)) if d > 1]
+    return kinds[0] if len(kinds) == 1 else None
+
+
+def finalists(model: str, nproc: int, hw, *, top: int = 5):
+    """[(label, Candidate-like (plan, local batch, predicted seconds))], auto's pick first, then the
+    rules plan (label "rules")."""
+    from planner_accuracy_memory import profile_for
+
+    from modelpar.planner.cost import estimate_step
+    from modelpar.planner.memory import Batch
+    from modelpar.planner.rules import rule_plan
+    from modelpar.planner.search import search_plans
+    prof = profile_for(model)
+    rep = search_plans(prof, nproc, hw, global_batch_size=GLOBAL_BATCH, precision="fp32")
+    out, seen = [], set()
+    for i, c in enumerate(rep.distinct_layouts(top)):
+        out.append(("auto" if i == 0 else f"top{i + 1}", c.plan, c.batch.local_batch_size, c.step.total))
+        seen.add(c.plan)
+    for kind in ("ddp", "fsdp", "tp", "pp"):
+        best = next((c for c in rep.ranked if basic_strategy(c.plan) == kind), None)
+        if best is not None and best.plan not in seen:
+            out.append((f"best-{kind}", best.plan, best.batch.local_batch_size, best.step.total))
+            seen.add(best.plan)
+    plan, _ = rule_plan(prof, nproc, hw, global_batch_size=GLOBAL_BATCH,
+                        task="language" if prof.tokens_per_sample > 1 else "image")
+    if plan.pp > 1 and plan.n_microbatches == 1:
+        plan = ParallelPlan.from_dict({**plan.to_dict(), "n_microbatches": 2 * plan.pp})
+    local = GLOBAL_BATCH // plan.dp
+    pred = estimate_step(prof, plan, Batch(GLOBAL_BATCH, local), hw).total
+    out.append(("rules", plan, local, pred))
+    return out, rep
+
+
+def main(argv: list[str]) -> int:
+    from planner_accuracy_time import load_hardware
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gpt-3m")
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--hardware", default=None)
+    ap.add_argument("--timeout", type=float, default=1500)
+    args = ap.parse_args(argv)
+    hw = load_hardware(args.hardware)
+    fin, rep = finalists(args.model, args.nproc, hw)
+    print(f"{args.model} on {args.nproc} ranks, global batch {GLOBAL_BATCH}: {rep.summary()}")
+    cases = [Case(f"{label}", args.model, plan.to_dict(), GLOBAL_BATCH, local) for label, plan, local, _ in fin]
+    load0 = os.getloadavg()[0]
+    t = time.perf_counter()
+    res = launch(cases, args.nproc, mode="time", rounds=args.rounds, timeout=args.timeout)
+    load1 = os.getloadavg()[0]
+    best = min(res[c.name]["median"] for c in cases)
+    print(f"[measured in {time.perf_counter() - t:.0f} s, load average {load0:.1f} -> {load1:.1f}]")
+    print(f"{'finalist':<10} {'plan':<44} {'local':>5} {'pred ms':>9} {'median ms':>10} {'IQR ms':>17} {'vs best':>8}")
+    for (label, plan, local, pred), c in zip(fin, cases):
+        r = res[c.name]
+        print(f"{label:<10} {plan.describe():<44} {local:>5} {pred * 1e3:>9.1f} {r['median'] * 1e3:>10.1f} "
+              f"{r['q1'] * 1e3:>8.1f}-{r['q3'] * 1e3:<8.1f} {best / r['median']:>8.1%}")
+    auto, rules = res["auto"]["median"], res["rules"]["median"]
+    ratio_best, ratio_rules = best / auto, rules / auto
+    print(f"\nauto throughput / best = {ratio_best:.1%} (goal >= 90%); auto / rules = {ratio_rules:.1%} (goal >= 100%)")
+    return 0 if ratio_best >= 0.9 and ratio_rules >= 1.0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

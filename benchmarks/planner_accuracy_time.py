@@ -1,0 +1,97 @@
+"""Step-time accuracy: predicted against measured median step time of every 2-rank plan (issue 4, item 7).
+
+For the GPT presets and mlp-large at their default batch (global 32, AdamW, fp32, 1 thread per rank),
+every 2-rank basic plan (ddp, fsdp, tp, pp gpipe and 1f1b with 4 micro-batches) is measured in one
+launch per model, the plans interleaved round by round (`modelpar.planner.measure.time_cases`) so
+load changes on the shared machine hit all plans alike, and compared with
+`modelpar.planner.cost.estimate_step` using the calibration file (`modelpar calibrate`, micro-benchmarks
+only; never fitted to these runs). Only steps of 200 ms or more count towards the goal (median
+|error| <= 10%, largest <= 20%); shorter ones are printed for information.
+
+Run: ``.venv/bin/python benchmarks/planner_accuracy_time.py [--models gpt-3m,gpt-10m,mlp-large] [--rounds 3]``
+(run ``modelpar calibrate`` first; ``$MODELPAR_CALIBRATION`` picks the file)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from modelpar.plan import ParallelPlan  # noqa: E402
+from modelpar.planner.measure import Case, launch  # noqa: E402
+
+PLANS = {"ddp": dict(dp_replicate=2), "fsdp": dict(dp_shard=2), "tp": dict(tp=2),
+         "pp_gpipe": dict(pp=2, pp_schedule="gpipe", n_microbatches=4),
+         "pp_1f1b": dict(pp=2, pp_schedule="1f1b", n_microbatches=4)}
+GLOBAL_BATCH = 32          # TrainConfig's default
+
+
+def load_hardware(path: str | None = None):
+    from modelpar.planner.commands import default_calibration_path
+    from modelpar.planner.hardware import load_profile
+    p = path or default_calibration_path()
+    if not os.path.isfile(p):
+        raise SystemExit(f"no calibration at {p}: run `modelpar calibrate` (or set MODELPAR_CALIBRATION)")
+    return load_profile(p)
+
+
+def cases_for(model: str, plans=PLANS) -> list[Case]:
+    out = []
+    for name, kw in plans.items():
+        p = ParallelPlan(**kw)
+        out.append(Case(f"{model}/{name}", model, p.to_dict(), GLOBAL_BATCH, GLOBAL_BATCH // p.dp))
+    return out
+
+
+def predict_seconds(case: Case, hw) -> float:
+    from planner_accuracy_memory import profile_for
+
+    from modelpar.planner.cost import estimate_step
+    from modelpar.planner.memory import Batch
+    return estimate_step(profile_for(case.model), ParallelPlan.from_dict(case.plan),
+                         Batch(case.global_batch_size, case.local_batch_size), hw, optimizer=case.optimizer).total
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="gpt-1m,gpt-3m,gpt-10m,mlp-large")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--hardware", default=None, help="calibration JSON (default: the calibrate default path)")
+    ap.add_argument("--timeout", type=float, default=1500)
+    args = ap.parse_args(argv)
+    hw = load_hardware(args.hardware)
+    rows = []
+    for model in args.models.split(","):
+        cases = cases_for(model)
+        load0 = os.getloadavg()[0]
+        t = time.perf_counter()
+        res = launch(cases, 2, mode="time", rounds=args.rounds, timeout=args.timeout)
+        load1 = os.getloadavg()[0]
+        for c in cases:
+            r = res[c.name]
+            pred = predict_seconds(c, hw)
+            rows.append({"case": c.name, "pred": pred, **{k: r[k] for k in ("median", "q1", "q3", "n")},
+                         "err": pred / r["median"] - 1, "load": (load0 + load1) / 2})
+        print(f"[{model}: {time.perf_counter() - t:.0f} s, load average {load0:.1f} -> {load1:.1f}]", flush=True)
+    print(f"\n{'case':<22} {'measured median ms':>18} {'IQR ms':>17} {'n':>3} {'predicted ms':>13} {'error':>8} {'load':>5}")
+    for r in rows:
+        flag = "" if r["median"] >= 0.2 else "  (< 200 ms: not counted)"
+        print(f"{r['case']:<22} {r['median'] * 1e3:>18.1f} {r['q1'] * 1e3:>8.1f}-{r['q3'] * 1e3:<8.1f} {r['n']:>3} "
+              f"{r['pred'] * 1e3:>13.1f} {r['err']:>+8.1%} {r['load']:>5.1f}{flag}")
+    counted = [abs(r["err"]) for r in rows if r["median"] >= 0.2]
+    if not counted:
+        print("no step of 200 ms or more")
+        return 1
+    med, worst = statistics.median(counted), max(counted)
+    print(f"\n{len(counted)} plans with steps >= 200 ms: median |error| {med:.1%} (goal <= 10%), "
+          f"largest {worst:.1%} (goal <= 20%)")
+    return 0 if med <= 0.10 and worst <= 0.20 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,334 @@
+"""Measure what the planner predicts: peak tensor memory by part, and step time, of real runs.
+
+Used by the accuracy tests and benchmarks (``tests/test_planner_accuracy*.py``,
+``benchmarks/planner_accuracy_*.py``, ``benchmarks/plan_quality.py``). Every rank of a torchrun
+launch calls `run_cases`; each case builds the model, lays it out with
+`modelpar.parallel.compose.parallelize` and trains with `modelpar.train.step.train_step`, so the
+measured code is the code `modelpar train` runs.
+
+Memory (CPU): torch's MemTracker (``torch.distributed._tools.mem_tracker``, a private API pinned by
+``tests/test_planner_accuracy.py``) is entered *before* the model is built, so it sees every storage
+(DDP buckets and pipeline buffers included); it stays active for the warm-up steps and is re-entered
+for the measured step, which resets its peak to the live bytes at that point (``__enter__``). The
+peak snapshot gives bytes by reference type at the moment of the peak: Parameter, Gradient,
+Optstate, Activation (forward-created tensors, FSDP's gathered parameters included), Temp (tensors
+made in backward: activation gradients), Buffer, Other.
+
+Step time: wall clock of whole optimizer steps between barriers, plans interleaved round by round
+(`time_cases`), so slow phases of a shared machine hit every plan alike.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from modelpar.plan import ParallelPlan
+
+MEM_PARTS = ("Parameter", "Gradient", "Optstate", "Activation", "Temp", "Buffer", "Other")
+
+
+@dataclass
+class Case:
+    """One measured run. ``plan`` as a dict (`ParallelPlan.to_dict`); batches in samples."""
+
+    name: str
+    model: str
+    plan: dict
+    global_batch_size: int
+    local_batch_size: int
+    optimizer: str = "adamw"
+    steps: int = 3                 # memory: the peak of the last step (>= 3: steady state)
+    seq_len: int = 0               # 0: the preset's
+    grad_clip: float = 1.0
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return self.__dict__.copy()
+
+
+def planner_boundaries(model_name: str, plan: ParallelPlan) -> tuple[int, ...] | None:
+    """The stage boundaries (`ParallelPlan.stage_boundaries`, in model-part block indices) that the
+    planner's `memory.stage_ranges` assumes, so a measured pipeline splits where the prediction does."""
+    if plan.pp <= 1:
+        return None
+    from modelpar.models import MLP_PRESETS, PRESETS
+    from modelpar.planner.memory import stage_ranges
+    from modelpar.planner.profile import BlockProfile, ModelProfile
+    if model_name in PRESETS:
+        n, arch = PRESETS[model_name].n_layer + 2, {"n_layer": PRESETS[model_name].n_layer}
+        off = 1
+    else:
+        n, arch, off = len(MLP_PRESETS[model_name]) - 1, {}, 0
+    blk = BlockProfile("b", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    prof = ModelProfile(blocks=(blk,) * n, dtype="fp32", batch_size=1, tokens_per_sample=1, arch=arch)
+    rng = stage_ranges(prof, plan.num_stages)
+    return tuple(a - off for a, _ in rng[1:])
+
+
+def _config(case: Case):
+    from modelpar.train.config import TrainConfig
+    return TrainConfig(model=case.model, global_batch_size=case.global_batch_size,
+                       local_batch_size=case.local_batch_size, optimizer=case.optimizer,
+                       grad_clip=case.grad_clip, seq_len=case.seq_len, dropout=0.0)
+
+
+def _batch(task, n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    from modelpar.models import MLP_PRESETS
+    if task.kind == "lm":
+        x = torch.randint(0, 256, (n, task.tokens_per_sample), generator=g)
+        return x, torch.randint(0, 256, (n, task.tokens_per_sample), generator=g)
+    w = MLP_PRESETS[task.name]
+    return torch.randn(n, w[0], generator=g), torch.randint(0, w[-1], (n,), generator=g)
+
+
+@dataclass
+class Built:
+    pm: object
+    opt: torch.optim.Optimizer
+    accum: int
+    xg: torch.Tensor
+    yg: torch.Tensor
+    grad_clip: float
+
+
+def build_case(case: Case, *, active: bool = True) -> Built | None:
+    """Build ``case`` on this rank (collective over the world when the plan spans it). Ranks outside
+    a 1-rank plan (``active=False``) build nothing and return None."""
+    from modelpar.parallel.compose import parallelize
+    from modelpar.parallel.mesh import build_mesh, get_device
+    from modelpar.plan import gradient_accumulation_steps
+    from modelpar.train.loop import build_optimizer
+    from modelpar.train.task import build_task, example_input
+
+    if not active:
+        return None
+    plan = ParallelPlan.from_dict(case.plan)
+    if plan.pp > 1 and plan.stage_boundaries is None:
+        plan = ParallelPlan.from_dict({**plan.to_dict(), "stage_boundaries": planner_boundaries(case.model, plan)})
+    cfg = _config(case)
+    task = build_task(cfg, load_data=False)
+    dev = get_device()
+    mesh = build_mesh(plan, dev)
+    mb = case.local_batch_size // (plan.n_microbatches if plan.pp > 1 else 1)
+    pm = parallelize(task.model, plan, mesh, loss_fn=task.loss_fn, device=dev,
+                     example_input=example_input(task, mb) if plan.pp > 1 else None)
+    opt = build_optimizer(pm, cfg)
+    accum = gradient_accumulation_steps(case.global_batch_size, case.local_batch_size, plan.dp)
+    xg, yg = _batch(task, case.global_batch_size, seed=1)
+    return Built(pm, opt, accum, xg, yg, case.grad_clip)
+
+
+def step(b: Built) -> None:
+    from modelpar.train.step import train_step
+    train_step(b.pm, b.opt, b.xg, b.yg, accum_steps=b.accum, grad_clip=b.grad_clip)
+
+
+def _snap(snap: dict) -> dict[str, int]:
+    out = dict.fromkeys(MEM_PARTS, 0)
+    out["Total"] = 0
+    for dev_snap in snap.values():
+        for k, v in dev_snap.items():
+            key = getattr(k, "value", k)
+            out[key] = out.get(key, 0) + int(v)
+    return out
+
+
+def _tracker():
+    """A MemTracker that accepts a root module called more than once per step (gradient
+    accumulation, pipeline micro-batches): only its per-module statistics are dropped, which this
+    module does not read; the device-wide snapshots and peak are unaffected."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class _Tracker(MemTracker):
+        def _pre_fw_hook(self, module, inputs):
+            if module in self.memory_tracking and not self._mod_tracker.is_bw:
+                name = self._mod_tracker.get_known_fqn(module)
+                if set(self._mod_tracker.parents) - {name} == {"Global"}:
+                    del self.memory_tracking[module]
+            super()._pre_fw_hook(module, inputs)
+
+    return _Tracker()
+
+
+def measure_memory(case: Case, *, active: bool = True) -> dict | None:
+    """Peak tensor bytes of step ``case.steps`` (steps 1 .. steps-1 warm up), by MemTracker part.
+
+    Returns ``{"peak": {part: bytes, "Total": bytes}, "max": {part: bytes}}`` where ``peak`` is the
+    breakdown at the moment of the peak and ``max`` the largest value each part reached during the
+    measured step (CPU only; None on inactive ranks).
+
+    Raises:
+        ValueError: ``case.steps < 3`` (not steady state).
+    """
+    if case.steps < 3:
+        raise ValueError(f"Case.steps must be >= 3 for a steady-state peak, got {case.steps}")
+    mt = _tracker()
+    with mt:
+        b = build_case(case, active=active)
+        if b is not None:
+            mt.track_external(*b.pm.modules, b.opt)
+            # step 1 without the module hooks: the pipeline runtime's first step infers gradient
+            # shapes with autograd.grad, which the tracker's multi-grad hooks refuse; storages are
+            # still tracked (the dispatch mode stays on)
+            mt._mod_tracker.__exit__()
+            step(b)
+            mt._mod_tracker.__enter__()
+            for _ in range(case.steps - 2):
+                step(b)
+    if b is None:
+        return None
+    gc.collect()
+    maxes = dict.fromkeys(MEM_PARTS, 0)
+    orig = mt._update_peak_stats
+
+    def track_max(state):          # per-part maxima alongside the total's peak
+        orig(state)
+        for k, v in _snap(mt._curr_mem_snap).items():
+            if k in maxes:
+                maxes[k] = max(maxes[k], v)
+    mt._update_peak_stats = track_max
+    with mt:
+        step(b)
+    peak = _snap(mt.get_tracker_snapshot("peak"))
+    del b
+    gc.collect()
+    return {"peak": peak, "max": maxes}
+
+
+def time_cases(cases: list[Case], *, rounds: int = 5, steps_per_round: int = 2, warmup: int = 1,
+               active: list[bool] | None = None) -> dict[str, list[float]]:
+    """Seconds per optimizer step of every case, measured in alternation: each round runs
+    ``steps_per_round`` steps of every case in turn. Cases are built once and kept alive.
+
+    Returns ``{case name: [step seconds, ...]}`` (rank 0's clock; steps end with a barrier).
+    """
+    active = active or [True] * len(cases)
+    built = []
+    for c, a in zip(cases, active):
+        b = build_case(c, active=a)
+        for _ in range(warmup if b is not None else 0):
+            step(b)
+        built.append(b)
+    times: dict[str, list[float]] = {c.name: [] for c in cases}
+    for _ in range(rounds):
+        for c, b in zip(cases, built):
+            for _ in range(steps_per_round):
+                _barrier()
+                t = time.perf_counter()
+                if b is not None:
+                    step(b)
+                _barrier()
+                times[c.name].append(time.perf_counter() - t)
+    return times
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def summarize(ts: list[float]) -> dict:
+    """Median, min, max and inter-quartile spread of step times (seconds)."""
+    s = sorted(ts)
+    q = statistics.quantiles(s, n=4) if len(s) >= 2 else [s[0]] * 3
+    return {"median": statistics.median(s), "min": s[0], "max": s[-1], "q1": q[0], "q3": q[2], "n": len(s)}
+
+
+def run_cases(cases: list[Case], *, mode: str = "memory", **kw) -> dict:
+    """Run every case on this rank of the launch; returns rank 0's results (``{}`` elsewhere).
+
+    A case whose plan uses fewer ranks than the world (a 1-rank plan) runs on rank 0 only. Memory
+    results are gathered from every rank and the largest peak is kept (the most loaded rank).
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    actives = [ParallelPlan.from_dict(c.plan).world_size == world or rank == 0 for c in cases]
+    if mode == "time":
+        res = time_cases(cases, active=actives, **kw)
+        return {n: summarize(t) | {"times": t} for n, t in res.items()} if rank == 0 else {}
+    out = {}
+    for c, a in zip(cases, actives):
+        try:
+            r = measure_memory(c, active=a)
+            err = None
+        except Exception as e:  # noqa: BLE001 - reported per case; other cases go on
+            r, err = None, f"rank {rank}: {type(e).__name__}: {e}"
+            import traceback
+            traceback.print_exc()
+        per_rank = [None] * world
+        if dist.is_initialized():
+            dist.all_gather_object(per_rank, {"r": r, "err": err})
+        else:
+            per_rank = [{"r": r, "err": err}]
+        errs = [p["err"] for p in per_rank if p["err"]]
+        got = [p["r"] for p in per_rank if p["r"] is not None]
+        if errs:
+            out[c.name] = {"error": "; ".join(errs)}
+        else:
+            best = max(got, key=lambda g: g["peak"]["Total"])
+            out[c.name] = {**best, "per_rank_total": [g["peak"]["Total"] for g in got]}
+        _barrier()
+    return out if rank == 0 else {}
+
+
+def worker_main(argv: list[str]) -> int:
+    """``torchrun ... -m modelpar.planner.measure CASES.json OUT.json [memory|time] [rounds]``."""
+    from modelpar.parallel.mesh import init_distributed
+
+    cases_path, out_path = argv[0], argv[1]
+    mode = argv[2] if len(argv) > 2 else "memory"
+    threads = int(os.environ.get("MODELPAR_THREADS", "1"))
+    torch.set_num_threads(threads)
+    init_distributed(timeout_s=float(os.environ.get("MODELPAR_TIMEOUT_S", "300")))
+    cases = [Case(**c) for c in json.loads(open(cases_path).read())]
+    kw = {"rounds": int(argv[3])} if mode == "time" and len(argv) > 3 else {}
+    res = run_cases(cases, mode=mode, **kw)
+    if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+        with open(out_path, "w") as f:
+            json.dump(res, f, indent=1)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+def launch(cases: list[Case], world: int, *, mode: str = "memory", timeout: float = 300, rounds: int = 5,
+           threads: int = 1, workdir: str | None = None) -> dict:
+    """Run ``cases`` in one torchrun launch of ``world`` ranks; returns rank 0's results.
+
+    Raises:
+        RuntimeError: the launch failed or timed out (its output tail is in the message).
+    """
+    import subprocess
+    import tempfile
+
+    d = workdir or tempfile.mkdtemp(prefix="modelpar-measure-")
+    cp, op = os.path.join(d, "cases.json"), os.path.join(d, "out.json")
+    with open(cp, "w") as f:
+        json.dump([c.to_dict() for c in cases], f)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           "-m", "modelpar.planner.measure", cp, op, mode, str(rounds)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MODELPAR_THREADS": str(threads),
+           "PYTHONWARNINGS": "ignore"}
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"measure launch ({world} ranks) timed out after {timeout} s: "
+                           f"{(e.stderr or b'')[-3000:]!r}") from None
+    if p.returncode != 0 or not os.path.exists(op):
+        raise RuntimeError(f"measure launch ({world} ranks) failed (rc {p.returncode}):\n{p.stderr[-4000:]}")
+    return json.loads(open(op).read())
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(sys.argv[1:]))

@@ -1,0 +1,112 @@
+"""Pure-CPU checks of the accuracy tooling: calibrate's fits and default path, the FLOP/s curve,
+fused-attention profiling, and benchmarks/gpu_check.py's logic (its CUDA-less exit, placement parity
+on cpu + cpu, MFU and the prediction path)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from modelpar.models import build_model
+from modelpar.planner.commands import calibrate_main, default_calibration_path, fit_alpha_beta
+from modelpar.planner.hardware import cpu_profile, load_profile
+from modelpar.planner.profile import profile_model
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_fit_alpha_beta_recovers_constants():
+    alpha, beta = 50e-6, 2e9
+    times = {b: 2 * alpha + 1.0 * b / beta for b in (4096, 2 ** 20, 2 ** 24)}     # all-reduce, n = 2
+    a, bw = fit_alpha_beta(times, steps=2, volume=1.0)
+    assert math.isclose(a, alpha, rel_tol=1e-6) and math.isclose(bw, beta, rel_tol=1e-6)
+
+
+def test_calibrate_writes_default_path(tmp_path, monkeypatch, capsys):
+    target = tmp_path / "sub" / "calibration.json"
+    monkeypatch.setenv("MODELPAR_CALIBRATION", str(target))
+    assert default_calibration_path() == str(target)
+    assert calibrate_main(["--no-collectives", "--ranks", "2"]) == 0
+    hw = load_profile(target)
+    curve = {k: v for k, v in hw.extra.items() if k.startswith("matmul_flops_")}
+    assert len(curve) >= 5 and all(v > 1e7 for v in curve.values())
+    assert 0 < hw.op_overhead_s < 1e-3
+
+
+def test_gemm_flops_curve_interpolates_and_clamps():
+    import dataclasses
+    hw = dataclasses.replace(cpu_profile(1), extra={"matmul_flops_64": 1e10, "matmul_flops_256": 4e10})
+    assert hw.gemm_flops("fp32", 2 * 32 ** 3) == 1e10                 # below the sweep: clamped
+    assert hw.gemm_flops("fp32", 2 * 1024 ** 3) == 4e10               # above: clamped
+    mid = hw.gemm_flops("fp32", 2 * 128 ** 3)                         # halfway in log size
+    assert math.isclose(mid, 2e10, rel_tol=1e-9)
+    assert cpu_profile(1).gemm_flops("fp32", 1e9) == cpu_profile(1).achievable_flops("fp32")
+
+
+def test_flash_profile_saves_linear_in_seq():
+    m = build_model("gpt-1m", device="meta")
+    saved = {}
+    for att in ("flash", "math"):
+        for s in (64, 128):
+            x = torch.zeros(1, s, dtype=torch.long, device="meta")
+            saved[att, s] = profile_model(m, x, attention=att).blocks[1].saved_bytes
+    assert saved["flash", 128] == 2 * saved["flash", 64]               # O(seq)
+    assert saved["math", 128] > 2 * saved["math", 64]                  # superlinear: (seq, seq) scores
+    assert saved["flash", 128] < saved["math", 128]
+    with pytest.raises(ValueError, match="attention"):
+        profile_model(m, torch.zeros(1, 8, dtype=torch.long, device="meta"), attention="sparse")
+
+
+def test_flash_flops_equal_math_flops():
+    m = build_model("gpt-nano", device="meta")
+    x = torch.zeros(2, 64, dtype=torch.long, device="meta")
+    f, g = profile_model(m, x, attention="flash"), profile_model(m, x, attention="math")
+    assert [b.fwd_flops for b in f.blocks] == [b.fwd_flops for b in g.blocks]
+    assert [b.bwd_flops for b in f.blocks] == [b.bwd_flops for b in g.blocks]
+
+
+def test_gpu_check_without_cuda_exits_cleanly():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")], capture_output=True,
+                       text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "no CUDA device" in p.stdout
+
+
+def test_gpu_check_logic_on_cpu():
+    gc = _load("gpu_check")
+    pc = gc.placement_check(("cpu", "cpu"), model_name="gpt-nano", steps=2, batch=2)
+    assert pc["max_rel_diff"] <= 1e-6 and len(pc["placement"]) == 2
+    assert gc.hardware_for_device("NVIDIA H200").name == "H200"
+    assert gc.hardware_for_device("NVIDIA A100-SXM4-80GB").name == "A100-80GB"
+    assert math.isclose(gc.mfu(989e12 * 0.5, 1.0, 989e12), 0.5)
+    prof, mem, step = gc.predict("gpt-nano", 2, gc.hardware_for_device("NVIDIA H100 80GB HBM3"))
+    assert mem.total > 0 and step.total > 0 and prof.dtype == "bf16"
+    run = gc.train_steps("gpt-nano", "cpu", micro_batch=2, steps=3, precision="fp32")
+    assert len(run["times"]) == 3 and run["peak_bytes"] == 0 and all(math.isfinite(x) for x in run["losses"])
+
+
+def test_plan_quality_finalists_cover_basic_strategies():
+    pq = _load("plan_quality")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    fin, rep = pq.finalists("gpt-nano", 2, cpu_profile(2))
+    labels = [f[0] for f in fin]
+    assert labels[0] == "auto" and labels[-1] == "rules"
+    kinds = {pq.basic_strategy(p) for _, p, _, _ in fin}
+    assert {"ddp", "fsdp", "tp", "pp"} <= kinds
+    assert json.dumps([p.to_dict() for _, p, _, _ in fin])
