@@ -26,6 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from modelpar.parallel.mesh import shutdown_distributed
 from modelpar.train.metrics import StepMemory
 
 PP_MARK = "modelpar.pp"       # record_function name prefix of pipeline actions: "modelpar.pp S F MB"
@@ -137,9 +138,13 @@ def run_row(spec: RowSpec, out_dir: Path, *, env: dict | None = None) -> dict:
             _kill_group(proc)
             raise
     wall = time.time() - t0
-    if rc == 0 and res_path.exists():
+    if rc is not None and res_path.exists():
+        # The result file is written (atomically, by rank 0) only after every rank's measurements
+        # were gathered, so it is complete even when a rank then failed while shutting down.
         res = json.loads(res_path.read_text())
         res["launch_wall_s"] = wall
+        if rc != 0:
+            res["exit_warning"] = f"a rank exited with code {rc} after the results were written (see {log_path})"
         return res
     tail = log_path.read_text(errors="replace").strip().splitlines() if log_path.exists() else []
     errs = [l for l in tail if "Error" in l or "error:" in l]
@@ -334,8 +339,7 @@ def worker_main(argv: list[str]) -> int:
         tmp = Path(argv[1]).with_suffix(".tmp")
         tmp.write_text(json.dumps(res))
         tmp.replace(argv[1])
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    shutdown_distributed(pm)
     return 0
 
 

@@ -92,3 +92,21 @@ def build_mesh(plan: ParallelPlan, device: torch.device) -> MeshInfo:
     coord = {n: mesh.get_local_rank(n) for n in names}
     dp_rank = coord.get("dp_replicate", 0) * plan.dp_shard + coord.get("dp_shard", 0)
     return MeshInfo(mesh=mesh, dp_rank=dp_rank, tp_rank=coord.get("tp", 0), pp_rank=coord.get("pp", 0))
+
+
+def shutdown_distributed(*parallel_models) -> None:
+    """Release pipeline schedules, then destroy the default process group (a no-op without one).
+
+    A pipeline schedule's stages hold gloo/NCCL point-to-point work objects; if they outlive the
+    process group, tearing them down at interpreter exit can abort the process ("terminate called
+    without an active exception"). Dropping them first and collecting makes the teardown ordered.
+    """
+    import gc
+
+    for pm in parallel_models:
+        if getattr(pm, "schedule", None) is not None:
+            pm.schedule = None
+    gc.collect()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
