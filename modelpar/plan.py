@@ -51,6 +51,7 @@ class ParallelPlan:
             them until backward (ZeRO-2-like, more memory, less communication).
         cpu_offload: FSDP only; keep sharded parameters and optimizer state in CPU memory (CUDA only).
         sequence_parallel: shard norm/dropout activations along the sequence under TP.
+        compile: ``torch.compile`` each block (after TP and checkpointing, before FSDP/DDP).
         placement_devices: for single-process layer placement, the device of each segment
             (e.g. ``("cuda:0", "cuda:1")``); None for multi-process plans.
     """
@@ -68,6 +69,7 @@ class ParallelPlan:
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     sequence_parallel: bool = False
+    compile: bool = False
     placement_devices: tuple[str, ...] | None = None
 
     # ---- derived ------------------------------------------------------------------------------
@@ -134,6 +136,8 @@ class ParallelPlan:
         extras = []
         if self.activation_checkpointing != "none":
             extras.append(f"ac={self.activation_checkpointing}")
+        if self.compile:
+            extras.append("compiled")
         if self.precision != "fp32":
             extras.append(self.precision)
         return name + (f" [{', '.join(extras)}]" if extras else "")

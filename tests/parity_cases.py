@@ -288,3 +288,7 @@ def _attach_shape_probes(pm, seen: dict) -> None:
                                             if torch.is_tensor(a[0]) and a[0].dim() == 3 else None)
             elif name == "head.out":
                 m.register_forward_hook(lambda _m, a, o: seen.__setitem__("logits_local_vocab", local(o).shape[-1]))
+
+
+# torch.compile of each block (issue 3): compiled blocks under FSDP vs the eager one-process reference
+_case("gpt-fsdp2-compile", 2, "gpt", dict(dp_shard=2, compile=True))

@@ -7,6 +7,9 @@ The order matters and is the same for every plan:
 2. tensor parallel: turns weights into DTensors sharded over the ``tp`` axis; FSDP must see these
    DTensors to shard them further over the data axis (2-D FSDP x TP);
 3. activation checkpointing: wraps block forwards, after TP so recompute replays the TP collectives;
+3b. ``torch.compile`` of each block (``plan.compile``), after TP and checkpointing so the compiled
+   graph contains the DTensor ops and the recompute region, and before data parallelism so FSDP's
+   per-block hooks stay outside the graph (the order torchtitan uses);
 4. FSDP (``dp_shard > 1``, HSDP with ``dp_replicate``) or DDP (``dp_replicate`` only) last: data
    parallelism wraps whatever the previous steps produced. With a pipeline or TP, ``dp_replicate``
    alone uses FSDP2's ``replicate`` (the same semantics as DDP): the pipelining runtime drives the
@@ -38,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from modelpar.parallel import checkpointing, data_parallel, pipeline, placement, tensor
+from modelpar.parallel import checkpointing, compiling, data_parallel, pipeline, placement, tensor
 from modelpar.parallel.mesh import MeshInfo
 from modelpar.parallel.parts import ModelParts, check_parts_order, get_model_parts
 from modelpar.plan import ParallelPlan
@@ -296,6 +299,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
         layout = placement.apply_placement(parts, plan.placement_devices,
                                            boundaries=list(plan.stage_boundaries) if plan.stage_boundaries else None)
         checkpointing.apply_ac([m for _, m in parts.blocks], mode=plan.activation_checkpointing)
+        if plan.compile:
+            compiling.apply_compile([m for _, m in parts.blocks])
         first = torch.device(plan.placement_devices[0])
         return ParallelModel(plan, mesh, [model], model, loss_fn, first, layout=layout,
                              loss_reduction=loss_reduction)
@@ -332,6 +337,10 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
     # 3. activation checkpointing (after TP, so recompute replays the TP collectives)
     for mod in modules:
         checkpointing.apply_ac(local_blocks(mod), mode=plan.activation_checkpointing)
+    # 3b. compile each block (same code for every block: one graph, reused)
+    if plan.compile:
+        for mod in modules:
+            compiling.apply_compile(local_blocks(mod))
     # 4. data parallel last: it wraps whatever the previous steps produced
     runtime_modules = modules                      # what forward / the pipeline stages call
     fsdp_style = plan.fsdp_enabled or (plan.dp_replicate > 1 and (plan.pp_enabled or plan.tp_enabled))

@@ -92,5 +92,6 @@ def _choose(cfg, world_size: int, *, strategy: str = "auto") -> Choice:
         local = rep.ranked[0].batch.local_batch_size
         reason = f"auto: best of {len(rep.ranked)} feasible plans on {hw.name} ({rep.summary()})"
     d = plan.to_dict()
-    d.update(precision=cfg.precision, cpu_offload=cfg.cpu_offload and d.get("dp_shard", 1) > 1)
+    d.update(precision=cfg.precision, cpu_offload=cfg.cpu_offload and d.get("dp_shard", 1) > 1,
+             compile=cfg.compile)
     return Choice(ParallelPlan.from_dict(d), local, reason)

@@ -60,6 +60,7 @@ class TrainConfig:
         log_every: write metrics every N steps.
         sample_bytes: bytes of text to generate from the trained GPT at the end (0: none).
         track_memory: measure peak tensor bytes of one step with torch's MemTracker (CPU).
+        compile: torch.compile each block (after TP and activation checkpointing, before FSDP/DDP).
         hardware: device profile for strategy auto/rules: a built-in name (A100-40GB, A100-80GB,
             H100-80GB-SXM, H200), a JSON file written by `modelpar calibrate`, or empty for this machine
             (the calibration file ~/.cache/modelpar/calibration.json if it exists, else an uncalibrated CPU
@@ -118,6 +119,7 @@ class TrainConfig:
     keep_last: int = 3
     async_ckpt: bool = False
     hardware: str = ""
+    compile: bool = False
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
