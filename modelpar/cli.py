@@ -77,11 +77,10 @@ def cmd_train(argv: list[str]) -> int:
         argv = ["--config", os.environ[CONFIG_ENV]]
     cfg, dumped = parse_train_config(argv)
     if _under_launcher():
-        from modelpar.parallel.mesh import shutdown_distributed
+        from modelpar.parallel.mesh import exit_rank
 
         train(cfg)
-        shutdown_distributed()      # ordered teardown: schedules first, then the process group
-        return 0
+        exit_rank(0)                # every rank done: leave without gloo teardown (see exit_rank)
     world = 1 if cfg.strategy in ("single", "placement") else cfg.nproc
     try:
         plan, _ = preflight(cfg, world)

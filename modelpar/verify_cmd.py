@@ -187,13 +187,12 @@ def run_rank(args, plan) -> int:
                                                    "ref_losses": ref.losses, "losses": got.losses}, indent=1))
         code = 0 if rep.passed else 1
     if dist.is_initialized():
-        import gc
-
-        gc.collect()                             # free pipeline schedules before their group goes
         box = [code]
         dist.broadcast_object_list(box, src=0)
         code = box[0]
-        dist.destroy_process_group()
+        from modelpar.parallel.mesh import exit_rank
+
+        exit_rank(code)                          # a launched rank: leave without gloo teardown
     return code
 
 

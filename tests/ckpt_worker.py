@@ -66,13 +66,9 @@ def main() -> None:
         results[spec["name"]] = {"result": res, "errors": {str(r): e for r, e in enumerate(errors) if e}}
         if rank == 0:
             Path(out).write_text(json.dumps(results, indent=1))
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    # Every result is written; skip interpreter teardown, where a C++ thread's destructor aborted once
-    # in four 2-rank pipeline launches ("terminate called without an active exception").
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    from modelpar.parallel.mesh import exit_rank
+
+    exit_rank(0)        # every result is written: leave without gloo teardown (see exit_rank)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,9 @@ def main() -> None:
             with open(out, "w") as f:
                 json.dump(results, f, indent=1)
         dist.barrier()
-    dist.destroy_process_group()
+    from modelpar.parallel.mesh import exit_rank
+
+    exit_rank(0)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from modelpar.parallel.mesh import shutdown_distributed
+from modelpar.parallel.mesh import exit_rank
 from modelpar.train.metrics import StepMemory
 
 PP_MARK = "modelpar.pp"       # record_function name prefix of pipeline actions: "modelpar.pp S F MB"
@@ -339,9 +339,8 @@ def worker_main(argv: list[str]) -> int:
         tmp = Path(argv[1]).with_suffix(".tmp")
         tmp.write_text(json.dumps(res))
         tmp.replace(argv[1])
-    shutdown_distributed(pm)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(worker_main(sys.argv[1:]))
+    exit_rank(worker_main(sys.argv[1:]))

@@ -296,9 +296,6 @@ def worker_main(argv: list[str]) -> int:
     if (dist.get_rank() if dist.is_initialized() else 0) == 0:
         with open(out_path, "w") as f:
             json.dump(res, f, indent=1)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
     return 0
 
 
@@ -331,4 +328,6 @@ def launch(cases: list[Case], world: int, *, mode: str = "memory", timeout: floa
 
 
 if __name__ == "__main__":
-    sys.exit(worker_main(sys.argv[1:]))
+    from modelpar.parallel.mesh import exit_rank
+
+    exit_rank(worker_main(sys.argv[1:]))

@@ -91,6 +91,9 @@ def _choose(cfg, world_size: int, *, strategy: str = "auto") -> Choice:
                                 checkpointing=ac)
         local = rep.ranked[0].batch.local_batch_size
         reason = f"auto: best of {len(rep.ranked)} feasible plans on {hw.name} ({rep.summary()})"
+        if not cfg.hardware and not torch.cuda.is_available() and not DEFAULT_CALIBRATION.is_file():
+            reason += (f"; the CPU profile is uncalibrated: run `modelpar calibrate --out {DEFAULT_CALIBRATION}` "
+                       f"once on this machine for measured matmul and collective speeds")
     d = plan.to_dict()
     d.update(precision=cfg.precision, cpu_offload=cfg.cpu_offload and d.get("dp_shard", 1) > 1,
              compile=cfg.compile)
