@@ -138,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"modelpar {cmd}: not available in this version ({e.name} is missing)", file=sys.stderr)
                 return 2
             raise
-        return getattr(module, fn)(rest)
+        try:
+            return getattr(module, fn)(rest)
+        except ValueError as e:     # bad input: one line, no traceback
+            print(f"modelpar {cmd}: error: {e}", file=sys.stderr)
+            return 2
     print(f"modelpar: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
     return 2

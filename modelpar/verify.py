@@ -83,6 +83,11 @@ def run_steps(model: nn.Module, plan: ParallelPlan, *, loss_fn: Callable, batch_
     if probe is not None:
         probe(pm)
     opt = make_optimizer(pm.parameters(), optimizer, lr)
+    if pm.mesh.mesh is not None:      # collective check; the one-process reference needs none
+        from modelpar.train.preflight_checks import install_first_step_checks
+
+        # cases C1/C8/C9: one error naming parameters without a gradient, before DDP's own at step 2
+        install_first_step_checks(pm.named_parameters(), opt)
     losses, norms = [], []
     # a sum loss over the global batch is the sum of the local-batch sums; reduce_loss averages them
     loss_factor = plan.dp * accum if loss_reduction == "sum" else 1

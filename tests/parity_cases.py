@@ -103,6 +103,17 @@ class DictNet(nn.Module):
         return self.head(s)
 
 
+class PlainNet(nn.Module):
+    """A user model of none of the splittable forms: two named Linear stacks called by hand."""
+
+    def __init__(self, mlp: nn.Sequential):
+        super().__init__()
+        self.first, self.second = mlp[:2], mlp[2:]
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+
 def dict_task(n_layer: int = 4, with_int: bool = False):
     _, batch_fn = mlp_task()
     return DictNet(n_layer, with_int), batch_fn
@@ -217,6 +228,8 @@ def run_case(name: str, mesh=None, device=None):
         model, batch_fn = dict_task(c.n_layer if c.n_layer != 2 else 4, with_int=c.task == "dict-int")
     else:
         model, batch_fn = gpt_task(c.n_layer) if c.task == "gpt" else mlp_task()
+        if c.task == "plain":                   # no Sequential, no ModuleList: DDP/FSDP need no blocks
+            model = PlainNet(model)
     gb = c.global_batch or GLOBAL_BATCH
     if gb != GLOBAL_BATCH:
         base = batch_fn
@@ -292,3 +305,7 @@ def _attach_shape_probes(pm, seen: dict) -> None:
 
 # torch.compile of each block (issue 3): compiled blocks under FSDP vs the eager one-process reference
 _case("gpt-fsdp2-compile", 2, "gpt", dict(dp_shard=2, compile=True))
+
+# any nn.Module under DDP / FSDP (no block structure needed; FSDP shards it as one unit)
+_case("plain-ddp2", 2, "plain", dict(dp_replicate=2))
+_case("plain-fsdp2", 2, "plain", dict(dp_shard=2))

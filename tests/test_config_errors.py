@@ -100,3 +100,24 @@ def test_cli_error_before_launch():
     assert r.returncode == 2
     assert "does not divide the number of attention heads n_head=2" in r.stderr
     assert "torch.distributed.run" not in r.stderr and "Rendezvous" not in r.stderr
+
+
+def test_missing_or_tiny_data_refused_before_launch(tmp_path):
+    with pytest.raises(ValueError, match=r"--data '/nonexistent/corpus.txt' does not exist"):
+        _pre(data="/nonexistent/corpus.txt", strategy="ddp")
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("abc")
+    with pytest.raises(ValueError, match="too small"):
+        _pre(data=str(tiny), strategy="ddp")
+
+
+def test_global_batch_not_divisible_by_dp_names_user_fields():
+    with pytest.raises(ValueError, match=r"global_batch_size=7 is not divisible by the data-parallel degree 2"):
+        _pre(world=2, strategy="ddp", global_batch_size=7)
+
+
+def test_other_commands_report_bad_input_in_one_line():
+    r = subprocess.run([sys.executable, "-m", "modelpar", "estimate", "--model", "gpt-7b"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.startswith("modelpar estimate: error: unknown model 'gpt-7b'") and "Traceback" not in r.stderr

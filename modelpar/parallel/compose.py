@@ -286,7 +286,14 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
     """
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"loss_reduction={loss_reduction!r} is unknown; valid: mean, sum")
-    parts: ModelParts = get_model_parts(model, split_points)
+    needs_blocks = plan.pp_enabled or plan.is_placement or plan.activation_checkpointing != "none" or plan.compile
+    try:
+        parts: ModelParts = get_model_parts(model, split_points)
+    except ValueError:
+        if needs_blocks:
+            raise
+        # DDP / FSDP / TP need no block structure: FSDP then shards the whole model as one unit
+        parts = ModelParts(form="whole")
     plan.validate(num_blocks=parts.num_blocks if plan.pp_enabled else None)
     shard_head = bool(plan.tp_enabled and (plan.sequence_parallel if loss_parallel is None else loss_parallel))
     if plan.tp_enabled:

@@ -28,7 +28,7 @@ FORMS_HELP = ("modelpar splits three forms of model: (1) an nn.Sequential; (2) a
 class ModelParts:
     """A model seen as ``pre`` -> ``blocks`` -> ``post``; each entry is (module path, module)."""
 
-    form: str                                    # "sequential" | "modulelist" | "split_points"
+    form: str                                    # "sequential" | "modulelist" | "split_points" | "whole"
     pre: list[tuple[str, nn.Module]] = field(default_factory=list)
     blocks: list[tuple[str, nn.Module]] = field(default_factory=list)
     post: list[tuple[str, nn.Module]] = field(default_factory=list)

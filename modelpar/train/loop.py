@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from modelpar.models import MLP_PRESETS
+from modelpar.models import MLP_PRESETS, PRESETS
 from modelpar.parallel.compose import ParallelModel, parallelize
 from modelpar.parallel.mesh import build_mesh, get_device, init_distributed
 from modelpar.parallel.parts import get_model_parts
@@ -71,6 +71,9 @@ class Batches:
 
 
 def batch_terms(cfg: TrainConfig, plan: ParallelPlan) -> Batches:
+    if not cfg.local_batch_size and cfg.global_batch_size % plan.dp:
+        raise ValueError(f"global_batch_size={cfg.global_batch_size} is not divisible by the data-parallel "
+                         f"degree {plan.dp} (dp_replicate x dp_shard = {plan.dp_replicate} x {plan.dp_shard})")
     local = cfg.local_batch_size
     if not local and cfg.strategy.lower() == "auto":       # the planner also picks the local batch
         from modelpar.train.auto import choose_for_config
@@ -94,6 +97,14 @@ def preflight(cfg: TrainConfig, world_size: int) -> tuple[ParallelPlan, Batches]
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
     if cfg.optimizer not in ("adamw", "sgd"):
         raise ValueError(f"optimizer={cfg.optimizer!r} is unknown; valid: adamw, sgd")
+    if cfg.data is not None and cfg.model in PRESETS:
+        from modelpar.train.data import load_text_corpus
+
+        train_b, val_b, _ = load_text_corpus(cfg.data)      # raises for a missing or tiny corpus
+        seq = cfg.seq_len or PRESETS[cfg.model].seq_len
+        if min(train_b.numel(), val_b.numel()) < seq + 2:
+            raise ValueError(f"--data {cfg.data!r} has {train_b.numel()} train and {val_b.numel()} validation "
+                             f"bytes; each split needs at least seq_len + 2 = {seq + 2}")
     plan = resolve_plan(cfg, world_size)
     task = build_task(cfg, device="meta", load_data=False)
     parts = get_model_parts(task.model)
