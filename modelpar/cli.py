@@ -41,11 +41,16 @@ def _under_launcher() -> bool:
 
 
 def train_parser():
-    from jsonargparse import ActionConfigFile, ArgumentParser
+    from argparse import RawDescriptionHelpFormatter
+
+    from jsonargparse import ActionConfigFile, ArgumentParser, DefaultHelpFormatter
 
     from modelpar.train.config import TrainConfig
 
-    p = ArgumentParser(prog="modelpar train", description=(
+    class _Formatter(DefaultHelpFormatter, RawDescriptionHelpFormatter):
+        """jsonargparse's formatter, keeping the description's line breaks (the examples)."""
+
+    p = ArgumentParser(prog="modelpar train", formatter_class=_Formatter, description=(
         "Train a built-in model with a parallel plan. With no options: the 3M-parameter GPT on the Python "
         "standard library's sources, the plan `--strategy auto` picks on 2 local CPU ranks. Examples:\n"
         "  modelpar train --strategy fsdp --nproc 2\n"

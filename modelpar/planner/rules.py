@@ -64,7 +64,7 @@ def rule_plan(profile: ModelProfile, num_devices: int, hw: Hardware, *, global_b
     ddp = make(dp_replicate=n)
     replica_fits = mem(ddp) <= hw.memory_bytes
     if replica_fits and (P <= 500e6 or task != "language"):
-        why = "task: image -> DDP" if task != "language" else f"size {P / 1e6:.0f}M <= 500M and fits -> DDP"
+        why = "task: image -> DDP" if task != "language" else f"size {P / 1e6:.3g}M <= 500M and fits -> DDP"
         return ddp, why
     per_node = min(n, hw.devices_per_node)
     if P > 1e9:
@@ -73,7 +73,7 @@ def rule_plan(profile: ModelProfile, num_devices: int, hw: Hardware, *, global_b
     else:
         inner = n if n <= 8 else per_node
         plan = make(dp_replicate=n // inner, **_model_parallel(blocks, inner))
-        why = f"size {P / 1e6:.0f}M -> model parallel" + (" x DDP" if n > 8 else "")
+        why = f"size {P / 1e6:.3g}M -> model parallel" + (" x DDP" if n > 8 else "")
     if mem(plan) > hw.memory_bytes and plan.dp_shard != n:
         plan, why = make(dp_shard=n), why + "; does not fit -> FSDP over all devices"
     return plan, why

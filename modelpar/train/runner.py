@@ -116,7 +116,9 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         xg, yg = task.train.global_batch(cfg.seed, step, batches.global_batch_size)
-        track = cfg.track_memory and step == 1 and device.type == "cpu"
+        # the second step run (the first also builds optimizer state), or the only one
+        track_at = ckpt.start_step + (1 if cfg.steps - ckpt.start_step > 1 else 0)
+        track = cfg.track_memory and step == track_at and device.type == "cpu"
         # MemTracker refuses modules that run more than once per step (pipeline stages run once per
         # micro-batch): pipelines are measured with StepMemory instead
         tracker = (StepMemory(pm.modules, opt) if (track and plan.pp_enabled)
