@@ -208,8 +208,16 @@ def verify_main(argv: list[str]) -> int:
         local = args.local_batch_size or args.global_batch_size // plan.dp
         gradient_accumulation_steps(args.global_batch_size, local, plan.dp)
         plan.validate(plan.world_size, local_batch_size=local)
-        if not _under_launcher():
-            load_task(args)                      # bad --model fails here, before any process starts
+        if not _under_launcher():                # bad --model / plan fail here, before any process starts
+            model = load_task(args)[0]
+            if plan.tp > 1:                      # case C7: a split that does not divide
+                from modelpar.parallel.tensor import derive_tp_plan, validate_tp_plan
+
+                validate_tp_plan(model, derive_tp_plan(model), plan.tp)
+            if plan.pp > 1:
+                from modelpar.parallel.parts import get_model_parts
+
+                plan.validate(plan.world_size, num_blocks=get_model_parts(model).num_blocks)
     except ValueError as e:
         print(f"modelpar verify: error: {e}", file=sys.stderr)
         return 2

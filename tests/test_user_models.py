@@ -35,3 +35,16 @@ def test_verify_unused_layer_case_c1(tmp_path):
     msg = "trainable parameter(s) got no gradient in the first step (on rank(s) [0, 1]): unused.bias, unused.weight"
     assert r.stderr.count(msg) == 2, r.stderr[-3000:]          # the same error on both ranks
     assert "Expected to have finished reduction" not in r.stderr
+
+
+@pytest.mark.timeout(120)
+def test_verify_refuses_bad_tp_split_before_launch_case_c7(tmp_path):
+    (tmp_path / "c7_models.py").write_text(
+        "import torch.nn as nn\n\ndef c7():\n    return nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 4))\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    r = subprocess.run([sys.executable, "-m", "modelpar", "verify", "--model", "c7_models:c7", "--strategy", "tp",
+                        "--nproc", "2", "--input-shape", "4", "--num-classes", "4"],
+                       capture_output=True, text=True, timeout=100, env=env)
+    assert r.returncode == 2
+    assert "tensor parallel degree 2 does not divide 0.out_features=5 (colwise split of Linear(4, 5))" in r.stderr
+    assert "torch.distributed.run" not in r.stderr and "ChildFailedError" not in r.stderr
