@@ -21,10 +21,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from _launch import run_worker  # noqa: E402  (benchmarks/_launch.py, beside this script)
 
 CMD = "OMP_NUM_THREADS=1 python benchmarks/pipeline_bubble.py --out docs/pipeline_bubble.md"
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble",
@@ -99,16 +100,6 @@ def render(res: dict, m: int, batch: int, load) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _launch(cmd, *, env, out: str) -> None:
-    """Run the 2-rank worker; its results count when it wrote ``out``, even if a rank then aborted at
-    exit (torch 2.13 + gloo sometimes ends a pipeline process with 'terminate called without an active
-    exception' after the process group is destroyed)."""
-    Path(out).unlink(missing_ok=True)
-    rc = subprocess.run(cmd, env=env).returncode
-    if not Path(out).exists():
-        raise SystemExit(f"the benchmark worker failed (exit {rc}) before writing {out}")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
@@ -125,11 +116,9 @@ def main() -> int:
         worker(args)
         return 0
     load = os.getloadavg()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    _launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-                    "--worker", "--repeats", str(args.repeats), "--steps", str(args.steps), "--microbatches",
-                    str(args.microbatches), "--batch", str(args.batch), "--json", args.json], env=env, out=args.json)
-    text = render(json.loads(Path(args.json).read_text()), args.microbatches, args.batch, load)
+    res = run_worker(__file__, ["--repeats", str(args.repeats), "--steps", str(args.steps), "--microbatches",
+                                str(args.microbatches), "--batch", str(args.batch), "--json", args.json], args.json)
+    text = render(res, args.microbatches, args.batch, load)
     print(text)
     if args.out:
         Path(args.out).write_text(text)
