@@ -195,16 +195,10 @@ def gpu_memories() -> tuple[dict[str, float], float]:
 
 
 def machine_ram_bytes() -> float:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
+    """This machine's physical memory, bytes."""
+    from modelpar.planner.hardware import total_ram_bytes
 
-    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return total_ram_bytes()
 
 
 def fit_markdown(cells: list[FitCell], *, devices=FIT_DEVICES) -> str:

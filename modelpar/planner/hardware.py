@@ -134,7 +134,8 @@ BUILTIN: dict[str, Hardware] = {
 }
 
 
-def _total_ram_bytes() -> float:
+def total_ram_bytes() -> float:
+    """This machine's physical memory, bytes (/proc/meminfo, else sysconf)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -158,7 +159,7 @@ def cpu_profile(local_ranks: int = 1) -> Hardware:
         raise ValueError(f"cpu_profile local_ranks must be >= 1, got {local_ranks}")
     cores = max(1, (os.cpu_count() or 1) // local_ranks)
     flops = cores * 32 * 2.5e9
-    return Hardware("cpu", {"fp32": flops, "bf16": flops / 2}, _total_ram_bytes() / local_ranks,
+    return Hardware("cpu", {"fp32": flops, "bf16": flops / 2}, total_ram_bytes() / local_ranks,
                     10e9 / local_ranks, 2e9, 50e-6, 2e9, 50e-6, max(local_ranks, 1), 0.5,
                     mem_bw_fraction=1.0, op_overhead_s=10e-6, source="estimate (uncalibrated)")
 
