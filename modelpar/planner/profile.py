@@ -149,9 +149,11 @@ def _nbytes(t: torch.Tensor) -> int:
 class _OpCounter(TorchDispatchMode):
     """Counts non-view ops and the bytes they read + write, per block and pass."""
 
-    def __init__(self, tracker: ModuleTracker, names: dict[str, int], n: int, param_keys=frozenset()):
+    def __init__(self, tracker: ModuleTracker, names: dict[str, int], n: int, param_keys=frozenset(),
+                 param_shapes=frozenset()):
         super().__init__()
         self.tracker, self.names, self.param_keys = tracker, names, param_keys
+        self.param_shapes = param_shapes        # shapes (and transposes) of 2-D parameters
         self.gemm_bytes = [[0, 0, 0, 0] for _ in range(n)]     # param fwd, param bwd, act fwd, act bwd
         self.mem = [[0, 0] for _ in range(n)]
         self.ops = [[0, 0] for _ in range(n)]
@@ -168,11 +170,18 @@ class _OpCounter(TorchDispatchMode):
         if name in _FLOP_OPS:
             ph = 1 if self.tracker.is_bw else 0
             self.gemms[idx][ph] += 1
-            for t in tree_flatten((args, kwargs, out))[0]:
-                if isinstance(t, torch.Tensor):
-                    nb = t.numel() * t.element_size()
-                    # a parameter (or its transposed view) reads the same storage
-                    self.gemm_bytes[idx][ph if t.untyped_storage()._cdata in self.param_keys else 2 + ph] += nb
+            ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            reads_param = any(t.untyped_storage()._cdata in self.param_keys for t in ins)
+            for t in ins + outs:
+                nb = t.numel() * t.element_size()
+                # a parameter (or its transposed view) reads the same storage; a weight gradient
+                # (a parameter-shaped product of two activations) is written once per micro-batch,
+                # not once per sample, so it counts with the parameter bytes too
+                param_like = (t.untyped_storage()._cdata in self.param_keys
+                              or (not reads_param and any(t is o for o in outs)
+                                  and tuple(t.shape) in self.param_shapes))
+                self.gemm_bytes[idx][ph if param_like else 2 + ph] += nb
             return out
         flat = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
         phase = 1 if self.tracker.is_bw else 0
@@ -340,7 +349,8 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta) -> ModelProfile:
     handles = [m.register_forward_pre_hook(pre) for m in model.modules()]
     handles += [m.register_forward_hook(post) for m in model.modules()]
     tracker = ModuleTracker()
-    counter = _OpCounter(tracker, names, n, frozenset(param_keys))
+    shapes = {tuple(p.shape) for p in params.values() if p.dim() == 2}
+    counter = _OpCounter(tracker, names, n, frozenset(param_keys), frozenset(shapes | {s[::-1] for s in shapes}))
     # FlopCounterMode attributes backward FLOPs to modules only if it saw their forward: one counter
     # spans both passes, a nested one the forward alone; backward = all - forward.
     all_fc = FlopCounterMode(display=False, custom_mapping=_FLOP_FORMULAS)
