@@ -25,3 +25,34 @@ def run_worker(script: str, worker_args: list[str], out: str, *, nproc: int = 2)
     if not Path(out).exists():
         raise SystemExit(f"the benchmark worker failed (exit {rc}) before writing {out}")
     return json.loads(Path(out).read_text())
+
+
+def benchmark_main(script: str, doc: str, *, json_default: str, add_args, worker, render,
+                   repeats_default: int = 5) -> int:
+    """The shared command line of the 2-rank benchmarks.
+
+    ``add_args(ap)`` adds the script's own options; ``worker(args)`` is what each rank runs (with
+    ``--worker``); ``render(result, args, load)`` turns the worker's JSON into the Markdown table, printed
+    and written to ``--out``. Every option except ``--out`` is forwarded to the ranks.
+    """
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=repeats_default, help="alternating repeats (>= 5)")
+    add_args(ap)
+    ap.add_argument("--json", default=json_default, help="where the ranks write their raw results")
+    ap.add_argument("--out", default=None, help="write the markdown table here")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.repeats < 5:
+        ap.error("--repeats must be >= 5")
+    if args.worker:
+        worker(args)
+        return 0
+    load = os.getloadavg()
+    forward = [x for k, v in vars(args).items() if k not in ("out", "worker") for x in (f"--{k}", str(v))]
+    text = render(run_worker(script, forward, args.json), args, load)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0

@@ -16,7 +16,6 @@ Regenerate the table in docs/parallelism.md:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -24,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from _launch import run_worker  # noqa: E402  (benchmarks/_launch.py, beside this script)
+from _launch import benchmark_main  # noqa: E402  (benchmarks/_launch.py, beside this script)
 
 CMD = "OMP_NUM_THREADS=1 python benchmarks/overhead_vs_plain_torch.py --out docs/overhead_vs_plain_torch.md"
 SEQ, PER_RANK = 128, 8
@@ -138,27 +137,13 @@ def render(res: dict, load) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=7)
+def _add_args(ap) -> None:
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--json", default="/tmp/overhead_vs_plain_torch.json")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.repeats < 5:
-        ap.error("--repeats must be >= 5")
-    if args.worker:
-        worker(args)
-        return 0
-    load = os.getloadavg()
-    res = run_worker(__file__, ["--repeats", str(args.repeats), "--steps", str(args.steps), "--json", args.json],
-                     args.json)
-    text = render(res, load)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
-    return 0
+
+
+def main() -> int:
+    return benchmark_main(__file__, __doc__, json_default="/tmp/overhead_vs_plain_torch.json", add_args=_add_args, worker=worker,
+                          render=lambda res, args, load: render(res, load), repeats_default=7)
 
 
 if __name__ == "__main__":

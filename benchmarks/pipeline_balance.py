@@ -18,14 +18,13 @@ Regenerate the table in docs/parallelism.md:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import sys
 from pathlib import Path
 
-from _launch import run_worker  # noqa: E402  (benchmarks/_launch.py, beside this script)
+from _launch import benchmark_main  # noqa: E402  (benchmarks/_launch.py, beside this script)
 
 CMD = "OMP_NUM_THREADS=1 python benchmarks/pipeline_balance.py --out docs/pipeline_balance.md"
 
@@ -118,25 +117,13 @@ def render(res: dict, load) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _add_args(ap) -> None:
+    pass
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--json", default="/tmp/pipeline_balance.json")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.repeats < 5:
-        ap.error("--repeats must be >= 5")
-    if args.worker:
-        worker(args)
-        return 0
-    load = os.getloadavg()
-    res = run_worker(__file__, ["--repeats", str(args.repeats), "--json", args.json], args.json)
-    text = render(res, load)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
-    return 0
+    return benchmark_main(__file__, __doc__, json_default="/tmp/pipeline_balance.json", add_args=_add_args, worker=worker,
+                          render=lambda res, args, load: render(res, load), repeats_default=5)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ Regenerate the table in docs/parallelism.md:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -25,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from _launch import run_worker  # noqa: E402  (benchmarks/_launch.py, beside this script)
+from _launch import benchmark_main  # noqa: E402  (benchmarks/_launch.py, beside this script)
 
 CMD = "OMP_NUM_THREADS=1 python benchmarks/pipeline_bubble.py --out docs/pipeline_bubble.md"
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble",
@@ -100,29 +99,15 @@ def render(res: dict, m: int, batch: int, load) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=5)
+def _add_args(ap) -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--batch", type=int, default=512)
-    ap.add_argument("--json", default="/tmp/pipeline_bubble.json")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.repeats < 5:
-        ap.error("--repeats must be >= 5")
-    if args.worker:
-        worker(args)
-        return 0
-    load = os.getloadavg()
-    res = run_worker(__file__, ["--repeats", str(args.repeats), "--steps", str(args.steps), "--microbatches",
-                                str(args.microbatches), "--batch", str(args.batch), "--json", args.json], args.json)
-    text = render(res, args.microbatches, args.batch, load)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
-    return 0
+
+
+def main() -> int:
+    return benchmark_main(__file__, __doc__, json_default="/tmp/pipeline_bubble.json", add_args=_add_args, worker=worker,
+                          render=lambda res, args, load: render(res, args.microbatches, args.batch, load), repeats_default=5)
 
 
 if __name__ == "__main__":
