@@ -8,7 +8,7 @@ one GPU:
 1. training MFU = model FLOPs per step (the planner's profile: forward + backward, each counted
    once; PaLM App. B) / (median step time x dense bf16 peak). Goal: >= 45% of 989 TFLOP/s on an
    H100 / H200;
-2. predicted (`planner.memory.estimate_memory`, foreach AdamW) against measured
+2. predicted (`planner.memory.estimate_memory`, fused AdamW) against measured
    (``torch.cuda.max_memory_allocated`` over step 3) peak memory, and predicted
    (`planner.cost.estimate_step` on the built-in H100/H200 profile) against measured median step time;
 3. a placement run: gpt-3m split between ``cpu`` and ``cuda:0`` (fp32, TF32 off) against its
@@ -37,15 +37,10 @@ def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
-def hardware_for_device(name: str):
-    """The built-in profile matching a CUDA device name (H200 / H100 / A100), H100 otherwise."""
-    from modelpar.planner.hardware import BUILTIN
-    n = name.upper()
-    if "H200" in n:
-        return BUILTIN["H200"]
-    if "A100" in n:
-        return BUILTIN["A100-80GB" if "80" in n else "A100-40GB"]
-    return BUILTIN["H100-80GB-SXM"]
+def hardware_for_device(name: str, total_memory: int = 0):
+    """The built-in profile matching a CUDA device name (`modelpar.planner.hardware.hardware_for_device`)."""
+    from modelpar.planner.hardware import hardware_for_device as lookup
+    return lookup(name, total_memory)
 
 
 def mfu(model_flops_per_step: float, step_s: float, peak: float) -> float:
@@ -65,7 +60,7 @@ def predict(model_name: str, micro_batch: int, hw):
                          dtype=torch.bfloat16, attention="flash")
     plan = ParallelPlan(precision="bf16")
     batch = Batch(micro_batch, micro_batch)
-    return (prof, estimate_memory(prof, plan, batch, optimizer="adamw", foreach=True),
+    return (prof, estimate_memory(prof, plan, batch, optimizer="adamw"),
             estimate_step(prof, plan, batch, hw, optimizer="adamw"))
 
 
@@ -83,7 +78,8 @@ def train_steps(model_name: str, device: str, *, micro_batch: int, steps: int, p
         for blk in model.blocks:
             blk.compile()
     pm = parallelize(model, ParallelPlan(precision=precision), MeshInfo(None), loss_fn=lm_loss, device=dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=dev.type == "cuda")
+    from modelpar.train.step import adamw
+    opt = adamw(model.parameters(), lr=1e-4)        # fused, as `modelpar train` runs it
     g = torch.Generator().manual_seed(seed)
     seq = model.cfg.seq_len
     x = torch.randint(0, model.cfg.vocab_size, (micro_batch, seq), generator=g).to(dev)
@@ -156,7 +152,7 @@ def main(argv: list[str]) -> int:
               "Run it on a machine with an NVIDIA GPU.")
         return 0
     name = torch.cuda.get_device_name(0)
-    hw = hardware_for_device(name)
+    hw = hardware_for_device(name, torch.cuda.get_device_properties(0).total_memory)
     prof, pmem, pstep = predict(args.model, args.micro_batch, hw)
     flops = prof.train_flops_per_sample * args.micro_batch
     print(f"{args.model}: {prof.num_params / 1e9:.2f}B params, micro-batch {args.micro_batch} x {prof.tokens_per_sample} "

@@ -6,10 +6,11 @@ the peak tensor bytes of step 3 (`modelpar.planner.measure`) and compares it wit
 `modelpar.planner.memory.estimate_memory` on the model's profile. Parts compared (measured
 MemTracker reference types -> predicted parts):
 
-    params       Parameter                       <- params (+ fsdp_gathered when the peak is at backward
-                                                    start: MemTracker types the parameters FSDP gathered
-                                                    for a forward as Parameter, later ones as Temp)
-    grads        Gradient                        <- grads
+    params       Parameter                       <- params + fsdp_gathered (FSDP's unsharded parameters
+                                                    reuse the storages MemTracker typed as Parameter)
+    grads        Gradient                        <- grads (gradients stored as .grad; the unsharded ones
+                                                    FSDP reduces, and weight gradients not yet stored,
+                                                    are Temp: the model counts them as activations)
     optimizer    Optstate                        <- optimizer
     activations  Activation + Temp + Buffer + Other <- activations + comm_buffers + overhead
     total        Total                           <- total
@@ -18,11 +19,15 @@ each the value *at the moment of the peak* (the model's `MemoryEstimate` is that
 |error| <= max(5%, 1 MiB) for each.
 
 Run: ``.venv/bin/python benchmarks/planner_accuracy_memory.py [--models gpt-nano,gpt-1m,...] [--worlds 1,2,4]``
+``--save FILE`` writes the measurements (JSON, per case); ``--measured FILE`` skips the runs and
+re-predicts against a saved file (measurements are deterministic tensor bytes, so a model change can
+be checked in seconds).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -79,11 +84,14 @@ def profile_for(model: str):
     return _PROFILES[model]
 
 
-def predict(case: Case):
+def predict(case: Case, *, fused: bool = True):
+    """The model's estimate for ``case`` as measured here: gloo collectives (CPU), and the optimizer
+    kernel the run used (``fused``: torch's fused AdamW; saved measurements without the flag predate
+    it and ran the single-tensor loop)."""
     from modelpar.planner.memory import Batch, estimate_memory
     plan = ParallelPlan.from_dict(case.plan)
     return estimate_memory(profile_for(case.model), plan, Batch(case.global_batch_size, case.local_batch_size),
-                           optimizer=case.optimizer)
+                           optimizer=case.optimizer, gloo=True, fused=fused)
 
 
 def measured_parts(m: dict) -> dict[str, float]:
@@ -93,11 +101,10 @@ def measured_parts(m: dict) -> dict[str, float]:
 
 
 def predicted_parts(e) -> dict[str, float]:
-    # MemTracker types a module's parameters when its forward starts: FSDP's gathered root (and the
-    # unit gathered for backward start) count as Parameter; units gathered later in backward as Temp
-    g = e.fsdp_gathered if e.phase == "backward" else 0.0
-    return {"params": e.params + g, "grads": e.grads, "optimizer": e.optimizer,
-            "activations": e.activations + e.fsdp_gathered - g + e.comm_buffers + e.overhead, "total": e.total}
+    # FSDP2 gathers a unit into the same parameter storages every time (resized), which MemTracker
+    # typed as Parameter when the module first ran: gathered parameters count as Parameter
+    return {"params": e.params + e.fsdp_gathered, "grads": e.grads, "optimizer": e.optimizer,
+            "activations": e.activations + e.comm_buffers + e.overhead, "total": e.total}
 
 
 def within(pred: float, meas: float) -> bool:
@@ -109,7 +116,7 @@ def compare(case: Case, result: dict) -> dict:
     """Per part: predicted, measured, error (bytes and relative) and whether within tolerance."""
     if "error" in result:
         return {"case": case.name, "error": result["error"]}
-    p, m = predicted_parts(predict(case)), measured_parts(result)
+    p, m = predicted_parts(predict(case, fused=result.get("fused", False))), measured_parts(result)
     rows = {k: {"pred": p[k], "meas": m[k], "err": p[k] - m[k], "rel": (p[k] - m[k]) / m[k] if m[k] else 0.0,
                 "ok": within(p[k], m[k])} for k in PARTS}
     return {"case": case.name, "parts": rows, "ok": all(r["ok"] for r in rows.values())}
@@ -130,23 +137,41 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def summary(rows: list[dict]) -> str:
+    """Counts within tolerance per part, and the cases outside on the total."""
+    good = [r for r in rows if "parts" in r]
+    per = ", ".join(f"{k} {sum(r['parts'][k]['ok'] for r in good)}" for k in PARTS)
+    return f"within max(5%, 1 MiB) of {len(rows)}: {per}; all parts {sum(r['ok'] for r in good)}"
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="gpt-nano,gpt-1m,gpt-3m,gpt-10m,mlp-large")
     ap.add_argument("--worlds", default="1,2,4")
     ap.add_argument("--timeout", type=float, default=1200)
+    ap.add_argument("--save", metavar="FILE", help="write the measurements (JSON) to FILE")
+    ap.add_argument("--measured", metavar="FILE",
+                    help="re-predict against measurements saved with --save (no runs)")
     args = ap.parse_args(argv)
     models = args.models.split(",")
     worlds = [int(w) for w in args.worlds.split(",")]
     rows = []
     t = time.perf_counter()
+    saved = json.loads(open(args.measured).read()) if args.measured else None
+    measured: dict[str, dict] = {}
     for world, cases in sorted(make_cases(models, worlds).items()):
-        res = launch(cases, world, timeout=args.timeout)
+        res = ({c.name: saved[c.name] for c in cases if c.name in saved} if saved is not None
+               else launch(cases, world, timeout=args.timeout))
+        measured.update(res)
         rows += [compare(c, res.get(c.name, {"error": "no result"})) for c in cases]
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(measured, f, indent=1)
     print("measured MiB at the peak of step 3, and (predicted - measured) / measured; ! = outside max(5%, 1 MiB)")
     print(format_table(rows))
     ok = sum(r.get("ok", False) for r in rows)
     print(f"\n{ok}/{len(rows)} cases within max(5%, 1 MiB) on every part [{time.perf_counter() - t:.0f} s]")
+    print(summary(rows))
     return 0 if ok == len(rows) else 1
 
 

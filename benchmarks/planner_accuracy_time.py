@@ -15,6 +15,7 @@ Run: ``.venv/bin/python benchmarks/planner_accuracy_time.py [--models gpt-3m,gpt
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -63,6 +64,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--hardware", default=None, help="calibration JSON (default: the calibrate default path)")
     ap.add_argument("--timeout", type=float, default=1500)
+    ap.add_argument("--save", default=None, help="write the rows (measured and predicted) as JSON here")
     args = ap.parse_args(argv)
     hw = load_hardware(args.hardware)
     rows = []
@@ -83,6 +85,9 @@ def main(argv: list[str]) -> int:
         flag = "" if r["median"] >= 0.2 else "  (< 200 ms: not counted)"
         print(f"{r['case']:<22} {r['median'] * 1e3:>18.1f} {r['q1'] * 1e3:>8.1f}-{r['q3'] * 1e3:<8.1f} {r['n']:>3} "
               f"{r['pred'] * 1e3:>13.1f} {r['err']:>+8.1%} {r['load']:>5.1f}{flag}")
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(rows, f, indent=1)
     counted = [abs(r["err"]) for r in rows if r["median"] >= 0.2]
     if not counted:
         print("no step of 200 ms or more")

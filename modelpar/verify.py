@@ -31,7 +31,7 @@ from modelpar.parallel.mesh import MeshInfo, build_mesh
 from modelpar.plan import ParallelPlan, gradient_accumulation_steps
 from modelpar.train.data import global_batch_slice
 from modelpar.train.loop import gather_full_state_dict, reduce_loss
-from modelpar.train.step import train_step
+from modelpar.train.step import adamw, train_step
 
 
 @dataclass
@@ -48,7 +48,7 @@ def make_optimizer(params, name: str, lr: float) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr)
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+        return adamw(params, lr=lr, weight_decay=0.01)
     raise ValueError(f"optimizer={name!r} is unknown; valid: adamw, sgd")
 
 

@@ -130,7 +130,10 @@ def estimate_main(argv: list[str]) -> int:
 
 # ---- calibrate --------------------------------------------------------------------------------
 MATMUL_SIZES = (32, 64, 128, 256, 512, 1024, 2048)
-COLLECTIVE_SIZES = (4 * 2 ** 10, 256 * 2 ** 10, 4 * 2 ** 20, 16 * 2 ** 20)      # bytes
+# bytes: from latency-bound (TP activations of tiny models) to a DDP bucket and past it
+COLLECTIVE_SIZES = (4 * 2 ** 10, 64 * 2 ** 10, 1 * 2 ** 20, 4 * 2 ** 20, 16 * 2 ** 20, 64 * 2 ** 20)
+# fresh-allocation sweep (MiB): straddles glibc's largest dynamic mmap threshold (32 MiB on 64-bit)
+FRESH_SIZES_MIB = (8, 16, 31, 33, 64)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 
 
@@ -140,8 +143,10 @@ def default_calibration_path() -> str:
                           os.path.join(os.path.expanduser("~"), ".cache", "modelpar", "calibration.json"))
 
 
-def _time(fn, reps: int) -> float:
-    """Median seconds of ``fn`` over ``reps`` calls after one warm-up (medians resist a shared machine)."""
+def _time(fn, reps: int, *, best: bool = False) -> float:
+    """Median (``best``: smallest) seconds of ``fn`` over ``reps`` calls after one warm-up. Compute
+    rates take the best call, which a busy neighbour on a shared machine can only slow down;
+    collectives take the median, as their spread (TCP on loopback) is part of what training sees."""
     import statistics
     fn()
     ts = []
@@ -149,7 +154,7 @@ def _time(fn, reps: int) -> float:
         t = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+    return min(ts) if best else statistics.median(ts)
 
 
 def measure_compute(sizes=MATMUL_SIZES) -> dict:
@@ -158,12 +163,26 @@ def measure_compute(sizes=MATMUL_SIZES) -> dict:
     flops = {}
     for n in sizes:
         a, b = torch.randn(n, n), torch.randn(n, n)
-        flops[n] = 2 * n ** 3 / _time(lambda: a @ b, max(5, min(200, int(3e9 // n ** 3))))
-    overhead = _time(_op_chain, 30) / (2 * _CHAIN)         # forward op + its backward op
+        flops[n] = 2 * n ** 3 / _time(lambda: a @ b, max(7, min(200, int(3e9 // n ** 3))), best=True)
+    overhead = _time(_op_chain, 30, best=True) / (2 * _CHAIN)         # forward op + its backward op
+    attn = measure_attention()
     a, b = torch.ones(32 * 2 ** 20), torch.ones(32 * 2 ** 20)   # 128 MiB each: past the caches
     c = torch.empty_like(a)
     bw = 3 * a.numel() * 4 / _time(lambda: torch.add(a, b, out=c), 5)     # read 2 + write 1
-    return {"matmul_flops": flops, "op_overhead_s": overhead, "mem_bandwidth": bw}
+    return {"matmul_flops": flops, "op_overhead_s": overhead, "mem_bandwidth": bw, "attention_flops": attn}
+
+
+def measure_attention(batch: int = 8, heads: int = 4, seq: int = 256, head_dim: int = 64) -> float:
+    """Counted FLOP/s of causal ``scaled_dot_product_attention`` forward + backward (fp32, the fused
+    kernel torch picks): FLOPs as the profile counts them (torch's ``sdpa_flop_count``, full (seq x
+    seq) products, backward twice the forward) over the measured time."""
+    from torch.utils.flop_counter import sdpa_flop_count
+    q, k, v = (torch.randn(batch, heads, seq, head_dim, requires_grad=True) for _ in range(3))
+
+    def run():
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    return 3 * sdpa_flop_count(q.shape, k.shape, v.shape) / _time(run, 7, best=True)
 
 
 _CHAIN = 64
@@ -194,6 +213,7 @@ def _collective_worker(rank: int, world: int, port: int, sizes, out):
     dist.barrier()
     res["mem_bandwidth"] = 3 * a.numel() * 4 / _time(lambda: torch.add(a, b, out=c), 7)
     del a, b, c
+    res["fresh"] = _fresh_alloc_costs()
     for nbytes in sizes:
         full = torch.zeros(nbytes // 4)
         shard = torch.zeros(nbytes // 4 // world)
@@ -205,10 +225,83 @@ def _collective_worker(rank: int, world: int, port: int, sizes, out):
         for op, fn in ops.items():
             dist.barrier()
             res[op][nbytes] = _time(fn, 7)
+    res["framework"] = _framework_overheads(world)
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
         out.put(res)
+
+
+def _framework_overheads(world: int, *, d: int = 16, n: int = 8) -> dict:
+    """Seconds per call that torch's tensor-parallel Linear (DTensor) and FSDP2 unit add beyond the
+    arithmetic and the collectives, forward + backward: a chain of ``2n`` tiny (d x d) Linears, plain,
+    with alternating colwise / rowwise TP, and with every Linear an FSDP2 unit; the time of the same
+    collectives issued alone is subtracted."""
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,))
+    x = torch.randn(4, d)
+
+    def chain():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(d, d) for _ in range(2 * n)])
+
+    def step(m):
+        m(x).sum().backward()
+
+    plain = chain()
+    t_plain = _time(lambda: step(plain), 9)
+    tp = parallelize_module(chain(), mesh, {str(i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel()
+                                            for i in range(2 * n)})
+    t_tp = _time(lambda: step(tp), 9)
+    fs = chain()
+    for lin in fs:
+        fully_shard(lin, mesh=mesh)
+    fully_shard(fs, mesh=mesh)
+    t_fs = _time(lambda: step(fs), 9)
+    # the same chains' collectives alone, timed now (tiny messages: latency), to subtract:
+    # TP: n all-reduces forward (after each rowwise), n - 1 backward (the first input needs no grad);
+    # FSDP2 (reshard after forward): per unit a gather in forward and in backward, one reduce-scatter
+    import torch.distributed as dist
+    act, w = torch.zeros(4, d), torch.zeros(d * d + d)
+    shard = torch.zeros((d * d + d) // world)
+    t_ar = _time(lambda: [dist.all_reduce(act) for _ in range(2 * n - 1)], 9)
+    t_fc = _time(lambda: [(dist.all_gather_into_tensor(w, shard), dist.all_gather_into_tensor(w, shard),
+                           dist.reduce_scatter_tensor(shard, w)) for _ in range(2 * n)], 9)
+    tp_each = (t_tp - t_plain - t_ar) / (2 * n)
+    fs_each = (t_fs - t_plain - t_fc) / (2 * n)
+    return {"tp_linear_overhead_s": max(0.0, tp_each), "fsdp_unit_overhead_s": max(0.0, fs_each)}
+
+
+def _fresh_alloc_costs(sizes_mib=FRESH_SIZES_MIB) -> dict[int, float]:
+    """Seconds per byte that a *fresh* tensor costs beyond writing it, by size: ``torch.empty(n)``
+    filled and freed, minus filling a reused buffer of the same size. On CPU, tensors above the C
+    allocator's mmap threshold get new pages from the kernel on every allocation (page faults and
+    zeroing on first touch, unmapping on free); smaller ones are recycled from the heap, so their cost
+    is near 0. Called on every rank at once, as training allocates on every rank at once."""
+    out = {}
+    for mib in sorted(sizes_mib, reverse=True):     # warm-up pass: the allocator's steady state (the
+        torch.empty(mib * 2 ** 20 // 4).fill_(1.0)   # dynamic threshold rises as large blocks are freed)
+    for mib in sizes_mib:
+        n = mib * 2 ** 20 // 4
+        buf = torch.empty(n)
+        reuse = _time(lambda: buf.fill_(1.0), 7)
+        fresh = _time(lambda: torch.empty(n).fill_(1.0), 7)
+        out[mib * 2 ** 20] = max(0.0, fresh - reuse) / (4 * n)
+        del buf
+    return out
+
+
+def fresh_threshold(costs: dict[int, float]) -> tuple[float, float]:
+    """(cost s/byte, smallest fresh size in bytes) from `_fresh_alloc_costs` output: the cost is the
+    largest size's; the threshold is the smallest swept size costing at least half of that."""
+    top = costs[max(costs)]
+    if top <= 0:
+        return 0.0, float("inf")
+    return top, float(min(k for k, v in costs.items() if v >= 0.5 * top))
 
 
 def fit_alpha_beta(times: dict[int, float], *, steps: float, volume: float) -> tuple[float, float]:
@@ -245,6 +338,9 @@ def measure_collectives(world: int = 2, sizes=COLLECTIVE_SIZES) -> dict[str, tup
             "reduce_scatter": (n - 1, (n - 1) / n), "send_recv": (1, 1)}
     fits = {op: fit_alpha_beta(res[op], steps=form[op][0], volume=form[op][1]) for op in COLLECTIVES}
     fits["mem_bandwidth"] = res["mem_bandwidth"]
+    fits["times"] = {op: res[op] for op in COLLECTIVES}
+    fits["fresh"] = res["fresh"]
+    fits["framework"] = res["framework"]
     return fits
 
 
@@ -269,22 +365,38 @@ def calibrate_main(argv: list[str]) -> int:
     base = cpu_profile(args.ranks)
     lat, bw = base.intra_latency, base.intra_bw
     extra = {f"matmul_flops_{n}": f for n, f in c["matmul_flops"].items()}
+    extra["attention_flops"] = c["attention_flops"]
     coll = {}
     if not args.no_collectives and args.ranks > 1:
         coll = measure_collectives(args.ranks)
         c["mem_bandwidth"] = coll.pop("mem_bandwidth")
+        fresh = coll.pop("fresh")
+        extra.update(coll.pop("framework"))
+        times = coll.pop("times")
         lat, bw = coll["all_reduce"]
         for op, (a, b) in coll.items():
             extra[f"{op}_latency"], extra[f"{op}_bw"] = a, b
+            for nbytes, t in times[op].items():      # the measured table; the cost model interpolates it
+                extra[f"{op}_t_{nbytes}"] = t
+        extra["fresh_alloc_s_per_byte"], extra["fresh_alloc_min_bytes"] = fresh_threshold(fresh)
+        extra["collective_ranks"] = args.ranks
     hw = Hardware("cpu", {"fp32": best, "bf16": best / 2}, base.memory_bytes, c["mem_bandwidth"], bw, lat,
-                  bw, lat, args.ranks, 1.0, mem_bw_fraction=1.0, op_overhead_s=c["op_overhead_s"],
+                  bw, lat, args.ranks, 1.0, mem_bw_fraction=1.0, op_overhead_s=c["op_overhead_s"], comm_overlap=False,
                   source="calibrated by modelpar calibrate", extra=extra)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     save_profile(hw, out)
     for n, f in c["matmul_flops"].items():
         print(f"  matmul {n:>5}: {f / 1e9:8.1f} GFLOP/s")
+    print(f"  attention (causal, fused) {c['attention_flops'] / 1e9:.1f} GFLOP/s counted")
     print(f"  per-op overhead {c['op_overhead_s'] * 1e6:.1f} us, memory bandwidth per rank {c['mem_bandwidth'] / 1e9:.1f} GB/s")
     for op, (a, b) in coll.items():
-        print(f"  {op:<15} latency {a * 1e6:8.1f} us, bandwidth {b / 1e9:6.2f} GB/s ({args.ranks} ranks)")
+        print(f"  {op:<15} latency {a * 1e6:8.1f} us, bandwidth {b / 1e9:6.2f} GB/s ({args.ranks} ranks); "
+              + ", ".join(f"{k / 2 ** 20:g} MiB {v * 1e3:.2f} ms" for k, v in times[op].items()))
+    if coll:
+        print(f"  framework per call (fwd + bwd): TP Linear {extra['tp_linear_overhead_s'] * 1e6:.0f} us, "
+              f"FSDP2 unit {extra['fsdp_unit_overhead_s'] * 1e6:.0f} us")
+        fb, fmin = extra["fresh_alloc_s_per_byte"], extra["fresh_alloc_min_bytes"]
+        print(f"  fresh allocation: {fb * 1e9:.3f} ns/byte from {fmin / 2 ** 20:g} MiB "
+              f"({', '.join(f'{k / 2 ** 20:g} MiB {v * 1e9:.3f}' for k, v in fresh.items())} ns/byte)")
     print(f"saved {out}")
     return 0

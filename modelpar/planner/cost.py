@@ -20,6 +20,19 @@ Sources:
 Overlap: DDP overlaps the gradient all-reduce with the last backward except its final 25 MiB bucket
 (``bucket_cap_mb`` default); FSDP prefetches, hiding its gathers and reduce-scatters behind each
 micro-batch's compute except the first unit's gather; TP and pipeline p2p are not overlapped.
+Where ``Hardware.comm_overlap`` is False (CPU ranks that own every core: gloo copies and reduces with
+those cores) nothing overlaps: DDP adds its bucketed all-reduces and its bucket copies, FSDP its
+gathers, reduce-scatters and the copies into and out of its flat buffers.
+
+Collectives inside one node use the calibrated table of measured times when there is one
+(`Hardware.collective_seconds`), else the alpha-beta forms above.
+
+Fresh allocations (CPU): glibc's malloc serves blocks above its mmap threshold (at most 32 MiB on
+64-bit) with new pages on every allocation, so such a tensor costs page faults and zeroing on first
+touch and unmapping on free, at a per-byte cost `modelpar calibrate` measures. Counted: each
+micro-batch's weight gradients, FSDP's flat gather / reduce-scatter buffers and unsharded
+parameters (the fused AdamW step and the gradient norm make no temporaries).
+Gradient accumulation adds one in-place add (12 B/param) per micro-batch after the first.
 """
 
 from __future__ import annotations
@@ -32,14 +45,19 @@ from modelpar.planner.memory import Batch, RankLoad, rank_loads
 from modelpar.planner.profile import ModelProfile
 
 DDP_BUCKET_BYTES = 25 * 2 ** 20
-# bytes read + written per parameter by the optimizer step. Accelerators (fused / foreach kernels):
-# one pass, read param, grad and state, write param and state (SGD 12, momentum 20, AdamW 28).
-# CPU (torch's single-tensor loop, one pass per kernel): AdamW decay mul_ 8, lerp_ 12, mul_ 8,
-# addcmul_ 16, sqrt 8, div 8, add_ 8, addcdiv_ 16 = 84; SGD add_ 12; momentum + mul_/add_ 16; plus
-# gradient clipping (squared copy 8, sum 4, scale 8 = 20).
-OPT_TRAFFIC = {"sgd": 12, "sgd_momentum": 20, "adamw": 28}
-OPT_TRAFFIC_CPU = {"sgd": 12 + 20, "sgd_momentum": 28 + 20, "adamw": 84 + 20}
-OPT_KERNELS = {"sgd": 1 + 3, "sgd_momentum": 3 + 3, "adamw": 8 + 3}   # per parameter tensor (CPU loop)
+# bytes read + written per parameter by the optimizer step: torch's fused AdamW (modelpar's default,
+# `modelpar.train.loop.adamw`, on GPUs and CPUs) reads param, grad and both moments and writes param and
+# moments, 28; SGD's in-place add_ 12; with momentum (foreach on GPUs) 20, on CPU's single-tensor loop
+# mul_ + add_ + add_ = 32. Gradient clipping adds a norm (read 4) and a scale (read + write 8) = 12.
+OPT_TRAFFIC = {"sgd": 12 + 12, "sgd_momentum": 20 + 12, "adamw": 28 + 12}
+OPT_TRAFFIC_CPU = {"sgd": 12 + 12, "sgd_momentum": 32 + 12, "adamw": 28 + 12}
+# kernels launched per parameter tensor on CPU: the update (fused AdamW loops inside one call) and
+# clipping's norm, square, accumulate and scale
+OPT_KERNELS = {"sgd": 1 + 4, "sgd_momentum": 3 + 4, "adamw": 1 + 4}
+# tensor-parallel plans mix plain tensors and DTensors, which the fused kernel refuses, so AdamW runs
+# torch's single-tensor loop (`modelpar.train.step.adamw`): mul_ 8, lerp_ 12, mul_ 8, addcmul_ 16,
+# sqrt 8, div 8, add_ 8, addcdiv_ 16 = 84 B/param, 8 kernels and two new tensors (sqrt, div) per tensor
+ADAMW_LOOP_TRAFFIC, ADAMW_LOOP_KERNELS = 84 + 12, 8 + 4
 
 
 # ---- collectives (alpha-beta) ------------------------------------------------------------------
@@ -154,68 +172,184 @@ def _axis_link(plan: ParallelPlan, axis: str, hw: Hardware, op: str = "all_reduc
     return hw.link(n, span)
 
 
+_ALPHA_BETA = {"all_reduce": lambda n: (2 * (n - 1), 2 * (n - 1) / n), "send_recv": lambda n: (1, 1),
+               "all_gather": lambda n: (n - 1, (n - 1) / n), "reduce_scatter": lambda n: (n - 1, (n - 1) / n)}
+
+
+def _coll(plan: ParallelPlan, axis: str, hw: Hardware, op: str, nbytes: float, n: int) -> float:
+    """Seconds of one ``op`` of ``nbytes`` over ``n`` ranks of mesh axis ``axis``: the calibrated
+    table (`Hardware.collective_seconds`) when the job fits one node and ``op`` was measured with
+    ``n`` ranks, else the alpha-beta form (Thakur et al. 2005) with the axis' link."""
+    return _coll_sum(plan, axis, hw, op, (nbytes,), n)
+
+
+_LINKS: dict[tuple, tuple] = {}
+
+
+def _coll_sum(plan: ParallelPlan, axis: str, hw: Hardware, op: str, sizes, n: int, scale: float = 1.0) -> float:
+    """`_coll` summed over one ``op`` per entry of ``sizes`` x ``scale`` (bytes); the alpha-beta form
+    in closed form (calls x latency steps + total bytes x volume / bandwidth). The search calls this
+    ~10^5 times, so the link of (hardware, degrees, axis, op) is memoized."""
+    if n <= 1:
+        return 0.0
+    key = (id(hw), plan.tp, plan.dp_shard, plan.dp_replicate, plan.pp, axis, op, n)
+    link = _LINKS.get(key)
+    if link is None or link[0] is not hw:
+        if len(_LINKS) > 65536:
+            _LINKS.clear()
+        table = (bool(hw.extra) and hw.devices_per_node % (plan.tp * plan.dp * plan.pp) == 0
+                 and hw.collective_seconds(op, 1.0, n) is not None)
+        bw, lat = _axis_link(plan, axis, hw, op)
+        steps, volume = _ALPHA_BETA[op](n)
+        link = _LINKS[key] = (hw, table, steps * lat, volume / bw)
+    if link[1]:
+        return sum(hw.collective_seconds(op, x * scale, n) for x in sizes if x > 0)
+    k = len(sizes) if len(sizes) == 1 else sum(1 for x in sizes if x > 0)
+    return k * link[2] + link[3] * sum(sizes) * scale if k else 0.0
+
+
+DDP_FIRST_BUCKET_BYTES = 2 ** 20     # torch DDP's first bucket (``_DEFAULT_FIRST_BUCKET_BYTES``)
+_BUCKETS: dict[int, tuple] = {}
+
+
+def _ddp_buckets_cached(sizes: tuple) -> list[float]:
+    """`ddp_buckets` of fp32 gradients, memoized per parameter-size tuple (one per rank load)."""
+    hit = _BUCKETS.get(id(sizes))
+    if hit is None or hit[0] is not sizes:
+        if len(_BUCKETS) > 4096:
+            _BUCKETS.clear()
+        hit = _BUCKETS[id(sizes)] = (sizes, ddp_buckets(sizes, 4))
+    return hit[1]
+
+
+def ddp_buckets(sizes, elem_bytes: float, cap: float = DDP_BUCKET_BYTES) -> list[float]:
+    """Bucket sizes (bytes) torch DDP forms over parameters of ``sizes`` elements: in reverse
+    registration order (the order gradients arrive), the first bucket closing at 1 MiB, the others
+    at ``cap`` (25 MiB); a tensor larger than the cap fills a bucket alone."""
+    out, cur, lim = [], 0.0, DDP_FIRST_BUCKET_BYTES
+    for k in reversed(sizes):
+        cur += k * elem_bytes
+        if cur >= lim:
+            out.append(cur)
+            cur, lim = 0.0, cap
+    if cur:
+        out.append(cur)
+    return out
+
+
 def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_batch_size: int,
               accumulation: int, optimizer: str, tp_bytes: float, dp_overlap: bool = True) -> dict:
-    """Seconds of one step on the slowest pipeline rank; ``tp_bytes`` = block output per sample."""
+    """Seconds of one step on the slowest pipeline rank; ``tp_bytes`` = block output per sample.
+
+    CPU-specific terms (zero where the hardware profile lacks them): fresh allocations
+    (`Hardware.fresh_seconds`: each micro-batch's weight gradients; FSDP's gathered and
+    reduce-scatter buffers), and no overlap
+    of communication with compute when ``hw.comm_overlap`` is False.
+    """
     prec = plan.precision
     flops_s = hw.achievable_flops(prec)
     mem_s = hw.mem_bandwidth * hw.mem_bw_fraction
     b, m, v, p = micro_batch_size, (plan.n_microbatches if plan.pp > 1 else 1), plan.virtual_stages, plan.pp
     ac = plan.activation_checkpointing == "full"
-    tp_bw, tp_lat = _axis_link(plan, "tp", hw)
-    ar_tp = all_reduce_time(tp_bytes * b, plan.tp, tp_bw, tp_lat)
+    overlap = dp_overlap and hw.comm_overlap
+    ar_tp = _coll(plan, "tp", hw, "all_reduce", tp_bytes * b, plan.tp) if plan.tp > 1 else 0.0
     best = None
     curve = any(k.startswith("matmul_flops_") for k in hw.extra)
+    attn_rate = hw.extra.get("attention_flops", 0.0) * hw.peak_flops[prec] / hw.peak_flops.get("fp32", hw.peak_flops[prec])
     for ld in loads:
-        rf = hw.gemm_flops(prec, ld.fwd_flops * b / ld.fwd_gemms) if curve and ld.fwd_gemms else flops_s
-        rb = hw.gemm_flops(prec, ld.bwd_flops * b / ld.bwd_gemms) if curve and ld.bwd_gemms else flops_s
+        # fused attention kernels at their own calibrated rate where there is one (on CPU far below
+        # the GEMM rate); otherwise they count as matmuls
+        af, ab = ld.attn_flops if attn_rate else (0.0, 0.0)
+        ac_calls = ld.attn_calls if attn_rate else 0
+        mf, mb_ = ld.fwd_flops - af, ld.bwd_flops - ab
+        nf, nb = max(ld.fwd_gemms - ac_calls, 1), max(ld.bwd_gemms - ac_calls, 1)
+        rf = hw.gemm_flops(prec, mf * b / nf) if curve and ld.fwd_gemms else flops_s
+        rb = hw.gemm_flops(prec, mb_ * b / nb) if curve and ld.bwd_gemms else flops_s
         # matmuls: roofline of their FLOPs and the bytes they move (weights once per micro-batch)
-        g_f = max(ld.fwd_flops * b / rf, (ld.gemm_param_bytes[0] + ld.gemm_act_bytes[0] * b) / mem_s)
-        g_b = max(ld.bwd_flops * b / rb, (ld.gemm_param_bytes[1] + ld.gemm_act_bytes[1] * b) / mem_s)
+        g_f = max(mf * b / rf, (ld.gemm_param_bytes[0] + ld.gemm_act_bytes[0] * b) / mem_s)
+        g_b = max(mb_ * b / rb, (ld.gemm_param_bytes[1] + ld.gemm_act_bytes[1] * b) / mem_s)
+        if attn_rate:
+            g_f += af * b / attn_rate
+            g_b += ab * b / attn_rate
         t_f = g_f + ld.fwd_mem * b / mem_s + ld.fwd_ops * hw.op_overhead_s
-        t_b = g_b + ld.bwd_mem * b / mem_s + (ld.ops - ld.fwd_ops) * hw.op_overhead_s
+        # backward: every micro-batch's weight gradients are new tensors (the first become .grad,
+        # later ones are added into it)
+        t_b = (g_b + ld.bwd_mem * b / mem_s + (ld.ops - ld.fwd_ops) * hw.op_overhead_s
+               + hw.fresh_seconds(ld.param_sizes, 4))
         t_rc = t_f if ac else 0.0
-        t_tp = ld.tp_collectives * ar_tp * (3 if ac else 2)
+        # DTensor's per-call cost of each sharded Linear (dispatch, sharding propagation, input and
+        # output conversion; forward + backward), calibrated on CPU; part of TP's price
+        t_tp = ld.tp_collectives * ar_tp * (3 if ac else 2) + ld.tp_linears * hw.extra.get("tp_linear_overhead_s", 0.0)
         work = t_f + t_b + t_rc + t_tp
         key = (work, ld.params)
         if best is None or key > best[0]:
             best = (key, ld, t_f, t_b, t_rc, t_tp)
     _, ld, t_f, t_b, t_rc, t_tp = best
-    t_p2p = 0.0
-    if p > 1:
-        pbw, plat = _axis_link(plan, "pp", hw, "send_recv")
-        t_p2p = 2 * v * p2p_time(ld.boundary * b, pbw, plat)
+    mbs = accumulation * m                          # micro-batches per step on this rank
+    # gradient accumulation: micro-batches after the first add their gradients in place (read 2,
+    # write 1 fp32 values per parameter)
+    t_acc = (mbs - 1) * 12 * ld.params / mem_s
+    t_p2p = 2 * v * _coll(plan, "pp", hw, "send_recv", ld.boundary * b, 2) if p > 1 else 0.0
     # data parallel
     grad_bytes = 4 * ld.params                    # fp32 gradients / reductions
-    work_bytes = (2 if prec == "bf16" else 4) * ld.params
+    wb = 2 if prec == "bf16" else 4
+    work_bytes = wb * ld.params
     dp_exposed, fsdp_per_mb = 0.0, 0.0
     if plan.dp_shard > 1:
-        sbw, slat = _axis_link(plan, "dp_shard", hw, "all_gather")
-        rsbw, rslat = _axis_link(plan, "dp_shard", hw, "reduce_scatter")
         n = plan.dp_shard
         gathers = 2 if plan.reshard_after_forward else 1
-        comm = gathers * all_gather_time(work_bytes, n, sbw, slat) + all_gather_time(grad_bytes, n, rsbw, rslat)
-        first = all_gather_time(work_bytes * ld.max_unit_params / max(ld.params, 1), n, sbw, slat)
-        fsdp_per_mb = max(0.0, comm - (t_f + t_b + t_rc)) + first
+        units = ld.unit_sizes or (ld.params - ld.root_params,)
+        root = ld.root_params
+        ag = _coll_sum(plan, "dp_shard", hw, "all_gather", units, n, wb)
+        ag_root = _coll(plan, "dp_shard", hw, "all_gather", wb * root, n)
+        rs = (_coll_sum(plan, "dp_shard", hw, "reduce_scatter", units, n, 4)
+              + _coll(plan, "dp_shard", hw, "reduce_scatter", 4 * root, n))
+        if overlap:
+            comm = gathers * ag + ag_root + rs
+            first = _coll(plan, "dp_shard", hw, "all_gather", work_bytes * ld.max_unit_params / max(ld.params, 1), n)
+            fsdp_per_mb = max(0.0, comm - (t_f + t_b + t_rc)) + first
+        else:
+            # FSDP2's buffers: each gather fills a new flat all-gather output and copies it out into
+            # new unsharded parameters (read + write); reduce-scatter copies the unsharded gradients
+            # into a new flat input and writes a new shard (fresh where the allocator maps them)
+            ag_mem = (hw.fresh_seconds(units, wb) + hw.fresh_seconds(ld.param_sizes, wb)
+                      + 2 * wb * (ld.params - root) / mem_s)
+            rs_mem = (hw.fresh_seconds(units, 4) + hw.fresh_seconds([u / n for u in units], 4)
+                      + 8 * (ld.params - root) / mem_s)
+            # + FSDP2's per-unit cost (hooks, copy-in/out bookkeeping; forward + backward), calibrated
+            fsdp_per_mb = (gathers * (ag + ag_mem) + ag_root
+                           + (len(units) + 1) * hw.extra.get("fsdp_unit_overhead_s", 0.0))
+            dp_exposed = rs + rs_mem                 # once per step: the last micro-batch syncs
         if plan.dp_replicate > 1:
-            rbw, rlat = _axis_link(plan, "dp_replicate", hw)
-            dp_exposed = all_reduce_time(grad_bytes / n, plan.dp_replicate, rbw, rlat)
+            dp_exposed += _coll(plan, "dp_replicate", hw, "all_reduce", grad_bytes / n, plan.dp_replicate)
     elif plan.dp_replicate > 1:
-        rbw, rlat = _axis_link(plan, "dp_replicate", hw)
         n = plan.dp_replicate
-        t_ar = all_reduce_time(grad_bytes, n, rbw, rlat)
-        last = all_reduce_time(min(DDP_BUCKET_BYTES, grad_bytes), n, rbw, rlat)
-        dp_exposed = max(t_ar - t_b, last) if dp_overlap else t_ar
+        buckets = _ddp_buckets_cached(ld.param_sizes) if (ld.param_sizes and dp_overlap) else (grad_bytes,)
+        t_ar = _coll_sum(plan, "dp_replicate", hw, "all_reduce", buckets, n)
+        last = _coll(plan, "dp_replicate", hw, "all_reduce", min(DDP_BUCKET_BYTES, grad_bytes), n)
+        if overlap:
+            dp_exposed = max(t_ar - t_b, last)
+        elif not dp_overlap:         # one all-reduce of a contiguous gradient buffer after backward
+            dp_exposed = t_ar
+        else:
+            # torch DDP (gradient_as_bucket_view=False) copies gradients into its buckets and the
+            # reduced buckets back (read + write each way)
+            dp_exposed = t_ar + 16 * ld.params / mem_s
     per_mb_compute = t_f + t_b + t_tp
     bub = bubble_fraction(plan.pp_schedule, p, m, v) * m * (per_mb_compute + t_rc)
+    local = ld.params / plan.dp_shard
+    loop = optimizer == "adamw" and plan.tp > 1
     if hw.name == "cpu":
-        opt = (ld.params / plan.dp_shard * OPT_TRAFFIC_CPU[optimizer] / mem_s
-               + ld.num_tensors * OPT_KERNELS[optimizer] * hw.op_overhead_s)
+        traffic, kernels = ((ADAMW_LOOP_TRAFFIC, ADAMW_LOOP_KERNELS) if loop
+                            else (OPT_TRAFFIC_CPU[optimizer], OPT_KERNELS[optimizer]))
+        opt = local * traffic / mem_s + ld.num_tensors * kernels * hw.op_overhead_s
+        if loop:
+            opt += 2 * hw.fresh_seconds([k / plan.dp_shard for k in ld.param_sizes], 4)
     else:
-        opt = ld.params / plan.dp_shard * OPT_TRAFFIC[optimizer] / mem_s
-    return {"compute": accumulation * m * (t_f + t_b), "recompute": accumulation * m * t_rc,
-            "tp_comm": accumulation * m * t_tp, "pp_comm": accumulation * m * t_p2p,
-            "dp_comm": dp_exposed + accumulation * m * fsdp_per_mb, "bubble": accumulation * bub,
+        opt = local * (ADAMW_LOOP_TRAFFIC if loop else OPT_TRAFFIC[optimizer]) / mem_s
+    return {"compute": mbs * (t_f + t_b) + t_acc, "recompute": mbs * t_rc,
+            "tp_comm": mbs * t_tp, "pp_comm": mbs * t_p2p,
+            "dp_comm": dp_exposed + mbs * fsdp_per_mb, "bubble": accumulation * bub,
             "optimizer": opt}
 
 

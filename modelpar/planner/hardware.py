@@ -47,6 +47,11 @@ class Hardware:
         op_overhead_s: fixed cost per dispatched operator (kernel launch / eager dispatch), seconds.
         framework_overhead_bytes: memory outside the model's tensors (CUDA context, allocator
             slack), bytes; measured by calibrate.
+        comm_overlap: whether communication can proceed while the rank computes. False on CPU
+            ranks that own all their cores: gloo moves and reduces data with the same cores (and the
+            kernel's loopback TCP), so a collective adds its time even when issued asynchronously.
+        extra: calibrated tables: ``matmul_flops_N``, ``{op}_t_{bytes}`` (measured collective
+            seconds), ``collective_ranks``, ``fresh_alloc_s_per_byte`` / ``fresh_alloc_min_bytes``.
     """
 
     name: str
@@ -62,8 +67,10 @@ class Hardware:
     mem_bw_fraction: float = 0.8       # assumption (not fitted): STREAM-like kernels reach ~80%
     op_overhead_s: float = 4e-6        # CUDA launch latency order; calibrate measures it
     framework_overhead_bytes: float = 0.0
+    comm_overlap: bool = True          # collectives run beside compute (GPU copy engines / NCCL SMs)
     source: str = ""
     extra: dict[str, float] = field(default_factory=dict)
+    _tables: dict = field(default_factory=dict, repr=False, compare=False)   # parsed extra, cached
 
     def achievable_flops(self, precision: str) -> float:
         """``peak_flops[precision] * gemm_fraction``, FLOP/s. Raises ValueError for an unknown precision."""
@@ -103,6 +110,42 @@ class Hardware:
         bw, lat = self.extra.get(f"{op}_bw"), self.extra.get(f"{op}_latency")
         return (bw, lat) if bw and lat is not None else None
 
+    def collective_seconds(self, op: str, nbytes: float, n: int) -> float | None:
+        """Measured seconds of ``op`` on ``nbytes`` between ``n`` local ranks, interpolated in the
+        calibrated table (log-log between measured sizes; the smallest size's time below it; linear
+        in bytes above the largest), or None when ``op`` was not measured with ``n`` ranks.
+        ``nbytes``: the full (gathered / reduced) size, as in the alpha-beta forms of cost.py."""
+        if n != int(self.extra.get("collective_ranks", self.devices_per_node)):
+            return None
+        key = f"{op}_t_"
+        pts = self._tables.get(op)
+        if pts is None:
+            pts = sorted((float(k[len(key):]), v) for k, v in self.extra.items() if k.startswith(key))
+            self._tables[op] = pts
+        if not pts or nbytes <= 0:
+            return None if not pts else 0.0
+        import math
+        if nbytes <= pts[0][0]:
+            return pts[0][1]
+        if nbytes >= pts[-1][0]:
+            return pts[-1][1] * nbytes / pts[-1][0]
+        for (b0, t0), (b1, t1) in zip(pts, pts[1:]):
+            if b0 <= nbytes <= b1:
+                w = (math.log(nbytes) - math.log(b0)) / (math.log(b1) - math.log(b0))
+                return math.exp(math.log(t0) + w * (math.log(t1) - math.log(t0)))
+        return None
+
+    def fresh_seconds(self, sizes, elem_bytes: float) -> float:
+        """Seconds the allocator adds for fresh tensors of ``sizes`` elements (``elem_bytes`` each):
+        each tensor at or above ``fresh_alloc_min_bytes`` costs ``fresh_alloc_s_per_byte`` per byte
+        (page faults on first touch + unmapping on free; measured by calibrate; 0 elsewhere, e.g. on
+        GPUs, whose caching allocator reuses blocks)."""
+        c = self.extra.get("fresh_alloc_s_per_byte", 0.0)
+        if not c:
+            return 0.0
+        thr = self.extra.get("fresh_alloc_min_bytes", float("inf"))
+        return c * sum(k * elem_bytes for k in sizes if k * elem_bytes >= thr)
+
     def link(self, n: int, span: int) -> tuple[float, float]:
         """(bandwidth bytes/s, latency s) of a group of ``n`` ranks whose members lie ``span``
         ranks apart: inside one node when the group's extent ``n * span`` divides
@@ -112,7 +155,7 @@ class Hardware:
         return self.inter_bw, self.inter_latency
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {k: v for k, v in dataclasses.asdict(self).items() if not k.startswith("_")}
 
 
 _MAMF_A100 = 267.9e12 / 312e12    # MAMF A100 SXM bf16 (see module docstring)
@@ -132,6 +175,19 @@ BUILTIN: dict[str, Hardware] = {
                      450e9, 5e-6, 50e9, 10e-6, 8, _MAMF_H100, framework_overhead_bytes=1 * GIB,
                      source="NVIDIA H200 datasheet; MAMF of H100 SXM (same die) for gemm_fraction"),
 }
+
+
+def hardware_for_device(device_name: str, total_memory: int = 0) -> Hardware:
+    """The built-in profile of a CUDA device, by its name (``torch.cuda.get_device_name``): H200,
+    H100 / H800, A100 / A800 (80 GB when the name or ``total_memory`` bytes say so, else 40 GB).
+    Other GPUs get the H100 profile, an assumption to override with ``--hardware``."""
+    n = device_name.upper()
+    if "H200" in n:
+        return BUILTIN["H200"]
+    if "A100" in n or "A800" in n:
+        big = "80G" in n.replace(" ", "") or total_memory > 50 * GIB
+        return BUILTIN["A100-80GB" if big else "A100-40GB"]
+    return BUILTIN["H100-80GB-SXM"]
 
 
 def total_ram_bytes() -> float:
@@ -161,7 +217,8 @@ def cpu_profile(local_ranks: int = 1) -> Hardware:
     flops = cores * 32 * 2.5e9
     return Hardware("cpu", {"fp32": flops, "bf16": flops / 2}, total_ram_bytes() / local_ranks,
                     10e9 / local_ranks, 2e9, 50e-6, 2e9, 50e-6, max(local_ranks, 1), 0.5,
-                    mem_bw_fraction=1.0, op_overhead_s=10e-6, source="estimate (uncalibrated)")
+                    mem_bw_fraction=1.0, op_overhead_s=10e-6, comm_overlap=False,
+                    source="estimate (uncalibrated)")
 
 
 def get_hardware(name_or_path: str, *, local_ranks: int = 1) -> Hardware:

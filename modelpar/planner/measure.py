@@ -163,9 +163,10 @@ def _tracker():
 def measure_memory(case: Case, *, active: bool = True) -> dict | None:
     """Peak tensor bytes of step ``case.steps`` (steps 1 .. steps-1 warm up), by MemTracker part.
 
-    Returns ``{"peak": {part: bytes, "Total": bytes}, "max": {part: bytes}}`` where ``peak`` is the
-    breakdown at the moment of the peak and ``max`` the largest value each part reached during the
-    measured step (CPU only; None on inactive ranks).
+    Returns ``{"peak": {part: bytes, "Total": bytes}, "max": {part: bytes}, "fused": bool}`` where
+    ``peak`` is the breakdown at the moment of the peak, ``max`` the largest value each part reached
+    during the measured step and ``fused`` whether the optimizer ran torch's fused kernel (CPU only;
+    None on inactive ranks).
 
     Raises:
         ValueError: ``case.steps < 3`` (not steady state).
@@ -200,9 +201,10 @@ def measure_memory(case: Case, *, active: bool = True) -> dict | None:
     with mt:
         step(b)
     peak = _snap(mt.get_tracker_snapshot("peak"))
+    fused = bool(b.opt.defaults.get("fused"))
     del b
     gc.collect()
-    return {"peak": peak, "max": maxes}
+    return {"peak": peak, "max": maxes, "fused": fused}
 
 
 def time_cases(cases: list[Case], *, rounds: int = 5, steps_per_round: int = 2, warmup: int = 1,

@@ -17,7 +17,8 @@ gradients and fp32 reductions, computing in bf16, see `ParallelPlan`):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import functools
+from dataclasses import dataclass, field, fields
 
 from modelpar.plan import ParallelPlan
 from modelpar.planner.profile import ModelProfile
@@ -138,6 +139,21 @@ class RankLoad:
     fsdp_next: float = 0.0
     fsdp_saved: float = 0.0
     fsdp_done: float = 0.0
+    # the backward of one micro-batch on this rank, as candidate peak moments (`_backward_moments`):
+    # inside each block's backward, and (FSDP) at each unit's reduce-scatter; component tuples that
+    # `rank_memory` weighs with the plan's batch, sharding and schedule
+    bwd_moments: tuple = ()
+    rs_moments: tuple = ()
+    out: float = 0.0               # last stage: the model output (logits) bytes per sample
+    projections: dict = field(default_factory=dict, repr=False, compare=False)   # `_projections` cache
+    # elements of each parameter tensor (TP applied) and of each FSDP unit (sum of its tensors, TP
+    # applied, unsharded), for the step-time model's fresh-allocation term (CPU allocators hand tensors
+    # above the mmap threshold new pages on every allocation; see cost.fresh_bytes)
+    param_sizes: tuple = ()
+    unit_sizes: tuple = ()
+    attn_flops: tuple = (0.0, 0.0)     # (fwd, bwd) FLOPs per sample of fused attention kernels, TP applied
+    attn_calls: int = 0                # fused attention calls per forward (as many in backward)
+    tp_linears: int = 0                # weight matrices a TP split shards (DTensor Linears per forward)
 
 
 def _adamw_temp(numels: list[tuple[float, bool]]) -> float:
@@ -169,6 +185,78 @@ def _fsdp_unit_peak(ld: RankLoad, units: list[tuple[float, float]]) -> None:
             ld.fsdp_done = sum(p for p, _ in units[i + 1:])
 
 
+@functools.lru_cache(maxsize=4096)
+def _backward_moments(recs: tuple) -> tuple[tuple, tuple]:
+    """Candidate peak moments of one micro-batch's backward on a rank, from its blocks in forward
+    order. ``recs``: per block (saved bytes and full-checkpointing input bytes per sample; its
+    in-backward peaks as (extra bytes, incoming gradient bytes per sample, parameters whose gradient
+    is stored, parameters whose gradient is computed but not yet stored); parameters; is an FSDP root
+    block (embed/head); gradient w.r.t. the block's input per sample).
+
+    Backward runs the blocks in reverse. Inside block k's backward (`BlockProfile.bwd_peaks`) the
+    live activations of the micro-batch are the saved bytes of blocks <= k (later blocks' were freed
+    by autograd as their backward ran), the block's gradient temporaries and the gradient flowing in.
+    Parameters of later blocks have their gradients; under FSDP2 (Zhao et al. 2023, Sec. 3.3;
+    torch's ``FSDPParamGroup``) unit k is gathered, the unit before it is being all-gathered into a
+    flat buffer by the backward prefetch, and the reduce-scatter input of the unit after it is
+    retained until unit k's own reduce (``reduce_scatter_max_input_buffers=1``). At unit k's
+    reduce-scatter (FSDP2 ``post_backward``: reshard, then reduce) its gathered parameters are freed
+    and the unsharded gradient is copied into the reduce-scatter input.
+
+    Returns ``(block moments, reduce moments)``; a block moment is (activations per sample, the same
+    under full checkpointing, completed unit parameters, completed root parameters, parameters of
+    block k with a stored gradient, unit k's parameters, the previous unit's, the next unit's, units
+    up to k, parameters of block k with a gradient not yet stored); a reduce moment is (activations per sample, with checkpointing, completed unit parameters,
+    completed root parameters, unit k's parameters, the previous unit's, units before k).
+
+    Only moments that can be the largest are kept: in a run of identical blocks every quantity
+    changes by the same step from one block to the next, so the total is linear along the run's
+    interior and only its two ends (and the run's first and last blocks, whose neighbours differ)
+    can be the maximum; within a block, a later peak (fewer activations, more gradients) is dropped
+    when an earlier one beats it even with the heaviest gradient weight (4 bytes per element) and
+    the smallest micro-batch (1 sample). `_projections` prunes further for each plan mode.
+    """
+    nb = len(recs)
+    cum, cum_ac, done_u, done_r = [0.0] * (nb + 1), [0.0] * (nb + 1), [0.0] * (nb + 1), [0.0] * (nb + 1)
+    prev_u, upto = [0.0] * nb, [0.0] * nb
+    last_u, tot_u = 0.0, 0.0
+    for k, r in enumerate(recs):
+        cum[k + 1], cum_ac[k + 1] = cum[k] + r[0], cum_ac[k] + r[1]
+        prev_u[k] = last_u
+        if not r[4]:
+            last_u, tot_u = r[3], tot_u + r[3]
+        upto[k] = tot_u
+    next_u, nxt = [0.0] * nb, 0.0
+    for k in range(nb - 1, -1, -1):           # parameters of units / root blocks after k
+        next_u[k] = nxt
+        done_u[k] = done_u[k + 1] + (recs[k + 1][3] if k + 1 < nb and not recs[k + 1][4] else 0.0)
+        done_r[k] = done_r[k + 1] + (recs[k + 1][3] if k + 1 < nb and recs[k + 1][4] else 0.0)
+        if not recs[k][4]:
+            nxt = recs[k][3]
+    keep = set()
+    k = 0
+    while k < nb:                             # runs of identical blocks: their ends, and one inside
+        e = k
+        while e + 1 < nb and recs[e + 1] == recs[k]:
+            e += 1
+        keep.update(x for x in (k, k + 1, e - 1, e) if k <= x <= e)
+        k = e + 1
+    bwd, rs = [], []
+    for k in sorted(keep, reverse=True):
+        sv, _, peaks, pk, root, gin_in = recs[k]
+        kept: list[tuple] = []
+        for ex, gi, gs, gq in peaks:
+            if any(a - (ex + gi) >= 4 * (gs + gq - g) for a, g in kept):
+                continue
+            kept.append((ex + gi, gs + gq))
+            bwd.append((cum[k + 1] + ex + gi, cum_ac[k + 1] + sv + ex + gi, done_u[k], done_r[k], gs,
+                        0.0 if root else pk, prev_u[k], next_u[k], upto[k], gq))
+        if not root:
+            rs.append((cum[k] + gin_in, cum_ac[k] + gin_in, done_u[k], done_r[k], pk, prev_u[k],
+                       upto[k] - pk))
+    return tuple(dict.fromkeys(bwd)), tuple(dict.fromkeys(rs))
+
+
 def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float) -> list[RankLoad]:
     """One `RankLoad` per pipeline rank (``plan.pp`` of them), tensor parallel applied.
 
@@ -182,6 +270,7 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float) -
     loads = [RankLoad() for _ in range(plan.pp)]
     numels: list[list[tuple[float, bool]]] = [[] for _ in range(plan.pp)]
     units: list[list[tuple[float, float]]] = [[] for _ in range(plan.pp)]
+    recs: list[list[tuple]] = [[] for _ in range(plan.pp)]
     n = len(profile.blocks)
     transformer = bool(profile.arch)
     first_in = profile.blocks[0].input_bytes / bs
@@ -206,6 +295,20 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float) -
                 units[s % plan.pp].append((local, saved * scale / bs))
             ld.max_block_saved = max(ld.max_block_saved, saved * scale / bs)
             ld.saved_ac += bl.input_bytes * scale / bs / (t if sp else 1)
+            # the block's backward peak (profile): its extra temporaries shard like its saved bytes;
+            # the gradient arriving from the block after it is what that block received as input
+            # (replicated unless sequence parallel); at a stage's last block the gradient sits in the
+            # pipeline's receive buffer (counted there), at the model's last block it is the loss's
+            # gradient of the logits (the profile's backward starts from a sum, which makes none)
+            fr = bl.saved_tp_sharded_bytes / bl.saved_bytes if bl.saved_bytes else 0.0
+            ex_div = 1.0 / t if sp else (1 - fr) + fr / t
+            g_div = (1.0 / t if sp else 1.0) * scale / bs
+            shr = local / bl.num_params if bl.num_params else 1.0
+            peaks = tuple((ex * scale / bs * ex_div,
+                           (bl.output_bytes if i == n - 1 else (0.0 if i == b - 1 else gi)) * g_div,
+                           gs * shr, gq * shr) for ex, gi, gs, gq in (bl.bwd_peaks or ((0, bl.output_bytes, 0, 0),)))
+            recs[s % plan.pp].append((saved * scale / bs, bl.input_bytes * scale / bs / (t if sp else 1),
+                                      peaks, local, is_end, bl.input_bytes * g_div if i > 0 else 0.0))
             frac = bl.saved_tp_sharded_bytes / bl.saved_bytes if bl.saved_bytes else 0.0
             tp_div = 1.0 / t if sp else (1 - frac) + frac / t   # share of traffic left per rank
             ld.fwd_flops += bl.fwd_flops / bs / t
@@ -216,6 +319,10 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float) -
             ld.fwd_ops += bl.fwd_ops
             ld.fwd_gemms += bl.fwd_gemms
             ld.bwd_gemms += bl.bwd_gemms
+            ld.attn_flops = (ld.attn_flops[0] + bl.fwd_attn_flops / bs / t, ld.attn_flops[1] + bl.bwd_attn_flops / bs / t)
+            ld.attn_calls += bl.attn_calls
+            if t > 1:
+                ld.tp_linears += sum(1 for _, mat, sh in bl.param_numels if mat and sh)
             shr = local / bl.num_params if bl.num_params else 1.0
             ld.gemm_param_bytes = (ld.gemm_param_bytes[0] + bl.fwd_gemm_param_bytes * scale * shr,
                                    ld.gemm_param_bytes[1] + bl.bwd_gemm_param_bytes * scale * shr)
@@ -229,17 +336,108 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float) -
         if s < len(rng) - 1:
             ld.recv += ld.boundary
         ld.data = data
+    for ld, rc in zip(loads, recs):
+        ld.bwd_moments, ld.rs_moments = _backward_moments(tuple(rc))
     for ld, nl, un in zip(loads, numels, units):
         ld.max_param = max((k for k, _ in nl), default=0.0)
         ld.opt_temp = _adamw_temp(nl)
         ld.num_tensors = len(nl)
+        ld.param_sizes = tuple(k for k, _ in nl)
+        ld.unit_sizes = tuple(u for u, _ in un)
         _fsdp_unit_peak(ld, un)
     last = loads[(len(rng) - 1) % plan.pp]
     last.is_last = True
     # the logits (model output) and the loss's saved copy of them (log-softmax output); replicated
     # under TP unless the head is vocab-sharded (sequence parallel turns loss parallel on)
     last.logits = 2 * profile.blocks[-1].output_bytes * scale / bs / (t if sp else 1)
+    last.out = last.logits / 2
     return loads
+
+
+def _bwd_terms(c: tuple, mode: tuple) -> tuple:
+    """A block moment (`_backward_moments`) beyond what every backward moment of the step holds, as
+    linear forms in the micro-batch b and ws = 1 / dp_shard: (gradients K, gradients G, activations
+    A, activations K, gathered parameters K, buffers K, buffers G), i.e. gradients = K + G ws,
+    activations = A b + K. ``mode`` = (FSDP, full checkpointing, gradients from earlier
+    micro-batches, reshard_after_forward, bytes of a gathered parameter, pipeline)."""
+    act, act_ac, done_u, done_r, gs, u, u_prev, u_next, _, gq = c
+    fsdp, ac, prev, rafw, work, pp = mode[:6]
+    A = act_ac if ac else act
+    # weight gradients a matmul computed and AccumulateGrad has not stored yet are temporaries; with
+    # gradients from earlier micro-batches the stored ones were added in place
+    if not fsdp:
+        if prev:
+            return 0.0, 0.0, A, 4 * gq, 0.0, 0.0, 0.0
+        return 4 * (done_u + done_r + gs), 0.0, A, 4 * gq, 0.0, 0.0, 0.0
+    pre = work * u_prev if rafw else 0.0    # the prefetched unit's flat all-gather output
+    if prev:
+        # gradient sync off (accumulation, or the pipeline's backward_maybe_with_nosync): unsharded
+        # gradients accumulate (in the base); a pipeline also keeps units gathered after their
+        # backward (set_reshard_after_backward(False): in the base)
+        return 0.0, 0.0, A, work * gq, (work * u if (rafw and not pp) else 0.0), pre, 0.0
+    # reduce-scattered (sharded) gradients of completed units; the root's and unit k's unsharded
+    # gradients so far; unit k gathered; the retained fp32 reduce-scatter input of the unit after k
+    return (0.0, 4 * done_u, A, work * (done_r + gs + gq), (work * u if rafw else 0.0),
+            pre + 4 * u_next, 0.0)
+
+
+def _rs_terms(c: tuple, mode: tuple, collective: bool) -> tuple:
+    """FSDP unit k's reduce-scatter beyond the base, as `_bwd_terms`: on its copy-in (the unsharded
+    gradient, in the parameters' dtype, copied into the fp32 reduce-scatter input) or during the
+    collective (the unsharded gradient freed; input and output, which becomes the sharded gradient;
+    gloo (``mode[6]``) first copies the input into a flat buffer of its own, ProcessGroupGloo's
+    reduce_scatter, where NCCL reduces in place). Unit k itself is resharded."""
+    act, act_ac, done_u, done_r, u, u_prev, _ = c
+    fsdp, ac, prev, rafw, work, pp, gloo = mode
+    A = act_ac if ac else act
+    gath = 0.0 if rafw else -work * u
+    buf = 4 * u + (work * u_prev if rafw else 0.0)
+    if not collective:
+        return 0.0, 4 * done_u, A, work * (done_r + u), gath, buf, 0.0
+    return 0.0, 4 * done_u, A, work * done_r, gath, buf + (4 * u if gloo else 0.0), 4 * u
+
+
+@functools.lru_cache(maxsize=4096)
+def _projections(bwd_moments: tuple, rs_moments: tuple, mode: tuple) -> tuple:
+    """A rank's block and reduce moments (`RankLoad.bwd_moments`, ``rs_moments``) for one ``mode``
+    (`_bwd_terms`, plus gloo) as (A, K, G, (kind, terms)), total = A b + K + G / dp_shard beyond the
+    base, keeping only those that can be the largest for some b >= 1 and dp_shard >= 1: none that
+    another bounds in A, K and G, and, where G is zero throughout, only the upper convex hull of
+    (A, K) over slopes b >= 1."""
+    fsdp, ac, prev, rafw, work, pp, gloo = mode
+    terms = [("backward", _bwd_terms(c, mode)) for c in bwd_moments]
+    if fsdp and not prev and not pp:
+        for c in rs_moments:
+            terms.append(("fsdp_reduce", _rs_terms(c, mode, False)))
+            terms.append(("fsdp_reduce", _rs_terms(c, mode, True)))
+    cands = sorted(((t[2], t[0] + t[3] + t[4] + t[5], t[1] + t[6], (kind, t)) for kind, t in terms),
+                   key=lambda x: (-x[0], -x[1], -x[2]))
+    if len(cands) < 2:
+        return tuple(cands)
+    if any(x[2] for x in cands):
+        keep: list[tuple] = []
+        for x in cands:         # by decreasing A: a candidate bounding x in all three comes first
+            if not any(y[1] >= x[1] and y[2] >= x[2] for y in keep):
+                keep.append(x)
+        return tuple(keep)
+    # max over points of A b + K for b >= 1: the upper hull, from the largest A down to the vertex
+    # past which the hull's slope dK/dA is below -1 (b = 1)
+    hull: list[tuple] = []
+    for x in cands:
+        while len(hull) >= 2:
+            (a1, k1), (a2, k2) = hull[-2][:2], hull[-1][:2]
+            if (k2 - k1) * (a1 - x[0]) <= (x[1] - k1) * (a1 - a2):
+                hull.pop()
+            else:
+                break
+        hull.append(x)
+    out = [hull[0]]
+    for x in hull[1:]:
+        if x[1] - out[-1][1] > out[-1][0] - x[0]:     # beats the previous vertex for some b >= 1
+            out.append(x)
+        else:
+            break
+    return tuple(out)
 
 
 def in_flight(plan: ParallelPlan, pp_rank: int) -> float:
@@ -260,7 +458,8 @@ def in_flight(plan: ParallelPlan, pp_rank: int) -> float:
 
 def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, optimizer: str,
                 overhead_bytes: float, pp_rank: int, accumulation: int = 1, global_batch_size: int = 0,
-                foreach: bool = False, recv_per_microbatch: bool = True) -> MemoryEstimate:
+                foreach: bool = False, recv_per_microbatch: bool = True, fused: bool = True,
+                gloo: bool = False) -> MemoryEstimate:
     """Peak memory of one pipeline rank, with its parts at the moment of the peak.
 
     Two candidate moments (steady state: optimizer state exists; gradients are freed after each
@@ -273,76 +472,111 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
       last output's size: the loss gradient and the logits gradient), FSDP's gathered parameters,
       communication buffers;
     - the optimizer step: parameters, gradients, optimizer state plus the step's transient
-      (single-tensor AdamW on CPU: `_adamw_temp`; foreach AdamW on GPUs: one copy of the local
-      parameters), communication buffers that persist (DDP buckets).
+      (none for torch's fused AdamW, modelpar's default (`modelpar.train.loop.adamw`), nor for SGD's
+      in-place update; ``fused=False``: single-tensor AdamW `_adamw_temp`, foreach AdamW one copy of
+      the local parameters), communication buffers that persist (DDP buckets).
 
     The global batch (inputs and targets) is held by every rank at both moments.
     """
-    bf16 = plan.precision == "bf16"
     shard = plan.dp_shard
+    fsdp = shard > 1
+    ws = 1.0 / shard
     b = micro_batch_size
-    p_local = ld.params / shard
-    params = 4 * p_local
-    grads = 4 * p_local
-    opt = OPTIMIZER_BYTES[optimizer] * p_local
+    P = ld.params
+    params = 4 * P * ws
+    grads = params
+    opt = OPTIMIZER_BYTES[optimizer] * P * ws
     data = ld.data * global_batch_size
-    if plan.activation_checkpointing == "full":
-        per_mb = ld.saved_ac
-        transient = ld.max_block_saved * b
-    else:
-        per_mb, transient = ld.saved, 0.0
-    flight = in_flight(plan, pp_rank)
-    m = plan.n_microbatches if plan.pp > 1 else 1
-    # gradient of the loss and of the logits (last stage), or received + computed output gradient
-    bw_start = 2 * (ld.logits / 2 if ld.is_last else ld.boundary) * b
-    # every micro-batch in flight also keeps its stage output (the pipeline runtime holds it for the
-    # stage's backward) or, on the last stage, its logits and the loss's copy of them
-    kept = (ld.logits if ld.is_last else (ld.boundary if plan.pp > 1 else 0.0)) * b * flight
-    acts = per_mb * b * flight + transient + kept + bw_start + data
-    grads_fb = grads if (accumulation > 1 or flight < m) else 0.0
-    work = 2 if bf16 else 4                  # bytes of a gathered / working parameter
-    comm_persist = 0.0
-    if shard > 1:
-        # ZeRO-3: the root (embed/head) stays gathered from forward to backward; each block unit is
-        # gathered when used (FSDP2 prefetches the next one in backward).
-        # at backward start: the root, plus the block unit prefetched for the first block backward
-        # (all units with reshard_after_forward=False); no reduce-scatter is in flight yet
-        rest = ld.params - ld.root_params
-        units = rest if not plan.reshard_after_forward else ld.max_unit_params
-        gathered = work * (ld.root_params + (units if units < rest else rest))
-        comm = 0.0
-    else:
-        gathered = 2 * ld.params if bf16 else 0.0   # autocast's bf16 weight cache
-        comm = comm_persist = 4 * ld.params if plan.dp_replicate > 1 else 0.0   # DDP buckets
-    if plan.pp > 1:
-        # torch.distributed.pipelining allocates one receive buffer per micro-batch and stage
-        # (activations on non-first stages, gradients on non-last stages); Megatron-LM reuses 2
-        recv = (m if recv_per_microbatch else 2) * ld.recv * b
-        comm += recv
-        comm_persist += recv
-    # three candidate moments; only the winner becomes a MemoryEstimate (the search calls this ~10^5 times)
-    best = (params, grads_fb, opt, acts, gathered, comm)
-    best_total, phase = params + grads_fb + opt + acts + gathered + comm, "backward"
-    if shard > 1 and ld.fsdp_unit:
-        # inside backward, at the unit with the largest gathered + unsharded-gradient footprint
-        g = grads if grads_fb else 4 * ld.fsdp_done / shard
-        u = (params, g, opt, ld.fsdp_saved * b * flight + data,
-             work * (ld.root_params + ld.fsdp_unit + ld.fsdp_next), 4 * ld.fsdp_unit + 8 * ld.fsdp_next + comm)
-        tot = u[0] + u[1] + u[2] + u[3] + u[4] + u[5]
-        if tot > best_total:
-            best, best_total, phase = u, tot, "fsdp_backward"
-    if optimizer == "adamw":
+    bf16 = plan.precision == "bf16"
+    work = 2 if bf16 else 4                  # bytes of a gathered / working parameter (and its gradient)
+    ac = plan.activation_checkpointing == "full"
+    S = ld.saved_ac if ac else ld.saved      # one micro-batch's saved bytes per sample
+    pp = plan.pp > 1
+    m = plan.n_microbatches if pp else 1
+    last = ld.is_last
+    out = ld.out
+    rafw = plan.reshard_after_forward
+    # buffers that live through the whole step: torch.distributed.pipelining's receive buffers, one
+    # per micro-batch and stage (activations on non-first stages, gradients on non-last stages;
+    # Megatron-LM reuses 2), and DDP's gradient buckets (a copy of the gradients)
+    comm_persist = ((m if recv_per_microbatch else 2) * ld.recv * b) if pp else 0.0
+    if plan.dp_replicate > 1 and not fsdp:
+        comm_persist += 4 * P
+    # autocast keeps a bf16 copy of every weight it cast, from forward to the end of backward
+    cast_cache = 2 * P if (bf16 and not fsdp) else 0.0
+    # FSDP's root parameters (embed/head) stay gathered from forward to the end of backward
+    # (reshard_after_forward=False on the root); with reshard_after_forward=False every unit does
+    root_g = work * (ld.root_params + (0.0 if rafw else P - ld.root_params)) if fsdp else 0.0
+    fixed = params + opt + comm_persist + data + cast_cache
+
+    # variants: the step's first backward on this rank (no gradients yet, unless an earlier local
+    # batch of gradient accumulation made them; W micro-batches in flight), and, in a pipeline, a
+    # later one with every gradient present: 1F1B keeps W in flight while forwards remain (W < m),
+    # GPipe has finished one backward (m - 1 left)
+    W = in_flight(plan, pp_rank) if pp else 1.0
+    variants = ((W, W, accumulation > 1),)
+    if pp and m > 1:
+        variants += ((W if W < m else m - 1.0, float(m), True),)
+    best_total, best = -1.0, None
+    for F, n_out, prev in variants:
+        # other micro-batches in flight: their saved bytes and, on the last stage, the loss's saved
+        # log-softmax; outputs held: the last stage keeps every micro-batch's output it has computed
+        # (the schedule returns them merged: ``PipelineStage.output_chunks``), a non-last stage each
+        # in-flight micro-batch's stage output (``fwd_cache``, until its backward); without a
+        # pipeline the caller holds the model output through backward
+        held = (F - 1) * b * (S + out if last else S) + (n_out * out if last else (F * ld.boundary if pp else 0.0)) * b
+        # gradients of earlier micro-batches: sharded, or (FSDP without gradient sync) unsharded
+        g0 = (4 * P if fsdp else grads) if prev else 0.0
+        # a pipeline under FSDP keeps every unit gathered after its first backward
+        gath0 = root_g + (work * (P - ld.root_params) if (fsdp and pp and prev and rafw) else 0.0)
+        base = fixed + held + g0 + gath0
+        if last:
+            # the loss's backward: logits, log-softmax output (saved), and the gradients of both;
+            # FSDP has gathered nothing for backward yet (the root's pre-backward hook, which starts
+            # the first unit's all-gather, fires when the logits' gradient is complete)
+            tot = base + b * (S + 3 * out)
+            if tot > best_total:
+                best_total, best = tot, (held, g0, gath0, prev, None)
+        # the block / reduce moments, as totals b * A + K + G / dp_shard (see `_projections`)
+        mode = (fsdp, ac, prev, rafw, work, pp, gloo)
+        proj = ld.projections.get(mode)
+        if proj is None:
+            proj = ld.projections[mode] = _projections(ld.bwd_moments, ld.rs_moments, mode)
+        for A, K, G, c in proj:
+            tot = base + b * A + K + ws * G
+            if tot > best_total:
+                best_total, best = tot, (held, g0, gath0, prev, c)
+    # the last stage's outputs stay referenced until the next step starts
+    # (``clear_runtime_states``); when the schedule ends it also merges them into one batch
+    held_end = m * out * b if (pp and last) else 0.0
+    end_total = params + grads + opt + data + comm_persist + 2 * held_end
+    # modelpar's TP leaves some parameters plain tensors, and torch's fused kernel refuses mixed
+    # lists, so tensor-parallel plans step with the single-tensor loop (`modelpar.train.step.adamw`)
+    if optimizer == "adamw" and not (fused and plan.tp == 1):
         step_tmp = (ld.params if foreach else ld.opt_temp) * 4 / shard
     else:
-        step_tmp = ld.max_param * 4 / shard     # grad-norm's squared copy of one gradient
-    if params + grads + opt + step_tmp + data + comm_persist > best_total:
-        best, phase = (params, grads, opt + step_tmp, data, 0.0, comm_persist), "optimizer"
-    return MemoryEstimate(*best, overhead_bytes, pp_rank, phase)
+        step_tmp = 0.0     # fused AdamW and in-place SGD; the gradient norm copies nothing either
+    opt_total = params + grads + opt + step_tmp + data + held_end + comm_persist
+    if opt_total >= best_total and opt_total >= end_total:
+        return MemoryEstimate(params, grads, opt + step_tmp, data + held_end, 0.0, comm_persist,
+                              overhead_bytes, pp_rank, "optimizer")
+    if end_total > best_total:
+        return MemoryEstimate(params, grads, opt, data + 2 * held_end, 0.0, comm_persist, overhead_bytes,
+                              pp_rank, "pipeline_end")
+    held, g0, gath0, prev, c = best
+    acts = data + cast_cache + held
+    if c is None:
+        return MemoryEstimate(params, g0, opt, acts + b * (S + 3 * out), gath0, comm_persist, overhead_bytes,
+                              pp_rank, "loss")
+    kind, (gK, gG, aA, aK, tK, cK, cG) = c
+    return MemoryEstimate(params, g0 + gK + gG * ws, opt, acts + aA * b + aK, gath0 + tK,
+                          comm_persist + cK + cG * ws, overhead_bytes, pp_rank, kind)
 
 
 def estimate_memory(profile: ModelProfile, plan: ParallelPlan, batch: Batch, *,
                     optimizer: str = "adamw", overhead_bytes: float = 0.0, foreach: bool = False,
-                    recv_per_microbatch: bool = True) -> MemoryEstimate:
+                    recv_per_microbatch: bool = True, fused: bool = True,
+                    gloo: bool = False) -> MemoryEstimate:
     """Peak memory per rank for ``plan``: the most loaded pipeline rank, with its parts (bytes).
 
     Args:
@@ -351,10 +585,11 @@ def estimate_memory(profile: ModelProfile, plan: ParallelPlan, batch: Batch, *,
         batch: global and local batch sizes (samples).
         optimizer: ``"sgd"``, ``"sgd_momentum"`` or ``"adamw"``.
         overhead_bytes: framework allowance (``Hardware.framework_overhead_bytes``).
-        foreach: the optimizer uses torch's foreach kernels (the default on CUDA), whose step
-            transient is one copy of the local parameters.
+        foreach: with ``fused=False``, the optimizer uses torch's foreach kernels (torch's default on
+            CUDA), whose step transient is one copy of the local parameters.
         recv_per_microbatch: pipeline receive buffers per micro-batch (torch.distributed.pipelining,
             what modelpar runs) rather than two reused ones (Megatron-LM).
+        fused: AdamW runs torch's fused kernel (modelpar's default), which makes no temporaries.
 
     Raises:
         ValueError: unknown optimizer, batch sizes that do not divide, more stages than blocks.
@@ -366,6 +601,6 @@ def estimate_memory(profile: ModelProfile, plan: ParallelPlan, batch: Batch, *,
     loads = rank_loads(profile, plan, act_bytes=2 if plan.precision == "bf16" else 4)
     ests = [rank_memory(ld, plan, micro_batch_size=b, optimizer=optimizer, overhead_bytes=overhead_bytes,
                         pp_rank=r, accumulation=acc, global_batch_size=batch.global_batch_size, foreach=foreach,
-                        recv_per_microbatch=recv_per_microbatch)
+                        recv_per_microbatch=recv_per_microbatch, fused=fused, gloo=gloo)
             for r, ld in enumerate(loads)]
     return max(ests, key=lambda e: e.total)

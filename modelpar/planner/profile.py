@@ -13,7 +13,12 @@ allocated and the user's module is never modified. It records, per block:
   once, parameters excluded, attributed to the block whose forward saved it first; the part of it a
   tensor-parallel split would shard: what is saved between a colwise Linear's output and its rowwise
   partner, by modelpar's derived TP plan (for the GPT: the attention / MLP interior, not the inputs of
-  q/k/v/up; Korthikanti et al. 2022, Sec. 4.1), and the parameters that split shards.
+  q/k/v/up; Korthikanti et al. 2022, Sec. 4.1), and the parameters that split shards;
+- the live bytes inside the block's backward at its busiest moment (`_Lifetimes`: storage lifetimes
+  from weak references, as torch's MemTracker keeps them): what is there beyond the saved bytes of the
+  block and the blocks before it (the gradient temporaries of its interior, less what autograd already
+  released), the gradient that arrived from later blocks, and how many of its parameters have their
+  gradient by then. The memory model places the in-backward peak with these.
 
 Attention: ``attention="flash"`` (the default) profiles ``scaled_dot_product_attention`` as a fused
 flash / memory-efficient kernel, which is what torch runs on CPUs (``_scaled_dot_product_flash_
@@ -72,6 +77,19 @@ class BlockProfile:
     bwd_gemm_param_bytes: int = 0
     fwd_gemm_act_bytes: int = 0
     bwd_gemm_act_bytes: int = 0
+    # fused attention kernels among the matmul-class calls: their FLOPs and calls (forward, backward),
+    # timed at the calibrated attention rate rather than the GEMM curve
+    fwd_attn_flops: int = 0
+    bwd_attn_flops: int = 0
+    attn_calls: int = 0
+    # the busiest moments of the block's backward (see `_Lifetimes`), for the profiled batch, one per
+    # trade-off between activations and gradients (early: the interior's gradients; later: weight
+    # gradients made, activations freed): (live bytes beyond the saved bytes of this and earlier
+    # blocks, i.e. gradient temporaries made by this block's backward less the saved tensors it already
+    # freed (may be negative); live gradients made by later blocks' backward (the gradient w.r.t. this
+    # block's output); elements of this block's parameters whose gradient AccumulateGrad has stored;
+    # elements of weight gradients computed but not yet stored)
+    bwd_peaks: tuple[tuple[int, int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -108,7 +126,8 @@ class ModelProfile:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelProfile":
         d = dict(d)
-        d["blocks"] = tuple(BlockProfile(**{**b, "param_numels": tuple(tuple(x) for x in b.get("param_numels", ()))})
+        d["blocks"] = tuple(BlockProfile(**{**b, "param_numels": tuple(tuple(x) for x in b.get("param_numels", ())),
+                                            "bwd_peaks": tuple(tuple(x) for x in b.get("bwd_peaks", ()))})
                             for b in d["blocks"])
         return cls(**d)
 
@@ -146,18 +165,129 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()
 
 
+class _Lifetimes:
+    """Storage lifetimes over the profiled forward + backward, to find each block's in-backward peak.
+
+    Storages are registered when first saved for backward (forward) or when a backward op creates
+    them; a weak reference on the storage (meta and fake storages are freed like real ones) records
+    when autograd drops it. Backward ops are recorded with their block. After the backward, the
+    storages that became parameter gradients are known (post-accumulate-grad hooks) and the timeline
+    is replayed: at each backward op of block i the live activation bytes are the saved storages
+    still alive plus the non-gradient storages made in backward, split into those made by block i
+    ("own") and by later blocks ("in": the gradient flowing into block i); the op with the most live
+    bytes is block i's peak.
+    """
+
+    def __init__(self, n: int):
+        self.n = n
+        self.live: dict[int, int] = {}        # storage key -> serial, while alive
+        self.size: list[int] = []             # serial -> bytes
+        self.creator: list[int] = []          # serial -> block whose backward made it (-1: forward / none)
+        self.events: list[tuple[int, int]] = []   # (+1 new / -1 free / 0 op, serial or block)
+        self.saved: set[int] = set()          # serials saved for backward
+        self.grad_block: dict[int, int] = {}  # serial -> block, for storages that became parameter grads
+
+    def add(self, t: torch.Tensor, creator: int) -> int:
+        import weakref
+        st = t.untyped_storage()
+        key = st._cdata
+        s = self.live.get(key)
+        if s is not None:
+            return s
+        s = len(self.size)
+        self.size.append(st.nbytes())
+        self.creator.append(creator)
+        self.live[key] = s
+        self.events.append((1, s))
+        weakref.finalize(st, self._free, key, s)
+        return s
+
+    def _free(self, key: int, s: int) -> None:
+        if self.live.get(key) == s:
+            del self.live[key]
+        self.events.append((-1, s))
+
+    def backward_op(self, block: int, args, out) -> None:
+        ins = {t.untyped_storage()._cdata for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in ins:   # not in-place
+                self.add(t, block)
+        self.events.append((0, block))
+
+    def grad(self, p: torch.Tensor, block: int) -> None:
+        # a weight gradient is a temporary of its matmul until AccumulateGrad stores it as .grad
+        if p.grad is not None:
+            s = self.add(p.grad, -1)
+            if s not in self.grad_block:
+                self.grad_block[s] = block
+                self.events.append((2, s))
+
+    def block_peaks(self) -> list[list[tuple[int, int, int, int]]]:
+        """Per block, the backward ops no other op of the block beats on both live activation bytes
+        and live gradient bytes of the block's parameters: (own live bytes, incoming-gradient live
+        bytes, stored gradient bytes, computed-not-yet-stored gradient bytes), by increasing gradient
+        bytes."""
+        saved, grad_block, size, creator = self.saved, self.grad_block, self.size, self.creator
+        cur_saved = 0
+        bw_total = 0
+        bw_by = [0] * self.n
+        grads_by = [0] * self.n
+        pending_by = [0] * self.n
+        fronts: list[list[tuple]] = [[] for _ in range(self.n)]   # (total, grads, own, in, stored, pending)
+        alive: set[int] = set()
+        stored: set[int] = set()              # gradients AccumulateGrad has stored
+
+        def count(s: int, nb: int) -> None:
+            nonlocal cur_saved, bw_total
+            if s in stored:
+                grads_by[grad_block[s]] += nb
+            elif s in grad_block:
+                pending_by[grad_block[s]] += nb
+            elif s in saved:
+                cur_saved += nb
+            elif creator[s] >= 0:
+                bw_total += nb
+                bw_by[creator[s]] += nb
+
+        for kind, x in self.events:
+            if kind == 0:
+                own = cur_saved + bw_by[x]
+                tot = cur_saved + bw_total
+                g = grads_by[x] + pending_by[x]
+                f = fronts[x]
+                if not any(e[0] >= tot and e[1] >= g for e in f):
+                    f[:] = [e for e in f if not (tot >= e[0] and g >= e[1])] + [
+                        (tot, g, own, tot - own, grads_by[x], pending_by[x])]
+            elif kind == 2:                   # became a parameter's .grad
+                if x in alive:
+                    count(x, -size[x])
+                    stored.add(x)
+                    count(x, size[x])
+                else:
+                    stored.add(x)
+            elif kind > 0:
+                alive.add(x)
+                count(x, size[x])
+            elif x in alive:
+                alive.discard(x)
+                count(x, -size[x])
+        return [[e[2:] for e in sorted(f, key=lambda e: e[1])] for f in fronts]
+
+
 class _OpCounter(TorchDispatchMode):
     """Counts non-view ops and the bytes they read + write, per block and pass."""
 
     def __init__(self, tracker: ModuleTracker, names: dict[str, int], n: int, param_keys=frozenset(),
-                 param_shapes=frozenset()):
+                 param_shapes=frozenset(), lifetimes: _Lifetimes | None = None):
         super().__init__()
         self.tracker, self.names, self.param_keys = tracker, names, param_keys
+        self.lifetimes = lifetimes
         self.param_shapes = param_shapes        # shapes (and transposes) of 2-D parameters
         self.gemm_bytes = [[0, 0, 0, 0] for _ in range(n)]     # param fwd, param bwd, act fwd, act bwd
         self.mem = [[0, 0] for _ in range(n)]
         self.ops = [[0, 0] for _ in range(n)]
         self.gemms = [[0, 0] for _ in range(n)]
+        self.attn = [[0, 0, 0] for _ in range(n)]    # fwd FLOPs, bwd FLOPs, forward calls
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -167,9 +297,16 @@ class _OpCounter(TorchDispatchMode):
         idx = next((self.names[p] for p in self.tracker.parents if p in self.names), None)
         if idx is None:
             return out
+        if self.lifetimes is not None and self.tracker.is_bw:
+            self.lifetimes.backward_op(idx, (args, kwargs), out)
         if name in _FLOP_OPS:
             ph = 1 if self.tracker.is_bw else 0
             self.gemms[idx][ph] += 1
+            if "scaled_dot_product" in name:
+                from torch.utils.flop_counter import sdpa_flop_count
+                q, k, v = args[ph:ph + 3]          # backward ops take grad_out first
+                self.attn[idx][ph] += sdpa_flop_count(q.shape, k.shape, v.shape) * (2 if ph else 1)
+                self.attn[idx][2] += 1 - ph
             ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             reads_param = any(t.untyped_storage()._cdata in self.param_keys for t in ins)
@@ -308,7 +445,7 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta) -> ModelProfile:
     saved_tp = [0] * n
     in_bytes = [0] * n
     out_bytes = [0] * n
-    seen: dict[int, torch.Tensor] = {}        # storage key -> a tensor that keeps it alive
+    life = _Lifetimes(n)                      # storage lifetimes; also dedupes saved storages
     block_of = {m: i for i, (_, m) in enumerate(blocks)}
     current: list[int] = []                   # stack of active block indices
     sub_stack: list[str] = []                 # fqn of innermost active submodule
@@ -336,9 +473,12 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta) -> ModelProfile:
         if not current:
             return t
         key = t.untyped_storage()._cdata
-        if key in param_keys or key in seen:
+        if key in param_keys:
             return t
-        seen[key] = t
+        serial = life.add(t, -1)
+        if serial in life.saved:
+            return t
+        life.saved.add(serial)
         i = current[-1]
         b = _nbytes(t)
         saved[i] += b
@@ -348,9 +488,17 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta) -> ModelProfile:
 
     handles = [m.register_forward_pre_hook(pre) for m in model.modules()]
     handles += [m.register_forward_hook(post) for m in model.modules()]
+    for bi, (_, mod) in enumerate(blocks):    # which storages become parameter gradients, per block
+        base = fqn[mod]
+        for pn, _ in mod.named_parameters():
+            sp = params.get(f"{base}.{pn}" if base else pn)
+            if sp is not None and sp.requires_grad:
+                handles.append(sp.register_post_accumulate_grad_hook(
+                    lambda p, bi=bi: life.grad(p, bi)))
     tracker = ModuleTracker()
     shapes = {tuple(p.shape) for p in params.values() if p.dim() == 2}
-    counter = _OpCounter(tracker, names, n, frozenset(param_keys), frozenset(shapes | {s[::-1] for s in shapes}))
+    counter = _OpCounter(tracker, names, n, frozenset(param_keys), frozenset(shapes | {s[::-1] for s in shapes}),
+                         lifetimes=life)
     # FlopCounterMode attributes backward FLOPs to modules only if it saw their forward: one counter
     # spans both passes, a nested one the forward alone; backward = all - forward.
     all_fc = FlopCounterMode(display=False, custom_mapping=_FLOP_FORMULAS)
@@ -366,8 +514,12 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta) -> ModelProfile:
         for h in handles:
             h.remove()
 
+    del out, outs
+    peaks = life.block_peaks()
     fwd_counts, all_counts = fwd_fc.get_flop_counts(), all_fc.get_flop_counts()
     rows = []
+    cum_saved = 0
+    esize = torch.empty((), dtype=dtype).element_size()
     for (name, mod), (mod_name, i) in zip(blocks, names.items()):
         bp = [p for p in mod.parameters()]
         base = fqn[mod]
@@ -389,7 +541,11 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta) -> ModelProfile:
             tp_sharded_params=sum(n for n, _, sh in numels if sh), param_numels=tuple(numels),
             fwd_gemms=counter.gemms[i][0], bwd_gemms=counter.gemms[i][1],
             fwd_gemm_param_bytes=counter.gemm_bytes[i][0], bwd_gemm_param_bytes=counter.gemm_bytes[i][1],
-            fwd_gemm_act_bytes=counter.gemm_bytes[i][2], bwd_gemm_act_bytes=counter.gemm_bytes[i][3]))
+            fwd_gemm_act_bytes=counter.gemm_bytes[i][2], bwd_gemm_act_bytes=counter.gemm_bytes[i][3],
+            fwd_attn_flops=counter.attn[i][0], bwd_attn_flops=counter.attn[i][1], attn_calls=counter.attn[i][2],
+            bwd_peaks=tuple((own - cum_saved - saved[i], inn, g // esize, pend // esize)
+                            for own, inn, g, pend in peaks[i])))
+        cum_saved += saved[i]
     x0 = inputs[0]
     tokens = x0.shape[1] if (x0.dim() == 2 and not x0.is_floating_point()) else 1
     return ModelProfile(blocks=tuple(rows), dtype="bf16" if dtype == torch.bfloat16 else "fp32",

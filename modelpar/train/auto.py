@@ -30,7 +30,8 @@ def hardware_for(cfg, world_size: int):
     if cfg.hardware:
         return get_hardware(cfg.hardware, local_ranks=local)
     if torch.cuda.is_available():
-        return get_hardware("H100-80GB-SXM")
+        from modelpar.planner.hardware import hardware_for_device
+        return hardware_for_device(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)
     if DEFAULT_CALIBRATION.is_file():
         return get_hardware(str(DEFAULT_CALIBRATION), local_ranks=local)
     return get_hardware("cpu", local_ranks=local)

@@ -39,7 +39,9 @@ def global_grad_norm(params, *, pp_group=None) -> torch.Tensor:
     dev = (plain[0].device if plain else next(iter(groups.values()))[0].device) if (plain or groups) else "cpu"
     sq = torch.zeros((), dtype=torch.float32, device=dev)
     for g in plain:
-        sq += g.detach().float().pow(2).sum()
+        # the norm in fp32 without a squared (or upcast) copy of the gradient: on CPU a copy of a
+        # large gradient is a fresh allocation (page faults), as costly as the arithmetic
+        sq += torch.linalg.vector_norm(g.detach(), 2.0, dtype=torch.float32).pow(2)
     for gs in groups.values():
         n = torch.nn.utils.get_total_norm(gs, 2.0)
         n = n.full_tensor() if isinstance(n, DTensor) else n

@@ -25,6 +25,7 @@ from modelpar.plan import ParallelPlan, gradient_accumulation_steps, plan_for_st
 from modelpar.train.config import TrainConfig
 from modelpar.train.data import eval_shard, global_batch_slice
 from modelpar.train.grads import clip_grad_norm_
+from modelpar.train.step import adamw
 from modelpar.train.metrics import PeakTensorMemory, RunRecord, peak_rss_bytes
 from modelpar.train.task import Task, build_task, example_input
 
@@ -128,14 +129,15 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def build_optimizer(pm: ParallelModel, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW (decay on >= 2-D weights only) or plain SGD, over this rank's parameters."""
+    """AdamW (decay on >= 2-D weights only; fused kernel, see `adamw`) or plain SGD, over this rank's
+    parameters."""
     params = [p for p in pm.parameters() if p.requires_grad]
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr)
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    return adamw([{"params": decay, "weight_decay": cfg.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
 
 
 def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

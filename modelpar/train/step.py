@@ -9,6 +9,27 @@ from modelpar.train.data import global_batch_slice
 from modelpar.train.grads import clip_grad_norm_
 
 
+def adamw(param_groups, **kw) -> torch.optim.AdamW:
+    """``torch.optim.AdamW`` with its fused kernel (``fused=True``: one pass over parameter, gradient
+    and both moments per tensor, no temporaries) where torch has one for the parameters' device (CUDA,
+    CPU, ...) and the parameters are of one kind (all plain tensors, or all DTensors on one mesh);
+    otherwise torch's single-tensor loop (``foreach=False``: torch's multi-tensor kernels refuse lists
+    that mix plain tensors and DTensors, as a partly tensor-parallel model has). On CPU the
+    single-tensor loop makes two parameter-sized temporaries per tensor and 8 passes; fused measured
+    5-7x faster on a 62.5M-parameter MLP (docs/planner.md)."""
+    from torch.distributed.tensor import DTensor
+
+    param_groups = list(param_groups)
+    groups = param_groups if param_groups and isinstance(param_groups[0], dict) else [{"params": param_groups}]
+    kinds = {id(p.device_mesh) if isinstance(p, DTensor) else None for g in groups for p in g["params"]}
+    if len(kinds) <= 1:
+        try:
+            return torch.optim.AdamW(param_groups, fused=True, **kw)
+        except (RuntimeError, ValueError):       # a device or dtype without the fused kernel
+            pass
+    return torch.optim.AdamW(param_groups, foreach=False, **kw)
+
+
 def train_step(pm: ParallelModel, opt: torch.optim.Optimizer, xg: torch.Tensor, yg: torch.Tensor, *,
                accum_steps: int, grad_clip: float = 0.0) -> tuple[float, int, torch.Tensor]:
     """Forward/backward this rank's slices of the global batch ``(xg, yg)``, clip, and step.
