@@ -18,6 +18,10 @@ from pathlib import Path
 
 import pytest
 
+# `--strategy auto` measures an uncalibrated machine on the fly (~20 s) and keeps the result in the
+# user's cache; tests must neither wait for that nor write there (one test enables it on a temp path)
+os.environ.setdefault("MODELPAR_AUTO_CALIBRATE", "0")
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
 REPORT: dict[str, dict] = {}

@@ -48,6 +48,25 @@ def test_calibrate_writes_default_path(tmp_path, monkeypatch, capsys):
     assert 0 < hw.op_overhead_s < 1e-3
 
 
+def test_auto_calibrates_once_and_uses_it(tmp_path, monkeypatch, capsys):
+    """An uncalibrated CPU machine is measured on the first `--strategy auto` (one local rank here:
+    no collective launch) and the file is reused; ``MODELPAR_AUTO_CALIBRATE=0`` turns it off."""
+    from modelpar.train import auto
+    from modelpar.train.config import TrainConfig
+    target = tmp_path / "calib.json"
+    monkeypatch.setenv("MODELPAR_CALIBRATION", str(target))
+    monkeypatch.setenv("MODELPAR_AUTO_CALIBRATE", "0")
+    assert auto.ensure_calibration(1) is None and not target.exists()
+    assert auto.hardware_for(TrainConfig(model="gpt-nano"), 1).source.startswith("estimate")
+    monkeypatch.setenv("MODELPAR_AUTO_CALIBRATE", "1")
+    assert auto.ensure_calibration(1) == target and target.is_file()
+    assert "measuring it once" in capsys.readouterr().out
+    mtime = target.stat().st_mtime_ns
+    hw = auto.hardware_for(TrainConfig(model="gpt-nano"), 1)
+    assert hw.source == "calibrated by modelpar calibrate" and target.stat().st_mtime_ns == mtime
+    assert "matmul_flops_512" in hw.extra and "attention_flops" in hw.extra
+
+
 def test_gemm_flops_curve_interpolates_and_clamps():
     import dataclasses
     hw = dataclasses.replace(cpu_profile(1), extra={"matmul_flops_64": 1e10, "matmul_flops_256": 4e10})

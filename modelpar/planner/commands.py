@@ -169,7 +169,8 @@ def measure_compute(sizes=MATMUL_SIZES) -> dict:
     a, b = torch.ones(32 * 2 ** 20), torch.ones(32 * 2 ** 20)   # 128 MiB each: past the caches
     c = torch.empty_like(a)
     bw = 3 * a.numel() * 4 / _time(lambda: torch.add(a, b, out=c), 5)     # read 2 + write 1
-    return {"matmul_flops": flops, "op_overhead_s": overhead, "mem_bandwidth": bw, "attention_flops": attn}
+    return {"matmul_flops": flops, "op_overhead_s": overhead, "mem_bandwidth": bw, "attention_flops": attn,
+            "fresh": _fresh_alloc_costs()}
 
 
 def measure_attention(batch: int = 8, heads: int = 4, seq: int = 256, head_dim: int = 64) -> float:
@@ -369,6 +370,10 @@ def calibrate_main(argv: list[str]) -> int:
     coll = {}
     if not args.no_collectives and args.ranks > 1:
         coll = measure_collectives(args.ranks)
+        # one rank alone (this process, the others not started) and every rank at once: ranks in
+        # lockstep (data / tensor parallel) share the memory bus, pipeline stages mostly do not
+        extra["mem_bandwidth_alone"] = c["mem_bandwidth"]
+        extra["fresh_alloc_s_per_byte_alone"] = fresh_threshold(c["fresh"])[0]
         c["mem_bandwidth"] = coll.pop("mem_bandwidth")
         fresh = coll.pop("fresh")
         extra.update(coll.pop("framework"))
@@ -396,6 +401,8 @@ def calibrate_main(argv: list[str]) -> int:
         print(f"  framework per call (fwd + bwd): TP Linear {extra['tp_linear_overhead_s'] * 1e6:.0f} us, "
               f"FSDP2 unit {extra['fsdp_unit_overhead_s'] * 1e6:.0f} us")
         fb, fmin = extra["fresh_alloc_s_per_byte"], extra["fresh_alloc_min_bytes"]
+        print(f"  alone (one rank): memory bandwidth {extra['mem_bandwidth_alone'] / 1e9:.1f} GB/s, fresh allocation "
+              f"{extra['fresh_alloc_s_per_byte_alone'] * 1e9:.3f} ns/byte")
         print(f"  fresh allocation: {fb * 1e9:.3f} ns/byte from {fmin / 2 ** 20:g} MiB "
               f"({', '.join(f'{k / 2 ** 20:g} MiB {v * 1e9:.3f}' for k, v in fresh.items())} ns/byte)")
     print(f"saved {out}")

@@ -248,7 +248,11 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     """
     prec = plan.precision
     flops_s = hw.achievable_flops(prec)
-    mem_s = hw.mem_bandwidth * hw.mem_bw_fraction
+    # ranks in lockstep (data / tensor parallel peers on one node) stream memory and fault pages at
+    # the same moments and share the bus; a pure pipeline's stages run different work at any moment,
+    # so each streams at the one-rank rate (both calibrated on CPU; the same number elsewhere)
+    alone = plan.dp * plan.tp == 1 and plan.pp > 1
+    mem_s = (hw.extra.get("mem_bandwidth_alone", hw.mem_bandwidth) if alone else hw.mem_bandwidth) * hw.mem_bw_fraction
     b, m, v, p = micro_batch_size, (plan.n_microbatches if plan.pp > 1 else 1), plan.virtual_stages, plan.pp
     ac = plan.activation_checkpointing == "full"
     overlap = dp_overlap and hw.comm_overlap
@@ -275,7 +279,7 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
         # backward: every micro-batch's weight gradients are new tensors (the first become .grad,
         # later ones are added into it)
         t_b = (g_b + ld.bwd_mem * b / mem_s + (ld.ops - ld.fwd_ops) * hw.op_overhead_s
-               + hw.fresh_seconds(ld.param_sizes, 4))
+               + hw.fresh_seconds(ld.param_sizes, 4, alone=alone))
         t_rc = t_f if ac else 0.0
         # DTensor's per-call cost of each sharded Linear (dispatch, sharding propagation, input and
         # output conversion; forward + backward), calibrated on CPU; part of TP's price

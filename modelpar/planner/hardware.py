@@ -135,12 +135,15 @@ class Hardware:
                 return math.exp(math.log(t0) + w * (math.log(t1) - math.log(t0)))
         return None
 
-    def fresh_seconds(self, sizes, elem_bytes: float) -> float:
+    def fresh_seconds(self, sizes, elem_bytes: float, *, alone: bool = False) -> float:
         """Seconds the allocator adds for fresh tensors of ``sizes`` elements (``elem_bytes`` each):
         each tensor at or above ``fresh_alloc_min_bytes`` costs ``fresh_alloc_s_per_byte`` per byte
         (page faults on first touch + unmapping on free; measured by calibrate; 0 elsewhere, e.g. on
-        GPUs, whose caching allocator reuses blocks)."""
+        GPUs, whose caching allocator reuses blocks). ``alone``: the rate of one rank allocating while
+        the others do not (pipeline stages), where calibrated."""
         c = self.extra.get("fresh_alloc_s_per_byte", 0.0)
+        if alone:
+            c = self.extra.get("fresh_alloc_s_per_byte_alone", c)
         if not c:
             return 0.0
         thr = self.extra.get("fresh_alloc_min_bytes", float("inf"))

@@ -11,8 +11,29 @@ import torch
 
 from modelpar.plan import ParallelPlan
 
-DEFAULT_CALIBRATION = Path(os.environ.get("MODELPAR_CALIBRATION",
-                                          Path.home() / ".cache" / "modelpar" / "calibration.json"))
+AUTO_CALIBRATE_ENV = "MODELPAR_AUTO_CALIBRATE"   # "0": never measure the machine on the fly
+
+
+def calibration_path() -> Path:
+    """``$MODELPAR_CALIBRATION``, else ``~/.cache/modelpar/calibration.json``."""
+    from modelpar.planner.commands import default_calibration_path
+    return Path(default_calibration_path())
+
+
+def ensure_calibration(local_ranks: int) -> Path | None:
+    """The machine's calibration file, measured now (`modelpar calibrate`, ~20 s, once per machine:
+    the file is kept) if there is none and ``$MODELPAR_AUTO_CALIBRATE`` is not ``0``; None when it
+    stays uncalibrated."""
+    path = calibration_path()
+    if path.is_file():
+        return path
+    if os.environ.get(AUTO_CALIBRATE_ENV, "1") == "0":
+        return None
+    from modelpar.planner.commands import calibrate_main
+    print(f"modelpar: this machine has no calibration yet; measuring it once with {local_ranks} local "
+          f"rank(s) (`modelpar calibrate --out {path}`; set {AUTO_CALIBRATE_ENV}=0 to skip)", flush=True)
+    calibrate_main(["--out", str(path), "--ranks", str(max(1, local_ranks))])
+    return path if path.is_file() else None
 
 
 @dataclass(frozen=True)
@@ -32,8 +53,14 @@ def hardware_for(cfg, world_size: int):
     if torch.cuda.is_available():
         from modelpar.planner.hardware import hardware_for_device
         return hardware_for_device(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)
-    if DEFAULT_CALIBRATION.is_file():
-        return get_hardware(str(DEFAULT_CALIBRATION), local_ranks=local)
+    path = ensure_calibration(local)
+    if path is not None:
+        import dataclasses
+
+        from modelpar.planner.hardware import total_ram_bytes
+        hw = get_hardware(str(path), local_ranks=local)
+        # the memory budget follows this launch's local ranks, whatever the calibration used
+        return dataclasses.replace(hw, memory_bytes=total_ram_bytes() / max(1, local))
     return get_hardware("cpu", local_ranks=local)
 
 
@@ -92,8 +119,8 @@ def _choose(cfg, world_size: int, *, strategy: str = "auto") -> Choice:
                                 checkpointing=ac)
         local = rep.ranked[0].batch.local_batch_size
         reason = f"auto: best of {len(rep.ranked)} feasible plans on {hw.name} ({rep.summary()})"
-        if not cfg.hardware and not torch.cuda.is_available() and not DEFAULT_CALIBRATION.is_file():
-            reason += (f"; the CPU profile is uncalibrated: run `modelpar calibrate --out {DEFAULT_CALIBRATION}` "
+        if not cfg.hardware and not torch.cuda.is_available() and not calibration_path().is_file():
+            reason += (f"; the CPU profile is uncalibrated: run `modelpar calibrate --out {calibration_path()}` "
                        f"once on this machine for measured matmul and collective speeds")
     d = plan.to_dict()
     d.update(precision=cfg.precision, cpu_offload=cfg.cpu_offload and d.get("dp_shard", 1) > 1,
