@@ -8,6 +8,15 @@ Sources:
   rest; full recompute keeps the layer input only) and Sec. 4.2.3 (pipeline: the first stage holds
   p micro-batches under 1F1B, m under GPipe, interleaving multiplies by 1 + (p - 1)/(p v)).
   The per-layer bytes themselves are *measured* by `profile_model`, not taken from Eq. 1.
+- When the peak happens (`rank_memory`): the moments of a step and what the runtime holds at each,
+  read from the code modelpar runs and checked against torch's MemTracker part by part
+  (`benchmarks/planner_accuracy_memory.py`): autograd frees a block's saved tensors as its backward
+  runs and holds a weight gradient as a temporary until AccumulateGrad stores it (the in-backward
+  bytes are profiled per block, `BlockProfile.bwd_peaks`); FSDP2 (Zhao et al., "PyTorch FSDP",
+  VLDB 2023, Sec. 3.3, and torch's ``_fsdp_param_group`` / ``_fsdp_collectives``) prefetches the
+  next unit's all-gather into a flat buffer, retains one reduce-scatter input, reshards a unit
+  before reducing its gradient; torch.distributed.pipelining keeps a receive buffer per micro-batch
+  and the last stage's outputs until the next step; gloo's reduce-scatter copies its input.
 
 Bytes per parameter, as modelpar runs them (``precision="bf16"`` keeps fp32 master weights, fp32
 gradients and fp32 reductions, computing in bf16, see `ParallelPlan`):
@@ -109,8 +118,8 @@ class RankLoad:
     params: float = 0.0            # parameters of the rank's stages
     root_params: float = 0.0       # parameters outside the transformer blocks (embed/head): FSDP root
     max_unit_params: float = 0.0   # largest FSDP unit (one block)
-    saved: float = 0.0             # saved bytes per sample, TP-split applied
-    saved_ac: float = 0.0          # with full checkpointing: block inputs kept per sample
+    saved: float = 0.0             # saved bytes per sample, TP-split applied (a stage's input excluded)
+    saved_ac: float = 0.0          # with full checkpointing: block inputs kept per sample (same)
     max_block_saved: float = 0.0   # recompute transient per sample (one block's saved bytes)
     logits: float = 0.0            # last-stage output bytes per sample (logits + their gradient)
     boundary: float = 0.0          # stage output bytes per sample (p2p send/recv buffers)
@@ -132,9 +141,9 @@ class RankLoad:
     bwd_gemms: int = 0
     gemm_param_bytes: tuple = (0.0, 0.0)   # (fwd, bwd) bytes of parameters the matmuls touch, per micro-batch
     gemm_act_bytes: tuple = (0.0, 0.0)     # (fwd, bwd) other matmul bytes, per sample
-    # FSDP's busiest backward moment (see `_fsdp_unit_peak`): unit i's parameters, the unit after it
-    # (whose reduce-scatter is in flight), activations still saved per sample, parameters whose
-    # gradients are already reduce-scattered
+    # FSDP's busiest backward moment as an earlier model placed it (see `_fsdp_unit_peak`; kept for
+    # callers, `rank_memory` now uses bwd_moments / rs_moments): unit i's parameters, the unit after
+    # it, activations still saved per sample, parameters whose gradients are already reduce-scattered
     fsdp_unit: float = 0.0
     fsdp_next: float = 0.0
     fsdp_saved: float = 0.0
@@ -186,6 +195,14 @@ def _fsdp_unit_peak(ld: RankLoad, units: list[tuple[float, float]]) -> None:
 
 
 @functools.lru_cache(maxsize=4096)
+def _scaled_peaks(peaks: tuple, in_grad, ex_mul: float, g_mul: float, shr: float) -> tuple:
+    """`BlockProfile.bwd_peaks` per sample with TP applied (``in_grad``: incoming gradient bytes that
+    replace the profiled ones, None to keep them); cached, since a model's blocks repeat."""
+    return tuple((ex * ex_mul, (gi if in_grad is None else in_grad) * g_mul, gs * shr, gq * shr)
+                 for ex, gi, gs, gq in peaks)
+
+
+@functools.lru_cache(maxsize=4096)
 def _backward_moments(recs: tuple) -> tuple[tuple, tuple]:
     """Candidate peak moments of one micro-batch's backward on a rank, from its blocks in forward
     order. ``recs``: per block (saved bytes and full-checkpointing input bytes per sample; its
@@ -206,8 +223,9 @@ def _backward_moments(recs: tuple) -> tuple[tuple, tuple]:
     Returns ``(block moments, reduce moments)``; a block moment is (activations per sample, the same
     under full checkpointing, completed unit parameters, completed root parameters, parameters of
     block k with a stored gradient, unit k's parameters, the previous unit's, the next unit's, units
-    up to k, parameters of block k with a gradient not yet stored); a reduce moment is (activations per sample, with checkpointing, completed unit parameters,
-    completed root parameters, unit k's parameters, the previous unit's, units before k).
+    up to k, parameters of block k with a gradient not yet stored); a reduce moment is (activations
+    per sample, with checkpointing, completed unit parameters, completed root parameters, unit k's
+    parameters, the previous unit's, units before k).
 
     Only moments that can be the largest are kept: in a run of identical blocks every quantity
     changes by the same step from one block to the next, so the total is linear along the run's
@@ -290,27 +308,33 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float) -
                 numels[s % plan.pp].append((k / t if sh else k, mat))
             rep = bl.saved_bytes - bl.saved_tp_sharded_bytes
             saved = (bl.saved_bytes / t) if sp else (rep + bl.saved_tp_sharded_bytes / t)
+            ld.max_block_saved = max(ld.max_block_saved, saved * scale / bs)
+            # a stage's first block saves (or, checkpointed, keeps) its input, which is the batch
+            # (first stage: a view of the global batch every rank holds, `RankLoad.data`) or the
+            # pipeline's receive buffer (counted with the buffers), not a new storage
+            ac_in = bl.input_bytes / (t if sp else 1)
+            if i == a:
+                saved -= bl.saved_input_bytes / (t if sp else 1)
+                ac_in = 0.0
             ld.saved += saved * scale / bs
             if not is_end:
                 units[s % plan.pp].append((local, saved * scale / bs))
-            ld.max_block_saved = max(ld.max_block_saved, saved * scale / bs)
-            ld.saved_ac += bl.input_bytes * scale / bs / (t if sp else 1)
-            # the block's backward peak (profile): its extra temporaries shard like its saved bytes;
-            # the gradient arriving from the block after it is what that block received as input
-            # (replicated unless sequence parallel); at a stage's last block the gradient sits in the
-            # pipeline's receive buffer (counted there), at the model's last block it is the loss's
-            # gradient of the logits (the profile's backward starts from a sum, which makes none)
-            fr = bl.saved_tp_sharded_bytes / bl.saved_bytes if bl.saved_bytes else 0.0
-            ex_div = 1.0 / t if sp else (1 - fr) + fr / t
-            g_div = (1.0 / t if sp else 1.0) * scale / bs
-            shr = local / bl.num_params if bl.num_params else 1.0
-            peaks = tuple((ex * scale / bs * ex_div,
-                           (bl.output_bytes if i == n - 1 else (0.0 if i == b - 1 else gi)) * g_div,
-                           gs * shr, gq * shr) for ex, gi, gs, gq in (bl.bwd_peaks or ((0, bl.output_bytes, 0, 0),)))
-            recs[s % plan.pp].append((saved * scale / bs, bl.input_bytes * scale / bs / (t if sp else 1),
-                                      peaks, local, is_end, bl.input_bytes * g_div if i > 0 else 0.0))
+            ld.saved_ac += ac_in * scale / bs
             frac = bl.saved_tp_sharded_bytes / bl.saved_bytes if bl.saved_bytes else 0.0
             tp_div = 1.0 / t if sp else (1 - frac) + frac / t   # share of traffic left per rank
+            shr = local / bl.num_params if bl.num_params else 1.0
+            # the block's backward peaks (profile): its extra temporaries shard like its saved bytes,
+            # its gradients like its parameters; the gradient arriving from the block after it is
+            # what that block received as input (replicated unless sequence parallel); at a stage's
+            # last block that gradient sits in the pipeline's receive buffer (counted there), at the
+            # model's last block it is the loss's gradient of the logits (the profile's backward
+            # starts from a sum, which makes none)
+            g_div = (1.0 / t if sp else 1.0) * scale / bs
+            peaks = _scaled_peaks(bl.bwd_peaks or ((0, bl.output_bytes, 0, 0),),
+                                  bl.output_bytes if i == n - 1 else (0.0 if i == b - 1 else None),
+                                  scale / bs * tp_div, g_div, shr)
+            recs[s % plan.pp].append((saved * scale / bs, ac_in * scale / bs, peaks, local, is_end,
+                                      bl.input_bytes * g_div if i > 0 else 0.0))
             ld.fwd_flops += bl.fwd_flops / bs / t
             ld.bwd_flops += bl.bwd_flops / bs / t
             ld.fwd_mem += bl.fwd_mem_bytes * scale / bs * tp_div
@@ -323,7 +347,6 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float) -
             ld.attn_calls += bl.attn_calls
             if t > 1:
                 ld.tp_linears += sum(1 for _, mat, sh in bl.param_numels if mat and sh)
-            shr = local / bl.num_params if bl.num_params else 1.0
             ld.gemm_param_bytes = (ld.gemm_param_bytes[0] + bl.fwd_gemm_param_bytes * scale * shr,
                                    ld.gemm_param_bytes[1] + bl.bwd_gemm_param_bytes * scale * shr)
             ld.gemm_act_bytes = (ld.gemm_act_bytes[0] + bl.fwd_gemm_act_bytes * scale / bs * tp_div,
@@ -371,10 +394,16 @@ def _bwd_terms(c: tuple, mode: tuple) -> tuple:
         return 4 * (done_u + done_r + gs), 0.0, A, 4 * gq, 0.0, 0.0, 0.0
     pre = work * u_prev if rafw else 0.0    # the prefetched unit's flat all-gather output
     if prev:
-        # gradient sync off (accumulation, or the pipeline's backward_maybe_with_nosync): unsharded
-        # gradients accumulate (in the base); a pipeline also keeps units gathered after their
-        # backward (set_reshard_after_backward(False): in the base)
+        # gradient sync off (accumulation; every backward of a pipeline, whose runtime calls
+        # set_requires_gradient_sync(False)): unsharded gradients accumulate (in the base); the
+        # pipeline also keeps units gathered after their backward (set_reshard_after_backward(False),
+        # in the base)
         return 0.0, 0.0, A, work * gq, (work * u if (rafw and not pp) else 0.0), pre, 0.0
+    if pp:
+        # a pipeline's first backward: completed units keep their unsharded gradients (accumulated
+        # in fp32) and stay gathered; nothing is reduce-scattered until the schedule ends
+        return (4 * (done_u + done_r), 0.0, A, work * (gs + gq), (work * (u + done_u) if rafw else 0.0),
+                pre, 0.0)
     # reduce-scattered (sharded) gradients of completed units; the root's and unit k's unsharded
     # gradients so far; unit k gathered; the retained fp32 reduce-scatter input of the unit after k
     return (0.0, 4 * done_u, A, work * (done_r + gs + gq), (work * u if rafw else 0.0),
@@ -462,21 +491,29 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
                 gloo: bool = False) -> MemoryEstimate:
     """Peak memory of one pipeline rank, with its parts at the moment of the peak.
 
-    Two candidate moments (steady state: optimizer state exists; gradients are freed after each
-    step, ``zero_grad(set_to_none=True)``):
+    The largest of these moments of a training step (steady state: optimizer state exists;
+    gradients are freed after each step, ``zero_grad(set_to_none=True)``):
 
-    - backward start of the micro-batch with the most activations in flight: parameters, optimizer
-      state, gradients only if an earlier micro-batch of the step already made them (accumulation, or
-      a pipeline rank that runs a backward before its last forward), the saved activations, the
-      logits and the loss's copy of them, and the first gradients of backward (two tensors of the
-      last output's size: the loss gradient and the logits gradient), FSDP's gathered parameters,
-      communication buffers;
+    - the loss's backward (last stage): the micro-batch's saved activations, its logits, the loss's
+      saved log-softmax and the gradients of both; FSDP has gathered only its root for backward;
+    - inside each block's backward (`_backward_moments`): saved activations of the blocks not yet
+      backpropagated, the block's gradient temporaries and incoming gradient (profiled,
+      `BlockProfile.bwd_peaks`), gradients completed so far (reduce-scattered under FSDP), FSDP's
+      gathered unit, the next unit's all-gather buffer and the previous unit's retained
+      reduce-scatter input;
+    - FSDP's reduce-scatter of each unit (`_rs_terms`);
+    - the end of a pipeline step (the last stage merges the outputs it kept);
     - the optimizer step: parameters, gradients, optimizer state plus the step's transient
-      (none for torch's fused AdamW, modelpar's default (`modelpar.train.loop.adamw`), nor for SGD's
+      (none for torch's fused AdamW, modelpar's default (`modelpar.train.step.adamw`), nor for SGD's
       in-place update; ``fused=False``: single-tensor AdamW `_adamw_temp`, foreach AdamW one copy of
-      the local parameters), communication buffers that persist (DDP buckets).
+      the local parameters), communication buffers that persist (DDP buckets, pipeline receive
+      buffers).
 
-    The global batch (inputs and targets) is held by every rank at both moments.
+    Backward moments are taken for the step's first backward on the rank (no gradients yet unless
+    gradient accumulation made them) and, in a pipeline, for a later one with all gradients
+    present. Other micro-batches in flight add their saved activations (and the pipeline runtime
+    keeps their stage outputs), and every rank holds the global batch (inputs and targets).
+    ``gloo``: collectives run on gloo (CPU), whose reduce-scatter copies its input first.
     """
     shard = plan.dp_shard
     fsdp = shard > 1
@@ -508,47 +545,58 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
     # (reshard_after_forward=False on the root); with reshard_after_forward=False every unit does
     root_g = work * (ld.root_params + (0.0 if rafw else P - ld.root_params)) if fsdp else 0.0
     fixed = params + opt + comm_persist + data + cast_cache
+    key0 = fsdp + 2 * ac + 8 * rafw + 16 * pp + 32 * gloo + 64 * bf16     # `_projections` cache key
 
     # variants: the step's first backward on this rank (no gradients yet, unless an earlier local
     # batch of gradient accumulation made them; W micro-batches in flight), and, in a pipeline, a
     # later one with every gradient present: 1F1B keeps W in flight while forwards remain (W < m),
     # GPipe has finished one backward (m - 1 left)
-    W = in_flight(plan, pp_rank) if pp else 1.0
-    variants = ((W, W, accumulation > 1),)
-    if pp and m > 1:
-        variants += ((W if W < m else m - 1.0, float(m), True),)
+    # torch.distributed.pipelining's last stage keeps each micro-batch's output (below); Megatron-LM
+    # (``recv_per_microbatch=False``) drops it after the loss
+    keep = pp and recv_per_microbatch
+    if pp:
+        W = in_flight(plan, pp_rank)
+        variants = ((W, W if keep else 1.0, accumulation > 1),)
+        if m > 1:
+            variants += ((W if W < m else m - 1.0, float(m) if keep else 1.0, True),)
+    else:
+        variants = ((1.0, 1.0, accumulation > 1),)
+    bS = b * S
+    bout = b * out
+    # other micro-batches in flight keep their saved bytes and, on the last stage, the loss's saved
+    # log-softmax; the last stage keeps every micro-batch's output it has computed (the schedule
+    # returns them merged: ``PipelineStage.output_chunks``), a non-last stage each in-flight
+    # micro-batch's stage output (``fwd_cache``, until its backward); without a pipeline the caller
+    # holds the model output through backward
+    per_other, per_out = (bS + bout, bout) if last else (bS, b * ld.boundary if pp else 0.0)
     best_total, best = -1.0, None
     for F, n_out, prev in variants:
-        # other micro-batches in flight: their saved bytes and, on the last stage, the loss's saved
-        # log-softmax; outputs held: the last stage keeps every micro-batch's output it has computed
-        # (the schedule returns them merged: ``PipelineStage.output_chunks``), a non-last stage each
-        # in-flight micro-batch's stage output (``fwd_cache``, until its backward); without a
-        # pipeline the caller holds the model output through backward
-        held = (F - 1) * b * (S + out if last else S) + (n_out * out if last else (F * ld.boundary if pp else 0.0)) * b
+        held = (F - 1) * per_other + (n_out if last else F) * per_out
         # gradients of earlier micro-batches: sharded, or (FSDP without gradient sync) unsharded
         g0 = (4 * P if fsdp else grads) if prev else 0.0
         # a pipeline under FSDP keeps every unit gathered after its first backward
-        gath0 = root_g + (work * (P - ld.root_params) if (fsdp and pp and prev and rafw) else 0.0)
+        gath0 = root_g + work * (P - ld.root_params) if (fsdp and pp and prev and rafw) else root_g
         base = fixed + held + g0 + gath0
         if last:
             # the loss's backward: logits, log-softmax output (saved), and the gradients of both;
             # FSDP has gathered nothing for backward yet (the root's pre-backward hook, which starts
             # the first unit's all-gather, fires when the logits' gradient is complete)
-            tot = base + b * (S + 3 * out)
+            tot = base + bS + 3 * bout
             if tot > best_total:
                 best_total, best = tot, (held, g0, gath0, prev, None)
         # the block / reduce moments, as totals b * A + K + G / dp_shard (see `_projections`)
-        mode = (fsdp, ac, prev, rafw, work, pp, gloo)
-        proj = ld.projections.get(mode)
+        key = key0 + 4 * prev
+        proj = ld.projections.get(key)
         if proj is None:
-            proj = ld.projections[mode] = _projections(ld.bwd_moments, ld.rs_moments, mode)
+            proj = ld.projections[key] = _projections(ld.bwd_moments, ld.rs_moments,
+                                                      (fsdp, ac, prev, rafw, work, pp, gloo))
         for A, K, G, c in proj:
             tot = base + b * A + K + ws * G
             if tot > best_total:
                 best_total, best = tot, (held, g0, gath0, prev, c)
     # the last stage's outputs stay referenced until the next step starts
     # (``clear_runtime_states``); when the schedule ends it also merges them into one batch
-    held_end = m * out * b if (pp and last) else 0.0
+    held_end = m * out * b if (keep and last) else 0.0
     end_total = params + grads + opt + data + comm_persist + 2 * held_end
     # modelpar's TP leaves some parameters plain tensors, and torch's fused kernel refuses mixed
     # lists, so tensor-parallel plans step with the single-tensor loop (`modelpar.train.step.adamw`)
@@ -566,7 +614,7 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
     held, g0, gath0, prev, c = best
     acts = data + cast_cache + held
     if c is None:
-        return MemoryEstimate(params, g0, opt, acts + b * (S + 3 * out), gath0, comm_persist, overhead_bytes,
+        return MemoryEstimate(params, g0, opt, acts + bS + 3 * bout, gath0, comm_persist, overhead_bytes,
                               pp_rank, "loss")
     kind, (gK, gG, aA, aK, tK, cK, cG) = c
     return MemoryEstimate(params, g0 + gK + gG * ws, opt, acts + aA * b + aK, gath0 + tK,
@@ -587,8 +635,10 @@ def estimate_memory(profile: ModelProfile, plan: ParallelPlan, batch: Batch, *,
         overhead_bytes: framework allowance (``Hardware.framework_overhead_bytes``).
         foreach: with ``fused=False``, the optimizer uses torch's foreach kernels (torch's default on
             CUDA), whose step transient is one copy of the local parameters.
-        recv_per_microbatch: pipeline receive buffers per micro-batch (torch.distributed.pipelining,
-            what modelpar runs) rather than two reused ones (Megatron-LM).
+        recv_per_microbatch: the pipeline runtime is torch.distributed.pipelining (what modelpar
+            runs): a receive buffer per micro-batch, and the last stage keeps every micro-batch's
+            output until the next step; False: Megatron-LM's, two reused buffers, outputs dropped
+            after the loss.
         fused: AdamW runs torch's fused kernel (modelpar's default), which makes no temporaries.
 
     Raises:

@@ -90,6 +90,9 @@ class BlockProfile:
     # block's output); elements of this block's parameters whose gradient AccumulateGrad has stored;
     # elements of weight gradients computed but not yet stored)
     bwd_peaks: tuple[tuple[int, int, int, int], ...] = ()
+    # part of saved_bytes that is the block's own input (for a stage's first block that storage is
+    # the batch or the pipeline's receive buffer, which the memory model counts there)
+    saved_input_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -445,6 +448,8 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta) -> ModelProfile:
     saved_tp = [0] * n
     in_bytes = [0] * n
     out_bytes = [0] * n
+    saved_in = [0] * n
+    in_keys: list[set[int]] = [set() for _ in range(n)]
     life = _Lifetimes(n)                      # storage lifetimes; also dedupes saved storages
     block_of = {m: i for i, (_, m) in enumerate(blocks)}
     current: list[int] = []                   # stack of active block indices
@@ -456,7 +461,9 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta) -> ModelProfile:
         if mod in block_of:
             i = block_of[mod]
             current.append(i)
-            in_bytes[i] = sum(_nbytes(a) for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor))
+            ins = [a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)]
+            in_bytes[i] = sum(_nbytes(a) for a in ins)
+            in_keys[i] = {a.untyped_storage()._cdata for a in ins}
         sub_stack.append(fqn.get(mod, ""))
 
     def post(mod, args, out):
@@ -482,6 +489,8 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta) -> ModelProfile:
         i = current[-1]
         b = _nbytes(t)
         saved[i] += b
+        if key in in_keys[i]:
+            saved_in[i] += b
         if sharded_region[0]:         # between a colwise Linear's output and its rowwise partner
             saved_tp[i] += b
         return t
@@ -544,7 +553,8 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta) -> ModelProfile:
             fwd_gemm_act_bytes=counter.gemm_bytes[i][2], bwd_gemm_act_bytes=counter.gemm_bytes[i][3],
             fwd_attn_flops=counter.attn[i][0], bwd_attn_flops=counter.attn[i][1], attn_calls=counter.attn[i][2],
             bwd_peaks=tuple((own - cum_saved - saved[i], inn, g // esize, pend // esize)
-                            for own, inn, g, pend in peaks[i])))
+                            for own, inn, g, pend in peaks[i]),
+            saved_input_bytes=saved_in[i]))
         cum_saved += saved[i]
     x0 = inputs[0]
     tokens = x0.shape[1] if (x0.dim() == 2 and not x0.is_floating_point()) else 1
