@@ -166,11 +166,37 @@ def measure_compute(sizes=MATMUL_SIZES) -> dict:
         flops[n] = 2 * n ** 3 / _time(lambda: a @ b, max(7, min(200, int(3e9 // n ** 3))), best=True)
     overhead = _time(_op_chain, 30, best=True) / (2 * _CHAIN)         # forward op + its backward op
     attn = measure_attention()
+    elementwise = measure_elementwise()
     a, b = torch.ones(32 * 2 ** 20), torch.ones(32 * 2 ** 20)   # 128 MiB each: past the caches
     c = torch.empty_like(a)
     bw = 3 * a.numel() * 4 / _time(lambda: torch.add(a, b, out=c), 5)     # read 2 + write 1
     return {"matmul_flops": flops, "op_overhead_s": overhead, "mem_bandwidth": bw, "attention_flops": attn,
-            "fresh": _fresh_alloc_costs()}
+            "fresh": _fresh_alloc_costs(), "elementwise_bw": elementwise}
+
+
+def measure_elementwise(tokens: int = 2048, width: int = 256) -> float:
+    """Bytes/s that a transformer block's non-matmul operators reach, counted as `profile_model`
+    counts them (inputs + outputs of each non-view, non-matmul operator), forward + backward, on
+    activations of (tokens, width) fp32 and the MLP's (tokens, 4 x width): layer norm, GELU on the
+    4x-wide hidden, the head reshapes' copies, two residual adds, cross-entropy. GELU's erf and the
+    norms' reductions keep them well below the streaming bandwidth."""
+    import torch.nn.functional as F
+
+    from modelpar.planner.profile import count_elementwise_bytes
+    x = torch.randn(tokens, width, requires_grad=True)
+    hid = torch.randn(tokens, 4 * width, requires_grad=True)
+    ln = torch.nn.LayerNorm(width)
+    target = torch.randint(0, width, (tokens,))
+
+    def run():
+        h = ln(x)
+        heads = h.view(tokens // 64, 64, 4, width // 4).transpose(1, 2).contiguous()   # split heads
+        u = F.gelu(hid)
+        y = x + heads.transpose(1, 2).reshape(tokens, width) + u[:, :width]
+        F.cross_entropy(y, target).backward()
+
+    nbytes = count_elementwise_bytes(run)
+    return nbytes / _time(run, 9, best=True)
 
 
 def measure_attention(batch: int = 8, heads: int = 4, seq: int = 256, head_dim: int = 64) -> float:
@@ -238,6 +264,7 @@ def _framework_overheads(world: int, *, d: int = 16, n: int = 8) -> dict:
     arithmetic and the collectives, forward + backward: a chain of ``2n`` tiny (d x d) Linears, plain,
     with alternating colwise / rowwise TP, and with every Linear an FSDP2 unit; the time of the same
     collectives issued alone is subtracted."""
+    import torch.distributed as dist
     import torch.nn as nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -254,27 +281,40 @@ def _framework_overheads(world: int, *, d: int = 16, n: int = 8) -> dict:
         m(x).sum().backward()
 
     plain = chain()
-    t_plain = _time(lambda: step(plain), 9)
+    t_plain = _time(lambda: step(plain), 15, best=True)
     tp = parallelize_module(chain(), mesh, {str(i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel()
                                             for i in range(2 * n)})
-    t_tp = _time(lambda: step(tp), 9)
+    t_tp = _time(lambda: step(tp), 15, best=True)
     fs = chain()
     for lin in fs:
         fully_shard(lin, mesh=mesh)
     fully_shard(fs, mesh=mesh)
-    t_fs = _time(lambda: step(fs), 9)
+    t_fs = _time(lambda: step(fs), 15, best=True)
+    # the same 2n Linears as n/ 2 units of 4 Linears (8 tensors each instead of 2): FSDP2's cost
+    # has a part per unit (hooks, one gather, one reduce-scatter) and a part per tensor (copy-in/out)
+    fs4 = chain()
+    for i in range(0, 2 * n, 4):
+        fully_shard([fs4[j] for j in range(i, i + 4)], mesh=mesh)
+    fully_shard(fs4, mesh=mesh)
+    t_fs4 = _time(lambda: step(fs4), 15, best=True)
+    w4, shard4 = torch.zeros(4 * (d * d + d)), torch.zeros(4 * (d * d + d) // world)
+    t_fc4 = _time(lambda: [(dist.all_gather_into_tensor(w4, shard4), dist.all_gather_into_tensor(w4, shard4),
+                            dist.reduce_scatter_tensor(shard4, w4)) for _ in range(n // 2)], 15, best=True)
     # the same chains' collectives alone, timed now (tiny messages: latency), to subtract:
     # TP: n all-reduces forward (after each rowwise), n - 1 backward (the first input needs no grad);
     # FSDP2 (reshard after forward): per unit a gather in forward and in backward, one reduce-scatter
-    import torch.distributed as dist
     act, w = torch.zeros(4, d), torch.zeros(d * d + d)
     shard = torch.zeros((d * d + d) // world)
-    t_ar = _time(lambda: [dist.all_reduce(act) for _ in range(2 * n - 1)], 9)
+    t_ar = _time(lambda: [dist.all_reduce(act) for _ in range(2 * n - 1)], 15, best=True)
     t_fc = _time(lambda: [(dist.all_gather_into_tensor(w, shard), dist.all_gather_into_tensor(w, shard),
-                           dist.reduce_scatter_tensor(shard, w)) for _ in range(2 * n)], 9)
+                           dist.reduce_scatter_tensor(shard, w)) for _ in range(2 * n)], 15, best=True)
     tp_each = (t_tp - t_plain - t_ar) / (2 * n)
-    fs_each = (t_fs - t_plain - t_fc) / (2 * n)
-    return {"tp_linear_overhead_s": max(0.0, tp_each), "fsdp_unit_overhead_s": max(0.0, fs_each)}
+    c2 = (t_fs - t_plain - t_fc) / (2 * n)              # per unit of 2 tensors
+    c8 = (t_fs4 - t_plain - t_fc4) / (n // 2)           # per unit of 8 tensors
+    per_tensor = max(0.0, (c8 - c2) / 6)
+    per_unit = max(0.0, c2 - 2 * per_tensor)
+    return {"tp_linear_overhead_s": max(0.0, tp_each), "fsdp_unit_overhead_s": per_unit,
+            "fsdp_tensor_overhead_s": per_tensor}
 
 
 def _fresh_alloc_costs(sizes_mib=FRESH_SIZES_MIB) -> dict[int, float]:
@@ -283,26 +323,34 @@ def _fresh_alloc_costs(sizes_mib=FRESH_SIZES_MIB) -> dict[int, float]:
     allocator's mmap threshold get new pages from the kernel on every allocation (page faults and
     zeroing on first touch, unmapping on free); smaller ones are recycled from the heap, so their cost
     is near 0. Called on every rank at once, as training allocates on every rank at once."""
-    out = {}
+    import statistics
     for mib in sorted(sizes_mib, reverse=True):     # warm-up pass: the allocator's steady state (the
         torch.empty(mib * 2 ** 20 // 4).fill_(1.0)   # dynamic threshold rises as large blocks are freed)
-    for mib in sizes_mib:
-        n = mib * 2 ** 20 // 4
-        buf = torch.empty(n)
-        reuse = _time(lambda: buf.fill_(1.0), 7)
-        fresh = _time(lambda: torch.empty(n).fill_(1.0), 7)
-        out[mib * 2 ** 20] = max(0.0, fresh - reuse) / (4 * n)
-        del buf
-    return out
+    passes: dict[int, list[float]] = {mib * 2 ** 20: [] for mib in sizes_mib}
+    for _ in range(3):                               # the allocator's state drifts: median of 3 passes
+        for mib in sizes_mib:
+            n = mib * 2 ** 20 // 4
+            buf = torch.empty(n)
+            reuse = _time(lambda: buf.fill_(1.0), 5)
+            fresh = _time(lambda: torch.empty(n).fill_(1.0), 5)
+            passes[mib * 2 ** 20].append(max(0.0, fresh - reuse) / (4 * n))
+            del buf
+    return {k: statistics.median(v) for k, v in passes.items()}
 
 
 def fresh_threshold(costs: dict[int, float]) -> tuple[float, float]:
     """(cost s/byte, smallest fresh size in bytes) from `_fresh_alloc_costs` output: the cost is the
-    largest size's; the threshold is the smallest swept size costing at least half of that."""
+    largest size's; the threshold is the smallest size of the unbroken run of sizes, from the largest
+    down, that cost at least half of that (a lone costly small size is allocator noise)."""
     top = costs[max(costs)]
     if top <= 0:
         return 0.0, float("inf")
-    return top, float(min(k for k, v in costs.items() if v >= 0.5 * top))
+    thr = max(costs)
+    for k in sorted(costs, reverse=True):       # the contiguous run of costly sizes from the top
+        if costs[k] < 0.5 * top:
+            break
+        thr = k
+    return top, float(thr)
 
 
 def fit_alpha_beta(times: dict[int, float], *, steps: float, volume: float) -> tuple[float, float]:
@@ -367,6 +415,7 @@ def calibrate_main(argv: list[str]) -> int:
     lat, bw = base.intra_latency, base.intra_bw
     extra = {f"matmul_flops_{n}": f for n, f in c["matmul_flops"].items()}
     extra["attention_flops"] = c["attention_flops"]
+    extra["elementwise_bw"] = c["elementwise_bw"]
     coll = {}
     if not args.no_collectives and args.ranks > 1:
         coll = measure_collectives(args.ranks)
@@ -392,14 +441,16 @@ def calibrate_main(argv: list[str]) -> int:
     save_profile(hw, out)
     for n, f in c["matmul_flops"].items():
         print(f"  matmul {n:>5}: {f / 1e9:8.1f} GFLOP/s")
-    print(f"  attention (causal, fused) {c['attention_flops'] / 1e9:.1f} GFLOP/s counted")
+    print(f"  attention (causal, fused) {c['attention_flops'] / 1e9:.1f} GFLOP/s counted; "
+          f"element-wise operators {c['elementwise_bw'] / 1e9:.1f} GB/s counted")
     print(f"  per-op overhead {c['op_overhead_s'] * 1e6:.1f} us, memory bandwidth per rank {c['mem_bandwidth'] / 1e9:.1f} GB/s")
     for op, (a, b) in coll.items():
         print(f"  {op:<15} latency {a * 1e6:8.1f} us, bandwidth {b / 1e9:6.2f} GB/s ({args.ranks} ranks); "
               + ", ".join(f"{k / 2 ** 20:g} MiB {v * 1e3:.2f} ms" for k, v in times[op].items()))
     if coll:
         print(f"  framework per call (fwd + bwd): TP Linear {extra['tp_linear_overhead_s'] * 1e6:.0f} us, "
-              f"FSDP2 unit {extra['fsdp_unit_overhead_s'] * 1e6:.0f} us")
+              f"FSDP2 unit {extra['fsdp_unit_overhead_s'] * 1e6:.0f} us + {extra['fsdp_tensor_overhead_s'] * 1e6:.0f} us "
+              f"per parameter tensor")
         fb, fmin = extra["fresh_alloc_s_per_byte"], extra["fresh_alloc_min_bytes"]
         print(f"  alone (one rank): memory bandwidth {extra['mem_bandwidth_alone'] / 1e9:.1f} GB/s, fresh allocation "
               f"{extra['fresh_alloc_s_per_byte_alone'] * 1e9:.3f} ns/byte")

@@ -237,6 +237,39 @@ def ddp_buckets(sizes, elem_bytes: float, cap: float = DDP_BUCKET_BYTES) -> list
     return out
 
 
+_COMMS: dict[tuple, tuple] = {}
+
+
+def _comm_terms(ld: RankLoad, plan: ParallelPlan, hw: Hardware, b: int, wb: int, dp_overlap: bool) -> dict:
+    """The collective times of one rank's step that do not depend on the schedule, micro-batch count
+    or checkpointing (memoized: the search evaluates many such variants of each layout)."""
+    key = (id(ld), id(hw), plan.tp, plan.dp_shard, plan.dp_replicate, plan.pp, b, wb, dp_overlap)
+    hit = _COMMS.get(key)
+    if hit is not None and hit[0] is ld and hit[1] is hw:
+        return hit[2]
+    c = {"p2p": _coll(plan, "pp", hw, "send_recv", ld.boundary * b, 2) if plan.pp > 1 else 0.0}
+    grad_bytes = 4 * ld.params
+    if plan.dp_shard > 1:
+        n = plan.dp_shard
+        units = ld.unit_sizes or (ld.params - ld.root_params,)
+        c["ag"] = _coll_sum(plan, "dp_shard", hw, "all_gather", units, n, wb)
+        c["ag_root"] = _coll(plan, "dp_shard", hw, "all_gather", wb * ld.root_params, n)
+        c["rs"] = (_coll_sum(plan, "dp_shard", hw, "reduce_scatter", units, n, 4)
+                   + _coll(plan, "dp_shard", hw, "reduce_scatter", 4 * ld.root_params, n))
+        c["first"] = _coll(plan, "dp_shard", hw, "all_gather", wb * ld.max_unit_params, n)
+        c["rep"] = (_coll(plan, "dp_replicate", hw, "all_reduce", grad_bytes / n, plan.dp_replicate)
+                    if plan.dp_replicate > 1 else 0.0)
+    elif plan.dp_replicate > 1:
+        n = plan.dp_replicate
+        buckets = _ddp_buckets_cached(ld.param_sizes) if (ld.param_sizes and dp_overlap) else (grad_bytes,)
+        c["t_ar"] = _coll_sum(plan, "dp_replicate", hw, "all_reduce", buckets, n)
+        c["last"] = _coll(plan, "dp_replicate", hw, "all_reduce", min(DDP_BUCKET_BYTES, grad_bytes), n)
+    if len(_COMMS) > 65536:
+        _COMMS.clear()
+    _COMMS[key] = (ld, hw, c)
+    return c
+
+
 def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_batch_size: int,
               accumulation: int, optimizer: str, tp_bytes: float, dp_overlap: bool = True) -> dict:
     """Seconds of one step on the slowest pipeline rank; ``tp_bytes`` = block output per sample.
@@ -259,6 +292,9 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     ar_tp = _coll(plan, "tp", hw, "all_reduce", tp_bytes * b, plan.tp) if plan.tp > 1 else 0.0
     best = None
     curve = any(k.startswith("matmul_flops_") for k in hw.extra)
+    # the non-matmul operators' traffic moves at their calibrated rate (arithmetic-heavy: GELU's erf,
+    # norms' reductions), never above the streaming bandwidth
+    ew_s = min(mem_s, hw.extra.get("elementwise_bw", mem_s))
     attn_rate = hw.extra.get("attention_flops", 0.0) * hw.peak_flops[prec] / hw.peak_flops.get("fp32", hw.peak_flops[prec])
     for ld in loads:
         # fused attention kernels at their own calibrated rate where there is one (on CPU far below
@@ -275,10 +311,10 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
         if attn_rate:
             g_f += af * b / attn_rate
             g_b += ab * b / attn_rate
-        t_f = g_f + ld.fwd_mem * b / mem_s + ld.fwd_ops * hw.op_overhead_s
+        t_f = g_f + ld.fwd_mem * b / ew_s + ld.fwd_ops * hw.op_overhead_s
         # backward: every micro-batch's weight gradients are new tensors (the first become .grad,
         # later ones are added into it)
-        t_b = (g_b + ld.bwd_mem * b / mem_s + (ld.ops - ld.fwd_ops) * hw.op_overhead_s
+        t_b = (g_b + ld.bwd_mem * b / ew_s + (ld.ops - ld.fwd_ops) * hw.op_overhead_s
                + hw.fresh_seconds(ld.param_sizes, 4, alone=alone))
         t_rc = t_f if ac else 0.0
         # DTensor's per-call cost of each sharded Linear (dispatch, sharding propagation, input and
@@ -293,25 +329,20 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     # gradient accumulation: micro-batches after the first add their gradients in place (read 2,
     # write 1 fp32 values per parameter)
     t_acc = (mbs - 1) * 12 * ld.params / mem_s
-    t_p2p = 2 * v * _coll(plan, "pp", hw, "send_recv", ld.boundary * b, 2) if p > 1 else 0.0
     # data parallel
-    grad_bytes = 4 * ld.params                    # fp32 gradients / reductions
     wb = 2 if prec == "bf16" else 4
-    work_bytes = wb * ld.params
+    cm = _comm_terms(ld, plan, hw, b, wb, dp_overlap)
+    t_p2p = 2 * v * cm["p2p"]
     dp_exposed, fsdp_per_mb = 0.0, 0.0
     if plan.dp_shard > 1:
         n = plan.dp_shard
         gathers = 2 if plan.reshard_after_forward else 1
         units = ld.unit_sizes or (ld.params - ld.root_params,)
         root = ld.root_params
-        ag = _coll_sum(plan, "dp_shard", hw, "all_gather", units, n, wb)
-        ag_root = _coll(plan, "dp_shard", hw, "all_gather", wb * root, n)
-        rs = (_coll_sum(plan, "dp_shard", hw, "reduce_scatter", units, n, 4)
-              + _coll(plan, "dp_shard", hw, "reduce_scatter", 4 * root, n))
+        ag, ag_root, rs = cm["ag"], cm["ag_root"], cm["rs"]
         if overlap:
             comm = gathers * ag + ag_root + rs
-            first = _coll(plan, "dp_shard", hw, "all_gather", work_bytes * ld.max_unit_params / max(ld.params, 1), n)
-            fsdp_per_mb = max(0.0, comm - (t_f + t_b + t_rc)) + first
+            fsdp_per_mb = max(0.0, comm - (t_f + t_b + t_rc)) + cm["first"]
         else:
             # FSDP2's buffers: each gather fills a new flat all-gather output and copies it out into
             # new unsharded parameters (read + write); reduce-scatter copies the unsharded gradients
@@ -322,15 +353,12 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
                       + 8 * (ld.params - root) / mem_s)
             # + FSDP2's per-unit cost (hooks, copy-in/out bookkeeping; forward + backward), calibrated
             fsdp_per_mb = (gathers * (ag + ag_mem) + ag_root
-                           + (len(units) + 1) * hw.extra.get("fsdp_unit_overhead_s", 0.0))
+                           + (len(units) + 1) * hw.extra.get("fsdp_unit_overhead_s", 0.0)
+                           + ld.num_tensors * hw.extra.get("fsdp_tensor_overhead_s", 0.0))
             dp_exposed = rs + rs_mem                 # once per step: the last micro-batch syncs
-        if plan.dp_replicate > 1:
-            dp_exposed += _coll(plan, "dp_replicate", hw, "all_reduce", grad_bytes / n, plan.dp_replicate)
+        dp_exposed += cm["rep"]
     elif plan.dp_replicate > 1:
-        n = plan.dp_replicate
-        buckets = _ddp_buckets_cached(ld.param_sizes) if (ld.param_sizes and dp_overlap) else (grad_bytes,)
-        t_ar = _coll_sum(plan, "dp_replicate", hw, "all_reduce", buckets, n)
-        last = _coll(plan, "dp_replicate", hw, "all_reduce", min(DDP_BUCKET_BYTES, grad_bytes), n)
+        t_ar, last = cm["t_ar"], cm["last"]
         if overlap:
             dp_exposed = max(t_ar - t_b, last)
         elif not dp_overlap:         # one all-reduce of a contiguous gradient buffer after backward

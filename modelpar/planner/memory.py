@@ -362,11 +362,12 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float) -
     for ld, rc in zip(loads, recs):
         ld.bwd_moments, ld.rs_moments = _backward_moments(tuple(rc))
     for ld, nl, un in zip(loads, numels, units):
-        ld.max_param = max((k for k, _ in nl), default=0.0)
+        sizes = [k for k, _ in nl]
+        ld.max_param = max(sizes, default=0.0)
         ld.opt_temp = _adamw_temp(nl)
         ld.num_tensors = len(nl)
-        ld.param_sizes = tuple(k for k, _ in nl)
-        ld.unit_sizes = tuple(u for u, _ in un)
+        ld.param_sizes = tuple(sizes)
+        ld.unit_sizes = tuple([u for u, _ in un])
         _fsdp_unit_peak(ld, un)
     last = loads[(len(rng) - 1) % plan.pp]
     last.is_last = True

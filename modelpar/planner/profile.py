@@ -330,6 +330,31 @@ class _OpCounter(TorchDispatchMode):
         return out
 
 
+class _ElementwiseBytes(TorchDispatchMode):
+    """Sums inputs + outputs of non-view, non-matmul operators, the rule `_OpCounter` applies."""
+
+    def __init__(self):
+        super().__init__()
+        self.nbytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name not in _VIEW_OPS and name not in _FLOP_OPS:
+            flat = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+            self.nbytes += sum(t.numel() * t.element_size() for t in flat)
+        return out
+
+
+def count_elementwise_bytes(fn) -> int:
+    """Bytes ``fn()`` moves through non-view, non-matmul operators, counted as the profile counts them
+    (for calibrating the rate of that traffic against the same rule)."""
+    mode = _ElementwiseBytes()
+    with mode:
+        fn()
+    return mode.nbytes
+
+
 class _FlashAttention(TorchFunctionMode):
     """Routes ``F.scaled_dot_product_attention`` (no mask, no dropout) to the fused CPU flash kernel,
     whose meta/fake implementation and saved tensors match a fused GPU kernel's (see module docstring)."""

@@ -163,6 +163,7 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
         raise ValueError(f"optimizer={optimizer!r} is unknown; valid: {', '.join(OPTIMIZER_BYTES)}")
     budget = hw.memory_bytes * memory_fraction
     foreach = hw.name != "cpu"             # torch's optimizers use foreach kernels on accelerators
+    gloo = hw.name == "cpu"                # CPU ranks communicate over gloo (its reduce-scatter copies)
     arch = profile.arch
     num_layers = len(profile.blocks) - 2 if arch and len(profile.blocks) >= 3 else len(profile.blocks)
     rep = SearchReport(num_devices)
@@ -250,7 +251,8 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                             e = rank_memory(ld, plan, micro_batch_size=b, optimizer=optimizer,
                                             overhead_bytes=overhead, pp_rank=r,
                                             accumulation=acc, global_batch_size=global_batch_size,
-                                            foreach=foreach, recv_per_microbatch=recv_per_microbatch)
+                                            foreach=foreach, recv_per_microbatch=recv_per_microbatch,
+                                            gloo=gloo)
                             e_total = e.total
                             if mem is None or e_total > mem_total:
                                 mem, mem_total = e, e_total
