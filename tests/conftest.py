@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,9 @@ import pytest
 # `--strategy auto` measures an uncalibrated machine on the fly (~20 s) and keeps the result in the
 # user's cache; tests must neither wait for that nor write there (one test enables it on a temp path)
 os.environ.setdefault("MODELPAR_AUTO_CALIBRATE", "0")
+# and the planner must not read this machine's calibration either, so `--strategy auto` decides the
+# same on every machine (tests that need a calibration point this variable at their own file)
+os.environ["MODELPAR_CALIBRATION"] = os.path.join(tempfile.mkdtemp(prefix="modelpar-test-"), "calibration.json")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
