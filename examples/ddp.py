@@ -17,6 +17,7 @@ if relaunch(__file__, 2):
 from modelpar import plan_for_strategy
 from modelpar.models import build_gpt
 from modelpar.parallel import build_mesh, get_device, init_distributed, parallelize
+from modelpar.parallel.mesh import exit_rank
 from modelpar.train.task import lm_loss
 
 rank, world = init_distributed()
@@ -41,4 +42,6 @@ dist.all_reduce(spread, op=dist.ReduceOp.MAX)
 drift = (spread - flat).abs().max().item()
 if rank == 0:
     print(f"DDP on {world} ranks: {flat.numel():,} parameters per replica; replicas differ by at most {drift:.1e}")
-dist.destroy_process_group()
+# every rank is done: leave through modelpar's exit_rank (barrier, flush, exit without tearing the gloo
+# group down, which occasionally aborts a rank at interpreter exit)
+exit_rank(0)

@@ -10,7 +10,6 @@ the example says why it skips offloading and runs plain FSDP.
 import sys
 
 import torch
-import torch.distributed as dist
 
 from _launch import relaunch, tiny
 
@@ -20,6 +19,7 @@ if relaunch(__file__, 2):
 from modelpar import plan_for_strategy
 from modelpar.models import build_gpt
 from modelpar.parallel import build_mesh, get_device, init_distributed, parallelize
+from modelpar.parallel.mesh import exit_rank
 from modelpar.train.task import lm_loss
 
 rank, world = init_distributed()
@@ -49,4 +49,6 @@ for step in range(3):
         print(f"step {step}: loss on rank 0 {loss.item():.4f}")
 if rank == 0:
     print(f"FSDP on {world} ranks, cpu_offload={offload}")
-dist.destroy_process_group()
+# every rank is done: leave through modelpar's exit_rank (barrier, flush, exit without tearing the gloo
+# group down, which occasionally aborts a rank at interpreter exit)
+exit_rank(0)

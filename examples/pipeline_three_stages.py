@@ -21,6 +21,7 @@ if relaunch(__file__, 3):
 from modelpar import plan_for_strategy
 from modelpar.models import build_mlp
 from modelpar.parallel import build_mesh, get_device, init_distributed, parallelize
+from modelpar.parallel.mesh import exit_rank
 
 rank, world = init_distributed()
 torch.set_num_threads(1)
@@ -48,4 +49,6 @@ for step in range(3):
 dist.barrier()
 if rank == 0:
     print("3-stage pipeline trained: each rank held only its stage's parameters")
-dist.destroy_process_group()
+# every rank is done: leave through modelpar's exit_rank (barrier, flush, exit without tearing the gloo
+# group down, which occasionally aborts a rank at interpreter exit)
+exit_rank(0)
