@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import time
 
 import torch
@@ -165,13 +166,14 @@ def measure_compute(sizes=MATMUL_SIZES) -> dict:
         a, b = torch.randn(n, n), torch.randn(n, n)
         flops[n] = 2 * n ** 3 / _time(lambda: a @ b, max(7, min(200, int(3e9 // n ** 3))), best=True)
     overhead = _time(_op_chain, 30, best=True) / (2 * _CHAIN)         # forward op + its backward op
+    fresh = _fresh_alloc_costs()     # first: its warm-up leaves the allocator in its steady state
     attn = measure_attention()
     elementwise = measure_elementwise()
     a, b = torch.ones(32 * 2 ** 20), torch.ones(32 * 2 ** 20)   # 128 MiB each: past the caches
     c = torch.empty_like(a)
     bw = 3 * a.numel() * 4 / _time(lambda: torch.add(a, b, out=c), 5)     # read 2 + write 1
     return {"matmul_flops": flops, "op_overhead_s": overhead, "mem_bandwidth": bw, "attention_flops": attn,
-            "fresh": _fresh_alloc_costs(), "elementwise_bw": elementwise}
+            "fresh": fresh, "elementwise_bw": elementwise}
 
 
 def measure_elementwise(tokens: int = 2048, width: int = 256) -> float:
@@ -253,10 +255,30 @@ def _collective_worker(rank: int, world: int, port: int, sizes, out):
             dist.barrier()
             res[op][nbytes] = _time(fn, 7)
     res["framework"] = _framework_overheads(world)
+    res["framework"]["sync_penalty_s"] = _sync_penalty()
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
         out.put(res)
+
+
+def _sync_penalty(reps: int = 31) -> float:
+    """Seconds a blocking collective adds beyond its own time when ranks compute between collectives:
+    every rank waits for the slowest, so the run-to-run spread of the compute segment is paid at each
+    one. Measured as (a ~10 ms matmul segment + a 256 KiB all-reduce) minus each alone, medians."""
+    import torch.distributed as dist
+    a, w, msg = torch.randn(2048, 128), torch.randn(128, 512), torch.zeros(64 * 1024)
+
+    def seg():
+        for _ in range(4):
+            a @ w
+    dist.barrier()
+    t_seg = _time(seg, reps)
+    dist.barrier()
+    t_ar = _time(lambda: dist.all_reduce(msg), reps)
+    dist.barrier()
+    t_both = _time(lambda: (seg(), dist.all_reduce(msg)), reps)
+    return max(0.0, t_both - t_seg - t_ar)
 
 
 def _framework_overheads(world: int, *, d: int = 16, n: int = 8) -> dict:
@@ -433,6 +455,11 @@ def calibrate_main(argv: list[str]) -> int:
             for nbytes, t in times[op].items():      # the measured table; the cost model interpolates it
                 extra[f"{op}_t_{nbytes}"] = t
         extra["fresh_alloc_s_per_byte"], extra["fresh_alloc_min_bytes"] = fresh_threshold(fresh)
+        if platform.libc_ver()[0] == "glibc" and extra["fresh_alloc_s_per_byte"] > 0:
+            # glibc maps every block above its largest dynamic mmap threshold (32 MiB on 64-bit,
+            # DEFAULT_MMAP_THRESHOLD_MAX) anew when no free heap chunk fits it; which free chunks
+            # exist depends on the heap's history, so the sweep's boundary moves between runs
+            extra["fresh_alloc_min_bytes"] = 32 * 2 ** 20
         extra["collective_ranks"] = args.ranks
     hw = Hardware("cpu", {"fp32": best, "bf16": best / 2}, base.memory_bytes, c["mem_bandwidth"], bw, lat,
                   bw, lat, args.ranks, 1.0, mem_bw_fraction=1.0, op_overhead_s=c["op_overhead_s"], comm_overlap=False,
@@ -450,7 +477,7 @@ def calibrate_main(argv: list[str]) -> int:
     if coll:
         print(f"  framework per call (fwd + bwd): TP Linear {extra['tp_linear_overhead_s'] * 1e6:.0f} us, "
               f"FSDP2 unit {extra['fsdp_unit_overhead_s'] * 1e6:.0f} us + {extra['fsdp_tensor_overhead_s'] * 1e6:.0f} us "
-              f"per parameter tensor")
+              f"per parameter tensor; each blocking collective waits {extra['sync_penalty_s'] * 1e6:.0f} us for the slowest rank")
         fb, fmin = extra["fresh_alloc_s_per_byte"], extra["fresh_alloc_min_bytes"]
         print(f"  alone (one rank): memory bandwidth {extra['mem_bandwidth_alone'] / 1e9:.1f} GB/s, fresh allocation "
               f"{extra['fresh_alloc_s_per_byte_alone'] * 1e9:.3f} ns/byte")

@@ -263,6 +263,7 @@ def _comm_terms(ld: RankLoad, plan: ParallelPlan, hw: Hardware, b: int, wb: int,
         n = plan.dp_replicate
         buckets = _ddp_buckets_cached(ld.param_sizes) if (ld.param_sizes and dp_overlap) else (grad_bytes,)
         c["t_ar"] = _coll_sum(plan, "dp_replicate", hw, "all_reduce", buckets, n)
+        c["n_buckets"] = len(buckets)
         c["last"] = _coll(plan, "dp_replicate", hw, "all_reduce", min(DDP_BUCKET_BYTES, grad_bytes), n)
     if len(_COMMS) > 65536:
         _COMMS.clear()
@@ -289,6 +290,9 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     b, m, v, p = micro_batch_size, (plan.n_microbatches if plan.pp > 1 else 1), plan.virtual_stages, plan.pp
     ac = plan.activation_checkpointing == "full"
     overlap = dp_overlap and hw.comm_overlap
+    # each blocking collective (or pipeline receive) waits for the slowest rank: the calibrated spread
+    # of the compute between two of them (CPU; 0 where not calibrated)
+    sync = 0.0 if hw.comm_overlap else hw.extra.get("sync_penalty_s", 0.0)
     ar_tp = _coll(plan, "tp", hw, "all_reduce", tp_bytes * b, plan.tp) if plan.tp > 1 else 0.0
     best = None
     curve = any(k.startswith("matmul_flops_") for k in hw.extra)
@@ -319,7 +323,8 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
         t_rc = t_f if ac else 0.0
         # DTensor's per-call cost of each sharded Linear (dispatch, sharding propagation, input and
         # output conversion; forward + backward), calibrated on CPU; part of TP's price
-        t_tp = ld.tp_collectives * ar_tp * (3 if ac else 2) + ld.tp_linears * hw.extra.get("tp_linear_overhead_s", 0.0)
+        t_tp = (ld.tp_collectives * (ar_tp + sync) * (3 if ac else 2)
+                + ld.tp_linears * hw.extra.get("tp_linear_overhead_s", 0.0))
         work = t_f + t_b + t_rc + t_tp
         key = (work, ld.params)
         if best is None or key > best[0]:
@@ -332,7 +337,7 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     # data parallel
     wb = 2 if prec == "bf16" else 4
     cm = _comm_terms(ld, plan, hw, b, wb, dp_overlap)
-    t_p2p = 2 * v * cm["p2p"]
+    t_p2p = 2 * v * (cm["p2p"] + sync) if p > 1 else 0.0
     dp_exposed, fsdp_per_mb = 0.0, 0.0
     if plan.dp_shard > 1:
         n = plan.dp_shard
@@ -352,10 +357,11 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
             rs_mem = (hw.fresh_seconds(units, 4) + hw.fresh_seconds([u / n for u in units], 4)
                       + 8 * (ld.params - root) / mem_s)
             # + FSDP2's per-unit cost (hooks, copy-in/out bookkeeping; forward + backward), calibrated
-            fsdp_per_mb = (gathers * (ag + ag_mem) + ag_root
+            n_units = len(units) + 1
+            fsdp_per_mb = (gathers * (ag + ag_mem) + ag_root + (gathers * len(units) + 1) * sync
                            + (len(units) + 1) * hw.extra.get("fsdp_unit_overhead_s", 0.0)
                            + ld.num_tensors * hw.extra.get("fsdp_tensor_overhead_s", 0.0))
-            dp_exposed = rs + rs_mem                 # once per step: the last micro-batch syncs
+            dp_exposed = rs + rs_mem + n_units * sync   # once per step: the last micro-batch syncs
         dp_exposed += cm["rep"]
     elif plan.dp_replicate > 1:
         t_ar, last = cm["t_ar"], cm["last"]
@@ -366,7 +372,7 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
         else:
             # torch DDP (gradient_as_bucket_view=False) copies gradients into its buckets and the
             # reduced buckets back (read + write each way)
-            dp_exposed = t_ar + 16 * ld.params / mem_s
+            dp_exposed = t_ar + 16 * ld.params / mem_s + cm["n_buckets"] * sync
     per_mb_compute = t_f + t_b + t_tp
     bub = bubble_fraction(plan.pp_schedule, p, m, v) * m * (per_mb_compute + t_rc)
     local = ld.params / plan.dp_shard
