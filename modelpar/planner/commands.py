@@ -262,23 +262,56 @@ def _collective_worker(rank: int, world: int, port: int, sizes, out):
         out.put(res)
 
 
-def _sync_penalty(reps: int = 31) -> float:
+def _sync_penalty(reps: int = 21, estimates: int = 5) -> float:
     """Seconds a blocking collective adds beyond its own time when ranks compute between collectives:
     every rank waits for the slowest, so the run-to-run spread of the compute segment is paid at each
-    one. Measured as (a ~10 ms matmul segment + a 256 KiB all-reduce) minus each alone, medians."""
+    one. Measured as (a ~10 ms matmul segment + a 256 KiB all-reduce) minus each alone, medians; the
+    median of ``estimates`` such measurements (one is noisy: it is a difference of jittery times)."""
+    import statistics
     import torch.distributed as dist
     a, w, msg = torch.randn(2048, 128), torch.randn(128, 512), torch.zeros(64 * 1024)
 
     def seg():
         for _ in range(4):
             a @ w
-    dist.barrier()
-    t_seg = _time(seg, reps)
-    dist.barrier()
-    t_ar = _time(lambda: dist.all_reduce(msg), reps)
-    dist.barrier()
-    t_both = _time(lambda: (seg(), dist.all_reduce(msg)), reps)
-    return max(0.0, t_both - t_seg - t_ar)
+    out = []
+    for _ in range(estimates):
+        dist.barrier()
+        t_seg = _time(seg, reps)
+        dist.barrier()
+        t_ar = _time(lambda: dist.all_reduce(msg), reps)
+        dist.barrier()
+        t_both = _time(lambda: (seg(), dist.all_reduce(msg)), reps)
+        out.append(t_both - t_seg - t_ar)
+    t = torch.tensor([max(0.0, statistics.median(out))])
+    dist.all_reduce(t)                  # every rank reports the same number (rank 0's is saved)
+    return float(t) / dist.get_world_size()
+
+
+def _tp_linear_cost(mesh, world: int, tokens: int, width: int, n: int = 3) -> tuple[float, float]:
+    """(input activation bytes, seconds per Linear) that tensor parallelism adds, forward + backward:
+    ``2n`` Linears alternating width -> 4 width (colwise) and back (rowwise) on a (tokens, width) input,
+    minus the same local shards as plain Linears and the all-reduces issued alone (medians)."""
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    x, act = torch.randn(tokens, width), torch.zeros(tokens, width)
+    tp = nn.Sequential(*[nn.Linear(width, 4 * width) if i % 2 == 0 else nn.Linear(4 * width, width)
+                         for i in range(2 * n)])
+    parallelize_module(tp, mesh, {str(i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel() for i in range(2 * n)})
+    local = nn.Sequential(*[nn.Linear(width, 4 * width // world) if i % 2 == 0 else nn.Linear(4 * width // world, width)
+                            for i in range(2 * n)])
+    import statistics
+    est = []
+    for _ in range(3):                  # median of 3 estimates: each is a difference of jittery times
+        dist.barrier()
+        t_tp = _time(lambda: tp(x).sum().backward(), 9)
+        t_local = _time(lambda: local(x).sum().backward(), 9)
+        t_ar = _time(lambda: [dist.all_reduce(act) for _ in range(2 * n - 1)], 9)
+        est.append((t_tp - t_local - t_ar) / (2 * n))
+    return 4.0 * tokens * width, statistics.median(est)
 
 
 def _framework_overheads(world: int, *, d: int = 16, n: int = 8) -> dict:
@@ -304,9 +337,7 @@ def _framework_overheads(world: int, *, d: int = 16, n: int = 8) -> dict:
 
     plain = chain()
     t_plain = _time(lambda: step(plain), 15, best=True)
-    tp = parallelize_module(chain(), mesh, {str(i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel()
-                                            for i in range(2 * n)})
-    t_tp = _time(lambda: step(tp), 15, best=True)
+    tp_costs = [_tp_linear_cost(mesh, world, tokens, width) for tokens, width in ((64, 16), (2048, 256))]
     fs = chain()
     for lin in fs:
         fully_shard(lin, mesh=mesh)
@@ -325,17 +356,21 @@ def _framework_overheads(world: int, *, d: int = 16, n: int = 8) -> dict:
     # the same chains' collectives alone, timed now (tiny messages: latency), to subtract:
     # TP: n all-reduces forward (after each rowwise), n - 1 backward (the first input needs no grad);
     # FSDP2 (reshard after forward): per unit a gather in forward and in backward, one reduce-scatter
-    act, w = torch.zeros(4, d), torch.zeros(d * d + d)
+    w = torch.zeros(d * d + d)
     shard = torch.zeros((d * d + d) // world)
-    t_ar = _time(lambda: [dist.all_reduce(act) for _ in range(2 * n - 1)], 15, best=True)
     t_fc = _time(lambda: [(dist.all_gather_into_tensor(w, shard), dist.all_gather_into_tensor(w, shard),
                            dist.reduce_scatter_tensor(shard, w)) for _ in range(2 * n)], 15, best=True)
-    tp_each = (t_tp - t_plain - t_ar) / (2 * n)
+    # TP: a fixed part and a part per byte of the Linear's input activation (DTensor's conversions
+    # and copies of the activation), from the two sizes
+    (b0, c0), (b1, c1) = tp_costs
+    tp_per_byte = max(0.0, (c1 - c0) / (b1 - b0))
+    tp_each = max(0.0, c0 - tp_per_byte * b0)
     c2 = (t_fs - t_plain - t_fc) / (2 * n)              # per unit of 2 tensors
     c8 = (t_fs4 - t_plain - t_fc4) / (n // 2)           # per unit of 8 tensors
     per_tensor = max(0.0, (c8 - c2) / 6)
     per_unit = max(0.0, c2 - 2 * per_tensor)
-    return {"tp_linear_overhead_s": max(0.0, tp_each), "fsdp_unit_overhead_s": per_unit,
+    return {"tp_linear_overhead_s": tp_each, "tp_linear_overhead_s_per_byte": tp_per_byte,
+            "fsdp_unit_overhead_s": per_unit,
             "fsdp_tensor_overhead_s": per_tensor}
 
 
@@ -475,7 +510,8 @@ def calibrate_main(argv: list[str]) -> int:
         print(f"  {op:<15} latency {a * 1e6:8.1f} us, bandwidth {b / 1e9:6.2f} GB/s ({args.ranks} ranks); "
               + ", ".join(f"{k / 2 ** 20:g} MiB {v * 1e3:.2f} ms" for k, v in times[op].items()))
     if coll:
-        print(f"  framework per call (fwd + bwd): TP Linear {extra['tp_linear_overhead_s'] * 1e6:.0f} us, "
+        print(f"  framework per call (fwd + bwd): TP Linear {extra['tp_linear_overhead_s'] * 1e6:.0f} us + "
+              f"{extra['tp_linear_overhead_s_per_byte'] * 1e9:.2f} ns per input byte, "
               f"FSDP2 unit {extra['fsdp_unit_overhead_s'] * 1e6:.0f} us + {extra['fsdp_tensor_overhead_s'] * 1e6:.0f} us "
               f"per parameter tensor; each blocking collective waits {extra['sync_penalty_s'] * 1e6:.0f} us for the slowest rank")
         fb, fmin = extra["fresh_alloc_s_per_byte"], extra["fresh_alloc_min_bytes"]

@@ -294,6 +294,9 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     # of the compute between two of them (CPU; 0 where not calibrated)
     sync = 0.0 if hw.comm_overlap else hw.extra.get("sync_penalty_s", 0.0)
     ar_tp = _coll(plan, "tp", hw, "all_reduce", tp_bytes * b, plan.tp) if plan.tp > 1 else 0.0
+    # DTensor's cost per sharded Linear (forward + backward): fixed + per byte of its input activation
+    tp_linear = (hw.extra.get("tp_linear_overhead_s", 0.0)
+                 + hw.extra.get("tp_linear_overhead_s_per_byte", 0.0) * tp_bytes * b) if plan.tp > 1 else 0.0
     best = None
     curve = any(k.startswith("matmul_flops_") for k in hw.extra)
     # the non-matmul operators' traffic moves at their calibrated rate (arithmetic-heavy: GELU's erf,
@@ -324,7 +327,7 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
         # DTensor's per-call cost of each sharded Linear (dispatch, sharding propagation, input and
         # output conversion; forward + backward), calibrated on CPU; part of TP's price
         t_tp = (ld.tp_collectives * (ar_tp + sync) * (3 if ac else 2)
-                + ld.tp_linears * hw.extra.get("tp_linear_overhead_s", 0.0))
+                + ld.tp_linears * tp_linear)
         work = t_f + t_b + t_rc + t_tp
         key = (work, ld.params)
         if best is None or key > best[0]:
