@@ -262,30 +262,33 @@ def _collective_worker(rank: int, world: int, port: int, sizes, out):
         out.put(res)
 
 
-def _sync_penalty(reps: int = 21, estimates: int = 5) -> float:
+def _sync_penalty(reps: int = 60) -> float:
     """Seconds a blocking collective adds beyond its own time when ranks compute between collectives:
     every rank waits for the slowest, so the run-to-run spread of the compute segment is paid at each
-    one. Measured as (a ~10 ms matmul segment + a 256 KiB all-reduce) minus each alone, medians; the
-    median of ``estimates`` such measurements (one is noisy: it is a difference of jittery times)."""
-    import statistics
+    one. One loop of ``reps`` x (a ~10 ms matmul segment, then a 256 KiB all-reduce): the loop's time
+    less its segments (timed inside the same loop) is the mean all-reduce-plus-wait; the all-reduce
+    alone (median) is subtracted; averaged over the ranks."""
     import torch.distributed as dist
     a, w, msg = torch.randn(2048, 128), torch.randn(128, 512), torch.zeros(64 * 1024)
 
     def seg():
         for _ in range(4):
             a @ w
-    out = []
-    for _ in range(estimates):
-        dist.barrier()
-        t_seg = _time(seg, reps)
-        dist.barrier()
-        t_ar = _time(lambda: dist.all_reduce(msg), reps)
-        dist.barrier()
-        t_both = _time(lambda: (seg(), dist.all_reduce(msg)), reps)
-        out.append(t_both - t_seg - t_ar)
-    t = torch.tensor([max(0.0, statistics.median(out))])
-    dist.all_reduce(t)                  # every rank reports the same number (rank 0's is saved)
-    return float(t) / dist.get_world_size()
+    seg()
+    dist.barrier()
+    t_ar = _time(lambda: dist.all_reduce(msg), 21)
+    dist.barrier()
+    in_seg = 0.0
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        t = time.perf_counter()
+        seg()
+        in_seg += time.perf_counter() - t
+        dist.all_reduce(msg)
+    wait = (time.perf_counter() - t0 - in_seg) / reps - t_ar
+    out = torch.tensor([max(0.0, wait)])
+    dist.all_reduce(out)                # every rank reports the same number (rank 0's is saved)
+    return float(out) / dist.get_world_size()
 
 
 def _tp_linear_cost(mesh, world: int, tokens: int, width: int, n: int = 3) -> tuple[float, float]:
