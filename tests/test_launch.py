@@ -26,11 +26,14 @@ def _env():
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy,plan_key", [("fsdp", "dp_shard"), ("pp", "pp")])
-def test_cli_train_nproc2_writes_run_record(tmp_path, strategy, plan_key):
-    """The whole `modelpar train` path, memory tracking included (pipelines use StepMemory)."""
+@pytest.mark.parametrize("strategy,plan_key,extra", [("fsdp", "dp_shard", []), ("pp", "pp", []),
+                                                      ("ddp", "dp_replicate", ["--local_batch_size", "1"])])
+def test_cli_train_nproc2_writes_run_record(tmp_path, strategy, plan_key, extra):
+    """The whole `modelpar train` path, memory tracking included (pipelines and gradient accumulation,
+    whose modules run more than once per step, use StepMemory)."""
     r = subprocess.run([sys.executable, "-m", "modelpar", "train", "--strategy", strategy, "--nproc", "2",
-                        "--out_dir", str(tmp_path), *TINY], capture_output=True, text=True, timeout=200, env=_env())
+                        "--out_dir", str(tmp_path), *TINY, *extra], capture_output=True, text=True, timeout=200,
+                       env=_env())
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"plan {strategy}2" in r.stdout and "validation loss" in r.stdout and "tokens/s" in r.stdout
     run = next(tmp_path.iterdir())

@@ -120,8 +120,10 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
         track_at = ckpt.start_step + (1 if cfg.steps - ckpt.start_step > 1 else 0)
         track = cfg.track_memory and step == track_at and device.type == "cpu"
         # MemTracker refuses modules that run more than once per step (pipeline stages run once per
-        # micro-batch): pipelines are measured with StepMemory instead
-        tracker = (StepMemory(pm.modules, opt) if (track and plan.pp_enabled)
+        # micro-batch, every module once per accumulated local batch): those steps are measured with
+        # StepMemory instead (which does not see FSDP's storage resizes: its unsharded parameters)
+        reentrant = plan.pp_enabled or batches.accum_steps > 1
+        tracker = (StepMemory(pm.modules, opt) if (track and reentrant)
                    else PeakTensorMemory(device, enabled=track or device.type == "cuda"))
         with tracker as mem:
             loss_sum, n, gnorm = train_step(pm, opt, xg, yg, accum_steps=batches.accum_steps,
