@@ -271,6 +271,35 @@ def _comm_terms(ld: RankLoad, plan: ParallelPlan, hw: Hardware, b: int, wb: int,
     return c
 
 
+_LOAD_TIMES: dict[tuple, tuple] = {}
+
+
+def _load_times(ld: RankLoad, hw: Hardware, b: int, prec: str, mem_s: float, ew_s: float, attn_rate: float,
+                curve: bool, flops_s: float, alone: bool) -> tuple[float, float]:
+    """Forward and backward seconds of one micro-batch of ``b`` samples on a rank holding ``ld``
+    (memoized by `rank_step`: they do not depend on the schedule or checkpointing)."""
+    # fused attention kernels at their own calibrated rate where there is one (on CPU far below
+    # the GEMM rate); otherwise they count as matmuls
+    af, ab = ld.attn_flops if attn_rate else (0.0, 0.0)
+    ac_calls = ld.attn_calls if attn_rate else 0
+    mf, mb_ = ld.fwd_flops - af, ld.bwd_flops - ab
+    nf, nb = max(ld.fwd_gemms - ac_calls, 1), max(ld.bwd_gemms - ac_calls, 1)
+    rf = hw.gemm_flops(prec, mf * b / nf) if curve and ld.fwd_gemms else flops_s
+    rb = hw.gemm_flops(prec, mb_ * b / nb) if curve and ld.bwd_gemms else flops_s
+    # matmuls: roofline of their FLOPs and the bytes they move (weights once per micro-batch)
+    g_f = max(mf * b / rf, (ld.gemm_param_bytes[0] + ld.gemm_act_bytes[0] * b) / mem_s)
+    g_b = max(mb_ * b / rb, (ld.gemm_param_bytes[1] + ld.gemm_act_bytes[1] * b) / mem_s)
+    if attn_rate:
+        g_f += af * b / attn_rate
+        g_b += ab * b / attn_rate
+    t_f = g_f + ld.fwd_mem * b / ew_s + ld.fwd_ops * hw.op_overhead_s
+    # backward: every micro-batch's weight gradients are new tensors (the first become .grad,
+    # later ones are added into it)
+    t_b = (g_b + ld.bwd_mem * b / ew_s + (ld.ops - ld.fwd_ops) * hw.op_overhead_s
+           + hw.fresh_seconds(ld.param_sizes, 4, alone=alone))
+    return t_f, t_b
+
+
 def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_batch_size: int,
               accumulation: int, optimizer: str, tp_bytes: float, dp_overlap: bool = True) -> dict:
     """Seconds of one step on the slowest pipeline rank; ``tp_bytes`` = block output per sample.
@@ -298,31 +327,23 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     tp_linear = (hw.extra.get("tp_linear_overhead_s", 0.0)
                  + hw.extra.get("tp_linear_overhead_s_per_byte", 0.0) * tp_bytes * b) if plan.tp > 1 else 0.0
     best = None
-    curve = any(k.startswith("matmul_flops_") for k in hw.extra)
+    curve = hw._tables.get("_curve")
+    if curve is None:
+        curve = hw._tables["_curve"] = any(k.startswith("matmul_flops_") for k in hw.extra)
     # the non-matmul operators' traffic moves at their calibrated rate (arithmetic-heavy: GELU's erf,
     # norms' reductions), never above the streaming bandwidth
     ew_s = min(mem_s, hw.extra.get("elementwise_bw", mem_s))
     attn_rate = hw.extra.get("attention_flops", 0.0) * hw.peak_flops[prec] / hw.peak_flops.get("fp32", hw.peak_flops[prec])
     for ld in loads:
-        # fused attention kernels at their own calibrated rate where there is one (on CPU far below
-        # the GEMM rate); otherwise they count as matmuls
-        af, ab = ld.attn_flops if attn_rate else (0.0, 0.0)
-        ac_calls = ld.attn_calls if attn_rate else 0
-        mf, mb_ = ld.fwd_flops - af, ld.bwd_flops - ab
-        nf, nb = max(ld.fwd_gemms - ac_calls, 1), max(ld.bwd_gemms - ac_calls, 1)
-        rf = hw.gemm_flops(prec, mf * b / nf) if curve and ld.fwd_gemms else flops_s
-        rb = hw.gemm_flops(prec, mb_ * b / nb) if curve and ld.bwd_gemms else flops_s
-        # matmuls: roofline of their FLOPs and the bytes they move (weights once per micro-batch)
-        g_f = max(mf * b / rf, (ld.gemm_param_bytes[0] + ld.gemm_act_bytes[0] * b) / mem_s)
-        g_b = max(mb_ * b / rb, (ld.gemm_param_bytes[1] + ld.gemm_act_bytes[1] * b) / mem_s)
-        if attn_rate:
-            g_f += af * b / attn_rate
-            g_b += ab * b / attn_rate
-        t_f = g_f + ld.fwd_mem * b / ew_s + ld.fwd_ops * hw.op_overhead_s
-        # backward: every micro-batch's weight gradients are new tensors (the first become .grad,
-        # later ones are added into it)
-        t_b = (g_b + ld.bwd_mem * b / ew_s + (ld.ops - ld.fwd_ops) * hw.op_overhead_s
-               + hw.fresh_seconds(ld.param_sizes, 4, alone=alone))
+        key = (id(ld), id(hw), b, prec, alone)
+        hit = _LOAD_TIMES.get(key)
+        if hit is not None and hit[0] is ld and hit[1] is hw:
+            t_f, t_b = hit[2]
+        else:
+            t_f, t_b = _load_times(ld, hw, b, prec, mem_s, ew_s, attn_rate, curve, flops_s, alone)
+            if len(_LOAD_TIMES) > 65536:
+                _LOAD_TIMES.clear()
+            _LOAD_TIMES[key] = (ld, hw, (t_f, t_b))
         t_rc = t_f if ac else 0.0
         # DTensor's per-call cost of each sharded Linear (dispatch, sharding propagation, input and
         # output conversion; forward + backward), calibrated on CPU; part of TP's price

@@ -135,7 +135,9 @@ class RankLoad:
     is_last: bool = False          # holds the model's last block (logits and loss)
     max_param: float = 0.0         # largest parameter tensor (elements, TP applied)
     num_tensors: int = 0           # parameter tensors (optimizer kernels are launched per tensor on CPU)
-    opt_temp: float = 0.0          # elements of the non-foreach AdamW step transient (see `_adamw_temp`)
+    opt_temp: float = -1.0         # elements of the single-tensor AdamW step transient (`_adamw_temp`);
+                                   # computed on first use (-1: not yet), from numels
+    numels: tuple = ()             # (elements, decayed) per parameter tensor, TP applied
     data: float = 0.0              # bytes per global-batch sample of inputs + targets (held by every rank)
     fwd_gemms: int = 0             # matmul-class calls per micro-batch (forward, backward)
     bwd_gemms: int = 0
@@ -364,7 +366,7 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float) -
     for ld, nl, un in zip(loads, numels, units):
         sizes = [k for k, _ in nl]
         ld.max_param = max(sizes, default=0.0)
-        ld.opt_temp = _adamw_temp(nl)
+        ld.numels = tuple(nl)
         ld.num_tensors = len(nl)
         ld.param_sizes = tuple(sizes)
         ld.unit_sizes = tuple([u for u, _ in un])
@@ -602,6 +604,8 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
     # modelpar's TP leaves some parameters plain tensors, and torch's fused kernel refuses mixed
     # lists, so tensor-parallel plans step with the single-tensor loop (`modelpar.train.step.adamw`)
     if optimizer == "adamw" and not (fused and plan.tp == 1):
+        if not foreach and ld.opt_temp < 0:
+            ld.opt_temp = _adamw_temp(list(ld.numels))
         step_tmp = (ld.params if foreach else ld.opt_temp) * 4 / shard
     else:
         step_tmp = 0.0     # fused AdamW and in-place SGD; the gradient norm copies nothing either
