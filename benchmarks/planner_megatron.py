@@ -5,7 +5,8 @@ For each row of ../shared/reference/megatron.md: profile a GPT of that shape on 
 recomputation, interleaved 1F1B where PP > 1) on the built-in A100-80GB profile, whose achievable
 GEMM fraction comes from a published large-GEMM benchmark (MAMF, see modelpar/planner/hardware.py),
 not from these rows. Megatron 2021 all-reduced data-parallel gradients after the backward pass, so
-the check runs with ``dp_overlap=False``. The micro-batch size (not published in the table) and the
+the check runs with ``dp_overlap=False``, and with a fused Adam on tensor-parallel ranks too
+(``fused_tp_optimizer=True``: Megatron-LM used apex's FusedAdam). The micro-batch size (not published in the table) and the
 number of virtual stages are chosen as the planner would: the fastest feasible one.
 
 Achieved TFLOP/s per GPU uses the paper's own FLOP count, F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)),
@@ -65,10 +66,11 @@ def predict_row(row, hw=BUILTIN["A100-80GB"]) -> dict:
                                 activation_checkpointing="full", precision="bf16")
             batch = Batch(B, per_dp if pp > 1 else b)
             mem = estimate_memory(prof, plan, batch, optimizer="adamw",
-                                  overhead_bytes=hw.framework_overhead_bytes, recv_per_microbatch=False)
+                                  overhead_bytes=hw.framework_overhead_bytes, recv_per_microbatch=False,
+                                  fused_tp_optimizer=True)
             if mem.total > hw.memory_bytes:
                 continue
-            st = estimate_step(prof, plan, batch, hw, optimizer="adamw", dp_overlap=False)
+            st = estimate_step(prof, plan, batch, hw, optimizer="adamw", dp_overlap=False, fused_tp_optimizer=True)
             if best is None or st.total < best[2].total:
                 best = (plan, b, st, mem)
     plan, b, st, mem = best

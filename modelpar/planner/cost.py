@@ -301,7 +301,8 @@ def _load_times(ld: RankLoad, hw: Hardware, b: int, prec: str, mem_s: float, ew_
 
 
 def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_batch_size: int,
-              accumulation: int, optimizer: str, tp_bytes: float, dp_overlap: bool = True) -> dict:
+              accumulation: int, optimizer: str, tp_bytes: float, dp_overlap: bool = True,
+              fused_tp_optimizer: bool = False) -> dict:
     """Seconds of one step on the slowest pipeline rank; ``tp_bytes`` = block output per sample.
 
     CPU-specific terms (zero where the hardware profile lacks them): fresh allocations
@@ -400,7 +401,7 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     per_mb_compute = t_f + t_b + t_tp
     bub = bubble_fraction(plan.pp_schedule, p, m, v) * m * (per_mb_compute + t_rc)
     local = ld.params / plan.dp_shard
-    loop = optimizer == "adamw" and plan.tp > 1
+    loop = optimizer == "adamw" and plan.tp > 1 and not fused_tp_optimizer
     if hw.name == "cpu":
         traffic, kernels = ((ADAMW_LOOP_TRAFFIC, ADAMW_LOOP_KERNELS) if loop
                             else (OPT_TRAFFIC_CPU[optimizer], OPT_KERNELS[optimizer]))
@@ -416,7 +417,8 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
 
 
 def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: Hardware, *,
-                  optimizer: str = "adamw", dp_overlap: bool = True) -> StepEstimate:
+                  optimizer: str = "adamw", dp_overlap: bool = True,
+                  fused_tp_optimizer: bool = False) -> StepEstimate:
     """Predict one optimizer step of ``plan`` on ``hw`` (see module docstring for the formulas).
 
     Args:
@@ -426,6 +428,9 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
         hw: the device and its links.
         optimizer: ``"sgd"``, ``"sgd_momentum"`` or ``"adamw"`` (optimizer-step memory traffic).
         dp_overlap: whether DDP overlaps its all-reduce with backward (torch DDP does).
+        fused_tp_optimizer: tensor-parallel plans step with a fused AdamW too (Megatron-LM's fused
+            Adam); by default they pay the single-tensor loop modelpar's TP runs (see
+            `modelpar.train.step.adamw`).
 
     Raises:
         ValueError: batch sizes that do not divide, unknown optimizer or precision.
@@ -436,7 +441,8 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
     acc = batch.accumulation_steps(plan)
     loads = rank_loads(profile, plan, act_bytes=2 if plan.precision == "bf16" else 4)
     parts = rank_step(loads, plan, hw, micro_batch_size=b, accumulation=acc, optimizer=optimizer,
-                      tp_bytes=tp_bytes_per_sample(profile, plan), dp_overlap=dp_overlap)
+                      tp_bytes=tp_bytes_per_sample(profile, plan), dp_overlap=dp_overlap,
+                      fused_tp_optimizer=fused_tp_optimizer)
     return _finish(parts, profile, plan, batch.global_batch_size)
 
 

@@ -491,7 +491,7 @@ def in_flight(plan: ParallelPlan, pp_rank: int) -> float:
 def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, optimizer: str,
                 overhead_bytes: float, pp_rank: int, accumulation: int = 1, global_batch_size: int = 0,
                 foreach: bool = False, recv_per_microbatch: bool = True, fused: bool = True,
-                gloo: bool = False) -> MemoryEstimate:
+                gloo: bool = False, fused_tp_optimizer: bool = False) -> MemoryEstimate:
     """Peak memory of one pipeline rank, with its parts at the moment of the peak.
 
     The largest of these moments of a training step (steady state: optimizer state exists;
@@ -603,7 +603,7 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
     end_total = params + grads + opt + data + comm_persist + 2 * held_end
     # modelpar's TP leaves some parameters plain tensors, and torch's fused kernel refuses mixed
     # lists, so tensor-parallel plans step with the single-tensor loop (`modelpar.train.step.adamw`)
-    if optimizer == "adamw" and not (fused and plan.tp == 1):
+    if optimizer == "adamw" and not (fused and (plan.tp == 1 or fused_tp_optimizer)):
         if not foreach and ld.opt_temp < 0:
             ld.opt_temp = _adamw_temp(list(ld.numels))
         step_tmp = (ld.params if foreach else ld.opt_temp) * 4 / shard
@@ -629,7 +629,7 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
 def estimate_memory(profile: ModelProfile, plan: ParallelPlan, batch: Batch, *,
                     optimizer: str = "adamw", overhead_bytes: float = 0.0, foreach: bool = False,
                     recv_per_microbatch: bool = True, fused: bool = True,
-                    gloo: bool = False) -> MemoryEstimate:
+                    gloo: bool = False, fused_tp_optimizer: bool = False) -> MemoryEstimate:
     """Peak memory per rank for ``plan``: the most loaded pipeline rank, with its parts (bytes).
 
     Args:
@@ -644,7 +644,9 @@ def estimate_memory(profile: ModelProfile, plan: ParallelPlan, batch: Batch, *,
             runs): a receive buffer per micro-batch, and the last stage keeps every micro-batch's
             output until the next step; False: Megatron-LM's, two reused buffers, outputs dropped
             after the loss.
-        fused: AdamW runs torch's fused kernel (modelpar's default), which makes no temporaries.
+        fused: AdamW runs torch's fused kernel (modelpar's default), which makes no temporaries;
+            tensor-parallel plans still use the single-tensor loop (modelpar's TP mixes plain tensors
+            and DTensors) unless ``fused_tp_optimizer`` (Megatron-LM's fused Adam).
 
     Raises:
         ValueError: unknown optimizer, batch sizes that do not divide, more stages than blocks.
@@ -656,6 +658,7 @@ def estimate_memory(profile: ModelProfile, plan: ParallelPlan, batch: Batch, *,
     loads = rank_loads(profile, plan, act_bytes=2 if plan.precision == "bf16" else 4)
     ests = [rank_memory(ld, plan, micro_batch_size=b, optimizer=optimizer, overhead_bytes=overhead_bytes,
                         pp_rank=r, accumulation=acc, global_batch_size=batch.global_batch_size, foreach=foreach,
-                        recv_per_microbatch=recv_per_microbatch, fused=fused, gloo=gloo)
+                        recv_per_microbatch=recv_per_microbatch, fused=fused, gloo=gloo,
+                        fused_tp_optimizer=fused_tp_optimizer)
             for r, ld in enumerate(loads)]
     return max(ests, key=lambda e: e.total)
