@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 # Schedule names accepted by `pp_schedule`, mapped to torch.distributed.pipelining classes in

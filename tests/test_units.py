@@ -1,8 +1,5 @@
 """Tier 1: partitioning, data sharding, batch terms, placement (no process groups)."""
 
-import copy
-
-import pytest
 import torch
 
 from modelpar.models import build_cnn, build_gpt, build_mlp

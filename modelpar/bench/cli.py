@@ -56,8 +56,6 @@ def build_parser() -> argparse.ArgumentParser:
 def predict(spec: RowSpec, plan, batches, hardware: str) -> dict:
     """The planner's samples/s, peak MiB and communication share for a row ({} if unavailable)."""
     try:
-        import torch
-
         from modelpar.planner.cost import estimate_step
         from modelpar.planner.hardware import get_hardware
         from modelpar.planner.memory import Batch, estimate_memory

@@ -314,7 +314,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
 
     model.to(device)
     # 1. pipeline split (first: every later step sees only this rank's stages)
-    schedule, indices, ranges = None, [], []
+    indices, ranges = [], []
     if plan.pp_enabled:
         if parts.form == "split_points":
             raise ValueError("pipelines over split points of an arbitrary module are not supported yet; "

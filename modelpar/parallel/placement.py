@@ -8,7 +8,6 @@ is unchanged. Only one device works at a time (no micro-batching); pipelining re
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 
 from modelpar.parallel.parts import ModelParts, balanced_partition, block_param_costs, stage_ranges
 

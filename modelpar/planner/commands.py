@@ -326,7 +326,6 @@ def _framework_overheads(world: int, *, d: int = 16, n: int = 8) -> dict:
     import torch.nn as nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     mesh = init_device_mesh("cpu", (world,))
     x = torch.randn(4, d)
@@ -442,10 +441,11 @@ def measure_collectives(world: int = 2, sizes=COLLECTIVE_SIZES) -> dict[str, tup
     mp.start_processes(_collective_worker, args=(world, port, sizes, q), nprocs=world, join=True,
                        start_method="spawn")
     res = q.get()
-    n = world
-    form = {"all_reduce": (2 * (n - 1), 2 * (n - 1) / n), "all_gather": (n - 1, (n - 1) / n),
-            "reduce_scatter": (n - 1, (n - 1) / n), "send_recv": (1, 1)}
-    fits = {op: fit_alpha_beta(res[op], steps=form[op][0], volume=form[op][1]) for op in COLLECTIVES}
+    from modelpar.planner.cost import alpha_beta_form
+    fits = {}
+    for op in COLLECTIVES:
+        steps, volume = alpha_beta_form(op, world)
+        fits[op] = fit_alpha_beta(res[op], steps=steps, volume=volume)
     fits["mem_bandwidth"] = res["mem_bandwidth"]
     fits["times"] = {op: res[op] for op in COLLECTIVES}
     fits["fresh"] = res["fresh"]

@@ -46,7 +46,7 @@ from modelpar.planner.profile import ModelProfile
 
 DDP_BUCKET_BYTES = 25 * 2 ** 20
 # bytes read + written per parameter by the optimizer step: torch's fused AdamW (modelpar's default,
-# `modelpar.train.loop.adamw`, on GPUs and CPUs) reads param, grad and both moments and writes param and
+# `modelpar.train.step.adamw`, on GPUs and CPUs) reads param, grad and both moments and writes param and
 # moments, 28; SGD's in-place add_ 12; with momentum (foreach on GPUs) 20, on CPU's single-tensor loop
 # mul_ + add_ + add_ = 32. Gradient clipping adds a norm (read 4) and a scale (read + write 8) = 12.
 OPT_TRAFFIC = {"sgd": 12 + 12, "sgd_momentum": 20 + 12, "adamw": 28 + 12}
@@ -61,14 +61,27 @@ ADAMW_LOOP_TRAFFIC, ADAMW_LOOP_KERNELS = 84 + 12, 8 + 4
 
 
 # ---- collectives (alpha-beta) ------------------------------------------------------------------
+def alpha_beta_form(op: str, n: int) -> tuple[float, float]:
+    """(latency steps, bandwidth volume factor) of ``op`` over ``n`` ranks, so that its time is
+    steps x latency + volume x bytes / bandwidth (Thakur et al. 2005, ring algorithms): all-reduce
+    2(n-1) and 2(n-1)/n; all-gather and reduce-scatter (bytes = the gathered size) n-1 and (n-1)/n;
+    send/recv 1 and 1. Raises KeyError for another op."""
+    if op == "send_recv":
+        return 1, 1
+    k = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}[op]
+    return k * (n - 1), k * (n - 1) / n
+
+
 def all_reduce_time(nbytes: float, n: int, bw: float, lat: float) -> float:
     """Ring all-reduce of ``nbytes`` over ``n`` ranks: 2(n-1) lat + 2(n-1)/n nbytes/bw seconds."""
-    return 0.0 if n <= 1 else 2 * (n - 1) * lat + 2 * (n - 1) / n * nbytes / bw
+    steps, volume = alpha_beta_form("all_reduce", n)
+    return 0.0 if n <= 1 else steps * lat + volume * nbytes / bw
 
 
 def all_gather_time(nbytes: float, n: int, bw: float, lat: float) -> float:
     """Ring all-gather (or reduce-scatter) whose gathered size is ``nbytes``: (n-1) lat + (n-1)/n B/bw."""
-    return 0.0 if n <= 1 else (n - 1) * lat + (n - 1) / n * nbytes / bw
+    steps, volume = alpha_beta_form("all_gather", n)
+    return 0.0 if n <= 1 else steps * lat + volume * nbytes / bw
 
 
 def p2p_time(nbytes: float, bw: float, lat: float) -> float:
@@ -172,9 +185,6 @@ def _axis_link(plan: ParallelPlan, axis: str, hw: Hardware, op: str = "all_reduc
     return hw.link(n, span)
 
 
-_ALPHA_BETA = {"all_reduce": lambda n: (2 * (n - 1), 2 * (n - 1) / n), "send_recv": lambda n: (1, 1),
-               "all_gather": lambda n: (n - 1, (n - 1) / n), "reduce_scatter": lambda n: (n - 1, (n - 1) / n)}
-
 
 def _coll(plan: ParallelPlan, axis: str, hw: Hardware, op: str, nbytes: float, n: int) -> float:
     """Seconds of one ``op`` of ``nbytes`` over ``n`` ranks of mesh axis ``axis``: the calibrated
@@ -200,7 +210,7 @@ def _coll_sum(plan: ParallelPlan, axis: str, hw: Hardware, op: str, sizes, n: in
         table = (bool(hw.extra) and hw.devices_per_node % (plan.tp * plan.dp * plan.pp) == 0
                  and hw.collective_seconds(op, 1.0, n) is not None)
         bw, lat = _axis_link(plan, axis, hw, op)
-        steps, volume = _ALPHA_BETA[op](n)
+        steps, volume = alpha_beta_form(op, n)
         link = _LINKS[key] = (hw, table, steps * lat, volume / bw)
     if link[1]:
         return sum(hw.collective_seconds(op, x * scale, n) for x in sizes if x > 0)
@@ -328,9 +338,7 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     tp_linear = (hw.extra.get("tp_linear_overhead_s", 0.0)
                  + hw.extra.get("tp_linear_overhead_s_per_byte", 0.0) * tp_bytes * b) if plan.tp > 1 else 0.0
     best = None
-    curve = hw._tables.get("_curve")
-    if curve is None:
-        curve = hw._tables["_curve"] = any(k.startswith("matmul_flops_") for k in hw.extra)
+    curve = bool(hw.matmul_curve())
     # the non-matmul operators' traffic moves at their calibrated rate (arithmetic-heavy: GELU's erf,
     # norms' reductions), never above the streaming bandwidth
     ew_s = min(mem_s, hw.extra.get("elementwise_bw", mem_s))

@@ -70,7 +70,7 @@ class Hardware:
     comm_overlap: bool = True          # collectives run beside compute (GPU copy engines / NCCL SMs)
     source: str = ""
     extra: dict[str, float] = field(default_factory=dict)
-    _tables: dict = field(default_factory=dict, repr=False, compare=False)   # parsed extra, cached
+    _tables: dict = field(default_factory=dict, init=False, repr=False, compare=False)   # parsed extra, cached
 
     def achievable_flops(self, precision: str) -> float:
         """``peak_flops[precision] * gemm_fraction``, FLOP/s. Raises ValueError for an unknown precision."""
@@ -87,8 +87,7 @@ class Hardware:
         ``(call_flops / 2) ** (1/3)`` and clamped at the ends; otherwise `achievable_flops`. The
         curve is measured in fp32; bf16 scales it by ``peak[bf16] / peak[fp32]``.
         """
-        pts = sorted((int(k.rsplit("_", 1)[1]), v) for k, v in self.extra.items()
-                     if k.startswith("matmul_flops_"))
+        pts = self.matmul_curve()
         if not pts or call_flops <= 0:
             return self.achievable_flops(precision)
         import math
@@ -103,6 +102,15 @@ class Hardware:
                 w = (math.log(n) - math.log(n0)) / (math.log(n1) - math.log(n0))
                 return math.exp(math.log(f0) + w * (math.log(f1) - math.log(f0))) * scale
         return self.achievable_flops(precision)
+
+    def matmul_curve(self) -> list[tuple[int, float]]:
+        """The calibrated ``(N, FLOP/s)`` points of N x N x N products, sorted by N ([] if none);
+        parsed from ``extra`` once."""
+        pts = self._tables.get("matmul")
+        if pts is None:
+            pts = self._tables["matmul"] = sorted((int(k.rsplit("_", 1)[1]), v) for k, v in self.extra.items()
+                                                  if k.startswith("matmul_flops_"))
+        return pts
 
     def collective(self, op: str) -> tuple[float, float] | None:
         """Calibrated (bandwidth bytes/s, latency s) of ``op`` (``all_reduce``, ``all_gather``,

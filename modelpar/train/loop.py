@@ -8,26 +8,20 @@ starts; ``train(cfg)`` is what each rank runs.
 from __future__ import annotations
 
 import math
-import os
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from modelpar.models import MLP_PRESETS, PRESETS
-from modelpar.parallel.compose import ParallelModel, parallelize
-from modelpar.parallel.mesh import build_mesh, get_device, init_distributed
+from modelpar.models import PRESETS
+from modelpar.parallel.compose import ParallelModel
 from modelpar.parallel.parts import get_model_parts
 from modelpar.parallel.tensor import derive_tp_plan, validate_tp_plan
 from modelpar.plan import ParallelPlan, gradient_accumulation_steps, plan_for_strategy
 from modelpar.train.config import TrainConfig
-from modelpar.train.data import eval_shard, global_batch_slice
-from modelpar.train.grads import clip_grad_norm_
+from modelpar.train.data import eval_shard
 from modelpar.train.step import adamw
-from modelpar.train.metrics import PeakTensorMemory, RunRecord, peak_rss_bytes
-from modelpar.train.task import Task, build_task, example_input
+from modelpar.train.task import Task, build_task
 
 
 def resolve_plan(cfg: TrainConfig, world_size: int) -> ParallelPlan:

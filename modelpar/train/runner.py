@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from modelpar.parallel.compose import parallelize
 from modelpar.parallel.mesh import build_mesh, get_device, init_distributed
 from modelpar.train.checkpoint import TrainCheckpoints
 from modelpar.train.config import TrainConfig
 from modelpar.train.health import guard, start_heartbeat
-from modelpar.train.loop import (batch_terms, build_optimizer, evaluate, gather_full_state_dict, lr_at,
-                                 preflight, reduce_loss)
+from modelpar.train.loop import build_optimizer, evaluate, gather_full_state_dict, lr_at, preflight, reduce_loss
 from modelpar.train.metrics import PeakTensorMemory, RunRecord, StepMemory, peak_rss_bytes
 from modelpar.train.preflight_checks import (check_optimizer_params, check_same_steps, install_first_step_checks,
                                              rebind_replaced_params)
