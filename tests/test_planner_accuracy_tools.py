@@ -77,6 +77,22 @@ def test_gemm_flops_curve_interpolates_and_clamps():
     assert cpu_profile(1).gemm_flops("fp32", 1e9) == cpu_profile(1).achievable_flops("fp32")
 
 
+def test_in_context_collective_table_and_fallback():
+    """`collective_seconds(in_context=True)` reads the table of calls between compute segments and
+    falls back to the back-to-back one; log-log between sizes, linear in bytes past the largest."""
+    import dataclasses
+    extra = {"collective_ranks": 2, "all_reduce_t_1024": 1e-4, "all_reduce_t_4096": 4e-4,
+             "all_reduce_ctx_1024": 2e-3, "all_reduce_ctx_4096": 8e-3, "all_gather_t_1024": 3e-4}
+    hw = dataclasses.replace(cpu_profile(2), extra=extra)
+    assert hw.collective_seconds("all_reduce", 1024, 2) == 1e-4
+    assert hw.collective_seconds("all_reduce", 1024, 2, in_context=True) == 2e-3
+    assert math.isclose(hw.collective_seconds("all_reduce", 2048, 2, in_context=True), 4e-3, rel_tol=1e-9)
+    assert math.isclose(hw.collective_seconds("all_reduce", 8192, 2, in_context=True), 16e-3, rel_tol=1e-9)
+    assert hw.collective_seconds("all_gather", 1024, 2, in_context=True) == 3e-4     # no ctx table
+    assert hw.collective_seconds("all_reduce", 1024, 4, in_context=True) is None     # other rank count
+    assert hw.collective_seconds("all_reduce", 0, 2, in_context=True) == 0.0
+
+
 def test_flash_profile_saves_linear_in_seq():
     m = build_model("gpt-1m", device="meta")
     saved = {}

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from modelpar.planner.hardware import BUILTIN, Hardware, cpu_profile, get_hardware, save_profile
+from modelpar.planner.hardware import BUILTIN, Hardware, cpu_profile, get_hardware, interpolate_sizes, save_profile
 
 GIB = 2 ** 30
 
@@ -159,12 +159,14 @@ def _time(fn, reps: int, *, best: bool = False) -> float:
 
 
 def measure_compute(sizes=MATMUL_SIZES) -> dict:
-    """Matmul FLOP/s of N x N x N fp32 products over ``sizes`` (the curve the cost model interpolates),
-    per-op overhead (a tiny add), copy bandwidth. Units: FLOP/s, s, B/s."""
-    flops = {}
-    for n in sizes:
+    """Matmul FLOP/s of N x N x N fp32 products over ``sizes``: the peak (``matmul_peak``: the best
+    rate of a product repeated on the same operands) and the curve the cost model interpolates
+    (`_linear_matmul_rate`); per-op overhead (a tiny add), copy bandwidth. Units: FLOP/s, s, B/s."""
+    peak = 0.0
+    for n in (256, 512):
         a, b = torch.randn(n, n), torch.randn(n, n)
-        flops[n] = 2 * n ** 3 / _time(lambda: a @ b, max(7, min(200, int(3e9 // n ** 3))), best=True)
+        peak = max(peak, 2 * n ** 3 / _time(lambda: a @ b, max(7, min(200, int(3e9 // n ** 3))), best=True))
+    flops = {n: _linear_matmul_rate(n) for n in sizes}
     overhead = _time(_op_chain, 30, best=True) / (2 * _CHAIN)         # forward op + its backward op
     fresh = _fresh_alloc_costs()     # first: its warm-up leaves the allocator in its steady state
     attn = measure_attention()
@@ -172,8 +174,38 @@ def measure_compute(sizes=MATMUL_SIZES) -> dict:
     a, b = torch.ones(32 * 2 ** 20), torch.ones(32 * 2 ** 20)   # 128 MiB each: past the caches
     c = torch.empty_like(a)
     bw = 3 * a.numel() * 4 / _time(lambda: torch.add(a, b, out=c), 5)     # read 2 + write 1
-    return {"matmul_flops": flops, "op_overhead_s": overhead, "mem_bandwidth": bw, "attention_flops": attn,
-            "fresh": fresh, "elementwise_bw": elementwise}
+    return {"matmul_flops": flops, "matmul_peak": max(peak, *flops.values()), "op_overhead_s": overhead,
+            "mem_bandwidth": bw, "attention_flops": attn, "fresh": fresh, "elementwise_bw": elementwise}
+
+
+def _linear_matmul_rate(n: int, pool_bytes: int = 64 * 2 ** 20) -> float:
+    """FLOP/s of the three products a Linear layer runs on ``n x n`` operands -- forward ``x @ W.T``,
+    input gradient ``dy @ W``, weight gradient ``dy.T @ x`` -- with operands that are not in cache:
+    each call takes the next of as many operand sets as fill ``pool_bytes`` (past the last-level
+    cache), as in a training step, where a product's inputs were written by earlier operators long
+    evicted. Harmonic mean over the three layouts (equal FLOPs each); the median of 3 passes.
+    1 thread, this machine: n=128 75, n=256 94, n=512 101, n=1024 106 GFLOP/s vs 101-108 for the
+    same products repeated on the same operands."""
+    import statistics
+    nbytes = 3 * n * n * 4
+    sets = max(2, pool_bytes // nbytes)
+    total = 0.0
+    for layout in ("NT", "NN", "TN"):
+        ops = [((torch.randn(n, n).t() if layout == "TN" else torch.randn(n, n)),
+                (torch.randn(n, n).t() if layout == "NT" else torch.randn(n, n)), torch.empty(n, n))
+               for _ in range(sets)]
+
+        def run():
+            for x, w, o in ops:
+                torch.mm(x, w, out=o)
+        run()
+        passes = []
+        for _ in range(3):
+            t = time.perf_counter()
+            run()
+            passes.append(time.perf_counter() - t)
+        total += statistics.median(passes) / sets
+    return 3 * 2 * n ** 3 / total
 
 
 def measure_elementwise(tokens: int = 2048, width: int = 256) -> float:
@@ -254,47 +286,87 @@ def _collective_worker(rank: int, world: int, port: int, sizes, out):
         for op, fn in ops.items():
             dist.barrier()
             res[op][nbytes] = _time(fn, 7)
-    res["framework"] = _framework_overheads(world)
-    res["framework"]["sync_penalty_s"] = _sync_penalty()
+    res["in_context"] = _in_context_tables(rank, world, sizes)
+    res["framework"] = _framework_overheads(world, res["in_context"]["all_reduce"])
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
         out.put(res)
 
 
-def _sync_penalty(reps: int = 60) -> float:
-    """Seconds a blocking collective adds beyond its own time when ranks compute between collectives:
-    every rank waits for the slowest, so the run-to-run spread of the compute segment is paid at each
-    one. One loop of ``reps`` x (a ~10 ms matmul segment, then a 256 KiB all-reduce): the loop's time
-    less its segments (timed inside the same loop) is the mean all-reduce-plus-wait; the all-reduce
-    alone (median) is subtracted; averaged over the ranks."""
+def _trimmed_mean(ts: list[float]) -> float:
+    """Mean of ``ts`` without its top and bottom eighth. The mean is what a step pays; a collective's
+    cost between compute segments is bimodal per call (the other rank is already waiting, or not),
+    so a median flips between the modes; the trim drops scheduler hiccups."""
+    import statistics
+    ts = sorted(ts)
+    cut = len(ts) // 8
+    return statistics.fmean(ts[cut:len(ts) - cut])
+
+
+def _in_context_tables(rank: int, world: int, sizes, segment_s: float = 0.01) -> dict[str, dict[int, float]]:
+    """Seconds of each collective issued the way training issues it: after ~``segment_s`` of matmul
+    work on every rank (a block's forward or backward), not back to back. On a shared CPU this is
+    what a blocking collective costs in a step: the wait for the slowest rank (the segments' spread)
+    plus waking the backend's threads, which a tight loop of collectives never pays (gloo on 2 ranks
+    of this machine: 1-5 ms per call between segments vs 0.3-4 ms back to back).
+    Per call: the time from the end of the rank's segment to the collective's return; per rank the
+    `_trimmed_mean` over the calls (up to 1 MiB, where the wait dominates, pooled over those sizes;
+    non-decreasing in the size), averaged over the ranks (every rank reports the same number)."""
     import torch.distributed as dist
-    a, w, msg = torch.randn(2048, 128), torch.randn(128, 512), torch.zeros(64 * 1024)
+    a, w = torch.randn(2048, 128), torch.randn(128, 512)
+    t = time.perf_counter()
+    a @ w
+    k = max(1, round(segment_s / max(time.perf_counter() - t, 1e-5)))
 
     def seg():
-        for _ in range(4):
+        for _ in range(k):
             a @ w
-    seg()
-    dist.barrier()
-    t_ar = _time(lambda: dist.all_reduce(msg), 21)
-    dist.barrier()
-    in_seg = 0.0
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        t = time.perf_counter()
-        seg()
-        in_seg += time.perf_counter() - t
-        dist.all_reduce(msg)
-    wait = (time.perf_counter() - t0 - in_seg) / reps - t_ar
-    out = torch.tensor([max(0.0, wait)])
-    dist.all_reduce(out)                # every rank reports the same number (rank 0's is saved)
-    return float(out) / dist.get_world_size()
+    out = {op: {} for op in COLLECTIVES}
+    samples: dict[str, dict[int, list[float]]] = {}
+    for nbytes in sizes:
+        full = torch.zeros(nbytes // 4)
+        shard = torch.zeros(nbytes // 4 // world)
+        ops = {"all_reduce": lambda: dist.all_reduce(full),
+               "all_gather": lambda: dist.all_gather_into_tensor(full, shard),
+               "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),
+               "send_recv": (lambda: dist.send(full, 1)) if rank == 0 else
+                            (lambda: dist.recv(full, 0)) if rank == 1 else (lambda: None)}
+        reps = 16 if nbytes <= 4 * 2 ** 20 else 6
+        for op, fn in ops.items():
+            dist.barrier()
+            ts = []
+            for _ in range(reps):
+                seg()
+                t = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t)
+            samples.setdefault(op, {})[nbytes] = ts
+    for op, by_size in samples.items():
+        # up to 1 MiB the wait dominates and does not depend on the size: one pooled value
+        small = sorted(t for nb, ts in by_size.items() if nb <= 2 ** 20 for t in ts)
+        prev = 0.0
+        for nbytes, ts in sorted(by_size.items()):
+            # cumulative max: a larger message never costs less
+            prev = out[op][nbytes] = max(prev, _trimmed_mean(small if nbytes <= 2 ** 20 else ts))
+    flat = torch.tensor([out[op][nb] for op in COLLECTIVES for nb in sizes], dtype=torch.float64)
+    dist.all_reduce(flat)
+    if world > 2:       # send/recv runs between ranks 0 and 1 only
+        per = len(sizes)
+        i = COLLECTIVES.index("send_recv") * per
+        flat[i:i + per] *= world / 2
+    flat /= world
+    vals = iter(flat.tolist())
+    return {op: {nb: next(vals) for nb in sizes} for op in COLLECTIVES}
 
 
-def _tp_linear_cost(mesh, world: int, tokens: int, width: int, n: int = 3) -> tuple[float, float]:
+def _tp_linear_cost(mesh, world: int, tokens: int, width: int, all_reduce: dict[int, float],
+                    n: int = 3) -> tuple[float, float]:
     """(input activation bytes, seconds per Linear) that tensor parallelism adds, forward + backward:
     ``2n`` Linears alternating width -> 4 width (colwise) and back (rowwise) on a (tokens, width) input,
-    minus the same local shards as plain Linears and the all-reduces issued alone (medians)."""
+    minus the same local shards as plain Linears (medians) and minus its ``2n - 1`` all-reduces at the
+    in-context times ``all_reduce`` ({bytes: s}) that the cost model charges them, so that model and
+    measurement agree on this chain whatever share of it one calls communication."""
     import torch.distributed as dist
     import torch.nn as nn
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -312,12 +384,12 @@ def _tp_linear_cost(mesh, world: int, tokens: int, width: int, n: int = 3) -> tu
         dist.barrier()
         t_tp = _time(lambda: tp(x).sum().backward(), 9)
         t_local = _time(lambda: local(x).sum().backward(), 9)
-        t_ar = _time(lambda: [dist.all_reduce(act) for _ in range(2 * n - 1)], 9)
-        est.append((t_tp - t_local - t_ar) / (2 * n))
-    return 4.0 * tokens * width, statistics.median(est)
+        est.append((t_tp - t_local) / (2 * n))
+    t_ar = (2 * n - 1) * interpolate_sizes(sorted(all_reduce.items()), act.numel() * 4)
+    return 4.0 * tokens * width, statistics.median(est) - t_ar / (2 * n)
 
 
-def _framework_overheads(world: int, *, d: int = 16, n: int = 8) -> dict:
+def _framework_overheads(world: int, all_reduce: dict[int, float], *, d: int = 16, n: int = 8) -> dict:
     """Seconds per call that torch's tensor-parallel Linear (DTensor) and FSDP2 unit add beyond the
     arithmetic and the collectives, forward + backward: a chain of ``2n`` tiny (d x d) Linears, plain,
     with alternating colwise / rowwise TP, and with every Linear an FSDP2 unit; the time of the same
@@ -339,7 +411,7 @@ def _framework_overheads(world: int, *, d: int = 16, n: int = 8) -> dict:
 
     plain = chain()
     t_plain = _time(lambda: step(plain), 15, best=True)
-    tp_costs = [_tp_linear_cost(mesh, world, tokens, width) for tokens, width in ((64, 16), (2048, 256))]
+    tp_costs = [_tp_linear_cost(mesh, world, tokens, width, all_reduce) for tokens, width in ((64, 16), (2048, 256))]
     fs = chain()
     for lin in fs:
         fully_shard(lin, mesh=mesh)
@@ -450,6 +522,7 @@ def measure_collectives(world: int = 2, sizes=COLLECTIVE_SIZES) -> dict[str, tup
     fits["times"] = {op: res[op] for op in COLLECTIVES}
     fits["fresh"] = res["fresh"]
     fits["framework"] = res["framework"]
+    fits["in_context"] = res["in_context"]
     return fits
 
 
@@ -470,7 +543,7 @@ def calibrate_main(argv: list[str]) -> int:
     out = args.out or default_calibration_path()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))
     c = measure_compute()
-    best = max(c["matmul_flops"].values())
+    best = c["matmul_peak"]
     base = cpu_profile(args.ranks)
     lat, bw = base.intra_latency, base.intra_bw
     extra = {f"matmul_flops_{n}": f for n, f in c["matmul_flops"].items()}
@@ -487,11 +560,14 @@ def calibrate_main(argv: list[str]) -> int:
         fresh = coll.pop("fresh")
         extra.update(coll.pop("framework"))
         times = coll.pop("times")
+        in_ctx = coll.pop("in_context")
         lat, bw = coll["all_reduce"]
         for op, (a, b) in coll.items():
             extra[f"{op}_latency"], extra[f"{op}_bw"] = a, b
             for nbytes, t in times[op].items():      # the measured table; the cost model interpolates it
                 extra[f"{op}_t_{nbytes}"] = t
+            for nbytes, t in in_ctx[op].items():     # the same, issued between compute segments
+                extra[f"{op}_ctx_{nbytes}"] = t
         extra["fresh_alloc_s_per_byte"], extra["fresh_alloc_min_bytes"] = fresh_threshold(fresh)
         if platform.libc_ver()[0] == "glibc" and extra["fresh_alloc_s_per_byte"] > 0:
             # glibc maps every block above its largest dynamic mmap threshold (32 MiB on 64-bit,
@@ -504,6 +580,8 @@ def calibrate_main(argv: list[str]) -> int:
                   source="calibrated by modelpar calibrate", extra=extra)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     save_profile(hw, out)
+    print(f"  matmul peak {best / 1e9:.1f} GFLOP/s (same operands repeated); a Linear's three products "
+          "on operands from memory:")
     for n, f in c["matmul_flops"].items():
         print(f"  matmul {n:>5}: {f / 1e9:8.1f} GFLOP/s")
     print(f"  attention (causal, fused) {c['attention_flops'] / 1e9:.1f} GFLOP/s counted; "
@@ -516,7 +594,10 @@ def calibrate_main(argv: list[str]) -> int:
         print(f"  framework per call (fwd + bwd): TP Linear {extra['tp_linear_overhead_s'] * 1e6:.0f} us + "
               f"{extra['tp_linear_overhead_s_per_byte'] * 1e9:.2f} ns per input byte, "
               f"FSDP2 unit {extra['fsdp_unit_overhead_s'] * 1e6:.0f} us + {extra['fsdp_tensor_overhead_s'] * 1e6:.0f} us "
-              f"per parameter tensor; each blocking collective waits {extra['sync_penalty_s'] * 1e6:.0f} us for the slowest rank")
+              f"per parameter tensor")
+        for op in coll:
+            print(f"  {op:<15} between compute segments: "
+                  + ", ".join(f"{k / 2 ** 20:g} MiB {v * 1e3:.2f} ms" for k, v in in_ctx[op].items()))
         fb, fmin = extra["fresh_alloc_s_per_byte"], extra["fresh_alloc_min_bytes"]
         print(f"  alone (one rank): memory bandwidth {extra['mem_bandwidth_alone'] / 1e9:.1f} GB/s, fresh allocation "
               f"{extra['fresh_alloc_s_per_byte_alone'] * 1e9:.3f} ns/byte")

@@ -186,34 +186,36 @@ def _axis_link(plan: ParallelPlan, axis: str, hw: Hardware, op: str = "all_reduc
 
 
 
-def _coll(plan: ParallelPlan, axis: str, hw: Hardware, op: str, nbytes: float, n: int) -> float:
+def _coll(plan: ParallelPlan, axis: str, hw: Hardware, op: str, nbytes: float, n: int, ctx: bool = False) -> float:
     """Seconds of one ``op`` of ``nbytes`` over ``n`` ranks of mesh axis ``axis``: the calibrated
-    table (`Hardware.collective_seconds`) when the job fits one node and ``op`` was measured with
+    table (`Hardware.collective_seconds`; ``ctx``: the one of calls issued between compute segments,
+    the wait for the slowest rank included) when the job fits one node and ``op`` was measured with
     ``n`` ranks, else the alpha-beta form (Thakur et al. 2005) with the axis' link."""
-    return _coll_sum(plan, axis, hw, op, (nbytes,), n)
+    return _coll_sum(plan, axis, hw, op, (nbytes,), n, ctx=ctx)
 
 
 _LINKS: dict[tuple, tuple] = {}
 
 
-def _coll_sum(plan: ParallelPlan, axis: str, hw: Hardware, op: str, sizes, n: int, scale: float = 1.0) -> float:
+def _coll_sum(plan: ParallelPlan, axis: str, hw: Hardware, op: str, sizes, n: int, scale: float = 1.0,
+              ctx: bool = False) -> float:
     """`_coll` summed over one ``op`` per entry of ``sizes`` x ``scale`` (bytes); the alpha-beta form
     in closed form (calls x latency steps + total bytes x volume / bandwidth). The search calls this
     ~10^5 times, so the link of (hardware, degrees, axis, op) is memoized."""
     if n <= 1:
         return 0.0
-    key = (id(hw), plan.tp, plan.dp_shard, plan.dp_replicate, plan.pp, axis, op, n)
+    key = (id(hw), plan.tp, plan.dp_shard, plan.dp_replicate, plan.pp, axis, op, n, ctx)
     link = _LINKS.get(key)
     if link is None or link[0] is not hw:
         if len(_LINKS) > 65536:
             _LINKS.clear()
         table = (bool(hw.extra) and hw.devices_per_node % (plan.tp * plan.dp * plan.pp) == 0
-                 and hw.collective_seconds(op, 1.0, n) is not None)
+                 and hw.collective_seconds(op, 1.0, n, in_context=ctx) is not None)
         bw, lat = _axis_link(plan, axis, hw, op)
         steps, volume = alpha_beta_form(op, n)
         link = _LINKS[key] = (hw, table, steps * lat, volume / bw)
     if link[1]:
-        return sum(hw.collective_seconds(op, x * scale, n) for x in sizes if x > 0)
+        return sum(hw.collective_seconds(op, x * scale, n, in_context=ctx) for x in sizes if x > 0)
     k = len(sizes) if len(sizes) == 1 else sum(1 for x in sizes if x > 0)
     return k * link[2] + link[3] * sum(sizes) * scale if k else 0.0
 
@@ -257,22 +259,30 @@ def _comm_terms(ld: RankLoad, plan: ParallelPlan, hw: Hardware, b: int, wb: int,
     hit = _COMMS.get(key)
     if hit is not None and hit[0] is ld and hit[1] is hw:
         return hit[2]
-    c = {"p2p": _coll(plan, "pp", hw, "send_recv", ld.boundary * b, 2) if plan.pp > 1 else 0.0}
+    # without overlap (CPU) every data-parallel collective and pipeline transfer blocks between two
+    # compute segments: its calibrated in-context time includes the wait for the slowest rank
+    cx = not hw.comm_overlap
+    c = {"p2p": _coll(plan, "pp", hw, "send_recv", ld.boundary * b, 2, cx) if plan.pp > 1 else 0.0}
     grad_bytes = 4 * ld.params
     if plan.dp_shard > 1:
         n = plan.dp_shard
         units = ld.unit_sizes or (ld.params - ld.root_params,)
-        c["ag"] = _coll_sum(plan, "dp_shard", hw, "all_gather", units, n, wb)
-        c["ag_root"] = _coll(plan, "dp_shard", hw, "all_gather", wb * ld.root_params, n)
-        c["rs"] = (_coll_sum(plan, "dp_shard", hw, "reduce_scatter", units, n, 4)
-                   + _coll(plan, "dp_shard", hw, "reduce_scatter", 4 * ld.root_params, n))
+        c["ag"] = _coll_sum(plan, "dp_shard", hw, "all_gather", units, n, wb, cx)
+        c["ag_root"] = _coll(plan, "dp_shard", hw, "all_gather", wb * ld.root_params, n, cx)
+        c["rs"] = (_coll_sum(plan, "dp_shard", hw, "reduce_scatter", units, n, 4, cx)
+                   + _coll(plan, "dp_shard", hw, "reduce_scatter", 4 * ld.root_params, n, cx))
         c["first"] = _coll(plan, "dp_shard", hw, "all_gather", wb * ld.max_unit_params, n)
-        c["rep"] = (_coll(plan, "dp_replicate", hw, "all_reduce", grad_bytes / n, plan.dp_replicate)
+        c["rep"] = (_coll(plan, "dp_replicate", hw, "all_reduce", grad_bytes / n, plan.dp_replicate, cx)
                     if plan.dp_replicate > 1 else 0.0)
     elif plan.dp_replicate > 1:
         n = plan.dp_replicate
         buckets = _ddp_buckets_cached(ld.param_sizes) if (ld.param_sizes and dp_overlap) else (grad_bytes,)
         c["t_ar"] = _coll_sum(plan, "dp_replicate", hw, "all_reduce", buckets, n)
+        if cx:
+            # DDP launches each bucket's all-reduce asynchronously from backward; only the wait for
+            # the last one after backward blocks between compute segments
+            c["t_ar"] += (_coll(plan, "dp_replicate", hw, "all_reduce", buckets[-1], n, True)
+                          - _coll(plan, "dp_replicate", hw, "all_reduce", buckets[-1], n))
         c["n_buckets"] = len(buckets)
         c["last"] = _coll(plan, "dp_replicate", hw, "all_reduce", min(DDP_BUCKET_BYTES, grad_bytes), n)
     if len(_COMMS) > 65536:
@@ -330,10 +340,7 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     b, m, v, p = micro_batch_size, (plan.n_microbatches if plan.pp > 1 else 1), plan.virtual_stages, plan.pp
     ac = plan.activation_checkpointing == "full"
     overlap = dp_overlap and hw.comm_overlap
-    # each blocking collective (or pipeline receive) waits for the slowest rank: the calibrated spread
-    # of the compute between two of them (CPU; 0 where not calibrated)
-    sync = 0.0 if hw.comm_overlap else hw.extra.get("sync_penalty_s", 0.0)
-    ar_tp = _coll(plan, "tp", hw, "all_reduce", tp_bytes * b, plan.tp) if plan.tp > 1 else 0.0
+    ar_tp = _coll(plan, "tp", hw, "all_reduce", tp_bytes * b, plan.tp, not hw.comm_overlap) if plan.tp > 1 else 0.0
     # DTensor's cost per sharded Linear (forward + backward): fixed + per byte of its input activation
     tp_linear = (hw.extra.get("tp_linear_overhead_s", 0.0)
                  + hw.extra.get("tp_linear_overhead_s_per_byte", 0.0) * tp_bytes * b) if plan.tp > 1 else 0.0
@@ -356,7 +363,9 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
         t_rc = t_f if ac else 0.0
         # DTensor's per-call cost of each sharded Linear (dispatch, sharding propagation, input and
         # output conversion; forward + backward), calibrated on CPU; part of TP's price
-        t_tp = (ld.tp_collectives * (ar_tp + sync) * (3 if ac else 2)
+        # (the per-Linear cost is calibrated on chains of sharded Linears less their all-reduces
+        # at these same in-context times)
+        t_tp = (ld.tp_collectives * ar_tp * (3 if ac else 2)
                 + ld.tp_linears * tp_linear)
         work = t_f + t_b + t_rc + t_tp
         key = (work, ld.params)
@@ -370,7 +379,7 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     # data parallel
     wb = 2 if prec == "bf16" else 4
     cm = _comm_terms(ld, plan, hw, b, wb, dp_overlap)
-    t_p2p = 2 * v * (cm["p2p"] + sync) if p > 1 else 0.0
+    t_p2p = 2 * v * cm["p2p"] if p > 1 else 0.0
     dp_exposed, fsdp_per_mb = 0.0, 0.0
     if plan.dp_shard > 1:
         n = plan.dp_shard
@@ -390,11 +399,10 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
             rs_mem = (hw.fresh_seconds(units, 4) + hw.fresh_seconds([u / n for u in units], 4)
                       + 8 * (ld.params - root) / mem_s)
             # + FSDP2's per-unit cost (hooks, copy-in/out bookkeeping; forward + backward), calibrated
-            n_units = len(units) + 1
-            fsdp_per_mb = (gathers * (ag + ag_mem) + ag_root + (gathers * len(units) + 1) * sync
+            fsdp_per_mb = (gathers * (ag + ag_mem) + ag_root
                            + (len(units) + 1) * hw.extra.get("fsdp_unit_overhead_s", 0.0)
                            + ld.num_tensors * hw.extra.get("fsdp_tensor_overhead_s", 0.0))
-            dp_exposed = rs + rs_mem + n_units * sync   # once per step: the last micro-batch syncs
+            dp_exposed = rs + rs_mem   # once per step: the last micro-batch syncs
         dp_exposed += cm["rep"]
     elif plan.dp_replicate > 1:
         t_ar, last = cm["t_ar"], cm["last"]
@@ -405,7 +413,7 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
         else:
             # torch DDP (gradient_as_bucket_view=False) copies gradients into its buckets and the
             # reduced buckets back (read + write each way)
-            dp_exposed = t_ar + 16 * ld.params / mem_s + cm["n_buckets"] * sync
+            dp_exposed = t_ar + 16 * ld.params / mem_s
     per_mb_compute = t_f + t_b + t_tp
     bub = bubble_fraction(plan.pp_schedule, p, m, v) * m * (per_mb_compute + t_rc)
     local = ld.params / plan.dp_shard

@@ -118,30 +118,27 @@ class Hardware:
         bw, lat = self.extra.get(f"{op}_bw"), self.extra.get(f"{op}_latency")
         return (bw, lat) if bw and lat is not None else None
 
-    def collective_seconds(self, op: str, nbytes: float, n: int) -> float | None:
+    def collective_seconds(self, op: str, nbytes: float, n: int, *, in_context: bool = False) -> float | None:
         """Measured seconds of ``op`` on ``nbytes`` between ``n`` local ranks, interpolated in the
         calibrated table (log-log between measured sizes; the smallest size's time below it; linear
         in bytes above the largest), or None when ``op`` was not measured with ``n`` ranks.
-        ``nbytes``: the full (gathered / reduced) size, as in the alpha-beta forms of cost.py."""
+        ``nbytes``: the full (gathered / reduced) size, as in the alpha-beta forms of cost.py.
+        ``in_context``: the table of calls issued between compute segments (``{op}_ctx_{bytes}``,
+        the wait for the slowest rank included) where calibrated, else the back-to-back one."""
         if n != int(self.extra.get("collective_ranks", self.devices_per_node)):
             return None
-        key = f"{op}_t_"
-        pts = self._tables.get(op)
+        tab = (op, in_context)
+        pts = self._tables.get(tab)
         if pts is None:
-            pts = sorted((float(k[len(key):]), v) for k, v in self.extra.items() if k.startswith(key))
-            self._tables[op] = pts
-        if not pts or nbytes <= 0:
-            return None if not pts else 0.0
-        import math
-        if nbytes <= pts[0][0]:
-            return pts[0][1]
-        if nbytes >= pts[-1][0]:
-            return pts[-1][1] * nbytes / pts[-1][0]
-        for (b0, t0), (b1, t1) in zip(pts, pts[1:]):
-            if b0 <= nbytes <= b1:
-                w = (math.log(nbytes) - math.log(b0)) / (math.log(b1) - math.log(b0))
-                return math.exp(math.log(t0) + w * (math.log(t1) - math.log(t0)))
-        return None
+            pts = []
+            for key in ((f"{op}_ctx_", f"{op}_t_") if in_context else (f"{op}_t_",)):
+                pts = sorted((float(k[len(key):]), v) for k, v in self.extra.items() if k.startswith(key))
+                if pts:
+                    break
+            self._tables[tab] = pts
+        if not pts:
+            return None
+        return interpolate_sizes(pts, nbytes)
 
     def fresh_seconds(self, sizes, elem_bytes: float, *, alone: bool = False) -> float:
         """Seconds the allocator adds for fresh tensors of ``sizes`` elements (``elem_bytes`` each):
@@ -186,6 +183,23 @@ BUILTIN: dict[str, Hardware] = {
                      450e9, 5e-6, 50e9, 10e-6, 8, _MAMF_H100, framework_overhead_bytes=1 * GIB,
                      source="NVIDIA H200 datasheet; MAMF of H100 SXM (same die) for gemm_fraction"),
 }
+
+
+def interpolate_sizes(pts: list[tuple[float, float]], nbytes: float) -> float:
+    """Seconds at ``nbytes`` from measured ``(bytes, seconds)`` points sorted by size: log-log between
+    points, the smallest size's time below it, linear in bytes above the largest; 0 for no bytes."""
+    import math
+    if nbytes <= 0:
+        return 0.0
+    if nbytes <= pts[0][0]:
+        return pts[0][1]
+    if nbytes >= pts[-1][0]:
+        return pts[-1][1] * nbytes / pts[-1][0]
+    for (b0, t0), (b1, t1) in zip(pts, pts[1:]):
+        if b0 <= nbytes <= b1:
+            w = (math.log(nbytes) - math.log(b0)) / (math.log(b1) - math.log(b0))
+            return math.exp(math.log(t0) + w * (math.log(t1) - math.log(t0)))
+    return pts[-1][1]
 
 
 def hardware_for_device(device_name: str, total_memory: int = 0) -> Hardware:
