@@ -183,24 +183,30 @@ def _linear_matmul_rate(n: int, pool_bytes: int = 64 * 2 ** 20) -> float:
     input gradient ``dy @ W``, weight gradient ``dy.T @ x`` -- with operands that are not in cache:
     each call takes the next of as many operand sets as fill ``pool_bytes`` (past the last-level
     cache), as in a training step, where a product's inputs were written by earlier operators long
-    evicted. Harmonic mean over the three layouts (equal FLOPs each); the median of 3 passes.
+    evicted. Harmonic mean over the three layouts (equal FLOPs each); the median of 3 passes
+    (one above n = 512).
     1 thread, this machine: n=128 75, n=256 94, n=512 101, n=1024 106 GFLOP/s vs 101-108 for the
     same products repeated on the same operands."""
     import statistics
     nbytes = 3 * n * n * 4
     sets = max(2, pool_bytes // nbytes)
     total = 0.0
+    src = torch.randn(n, n)
     for layout in ("NT", "NN", "TN"):
-        ops = [((torch.randn(n, n).t() if layout == "TN" else torch.randn(n, n)),
-                (torch.randn(n, n).t() if layout == "NT" else torch.randn(n, n)), torch.empty(n, n))
+        # copies of one random matrix: distinct memory is what matters, and copying is 10x faster
+        # than drawing random numbers
+        ops = [((src.clone().t() if layout == "TN" else src.clone()),
+                (src.clone().t() if layout == "NT" else src.clone()), torch.empty(n, n))
                for _ in range(sets)]
 
         def run():
             for x, w, o in ops:
                 torch.mm(x, w, out=o)
-        run()
+        big = n > 512                   # seconds per pass; cold and repeated rates agree there
+        if not big:
+            run()
         passes = []
-        for _ in range(3):
+        for _ in range(1 if big else 3):
             t = time.perf_counter()
             run()
             passes.append(time.perf_counter() - t)
@@ -271,8 +277,7 @@ def _collective_worker(rank: int, world: int, port: int, sizes, out):
     # memory bandwidth per rank while every rank streams at once (ranks share the memory bus)
     a, b = torch.ones(16 * 2 ** 20), torch.ones(16 * 2 ** 20)     # 64 MiB each: past the caches
     c = torch.empty_like(a)
-    dist.barrier()
-    res["mem_bandwidth"] = 3 * a.numel() * 4 / _time(lambda: torch.add(a, b, out=c), 7)
+    res["mem_bandwidth"] = 3 * a.numel() * 4 / _synced_median(lambda: torch.add(a, b, out=c), 15)
     del a, b, c
     res["fresh"] = _fresh_alloc_costs()
     for nbytes in sizes:
@@ -292,6 +297,25 @@ def _collective_worker(rank: int, world: int, port: int, sizes, out):
     dist.destroy_process_group()
     if rank == 0:
         out.put(res)
+
+
+def _synced_median(fn, reps: int) -> float:
+    """Seconds of ``fn`` with every rank calling it at the same moment (a barrier before each call):
+    the median per rank, averaged over the ranks. For rates that ranks share (the memory bus), which a
+    rank measuring while the others lag behind would overstate (up to 1.7x here)."""
+    import statistics
+
+    import torch.distributed as dist
+    fn()
+    ts = []
+    for _ in range(reps):
+        dist.barrier()
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    out = torch.tensor([statistics.median(ts)], dtype=torch.float64)
+    dist.all_reduce(out)
+    return float(out) / dist.get_world_size()
 
 
 def _trimmed_mean(ts: list[float]) -> float:
@@ -332,7 +356,7 @@ def _in_context_tables(rank: int, world: int, sizes, segment_s: float = 0.01) ->
                "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),
                "send_recv": (lambda: dist.send(full, 1)) if rank == 0 else
                             (lambda: dist.recv(full, 0)) if rank == 1 else (lambda: None)}
-        reps = 16 if nbytes <= 4 * 2 ** 20 else 6
+        reps = 12 if nbytes <= 4 * 2 ** 20 else 5
         for op, fn in ops.items():
             dist.barrier()
             ts = []
@@ -380,7 +404,7 @@ def _tp_linear_cost(mesh, world: int, tokens: int, width: int, all_reduce: dict[
                             for i in range(2 * n)])
     import statistics
     est = []
-    for _ in range(3):                  # median of 3 estimates: each is a difference of jittery times
+    for _ in range(5):                  # median of 5 estimates: each is a difference of jittery times
         dist.barrier()
         t_tp = _time(lambda: tp(x).sum().backward(), 9)
         t_local = _time(lambda: local(x).sum().backward(), 9)
@@ -416,36 +440,42 @@ def _framework_overheads(world: int, all_reduce: dict[int, float], *, d: int = 1
     for lin in fs:
         fully_shard(lin, mesh=mesh)
     fully_shard(fs, mesh=mesh)
-    t_fs = _time(lambda: step(fs), 15, best=True)
     # the same 2n Linears as n/ 2 units of 4 Linears (8 tensors each instead of 2): FSDP2's cost
     # has a part per unit (hooks, one gather, one reduce-scatter) and a part per tensor (copy-in/out)
     fs4 = chain()
     for i in range(0, 2 * n, 4):
         fully_shard([fs4[j] for j in range(i, i + 4)], mesh=mesh)
     fully_shard(fs4, mesh=mesh)
-    t_fs4 = _time(lambda: step(fs4), 15, best=True)
-    w4, shard4 = torch.zeros(4 * (d * d + d)), torch.zeros(4 * (d * d + d) // world)
-    t_fc4 = _time(lambda: [(dist.all_gather_into_tensor(w4, shard4), dist.all_gather_into_tensor(w4, shard4),
-                            dist.reduce_scatter_tensor(shard4, w4)) for _ in range(n // 2)], 15, best=True)
-    # the same chains' collectives alone, timed now (tiny messages: latency), to subtract:
-    # TP: n all-reduces forward (after each rowwise), n - 1 backward (the first input needs no grad);
+    # the same chains' collectives alone (tiny messages: latency), subtracted:
     # FSDP2 (reshard after forward): per unit a gather in forward and in backward, one reduce-scatter
+    w4, shard4 = torch.zeros(4 * (d * d + d)), torch.zeros(4 * (d * d + d) // world)
     w = torch.zeros(d * d + d)
     shard = torch.zeros((d * d + d) // world)
-    t_fc = _time(lambda: [(dist.all_gather_into_tensor(w, shard), dist.all_gather_into_tensor(w, shard),
-                           dist.reduce_scatter_tensor(shard, w)) for _ in range(2 * n)], 15, best=True)
+    c2s, c8s = [], []
+    for _ in range(3):                  # median of 3 estimates, each a difference of best-of-15 times
+        dist.barrier()
+        t_fs = _time(lambda: step(fs), 15, best=True)
+        t_fs4 = _time(lambda: step(fs4), 15, best=True)
+        t_fc4 = _time(lambda: [(dist.all_gather_into_tensor(w4, shard4), dist.all_gather_into_tensor(w4, shard4),
+                                dist.reduce_scatter_tensor(shard4, w4)) for _ in range(n // 2)], 15, best=True)
+        t_fc = _time(lambda: [(dist.all_gather_into_tensor(w, shard), dist.all_gather_into_tensor(w, shard),
+                               dist.reduce_scatter_tensor(shard, w)) for _ in range(2 * n)], 15, best=True)
+        c2s.append((t_fs - t_plain - t_fc) / (2 * n))              # per unit of 2 tensors
+        c8s.append((t_fs4 - t_plain - t_fc4) / (n // 2))           # per unit of 8 tensors
     # TP: a fixed part and a part per byte of the Linear's input activation (DTensor's conversions
     # and copies of the activation), from the two sizes
     (b0, c0), (b1, c1) = tp_costs
     tp_per_byte = max(0.0, (c1 - c0) / (b1 - b0))
     tp_each = max(0.0, c0 - tp_per_byte * b0)
-    c2 = (t_fs - t_plain - t_fc) / (2 * n)              # per unit of 2 tensors
-    c8 = (t_fs4 - t_plain - t_fc4) / (n // 2)           # per unit of 8 tensors
+    import statistics
+    c2, c8 = statistics.median(c2s), statistics.median(c8s)
     per_tensor = max(0.0, (c8 - c2) / 6)
     per_unit = max(0.0, c2 - 2 * per_tensor)
-    return {"tp_linear_overhead_s": tp_each, "tp_linear_overhead_s_per_byte": tp_per_byte,
-            "fsdp_unit_overhead_s": per_unit,
-            "fsdp_tensor_overhead_s": per_tensor}
+    vals = torch.tensor([tp_each, tp_per_byte, per_unit, per_tensor], dtype=torch.float64)
+    dist.all_reduce(vals)               # the ranks' mean: every rank reports the same numbers
+    vals /= world
+    return dict(zip(("tp_linear_overhead_s", "tp_linear_overhead_s_per_byte", "fsdp_unit_overhead_s",
+                     "fsdp_tensor_overhead_s"), vals.tolist()))
 
 
 def _fresh_alloc_costs(sizes_mib=FRESH_SIZES_MIB) -> dict[int, float]:
