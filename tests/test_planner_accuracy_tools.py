@@ -141,7 +141,15 @@ def test_plan_quality_finalists_cover_basic_strategies():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     fin, rep = pq.finalists("gpt-nano", 2, cpu_profile(2))
     labels = [f[0] for f in fin]
-    assert labels[0] == "auto" and labels[-1] == "rules"
+    assert labels[0] == "auto" and labels.count("rules") <= 1
+    if "rules" not in labels:           # rules picked auto's very plan: it is measured once
+        from modelpar.planner.rules import rule_plan
+        from planner_accuracy_memory import profile_for
+        plan, _ = rule_plan(profile_for("gpt-nano"), 2, cpu_profile(2), global_batch_size=pq.GLOBAL_BATCH,
+                            task="language")
+        assert (plan, pq.GLOBAL_BATCH // plan.dp) == (fin[0][1], fin[0][2])
+    else:
+        assert labels[-1] == "rules"
     kinds = {pq.basic_strategy(p) for _, p, _, _ in fin}
     assert {"ddp", "fsdp", "tp", "pp"} <= kinds
     assert json.dumps([p.to_dict() for _, p, _, _ in fin])

@@ -277,90 +277,133 @@ def _backward_moments(recs: tuple) -> tuple[tuple, tuple]:
     return tuple(dict.fromkeys(bwd)), tuple(dict.fromkeys(rs))
 
 
+_BLOCK_TERMS: dict[tuple, tuple] = {}
+# additive per-block fields of a `RankLoad`, in this order (summed over a stage by prefix sums)
+_SUMS = ("params", "root_params", "saved", "saved_ac", "fwd_flops", "bwd_flops", "fwd_mem", "bwd_mem",
+         "ops", "fwd_ops", "fwd_gemms", "bwd_gemms", "attn_f", "attn_b", "attn_calls", "tp_linears",
+         "gp_f", "gp_b", "ga_f", "ga_b", "tp_collectives")
+
+
+def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float):
+    """Per-block contributions to a `RankLoad` for TP degree ``t`` (memoized per profile, degree,
+    sequence parallel and activation scale: the search builds ~200 layouts from a few of these).
+
+    Returns (prefix sums of the additive fields `_SUMS` over blocks, per block: (saved, saved_ac)
+    corrections when the block is its stage's first, max-block saved bytes, FSDP-unit parameters
+    (None for the root's embed / head), parameter numels, (generic, as a stage's first) unit
+    entries, and a function giving the block's backward record for its position in the stage)."""
+    key = (id(profile), t, sp, scale)
+    hit = _BLOCK_TERMS.get(key)
+    if hit is not None and hit[0] is profile:
+        return hit[1]
+    bs = profile.batch_size
+    n = len(profile.blocks)
+    transformer = bool(profile.arch)
+    pre = [(0,) * len(_SUMS)]
+    first_adj, mbs, unit_params, numels, unit_gen, unit_first, rec_args = [], [], [], [], [], [], []
+    for i, bl in enumerate(profile.blocks):
+        is_end = transformer and (i == 0 or i == n - 1)
+        local = bl.num_params - bl.tp_sharded_params + bl.tp_sharded_params / t
+        rep = bl.saved_bytes - bl.saved_tp_sharded_bytes
+        saved = (bl.saved_bytes / t) if sp else (rep + bl.saved_tp_sharded_bytes / t)
+        mbs.append(saved * scale / bs)
+        ac_in = bl.input_bytes / (t if sp else 1)
+        # a stage's first block saves (or, checkpointed, keeps) its input, which is the batch (first
+        # stage: a view of the global batch every rank holds, `RankLoad.data`) or the pipeline's
+        # receive buffer (counted with the buffers), not a new storage
+        saved_first = saved - bl.saved_input_bytes / (t if sp else 1)
+        first_adj.append(((saved_first - saved) * scale / bs, -ac_in * scale / bs))
+        unit_params.append(None if is_end else local)
+        unit_gen.append(None if is_end else (local, saved * scale / bs))
+        unit_first.append(None if is_end else (local, saved_first * scale / bs))
+        numels.append([(k / t if sh else k, mat) for k, mat, sh in bl.param_numels])
+        frac = bl.saved_tp_sharded_bytes / bl.saved_bytes if bl.saved_bytes else 0.0
+        tp_div = 1.0 / t if sp else (1 - frac) + frac / t   # share of traffic left per rank
+        shr = local / bl.num_params if bl.num_params else 1.0
+        g_div = (1.0 / t if sp else 1.0) * scale / bs
+        rec_args.append((bl, i, saved * scale / bs, saved_first * scale / bs, ac_in * scale / bs, local, is_end,
+                         scale / bs * tp_div, g_div, shr))
+        row = (local, local if is_end else 0.0, saved * scale / bs, ac_in * scale / bs,
+               bl.fwd_flops / bs / t, bl.bwd_flops / bs / t,
+               bl.fwd_mem_bytes * scale / bs * tp_div, bl.bwd_mem_bytes * scale / bs * tp_div,
+               bl.fwd_ops + bl.bwd_ops, bl.fwd_ops, bl.fwd_gemms, bl.bwd_gemms,
+               bl.fwd_attn_flops / bs / t, bl.bwd_attn_flops / bs / t, bl.attn_calls,
+               sum(1 for _, mat, sh in bl.param_numels if mat and sh) if t > 1 else 0,
+               bl.fwd_gemm_param_bytes * scale * shr, bl.bwd_gemm_param_bytes * scale * shr,
+               bl.fwd_gemm_act_bytes * scale / bs * tp_div, bl.bwd_gemm_act_bytes * scale / bs * tp_div,
+               (2 if (transformer and not is_end) else 1) if t > 1 else 0)
+        pre.append(tuple(a + b for a, b in zip(pre[-1], row)))
+
+    @functools.lru_cache(maxsize=None)
+    def rec(i: int, first: bool, last: bool) -> tuple:
+        """Block i's backward record (see `_backward_moments`) at its place in a stage."""
+        bl, _, sv, sv_first, ac_in, local, is_end, ex_mul, g_div, shr = rec_args[i]
+        # the block's backward peaks (profile): its extra temporaries shard like its saved bytes,
+        # its gradients like its parameters; the gradient arriving from the block after it is
+        # what that block received as input (replicated unless sequence parallel); at a stage's
+        # last block that gradient sits in the pipeline's receive buffer (counted there), at the
+        # model's last block it is the loss's gradient of the logits (the profile's backward
+        # starts from a sum, which makes none)
+        peaks = _scaled_peaks(bl.bwd_peaks or ((0, bl.output_bytes, 0, 0),),
+                              bl.output_bytes if i == n - 1 else (0.0 if last else None), ex_mul, g_div, shr)
+        return (sv_first if first else sv, 0.0 if first else ac_in, peaks, local, is_end,
+                bl.input_bytes * g_div if i > 0 else 0.0)
+
+    out = (pre, first_adj, mbs, unit_params, numels, unit_gen, unit_first, rec)
+    if len(_BLOCK_TERMS) > 256:
+        _BLOCK_TERMS.clear()
+    _BLOCK_TERMS[key] = (profile, out)
+    return out
+
+
 def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float) -> list[RankLoad]:
     """One `RankLoad` per pipeline rank (``plan.pp`` of them), tensor parallel applied.
 
     ``act_bytes``: element size the activations will have (2 bf16, 4 fp32), relative to the profile's.
+    A stage's sums come from per-block prefix sums (`_block_terms`), so a load costs O(stages), not
+    O(blocks), once the blocks' terms for the TP degree are known.
     """
     scale = act_bytes / (2 if profile.dtype == "bf16" else 4)
     t = plan.tp
     sp = plan.sequence_parallel
     bs = profile.batch_size
     rng = stage_ranges(profile, plan.num_stages) if plan.num_stages > 1 else [(0, len(profile.blocks))]
+    pre, first_adj, mbs, unit_params, numels_b, unit_gen, unit_first, rec = _block_terms(profile, t, sp, scale)
     loads = [RankLoad() for _ in range(plan.pp)]
+    sums = [[0] * len(_SUMS) for _ in range(plan.pp)]
     numels: list[list[tuple[float, bool]]] = [[] for _ in range(plan.pp)]
     units: list[list[tuple[float, float]]] = [[] for _ in range(plan.pp)]
     recs: list[list[tuple]] = [[] for _ in range(plan.pp)]
-    n = len(profile.blocks)
-    transformer = bool(profile.arch)
     first_in = profile.blocks[0].input_bytes / bs
     data = first_in * (2 if profile.tokens_per_sample > 1 else 1) + (0 if profile.tokens_per_sample > 1 else 8)
     for s, (a, b) in enumerate(rng):
-        ld = loads[s % plan.pp]
+        r = s % plan.pp
+        ld = loads[r]
+        acc = sums[r]
+        hi, lo = pre[b], pre[a]
+        for j in range(len(acc)):
+            acc[j] += hi[j] - lo[j]
+        acc[2] += first_adj[a][0]
+        acc[3] += first_adj[a][1]
+        ld.max_block_saved = max(ld.max_block_saved, max(mbs[a:b]))
+        ld.max_unit_params = max([ld.max_unit_params] + [u for u in unit_params[a:b] if u is not None])
         for i in range(a, b):
-            bl = profile.blocks[i]
-            is_end = transformer and (i == 0 or i == n - 1)
-            local = bl.num_params - bl.tp_sharded_params + bl.tp_sharded_params / t
-            ld.params += local
-            if is_end:          # the GPT's embed / head belong to the FSDP root; other blocks are units
-                ld.root_params += local
-            else:
-                ld.max_unit_params = max(ld.max_unit_params, local)
-            for k, mat, sh in bl.param_numels:
-                numels[s % plan.pp].append((k / t if sh else k, mat))
-            rep = bl.saved_bytes - bl.saved_tp_sharded_bytes
-            saved = (bl.saved_bytes / t) if sp else (rep + bl.saved_tp_sharded_bytes / t)
-            ld.max_block_saved = max(ld.max_block_saved, saved * scale / bs)
-            # a stage's first block saves (or, checkpointed, keeps) its input, which is the batch
-            # (first stage: a view of the global batch every rank holds, `RankLoad.data`) or the
-            # pipeline's receive buffer (counted with the buffers), not a new storage
-            ac_in = bl.input_bytes / (t if sp else 1)
-            if i == a:
-                saved -= bl.saved_input_bytes / (t if sp else 1)
-                ac_in = 0.0
-            ld.saved += saved * scale / bs
-            if not is_end:
-                units[s % plan.pp].append((local, saved * scale / bs))
-            ld.saved_ac += ac_in * scale / bs
-            frac = bl.saved_tp_sharded_bytes / bl.saved_bytes if bl.saved_bytes else 0.0
-            tp_div = 1.0 / t if sp else (1 - frac) + frac / t   # share of traffic left per rank
-            shr = local / bl.num_params if bl.num_params else 1.0
-            # the block's backward peaks (profile): its extra temporaries shard like its saved bytes,
-            # its gradients like its parameters; the gradient arriving from the block after it is
-            # what that block received as input (replicated unless sequence parallel); at a stage's
-            # last block that gradient sits in the pipeline's receive buffer (counted there), at the
-            # model's last block it is the loss's gradient of the logits (the profile's backward
-            # starts from a sum, which makes none)
-            g_div = (1.0 / t if sp else 1.0) * scale / bs
-            peaks = _scaled_peaks(bl.bwd_peaks or ((0, bl.output_bytes, 0, 0),),
-                                  bl.output_bytes if i == n - 1 else (0.0 if i == b - 1 else None),
-                                  scale / bs * tp_div, g_div, shr)
-            recs[s % plan.pp].append((saved * scale / bs, ac_in * scale / bs, peaks, local, is_end,
-                                      bl.input_bytes * g_div if i > 0 else 0.0))
-            ld.fwd_flops += bl.fwd_flops / bs / t
-            ld.bwd_flops += bl.bwd_flops / bs / t
-            ld.fwd_mem += bl.fwd_mem_bytes * scale / bs * tp_div
-            ld.bwd_mem += bl.bwd_mem_bytes * scale / bs * tp_div
-            ld.ops += bl.fwd_ops + bl.bwd_ops
-            ld.fwd_ops += bl.fwd_ops
-            ld.fwd_gemms += bl.fwd_gemms
-            ld.bwd_gemms += bl.bwd_gemms
-            ld.attn_flops = (ld.attn_flops[0] + bl.fwd_attn_flops / bs / t, ld.attn_flops[1] + bl.bwd_attn_flops / bs / t)
-            ld.attn_calls += bl.attn_calls
-            if t > 1:
-                ld.tp_linears += sum(1 for _, mat, sh in bl.param_numels if mat and sh)
-            ld.gemm_param_bytes = (ld.gemm_param_bytes[0] + bl.fwd_gemm_param_bytes * scale * shr,
-                                   ld.gemm_param_bytes[1] + bl.bwd_gemm_param_bytes * scale * shr)
-            ld.gemm_act_bytes = (ld.gemm_act_bytes[0] + bl.fwd_gemm_act_bytes * scale / bs * tp_div,
-                                 ld.gemm_act_bytes[1] + bl.bwd_gemm_act_bytes * scale / bs * tp_div)
-            if t > 1:
-                ld.tp_collectives += 2 if (transformer and not is_end) else 1
+            numels[r].extend(numels_b[i])
+            u = unit_first[i] if i == a else unit_gen[i]
+            if u is not None:
+                units[r].append(u)
+            recs[r].append(rec(i, i == a, i == b - 1))
         ld.boundary = profile.blocks[b - 1].output_bytes * scale / bs / (t if sp else 1)
         if s > 0:
             ld.recv += profile.blocks[a].input_bytes * scale / bs / (t if sp else 1)
         if s < len(rng) - 1:
             ld.recv += ld.boundary
         ld.data = data
+    for ld, acc in zip(loads, sums):
+        (ld.params, ld.root_params, ld.saved, ld.saved_ac, ld.fwd_flops, ld.bwd_flops, ld.fwd_mem, ld.bwd_mem,
+         ld.ops, ld.fwd_ops, ld.fwd_gemms, ld.bwd_gemms, af, ab, ld.attn_calls, ld.tp_linears,
+         gpf, gpb, gaf, gab, ld.tp_collectives) = acc
+        ld.attn_flops, ld.gemm_param_bytes, ld.gemm_act_bytes = (af, ab), (gpf, gpb), (gaf, gab)
     for ld, rc in zip(loads, recs):
         ld.bwd_moments, ld.rs_moments = _backward_moments(tuple(rc))
     for ld, nl, un in zip(loads, numels, units):
@@ -662,3 +705,4 @@ def estimate_memory(profile: ModelProfile, plan: ParallelPlan, batch: Batch, *,
                         fused_tp_optimizer=fused_tp_optimizer)
             for r, ld in enumerate(loads)]
     return max(ests, key=lambda e: e.total)
+
