@@ -208,14 +208,15 @@ def measure_memory(case: Case, *, active: bool = True) -> dict | None:
 
 
 def time_cases(cases: list[Case], *, rounds: int = 5, steps_per_round: int = 2, warmup: int = 3,
-               settle: int = 1, active: list[bool] | None = None) -> dict[str, list[float]]:
+               settle: int = 2, active: list[bool] | None = None) -> dict[str, list[float]]:
     """Seconds per optimizer step of every case, measured in alternation: each round runs
     ``settle`` untimed and then ``steps_per_round`` timed steps of every case in turn. Cases are
     built once and kept alive, and each first runs ``warmup`` untimed steps (the steady state: on CPU,
     FSDP's and DDP's first steps run up to 1.5x slower while glibc's allocator settles).
-    The settle steps drop the first step after a switch between cases, which pays for the allocator
+    The settle steps drop the first steps after a switch between cases, which pay for the allocator
     state the previous case left (mlp-large FSDP2, 2 ranks: 1.43 s per step alone, 1.5-2.3 s for the
-    first step after another plan's); a training run, one plan per process, never pays it.
+    first step after another plan's, up to 1.9 s for the second); a training run, one plan per
+    process, never pays it.
 
     Returns ``{case name: [step seconds, ...]}`` (rank 0's clock; steps end with a barrier).
     """
