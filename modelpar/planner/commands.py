@@ -293,10 +293,12 @@ def _collective_worker(rank: int, world: int, port: int, sizes, out):
             res[op][nbytes] = _time(fn, 7)
     res["in_context"] = _in_context_tables(rank, world, sizes)
     res["framework"] = _framework_overheads(world, res["in_context"]["all_reduce"])
-    dist.barrier()
-    dist.destroy_process_group()
     if rank == 0:
-        out.put(res)
+        out.put(res)        # a SimpleQueue writes through: delivered before this process exits
+    # leave without destroying the gloo group: its teardown occasionally aborts a rank ("terminate
+    # called without an active exception"), which would lose the whole calibration (`exit_rank`)
+    from modelpar.parallel.mesh import exit_rank
+    exit_rank(0)
 
 
 def _synced_median(fn, reps: int) -> float:
