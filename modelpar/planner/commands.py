@@ -171,11 +171,13 @@ def measure_compute(sizes=MATMUL_SIZES) -> dict:
     fresh = _fresh_alloc_costs()     # first: its warm-up leaves the allocator in its steady state
     attn = measure_attention()
     elementwise = measure_elementwise()
+    zero_bubble = measure_zero_bubble_backward()
     a, b = torch.ones(32 * 2 ** 20), torch.ones(32 * 2 ** 20)   # 128 MiB each: past the caches
     c = torch.empty_like(a)
     bw = 3 * a.numel() * 4 / _time(lambda: torch.add(a, b, out=c), 5)     # read 2 + write 1
     return {"matmul_flops": flops, "matmul_peak": max(peak, *flops.values()), "op_overhead_s": overhead,
-            "mem_bandwidth": bw, "attention_flops": attn, "fresh": fresh, "elementwise_bw": elementwise}
+            "mem_bandwidth": bw, "attention_flops": attn, "fresh": fresh, "elementwise_bw": elementwise,
+            "zero_bubble_backward_factor": zero_bubble}
 
 
 def _linear_matmul_rate(n: int, pool_bytes: int = 64 * 2 ** 20) -> float:
@@ -237,6 +239,53 @@ def measure_elementwise(tokens: int = 2048, width: int = 256) -> float:
 
     nbytes = count_elementwise_bytes(run)
     return nbytes / _time(run, 9, best=True)
+
+
+def measure_zero_bubble_backward(tokens: int = 1024, width: int = 256, blocks: int = 6) -> float:
+    """How much longer a backward takes when split the zero-bubble way (Qi et al. ICLR'24): torch's
+    ``stage_backward_input`` (activation gradients) then ``stage_backward_weight`` (weight gradients,
+    from output gradients and activations kept for it), over the plain ``backward()``; on a chain of
+    ``blocks`` pre-norm MLP blocks (LayerNorm, Linear width -> 4 width, GELU, Linear back, residual)
+    on (tokens, width) fp32 activations. Ratio of backward seconds (medians; forward subtracted).
+    1 thread here: 1.07-1.12 (gpt-3m's own blocks: 1.10-1.12, gpt-1m's 1.25: the weight pass reads
+    what the input pass left, evicted; the more blocks per stage, the more)."""
+    import statistics
+
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(width)
+            self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+
+        def forward(self, x):
+            return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[Block() for _ in range(blocks)])
+    src = torch.randn(tokens, width)
+
+    def fwd():
+        with torch.no_grad():
+            net(src)
+
+    def plain():
+        x = src.clone().requires_grad_()
+        y = net(x)
+        y.backward(torch.ones_like(y))
+        net.zero_grad(set_to_none=True)
+
+    def split():
+        x = src.clone().requires_grad_()
+        y = net(x)
+        _, groups = stage_backward_input([y], [torch.ones_like(y)], [x], net.parameters())
+        stage_backward_weight(net.parameters(), groups)
+        net.zero_grad(set_to_none=True)
+    ratios = []
+    for _ in range(2):
+        t_f, t_p, t_s = (_time(f, 3) for f in (fwd, plain, split))
+        ratios.append((t_s - t_f) / max(t_p - t_f, 1e-9))
+    return max(1.0, statistics.median(ratios))
 
 
 def measure_attention(batch: int = 8, heads: int = 4, seq: int = 256, head_dim: int = 64) -> float:
@@ -581,6 +630,7 @@ def calibrate_main(argv: list[str]) -> int:
     extra = {f"matmul_flops_{n}": f for n, f in c["matmul_flops"].items()}
     extra["attention_flops"] = c["attention_flops"]
     extra["elementwise_bw"] = c["elementwise_bw"]
+    extra["zero_bubble_backward_factor"] = c["zero_bubble_backward_factor"]
     coll = {}
     if not args.no_collectives and args.ranks > 1:
         coll = measure_collectives(args.ranks)
@@ -617,7 +667,8 @@ def calibrate_main(argv: list[str]) -> int:
     for n, f in c["matmul_flops"].items():
         print(f"  matmul {n:>5}: {f / 1e9:8.1f} GFLOP/s")
     print(f"  attention (causal, fused) {c['attention_flops'] / 1e9:.1f} GFLOP/s counted; "
-          f"element-wise operators {c['elementwise_bw'] / 1e9:.1f} GB/s counted")
+          f"element-wise operators {c['elementwise_bw'] / 1e9:.1f} GB/s counted; a zero-bubble split backward "
+          f"takes {c['zero_bubble_backward_factor']:.2f}x a plain one")
     print(f"  per-op overhead {c['op_overhead_s'] * 1e6:.1f} us, memory bandwidth per rank {c['mem_bandwidth'] / 1e9:.1f} GB/s")
     for op, (a, b) in coll.items():
         print(f"  {op:<15} latency {a * 1e6:8.1f} us, bandwidth {b / 1e9:6.2f} GB/s ({args.ranks} ranks); "

@@ -220,6 +220,7 @@ def _coll_sum(plan: ParallelPlan, axis: str, hw: Hardware, op: str, sizes, n: in
     return k * link[2] + link[3] * sum(sizes) * scale if k else 0.0
 
 
+ZERO_BUBBLE_SCHEDULES = ("interleavedzerobubble", "zbvzerobubble", "dualpipev")
 DDP_FIRST_BUCKET_BYTES = 2 ** 20     # torch DDP's first bucket (``_DEFAULT_FIRST_BUCKET_BYTES``)
 _BUCKETS: dict[int, tuple] = {}
 
@@ -350,6 +351,11 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     # norms' reductions), never above the streaming bandwidth
     ew_s = min(mem_s, hw.extra.get("elementwise_bw", mem_s))
     attn_rate = hw.extra.get("attention_flops", 0.0) * hw.peak_flops[prec] / hw.peak_flops.get("fp32", hw.peak_flops[prec])
+    # zero-bubble schedules split each backward into an input-gradient and a weight-gradient pass
+    # (Qi et al. ICLR'24; torch's stage_backward_input / stage_backward_weight): the weight pass
+    # re-reads activations and output gradients the cache has lost; calibrated on CPU, 1 elsewhere
+    zb = (hw.extra.get("zero_bubble_backward_factor", 1.0)
+          if p > 1 and plan.pp_schedule in ZERO_BUBBLE_SCHEDULES else 1.0)
     for ld in loads:
         key = (id(ld), id(hw), b, prec, alone)
         hit = _LOAD_TIMES.get(key)
@@ -360,6 +366,8 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
             if len(_LOAD_TIMES) > 65536:
                 _LOAD_TIMES.clear()
             _LOAD_TIMES[key] = (ld, hw, (t_f, t_b))
+        if zb != 1.0:
+            t_b *= zb
         t_rc = t_f if ac else 0.0
         # DTensor's per-call cost of each sharded Linear (dispatch, sharding propagation, input and
         # output conversion; forward + backward), calibrated on CPU; part of TP's price
