@@ -67,6 +67,28 @@ def test_auto_calibrates_once_and_uses_it(tmp_path, monkeypatch, capsys):
     assert "matmul_flops_512" in hw.extra and "attention_flops" in hw.extra
 
 
+def test_calibrate_scales_compute_when_ranks_outnumber_cores(tmp_path, monkeypatch):
+    """More local ranks than cores: every rate calibrate timed in one process is scaled by the
+    ranks' share of the cores (4 ranks on this 2-core machine computed 2x slower than predicted)."""
+    import os
+
+    from modelpar.planner import commands
+    fake = {"matmul_flops": {256: 1e11, 512: 1.2e11}, "matmul_peak": 1.3e11, "op_overhead_s": 2e-6,
+            "mem_bandwidth": 2e10, "attention_flops": 7e10, "fresh": {2 ** 25: 3e-10},
+            "elementwise_bw": 2e10, "zero_bubble_backward_factor": 1.1}
+    monkeypatch.setattr(commands, "measure_compute", lambda: {**fake, "matmul_flops": dict(fake["matmul_flops"])})
+    ranks = 4 * (os.cpu_count() or 1)
+    out = tmp_path / "hw.json"
+    assert calibrate_main(["--no-collectives", "--ranks", str(ranks), "--out", str(out)]) == 0
+    hw = load_profile(out)
+    share = (os.cpu_count() or 1) / ranks
+    assert math.isclose(hw.extra["core_share"], share)
+    assert math.isclose(hw.extra["matmul_flops_512"], 1.2e11 * share)
+    assert math.isclose(hw.peak_flops["fp32"], 1.3e11 * share)
+    assert math.isclose(hw.extra["attention_flops"], 7e10 * share)
+    assert math.isclose(hw.op_overhead_s, 2e-6 / share)
+
+
 def test_gemm_flops_curve_interpolates_and_clamps():
     import dataclasses
     hw = dataclasses.replace(cpu_profile(1), extra={"matmul_flops_64": 1e10, "matmul_flops_256": 4e10})

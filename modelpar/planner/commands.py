@@ -624,12 +624,22 @@ def calibrate_main(argv: list[str]) -> int:
     out = args.out or default_calibration_path()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))
     c = measure_compute()
+    # more local ranks than cores: each rank computes on its share of a core (compute is timed in
+    # this one process); the rates that scale with a core scale by it
+    share = min(1.0, (os.cpu_count() or 1) / args.ranks)
+    if share < 1.0:
+        c["matmul_flops"] = {n: f * share for n, f in c["matmul_flops"].items()}
+        for k in ("matmul_peak", "attention_flops", "elementwise_bw"):
+            c[k] *= share
+        c["op_overhead_s"] /= share
+        print(f"  {args.ranks} ranks on {os.cpu_count()} cores: compute rates x {share:.2f} per rank")
     best = c["matmul_peak"]
     base = cpu_profile(args.ranks)
     lat, bw = base.intra_latency, base.intra_bw
     extra = {f"matmul_flops_{n}": f for n, f in c["matmul_flops"].items()}
     extra["attention_flops"] = c["attention_flops"]
     extra["elementwise_bw"] = c["elementwise_bw"]
+    extra["core_share"] = share
     extra["zero_bubble_backward_factor"] = c["zero_bubble_backward_factor"]
     coll = {}
     if not args.no_collectives and args.ranks > 1:
