@@ -216,8 +216,19 @@ def _coll_sum(plan: ParallelPlan, axis: str, hw: Hardware, op: str, sizes, n: in
         link = _LINKS[key] = (hw, table, steps * lat, volume / bw)
     if link[1]:
         return sum(hw.collective_seconds(op, x * scale, n, in_context=ctx) for x in sizes if x > 0)
-    k = len(sizes) if len(sizes) == 1 else sum(1 for x in sizes if x > 0)
-    return k * link[2] + link[3] * sum(sizes) * scale if k else 0.0
+    if len(sizes) == 1:
+        k, total = 1, sizes[0]
+    else:                       # (calls, bytes) of a rank's unit or bucket list, memoized per list
+        hit = _SIZE_SUMS.get(id(sizes))
+        if hit is None or hit[0] is not sizes:
+            if len(_SIZE_SUMS) > 65536:
+                _SIZE_SUMS.clear()
+            hit = _SIZE_SUMS[id(sizes)] = (sizes, sum(1 for x in sizes if x > 0), sum(sizes))
+        k, total = hit[1], hit[2]
+    return k * link[2] + link[3] * total * scale if k else 0.0
+
+
+_SIZE_SUMS: dict[int, tuple] = {}
 
 
 ZERO_BUBBLE_SCHEDULES = ("interleavedzerobubble", "zbvzerobubble", "dualpipev")
