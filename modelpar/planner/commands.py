@@ -314,6 +314,19 @@ def _op_chain() -> None:
     y.sum().backward()
 
 
+def _collective_calls(rank: int, world: int, nbytes: int) -> dict:
+    """{op: call} issuing each of `COLLECTIVES` on ``nbytes`` (the full, gathered / reduced size) from
+    this rank; send/recv runs from rank 0 to rank 1 (other ranks do nothing)."""
+    import torch.distributed as dist
+    full = torch.zeros(nbytes // 4)
+    shard = torch.zeros(nbytes // 4 // world)
+    return {"all_reduce": lambda: dist.all_reduce(full),
+            "all_gather": lambda: dist.all_gather_into_tensor(full, shard),
+            "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),
+            "send_recv": (lambda: dist.send(full, 1)) if rank == 0 else
+                         (lambda: dist.recv(full, 0)) if rank == 1 else (lambda: None)}
+
+
 def _collective_worker(rank: int, world: int, port: int, sizes, out):
     import warnings
 
@@ -330,13 +343,7 @@ def _collective_worker(rank: int, world: int, port: int, sizes, out):
     del a, b, c
     res["fresh"] = _fresh_alloc_costs()
     for nbytes in sizes:
-        full = torch.zeros(nbytes // 4)
-        shard = torch.zeros(nbytes // 4 // world)
-        ops = {"all_reduce": lambda: dist.all_reduce(full),
-               "all_gather": lambda: dist.all_gather_into_tensor(full, shard),
-               "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),
-               "send_recv": (lambda: dist.send(full, 1)) if rank == 0 else
-                            (lambda: dist.recv(full, 0)) if rank == 1 else (lambda: None)}
+        ops = _collective_calls(rank, world, nbytes)
         for op, fn in ops.items():
             dist.barrier()
             res[op][nbytes] = _time(fn, 7)
@@ -400,13 +407,7 @@ def _in_context_tables(rank: int, world: int, sizes, segment_s: float = 0.01) ->
     out = {op: {} for op in COLLECTIVES}
     samples: dict[str, dict[int, list[float]]] = {}
     for nbytes in sizes:
-        full = torch.zeros(nbytes // 4)
-        shard = torch.zeros(nbytes // 4 // world)
-        ops = {"all_reduce": lambda: dist.all_reduce(full),
-               "all_gather": lambda: dist.all_gather_into_tensor(full, shard),
-               "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),
-               "send_recv": (lambda: dist.send(full, 1)) if rank == 0 else
-                            (lambda: dist.recv(full, 0)) if rank == 1 else (lambda: None)}
+        ops = _collective_calls(rank, world, nbytes)
         reps = 12 if nbytes <= 4 * 2 ** 20 else 5
         for op, fn in ops.items():
             dist.barrier()
@@ -467,8 +468,9 @@ def _tp_linear_cost(mesh, world: int, tokens: int, width: int, all_reduce: dict[
 def _framework_overheads(world: int, all_reduce: dict[int, float], *, d: int = 16, n: int = 8) -> dict:
     """Seconds per call that torch's tensor-parallel Linear (DTensor) and FSDP2 unit add beyond the
     arithmetic and the collectives, forward + backward: a chain of ``2n`` tiny (d x d) Linears, plain,
-    with alternating colwise / rowwise TP, and with every Linear an FSDP2 unit; the time of the same
-    collectives issued alone is subtracted."""
+    with alternating colwise / rowwise TP (`_tp_linear_cost`: its all-reduces subtracted at the
+    in-context times ``all_reduce``, {bytes: s}, that the cost model charges), and with every Linear an
+    FSDP2 unit (the same collectives issued alone subtracted). Every rank reports the ranks' mean."""
     import torch.distributed as dist
     import torch.nn as nn
     from torch.distributed.device_mesh import init_device_mesh
