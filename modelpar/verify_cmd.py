@@ -210,14 +210,22 @@ def verify_main(argv: list[str]) -> int:
         plan.validate(plan.world_size, local_batch_size=local)
         if not _under_launcher():                # bad --model / plan fail here, before any process starts
             model = load_task(args)[0]
+            tp_plan = None
             if plan.tp > 1:                      # case C7: a split that does not divide
-                from modelpar.parallel.tensor import derive_tp_plan, validate_tp_plan
+                from modelpar.parallel.tensor import default_tp_plan, validate_tp_plan
 
-                validate_tp_plan(model, derive_tp_plan(model), plan.tp)
+                tp_plan = default_tp_plan(model, sequence_parallel=plan.sequence_parallel)[0]
+                validate_tp_plan(model, tp_plan, plan.tp)
+            from modelpar.parallel.parts import ModelParts, get_model_parts
+            from modelpar.parallel.ties import check_ties
+
             if plan.pp > 1:
-                from modelpar.parallel.parts import get_model_parts
-
                 plan.validate(plan.world_size, num_blocks=get_model_parts(model).num_blocks)
+            try:
+                parts = get_model_parts(model)
+            except ValueError:
+                parts = ModelParts(form="whole")
+            check_ties(model, plan, parts, tp_plan=tp_plan)     # case C13: a layout that breaks a tie
     except ValueError as e:
         print(f"modelpar verify: error: {e}", file=sys.stderr)
         return 2

@@ -33,8 +33,9 @@ def lm_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
 
 
-def gpt_task(n_layer: int = 2):
-    model = build_gpt("gpt-nano", seq_len=SEQ, n_layer=n_layer, seed=0)      # 2 heads, width 64
+def gpt_task(n_layer: int = 2, tie_embeddings: bool = False):
+    model = build_gpt("gpt-nano", seq_len=SEQ, n_layer=n_layer, seed=0,      # 2 heads, width 64
+                      tie_embeddings=tie_embeddings)
 
     def batch_fn(step):
         g = torch.Generator().manual_seed(1000 + step)
@@ -114,6 +115,43 @@ class PlainNet(nn.Module):
         return self.second(self.first(x))
 
 
+class StridedBlock(nn.Module):
+    """Case C14. ``mode="out"``: returns a transposed view (the stage output sent forward is not
+    contiguous); ``"slice"``: a strided slice of a wider result; ``"in"``: transposes its input
+    first, so the gradient it sends back to the previous stage is not contiguous. (b, 32) -> (b, 32)."""
+
+    def __init__(self, mode: str):
+        super().__init__()
+        self.mode = mode
+        self.lin = nn.Linear(32, 64 if mode == "slice" else 32)
+
+    def forward(self, x):
+        if self.mode == "out":                      # column-major result: a (b, 32) transposed view
+            return (x + torch.tanh(self.lin(x))).t().contiguous().t()
+        if self.mode == "slice":                    # every second feature of a (b, 64) result
+            return torch.tanh(self.lin(x))[:, ::2]
+        # "in": consumes x.t(), so d(out)/dx arrives as a transposed (non-contiguous) tensor
+        return torch.tanh(self.lin.weight @ x.t() + self.lin.bias[:, None]).t().contiguous()
+
+
+class StridedNet(nn.Module):
+    """The ModuleList form with `StridedBlock` blocks: every stage boundary carries a non-contiguous
+    activation (``mode`` "out" / "slice") or a non-contiguous gradient (``"in"``)."""
+
+    def __init__(self, mode: str, n_blocks: int = 4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(32, 32)
+        self.blocks = nn.ModuleList(StridedBlock(mode) for _ in range(n_blocks))
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
 def dict_task(n_layer: int = 4, with_int: bool = False):
     _, batch_fn = mlp_task()
     return DictNet(n_layer, with_int), batch_fn
@@ -123,7 +161,7 @@ class Case(NamedTuple):
     """One parity case; ``world`` first so ``case[0]`` is the world size (tests/conftest.py)."""
 
     world: int
-    task: str                   # "gpt" | "mlp" | "dict" | "dict-int"
+    task: str                   # "gpt" | "gpt-tied" | "mlp" | "dict" | "dict-int" | "plain" | "c14-*"
     plan: dict                  # ParallelPlan fields
     optimizer: str = "adamw"
     local: int = 0              # local batch size; 0: global / dp (no accumulation)
@@ -197,7 +235,29 @@ _case("c6-dict-int-pp2", 2, "dict-int", dict(pp=2, n_microbatches=2), check="err
 # C5: batch 10 split into 4 micro-batches is refused on every rank before training
 _case("c5-batch10-mb4-pp2", 2, "gpt", dict(pp=2, n_microbatches=4), global_batch=10, check="error")
 
+# C13: the output layer shares the token embedding's weight (tie_embeddings) under every strategy
+_case("gpt-tied-ddp2", 2, "gpt-tied", dict(dp_replicate=2))
+_case("gpt-tied-fsdp2", 2, "gpt-tied", dict(dp_shard=2))
+_case("gpt-tied-tp2", 2, "gpt-tied", dict(tp=2))                        # vocab-sharded embedding + head
+_case("gpt-tied-tp2-replicated", 2, "gpt-tied", dict(tp=2), loss_parallel=False)
+_case("gpt-tied-pp2-1f1b", 2, "gpt-tied", dict(pp=2, pp_schedule="1f1b", n_microbatches=4))
+_case("gpt-tied-pp2-1f1b-accum2-clip", 2, "gpt-tied", dict(pp=2, n_microbatches=2), local=4, clip=0.05)
+_case("gpt4-tied-pp2-zbvzerobubble", 2, "gpt-tied", dict(_V2, pp_schedule="zbvzerobubble"), n_layer=4, clip=0.05)
+# C14: non-contiguous stage outputs (transposed view, strided slice) and non-contiguous input gradients
+_case("c14-out-pp2-1f1b", 2, "c14-out", dict(pp=2, n_microbatches=2))
+_case("c14-slice-pp2-1f1b", 2, "c14-slice", dict(pp=2, n_microbatches=2))
+_case("c14-in-pp2-1f1b", 2, "c14-in", dict(pp=2, n_microbatches=2))
+_case("c14-out-pp2-zbv", 2, "c14-out", dict(_V2, pp_schedule="zbvzerobubble"))
+_case("c14-in-pp2-zbv", 2, "c14-in", dict(_V2, pp_schedule="zbvzerobubble"))
+
 # ---- hybrids on 4 ranks
+_case("gpt-tied-pp2xtp2", 4, "gpt-tied", dict(pp=2, tp=2, n_microbatches=2))
+_case("gpt4-tied-pp2xtp2-zbv", 4, "gpt-tied", dict(_V2, tp=2, pp_schedule="zbvzerobubble"), n_layer=4)
+_case("gpt-tied-pp2xfsdp2", 4, "gpt-tied", dict(pp=2, dp_shard=2, n_microbatches=2), clip=0.05)
+_case("gpt-tied-fsdp2xtp2-sp", 4, "gpt-tied", dict(dp_shard=2, tp=2, sequence_parallel=True))
+# a V schedule puts both copies on rank 0 in two stage modules, which FSDP would shard apart: refused
+_case("c13-tied-pp2xfsdp2-zbv", 4, "gpt-tied", dict(_V2, dp_shard=2, pp_schedule="zbvzerobubble"), n_layer=4,
+      check="error")
 _case("gpt-hsdp2x2", 4, "gpt", dict(dp_replicate=2, dp_shard=2))
 _case("gpt-pp2xddp2", 4, "gpt", dict(pp=2, dp_replicate=2, n_microbatches=2))
 _case("gpt-pp2xfsdp2", 4, "gpt", dict(pp=2, dp_shard=2, n_microbatches=2))
@@ -226,6 +286,10 @@ def run_case(name: str, mesh=None, device=None):
     c = CASES[name]
     if c.task in ("dict", "dict-int"):
         model, batch_fn = dict_task(c.n_layer if c.n_layer != 2 else 4, with_int=c.task == "dict-int")
+    elif c.task.startswith("c14-"):
+        model, batch_fn = StridedNet(c.task[4:], c.n_layer if c.n_layer != 2 else 4), mlp_task()[1]
+    elif c.task == "gpt-tied":
+        model, batch_fn = gpt_task(c.n_layer, tie_embeddings=True)
     else:
         model, batch_fn = gpt_task(c.n_layer) if c.task == "gpt" else mlp_task()
         if c.task == "plain":                   # no Sequential, no ModuleList: DDP/FSDP need no blocks
@@ -235,7 +299,8 @@ def run_case(name: str, mesh=None, device=None):
         base = batch_fn
         batch_fn = lambda step: tuple(t[:gb] if len(t) >= gb else t.repeat(2, *[1] * (t.dim() - 1))[:gb]
                                       for t in base(step))
-    loss_fn = (lm_loss_sum if c.loss == "sum" else lm_loss) if c.task == "gpt" else classification_loss
+    is_gpt = c.task in ("gpt", "gpt-tied")
+    loss_fn = (lm_loss_sum if c.loss == "sum" else lm_loss) if is_gpt else classification_loss
     plan = ParallelPlan(**c.plan).validate(c.world)
     local = c.local or gb // plan.dp
     lr = c.lr or (1e-3 if c.optimizer == "adamw" else 0.05)
@@ -261,11 +326,24 @@ def run_case(name: str, mesh=None, device=None):
         out["passed"] = False
         out["failures"].append(f"sequence parallel: blocks saw {seen.get('block_input_seq')} positions, "
                                f"expected {SEQ // plan.tp}")
-    vocab_sharded = plan.tp > 1 and (plan.sequence_parallel if c.loss_parallel is None else c.loss_parallel)
-    if vocab_sharded and "logits_local_vocab" in seen and seen["logits_local_vocab"] != 256 // plan.tp:
-        out["passed"] = False
-        out["failures"].append(f"loss parallel: local logits had {seen['logits_local_vocab']} classes, "
-                               f"expected {256 // plan.tp}")
+    # vocabulary parallel (the GPT's default under TP): logits and token embedding split over the vocab
+    vocab_sharded = is_gpt and plan.tp > 1 and c.loss_parallel is not False
+    for key in ("logits_local_vocab", "embed_local_vocab"):
+        if key == "embed_local_vocab" and plan.dp_shard > 1:    # FSDP shards the weight's dim 0 further
+            continue
+        if key in seen and seen[key] != (256 // plan.tp if vocab_sharded else 256):
+            out["passed"] = False
+            out["failures"].append(f"vocab parallel: {key} = {seen[key]}, expected "
+                                   f"{256 // plan.tp if vocab_sharded else 256}")
+    if c.task == "gpt-tied":            # C13: the copies are one tensor on a rank and equal after training
+        if seen.get("tie_identity") is False:
+            out["passed"] = False
+            out["failures"].append("tied copies are different tensors on rank 0")
+        d = (got.state["embed.tok.weight"] - got.state["head.out.weight"]).abs().max().item()
+        out["tied_max_abs_diff"] = d
+        if d != 0.0:
+            out["passed"] = False
+            out["failures"].append(f"tied copies differ after training by {d:.3g}")
     return out
 
 
@@ -301,6 +379,15 @@ def _attach_shape_probes(pm, seen: dict) -> None:
                                             if torch.is_tensor(a[0]) and a[0].dim() == 3 else None)
             elif name == "head.out":
                 m.register_forward_hook(lambda _m, a, o: seen.__setitem__("logits_local_vocab", local(o).shape[-1]))
+            elif name == "embed.tok":
+                seen["embed_local_vocab"] = local(m.weight).shape[0]
+    held = {}
+    for mod in pm.modules:             # C13: tied copies held on this rank are one Parameter
+        for name, p in mod.named_parameters(remove_duplicate=False):
+            if name in ("embed.tok.weight", "head.out.weight"):
+                held[name] = p
+    if len(held) == 2:
+        seen["tie_identity"] = held["embed.tok.weight"] is held["head.out.weight"]
 
 
 # torch.compile of each block (issue 3): compiled blocks under FSDP vs the eager one-process reference

@@ -20,7 +20,12 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """Shape of the GPT. ``d_ff`` None means 4 x d_model. Units: counts."""
+    """Shape of the GPT. ``d_ff`` None means 4 x d_model. Units: counts.
+
+    ``tie_embeddings``: the output layer reuses the token embedding's (vocab, d_model) weight
+    (``head.out.weight is embed.tok.weight``, as GPT-2 does; Press & Wolf 2017); one tensor, counted,
+    trained and saved once, kept tied by every strategy (case C13, `modelpar.parallel.ties`).
+    """
 
     vocab_size: int = 256
     seq_len: int = 128
@@ -29,16 +34,19 @@ class GPTConfig:
     d_model: int = 256
     d_ff: int | None = None
     dropout: float = 0.0
+    tie_embeddings: bool = False
 
     @property
     def ffn(self) -> int:
         return self.d_ff or 4 * self.d_model
 
     def num_params(self) -> int:
-        """Exact parameter count (weights + biases + LayerNorms + both embeddings + head)."""
+        """Exact parameter count (weights + biases + LayerNorms + both embeddings + head; a tied
+        head counted once)."""
         d, f, L = self.d_model, self.ffn, self.n_layer
         block = 4 * (d * d + d) + (d * f + f) + (f * d + d) + 4 * d
-        return L * block + self.vocab_size * d + self.seq_len * d + 2 * d + d * self.vocab_size
+        head = 0 if self.tie_embeddings else d * self.vocab_size
+        return L * block + self.vocab_size * d + self.seq_len * d + 2 * d + head
 
 
 # Presets: name -> config. The small ones train here; the large ones are for planning on the meta
@@ -142,6 +150,8 @@ class GPT(nn.Module):
         self.embed = Embedding(cfg)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.head = Head(cfg)
+        if cfg.tie_embeddings:              # one Parameter under two names (initialised once, below)
+            self.head.out.weight = self.embed.tok.weight
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

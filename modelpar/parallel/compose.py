@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from modelpar.parallel import checkpointing, compiling, data_parallel, pipeline, placement, tensor
+from modelpar.parallel import checkpointing, compiling, data_parallel, pipeline, placement, tensor, ties
 from modelpar.parallel.mesh import MeshInfo
 from modelpar.parallel.parts import ModelParts, check_parts_order, get_model_parts
 from modelpar.plan import ParallelPlan
@@ -70,6 +70,8 @@ class ParallelModel:
     loss_reduction: str = "mean"          # "mean" | "sum": what loss_fn does over its batch
     loss_parallel: bool = False           # logits are vocab-sharded DTensors; loss under loss_parallel()
     fsdp_mixed_precision: bool = False    # bf16 done by FSDP2's MixedPrecisionPolicy (no autocast)
+    ties: list = field(default_factory=list)   # tied parameter names (case C13, `modelpar.parallel.ties`)
+    tied_sync: "ties.TiedGradSync | None" = None   # sums tied copies' gradients across pipeline ranks
     _scaled: "_ScaledLoss | None" = None  # the schedule's loss function (see _ScaledLoss)
 
     def __post_init__(self):
@@ -86,8 +88,19 @@ class ParallelModel:
         return self.schedule is None or (self.plan.num_stages - 1) in self.stage_indices
 
     def parameters(self):
+        """This rank's parameters, each once (stage modules of one rank may share a tied one)."""
+        seen = set()
         for m in self.modules:
-            yield from m.parameters()
+            for p in m.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
+    def norm_parameters(self):
+        """The parameters whose gradients this rank counts in the global gradient norm: all but
+        the tied copies another pipeline rank counts (case C13: a tie is counted once)."""
+        skip = self.tied_sync.norm_skip if self.tied_sync is not None else set()
+        return [p for p in self.parameters() if id(p) not in skip]
 
     def named_parameters(self):
         seen = set()
@@ -181,6 +194,8 @@ class ParallelModel:
             args = (x.to(self.device),) if self.has_first_stage else ()
             with self._autocast():
                 self.schedule.step(*args, **kwargs)
+            if sync_grads and self.tied_sync is not None:   # C13: tied copies on other stages' ranks
+                self.tied_sync.all_reduce()
             if not self.has_last_stage:
                 return None
             total = torch.stack([_plain(l.detach()) for l in losses]).sum() / self._loss_scale
@@ -273,16 +288,18 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
         example_input: one micro-batch of input; for pipelines it checks the block order and dry-runs
             the stage boundaries (case C6), and measures block costs.
         tp_plan: ``{module path: style}`` (`modelpar.parallel.tensor.STYLES`); derived when None.
-        loss_parallel: GPT under TP: split the output head over the vocabulary and compute the cross
-            entropy on the shards (``loss_fn`` must be a cross entropy). None: on with sequence parallel.
+        loss_parallel: GPT under TP: split the token embedding and the output head over the vocabulary
+            and compute the cross entropy on the vocab-sharded logits (``loss_fn`` must be a cross
+            entropy); None: on for the built-in GPT with the derived TP plan (`tensor.default_tp_plan`).
         block_costs: pipeline stage balancing: per-block costs, or ``"flops"`` (counted on
             ``example_input``), ``"time"`` (measured), ``"params"``; None: ``"flops"`` when an example
             input is given, else ``"params"`` (`modelpar.parallel.parts.block_costs`).
 
     Raises:
         ValueError: the model cannot be split as the plan needs (see `modelpar.parallel.parts`), a
-            stage boundary carries something other than tensors, a TP split does not divide evenly,
-            or an unknown ``loss_reduction``.
+            stage boundary carries something other than tensors, a TP split does not divide evenly
+            (the GPT's vocabulary included), tied parameters the layout cannot keep tied
+            (`ties.check_ties`), or an unknown ``loss_reduction``.
     """
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"loss_reduction={loss_reduction!r} is unknown; valid: mean, sum")
@@ -295,12 +312,16 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
         # DDP / FSDP / TP need no block structure: FSDP then shards the whole model as one unit
         parts = ModelParts(form="whole")
     plan.validate(num_blocks=parts.num_blocks if plan.pp_enabled else None)
-    shard_head = bool(plan.tp_enabled and (plan.sequence_parallel if loss_parallel is None else loss_parallel))
+    tied = ties.find_ties(model)
+    shard_head = False
     if plan.tp_enabled:
         if tp_plan is None:
-            tp_plan = tensor.derive_tp_plan(model, sequence_parallel=plan.sequence_parallel, shard_head=shard_head)
+            tp_plan, _ = tensor.default_tp_plan(model, sequence_parallel=plan.sequence_parallel,
+                                                loss_parallel=loss_parallel)
         tensor.validate_tp_plan(model, tp_plan, plan.tp)
         shard_head = tensor.head_is_vocab_sharded(tp_plan)
+    if not plan.pp_enabled:
+        ties.check_ties(model, plan, parts, tp_plan=tp_plan, ties=tied)
 
     if plan.is_placement:                          # one process, many devices
         layout = placement.apply_placement(parts, plan.placement_devices,
@@ -327,6 +348,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
         ranges = pipeline.split_stages(parts, plan.num_stages, plan.stage_boundaries, block_costs=costs)
         if ex is not None:
             specs = pipeline.check_stage_boundaries(parts, ranges, ex)
+        ties.check_ties(model, plan, parts, tp_plan=tp_plan, ranges=ranges, ties=tied)
         indices = pipeline.stage_indices(mesh.pp_rank, plan.pp, plan.virtual_stages, plan.pp_schedule)
         modules: list[nn.Module] = pipeline.build_stage_modules(parts, ranges, indices, specs)
     else:
@@ -341,6 +363,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
         for mod in modules:
             present = {n for n, _ in mod.named_modules()}
             tensor.apply_tp(mod, mesh.sub("tp"), tp_plan, present=present)
+        ties.retie(modules, tied)              # TP gave each copy its own DTensor: one again (C13)
     # 3. activation checkpointing (after TP, so recompute replays the TP collectives)
     for mod in modules:
         checkpointing.apply_ac(local_blocks(mod), mode=plan.activation_checkpointing)
@@ -368,7 +391,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
 
     pm = ParallelModel(plan, mesh, modules, runtime_modules[0] if not plan.pp_enabled else None, loss_fn,
                        device, stage_indices=indices, stage_ranges=ranges, loss_reduction=loss_reduction,
-                       loss_parallel=shard_head, fsdp_mixed_precision=fsdp_style)
+                       loss_parallel=shard_head, fsdp_mixed_precision=fsdp_style, ties=tied)
+    if plan.pp_enabled:
+        pm.tied_sync = ties.build_tied_grad_sync(tied, parts, ranges, plan, mesh, modules)
     if plan.pp_enabled:
         pm.schedule = pipeline.build_schedule(runtime_modules, indices, plan.num_stages,
                                               schedule=plan.pp_schedule, n_microbatches=plan.n_microbatches,

@@ -64,11 +64,19 @@ class StageModule(nn.Module):
     ``in_spec`` / ``out_spec``: pytree specs of the structures crossing this stage's boundaries
     (None for a plain tensor); a structured input arrives as its flattened tensors and is rebuilt,
     a structured output leaves as a tuple of its tensors.
+
+    Case C14: what crosses a boundary is made contiguous in both directions. Outputs sent on
+    (``.contiguous()``, a no-op for a contiguous tensor): torch's send / recv need contiguous tensors,
+    and the receiving stage allocates its buffers with the strides of the first output it sees, so a
+    transposed view or a strided slice ended in "input tensor has to be contiguous". Gradients sent
+    back: every received input passes through `_contiguous_grad`, so the gradient of an input the
+    stage transposes first leaves contiguous too.
     """
 
     def __init__(self, parts: ModelParts, first: int, end: int, *, is_first: bool, is_last: bool,
                  in_spec=None, out_spec=None):
         super().__init__()
+        self._is_first, self._is_last = is_first, is_last
         self._order: list[str] = []
         self._in_spec, self._out_spec = in_spec, out_spec
         entries = (parts.pre if is_first else []) + parts.blocks[first:end] + (parts.post if is_last else [])
@@ -86,12 +94,35 @@ class StageModule(nn.Module):
         owner.add_module(leaf, mod)
 
     def forward(self, *args):
+        if not self._is_first:
+            args = tuple(_contiguous_grad(a) if isinstance(a, torch.Tensor) and a.requires_grad else a
+                         for a in args)
         x = pytree.tree_unflatten(list(args), self._in_spec) if self._in_spec is not None else args[0]
         for path in self._order:
             x = self.get_submodule(path)(x)
         if self._out_spec is not None:
-            return tuple(pytree.tree_leaves(x))
-        return x
+            x = tuple(pytree.tree_leaves(x))
+        if self._is_last:
+            return x
+        if isinstance(x, tuple):
+            return tuple(t.contiguous() for t in x)
+        return x.contiguous()
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity in forward; the gradient leaves contiguous (case C14, see `StageModule`)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
+def _contiguous_grad(x: torch.Tensor) -> torch.Tensor:
+    return _ContiguousGrad.apply(x)
 
 
 def _field_name(path) -> str:

@@ -5,7 +5,7 @@ input features and all-reduces its output, so each (colwise, rowwise) pair costs
 forward and one in backward. The plan is derived automatically:
 
 - the built-in GPT: per block ``attn.q/k/v`` colwise, ``attn.o`` rowwise, ``mlp.up`` colwise,
-  ``mlp.down`` rowwise (embedding and head replicated);
+  ``mlp.down`` rowwise; the token embedding and the output head split over the vocabulary (below);
 - any chain of ``nn.Linear`` layers (with element-wise ops between them): consecutive pairs become
   (colwise, rowwise); an unpaired last Linear stays replicated.
 
@@ -15,9 +15,14 @@ activations sharded along the sequence (dim 1); each rowwise Linear reduce-scatt
 instead of all-reducing, and each attention / MLP all-gathers the sequence on entry. The embedding's
 output is cut into sequence shards (no communication) and the head all-gathers before its Linear.
 
-Loss parallel: with ``shard_head`` the GPT output Linear is split colwise over the vocabulary and its
-logits stay a DTensor sharded on the vocab dim, so cross entropy (under torch's ``loss_parallel``)
-never gathers the full (batch, seq, vocab) logits on any rank.
+Vocabulary parallel (Megatron-LM's vocab-parallel embedding and output layer, Shoeybi et al. 2019,
+Sec. 3): with ``shard_head`` the GPT token embedding ``embed.tok`` is split rowwise over the vocabulary
+(each rank looks up its vocab range, out-of-range tokens give zeros, and one all-reduce sums the
+lookups: torch's ``RowwiseParallel`` on an ``nn.Embedding``) and the output Linear colwise over the
+vocabulary, its logits left a DTensor sharded on the vocab dim, so cross entropy (under torch's
+``loss_parallel``) never gathers the full (batch, seq, vocab) logits on any rank. Both weights are
+(vocab, d_model) and split on dim 0, so a tied head and embedding (case C13) share one sharding. The
+vocabulary must be divisible by the TP degree (checked with the other splits).
 
 A user may pass their own ``{module path: style}`` plan instead (styles: ``STYLES``).
 Every split is checked before any process group exists (case C7), naming the module, the dimension
@@ -36,8 +41,11 @@ GATHER_SEQ_INPUT = "gather_seq_input"  # module input: sequence shards -> all-ga
 SHARD_SEQ_OUTPUT = "shard_seq_output"  # module output: replicated -> sequence shards (no communication)
 COLWISE_VOCAB = "colwise_vocab"        # head Linear: logits stay a DTensor sharded on the vocab dim
 COLWISE_VOCAB_SEQ = "colwise_vocab_seq"  # the same, from sequence-sharded input
+ROWWISE_VOCAB = "rowwise_vocab"        # nn.Embedding split over its rows (the vocabulary), output replicated
 STYLES = (COLWISE, ROWWISE, ROWWISE_SEQ, SEQ_NORM, GATHER_SEQ_INPUT, SHARD_SEQ_OUTPUT, COLWISE_VOCAB,
-          COLWISE_VOCAB_SEQ)
+          COLWISE_VOCAB_SEQ, ROWWISE_VOCAB)
+COLWISE_STYLES = (COLWISE, COLWISE_VOCAB, COLWISE_VOCAB_SEQ)   # weight split on dim 0
+ROWWISE_STYLES = (ROWWISE, ROWWISE_SEQ)                        # weight split on dim 1
 _LINEAR_STYLES = {COLWISE: "out_features", COLWISE_VOCAB: "out_features", COLWISE_VOCAB_SEQ: "out_features",
                   ROWWISE: "in_features", ROWWISE_SEQ: "in_features"}
 
@@ -47,7 +55,8 @@ def derive_tp_plan(model: nn.Module, *, sequence_parallel: bool = False, shard_h
 
     Args:
         sequence_parallel: GPT only: shard LayerNorm/dropout regions along the sequence.
-        shard_head: GPT only: split the output head over the vocabulary (loss parallel).
+        shard_head: GPT only: split the token embedding and the output head over the vocabulary
+            (loss parallel).
 
     Raises:
         ValueError: the model has fewer than two Linear layers to pair; sequence_parallel or
@@ -66,6 +75,8 @@ def derive_tp_plan(model: nn.Module, *, sequence_parallel: bool = False, shard_h
                              p + "mlp": GATHER_SEQ_INPUT})
             plan.update({p + "attn.q": COLWISE, p + "attn.k": COLWISE, p + "attn.v": COLWISE,
                          p + "attn.o": row, p + "mlp.up": COLWISE, p + "mlp.down": row})
+        if shard_head:
+            plan["embed.tok"] = ROWWISE_VOCAB
         if shard_head and sp:       # ln_f on sequence shards, the head Linear gathers them
             plan.update({"head.ln_f": SEQ_NORM, "head.out": COLWISE_VOCAB_SEQ})
         elif shard_head:
@@ -86,11 +97,29 @@ def derive_tp_plan(model: nn.Module, *, sequence_parallel: bool = False, shard_h
     return plan
 
 
-def validate_tp_plan(model: nn.Module, tp_plan: dict[str, str], tp_degree: int) -> None:
-    """Check every split divides evenly (case C7), and the GPT's heads.
+def default_tp_plan(model: nn.Module, *, sequence_parallel: bool = False,
+                    loss_parallel: bool | None = None) -> tuple[dict[str, str], bool]:
+    """The derived TP plan `parallelize` uses, and whether it splits the vocabulary.
+
+    ``loss_parallel`` None: vocabulary parallel (embedding and head split over the vocabulary, the loss
+    on vocab-sharded logits) for the built-in GPT, off for other models (their plans are derived from
+    Linear chains); True / False force it (True only for the GPT).
 
     Raises:
-        ValueError: naming the module, the dimension and the degree.
+        ValueError: see `derive_tp_plan`.
+    """
+    from modelpar.models.gpt import GPT
+
+    shard = isinstance(model, GPT) if loss_parallel is None else bool(loss_parallel)
+    return derive_tp_plan(model, sequence_parallel=sequence_parallel, shard_head=shard), shard
+
+
+def validate_tp_plan(model: nn.Module, tp_plan: dict[str, str], tp_degree: int) -> None:
+    """Check every split divides evenly (case C7), and the GPT's heads and vocabulary.
+
+    Raises:
+        ValueError: naming the module, the dimension and the degree (for the GPT's vocabulary split:
+            ``vocab_size`` and the degree).
     """
     if tp_degree == 1:
         return
@@ -109,6 +138,18 @@ def validate_tp_plan(model: nn.Module, tp_plan: dict[str, str], tp_degree: int) 
             raise ValueError(f"TP plan names {path!r}, which is not a module of {type(model).__name__}")
         if style not in STYLES:
             raise ValueError(f"TP plan entry {path!r} has style {style!r}; valid: {', '.join(STYLES)}")
+        if style == ROWWISE_VOCAB:
+            if not isinstance(m, nn.Embedding):
+                raise ValueError(f"TP plan entry {path!r} is {type(m).__name__}; {ROWWISE_VOCAB} splits an "
+                                 f"nn.Embedding over its rows")
+            if m.num_embeddings % tp_degree:
+                what = ("GPTConfig.vocab_size" if isinstance(model, GPT) and path == "embed.tok"
+                        else f"{path}.num_embeddings")
+                raise ValueError(f"tensor parallel degree {tp_degree} does not divide {what}="
+                                 f"{m.num_embeddings}: the token embedding and output head are split over "
+                                 f"the vocabulary (vocab parallel); use a vocabulary that is a multiple of "
+                                 f"{tp_degree} (pad it), or another TP degree")
+            continue
         if style not in _LINEAR_STYLES:
             continue
         if not isinstance(m, nn.Linear):
@@ -155,6 +196,8 @@ def make_style(style: str):
                                    use_local_output=True)
     if style == COLWISE_VOCAB:
         return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    if style == ROWWISE_VOCAB:      # token ids replicated in, the summed lookups replicated out
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if style == COLWISE_VOCAB_SEQ:
         return ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
     raise ValueError(f"TP style {style!r} is unknown; valid: {', '.join(STYLES)}")

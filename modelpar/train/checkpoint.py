@@ -509,7 +509,8 @@ class TrainCheckpoints:
                     "train_config": cfg.to_dict(), "model": cfg.model,
                     "data_position": {"seed": cfg.seed, "next_step": steps_done,
                                       "global_batch_size": cfg.global_batch_size},
-                    "lr_schedule": {k: getattr(cfg, k) for k in ("lr", "min_lr", "warmup_steps", "steps")}}
+                    "lr_schedule": {k: getattr(cfg, k) for k in ("lr", "min_lr", "warmup_steps", "steps")},
+                    "tied_parameters": [list(t) for t in self.pm.ties]}
             gpt_cfg = getattr(self._full_model_cfg(), "__dict__", None)
             if gpt_cfg:
                 meta["model_config"] = {k: v for k, v in gpt_cfg.items() if isinstance(v, (int, float, str, bool))}
@@ -531,6 +532,12 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> dict[s
     """Write the model of a checkpoint (any layout) as one consolidated safetensors file, loadable by
     ``model.load_state_dict(safetensors.torch.load_file(out))`` on the plain model. One process.
 
+    Tied parameters (case C13, listed in the checkpoint's ``tied_parameters``) are written once, under
+    their first name, and the aliases recorded in the file's metadata (``modelpar_tied``, JSON
+    ``{alias: name}``); load such a file with ``safetensors.torch.load_model(model, out)``, which
+    fills the aliases of a model that ties them (``load_state_dict`` then reports the aliases as
+    missing).
+
     Raises:
         CheckpointError: see `read_checkpoint_meta`.
     """
@@ -548,11 +555,17 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> dict[s
         raise CheckpointError(f"checkpoint {p!r} holds no model tensors")
     state = {"model": sd}
     dcp.load(state, checkpoint_id=p, no_dist=True)
+    aliases = {alias: tie[0] for tie in meta.get("tied_parameters", []) for alias in tie[1:]
+               if alias in state["model"] and tie[0] in state["model"]}
+    for alias in aliases:                 # saved once (the copies are equal: kept tied in training)
+        del state["model"][alias]
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
+    extra = {"modelpar_tied": json.dumps(aliases, sort_keys=True)} if aliases else {}
     save_file({k: v.contiguous() for k, v in state["model"].items()}, str(tmp),
-              metadata={"format": "pt", "modelpar_step": str(meta["step"]), "modelpar_model": str(meta.get("model"))})
+              metadata={"format": "pt", "modelpar_step": str(meta["step"]), "modelpar_model": str(meta.get("model")),
+                        **extra})
     tmp.replace(out)
     return state["model"]
 

@@ -52,14 +52,16 @@ def global_grad_norm(params, *, pp_group=None) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_grad_norm_(params, max_norm: float, *, pp_group=None) -> torch.Tensor:
+def clip_grad_norm_(params, max_norm: float, *, pp_group=None, norm_params=None) -> torch.Tensor:
     """Scale gradients so their global norm is at most ``max_norm``; returns the norm before clipping.
 
     ``max_norm <= 0`` only measures. Clip factor min(1, max_norm / (norm + 1e-6)) as in
-    `torch.nn.utils.clip_grad_norm_`.
+    `torch.nn.utils.clip_grad_norm_`. ``norm_params``: the parameters this rank counts in the norm
+    (default ``params``); a tied parameter held on several pipeline ranks is counted on one of them
+    (`ParallelModel.norm_parameters`, case C13) and clipped on all.
     """
     params = list(params)
-    norm = global_grad_norm(params, pp_group=pp_group)
+    norm = global_grad_norm(params if norm_params is None else norm_params, pp_group=pp_group)
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for p in params:

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from modelpar.models import PRESETS
 from modelpar.parallel.compose import ParallelModel
 from modelpar.parallel.parts import get_model_parts
-from modelpar.parallel.tensor import derive_tp_plan, validate_tp_plan
+from modelpar.parallel.tensor import default_tp_plan, validate_tp_plan
+from modelpar.parallel.ties import check_ties
 from modelpar.plan import ParallelPlan, gradient_accumulation_steps, plan_for_strategy
 from modelpar.train.config import TrainConfig
 from modelpar.train.data import eval_shard
@@ -106,8 +107,10 @@ def preflight(cfg: TrainConfig, world_size: int) -> tuple[ParallelPlan, Batches]
     batches = batch_terms(cfg, plan)
     plan.validate(1 if plan.is_placement else world_size, num_blocks=parts.num_blocks,
                   local_batch_size=batches.local_batch_size)
-    if plan.tp > 1:
-        validate_tp_plan(task.model, derive_tp_plan(task.model), plan.tp)
+    tp_plan = default_tp_plan(task.model, sequence_parallel=plan.sequence_parallel)[0] if plan.tp > 1 else None
+    if tp_plan is not None:
+        validate_tp_plan(task.model, tp_plan, plan.tp)
+    check_ties(task.model, plan, parts, tp_plan=tp_plan)        # case C13: a layout that breaks a tie
     if plan.cpu_offload and not torch.cuda.is_available():
         raise ValueError("cpu_offload=True needs CUDA: on a CPU-only run the shards already live in CPU memory")
     return plan, batches

@@ -51,7 +51,8 @@ def train_step(pm: ParallelModel, opt: torch.optim.Optimizer, xg: torch.Tensor, 
         if loss is not None:
             loss_sum += loss.item()
             n += 1
-    gnorm = clip_grad_norm_(pm.parameters(), grad_clip, pp_group=pm.mesh.group("pp"))
+    gnorm = clip_grad_norm_(pm.parameters(), grad_clip, pp_group=pm.mesh.group("pp"),
+                            norm_params=pm.norm_parameters())
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss_sum, n, gnorm
