@@ -117,8 +117,9 @@ class PlainNet(nn.Module):
 
 class StridedBlock(nn.Module):
     """Case C14. ``mode="out"``: returns a transposed view (the stage output sent forward is not
-    contiguous); ``"slice"``: a strided slice of a wider result; ``"in"``: transposes its input
-    first, so the gradient it sends back to the previous stage is not contiguous. (b, 32) -> (b, 32)."""
+    contiguous); ``"slice"``: a strided slice of a wider result; ``"in"``: multiplies its transposed
+    input (``bmm``), so the gradient it sends back to the previous stage is not contiguous.
+    (b, 32) -> (b, 32)."""
 
     def __init__(self, mode: str):
         super().__init__()
@@ -130,8 +131,9 @@ class StridedBlock(nn.Module):
             return (x + torch.tanh(self.lin(x))).t().contiguous().t()
         if self.mode == "slice":                    # every second feature of a (b, 64) result
             return torch.tanh(self.lin(x))[:, ::2]
-        # "in": consumes x.t(), so d(out)/dx arrives as a transposed (non-contiguous) tensor
-        return torch.tanh(self.lin.weight @ x.t() + self.lin.bias[:, None]).t().contiguous()
+        # "in": a batched matmul over x.t(), so d(out)/dx comes back as a transposed (non-contiguous) view
+        h = torch.bmm(self.lin.weight.unsqueeze(0), x.t().unsqueeze(0)).squeeze(0)
+        return torch.tanh(h + self.lin.bias[:, None]).t().contiguous()
 
 
 class StridedNet(nn.Module):

@@ -171,7 +171,19 @@ def apply_tp(model: nn.Module, tp_mesh, tp_plan: dict[str, str], *, present: set
         from torch.distributed.tensor.parallel import parallelize_module
 
         parallelize_module(model, tp_mesh, plan)
+    for path, style in tp_plan.items():
+        if style == ROWWISE_VOCAB and path in plan:
+            model.get_submodule(path).weight.register_post_accumulate_grad_hook(_shard_grad_like_weight)
     return len(plan)
+
+
+def _shard_grad_like_weight(p) -> None:
+    """DTensor's embedding backward gives a vocab-sharded weight a Replicate gradient (the whole
+    (vocab, d) on every TP rank, torch 2.13): keep only this rank's vocab shard, as the weight is
+    laid out (a local slice, no communication), so the gradient and the optimizer step are sharded."""
+    g = p.grad
+    if hasattr(g, "placements") and tuple(g.placements) != tuple(p.placements):
+        p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
 def make_style(style: str):

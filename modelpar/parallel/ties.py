@@ -209,6 +209,7 @@ class TiedGradSync:
         for p, group in self.pairs:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            _grad_like_param(p)
             g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
             dist.all_reduce(g, op=dist.ReduceOp.SUM, group=group)
 
@@ -218,10 +219,12 @@ def build_tied_grad_sync(ties: list[tuple[str, ...]], parts: ModelParts, ranges,
     """The `TiedGradSync` of this rank (None when no tie spans pipeline ranks).
 
     The holders of a tie are the pp ranks whose stages hold a copy; for each coordinate of the other
-    mesh axes (data parallel, TP) they form one group: the whole ``pp`` group when every pp rank holds
-    a copy, else a new group of those ranks (``dist.new_group``, called for every coordinate by every
-    rank, as it must be). Under TP the copies are DTensors with the same sharding and the same TP
-    coordinate, so their local shards are summed.
+    mesh axes (data parallel, TP) they form one new group of those ranks (``dist.new_group``, called
+    for every coordinate by every rank, as it must be). A group of its own, not the ``pp`` group: on
+    gloo an all-reduce on the group that carries the schedule's point-to-point traffic was seen to
+    receive a pipeline activation instead ("Received data size doesn't match expected size", pp x
+    tp). Under TP the copies are DTensors with the same sharding and the same TP coordinate, so their
+    local shards are summed.
     """
     if not plan.pp_enabled or not ties:
         return None
@@ -240,7 +243,7 @@ def build_tied_grad_sync(ties: list[tuple[str, ...]], parts: ModelParts, ranges,
             mine = None
             for row in grid:
                 ranks = [row[h] for h in hs]
-                g = mesh.group("pp") if len(hs) == plan.pp else dist.new_group(ranks)
+                g = dist.new_group(ranks)
                 if me in ranks:
                     mine = g
             cache[hs] = mine
@@ -266,3 +269,13 @@ def _find_param(modules: list[nn.Module], name: str) -> nn.Parameter:
         if leaf in owner._parameters:
             return owner._parameters[leaf]
     raise KeyError(name)
+
+
+def _grad_like_param(p: torch.Tensor) -> None:
+    """Give a DTensor parameter's gradient the parameter's placements (no communication from
+    Replicate to Shard). DTensor's embedding backward leaves a vocab-sharded embedding's gradient
+    Replicate (the whole (vocab, d) on every TP rank) while the head's copy of a tie is Shard(0):
+    the holders' local tensors must be the same shard before they are summed."""
+    g = p.grad
+    if hasattr(g, "placements") and hasattr(p, "placements") and tuple(g.placements) != tuple(p.placements):
+        p.grad = g.redistribute(p.device_mesh, p.placements)

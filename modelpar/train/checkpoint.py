@@ -133,13 +133,18 @@ def read_checkpoint_meta(path: str | os.PathLike) -> dict:
 
 
 # ---- state dicts ----------------------------------------------------------------------------------
-def checkpoint_module(modules: list[nn.Module]) -> nn.Module:
+def checkpoint_module(modules: list[nn.Module], ties: list[tuple[str, ...]] | None = None) -> nn.Module:
     """One module holding this rank's parameters (and persistent buffers) under their original names,
     the same objects the optimizer holds. Build it right after `parallelize` and the optimizer, before
     the first forward: DDP over TP swaps the registered parameters for DTensors during forward (torch's
     ``_pre_dp_module_transform``), and pipeline ranks may hold several stage modules.
+
+    ``ties`` (`ParallelModel.ties`, case C13): a tied parameter is held under its first name whichever
+    copy this rank has (a last pipeline stage's ``head.out.weight`` is stored as ``embed.tok.weight``),
+    so a checkpoint names it once, the same on every layout, and resumes on any other.
     """
     holder = nn.Module()
+    canonical = {alias: tie[0] for tie in ties or () for alias in tie[1:]}
 
     def owner_of(path: str) -> tuple[nn.Module, str]:
         owner = holder
@@ -155,7 +160,7 @@ def checkpoint_module(modules: list[nn.Module]) -> nn.Module:
         for name, prm in m.named_parameters():
             if id(prm) not in seen:
                 seen.add(id(prm))
-                o, leaf = owner_of(name)
+                o, leaf = owner_of(canonical.get(name, name))
                 o.register_parameter(leaf, prm)
         for mod_name, mod in m.named_modules():
             for b_name, buf in mod.named_buffers(recurse=False):
@@ -452,7 +457,7 @@ class TrainCheckpoints:
         self.start_step = 0
         self.loaded_step: int | None = None
         self.saver: Checkpointer | None = None
-        self.holder = checkpoint_module(pm.modules)      # before the first forward (see checkpoint_module)
+        self.holder = checkpoint_module(pm.modules, getattr(pm, "ties", None))   # before the first forward
         source = self._resume_source()
         if source is not None:
             self._resume(source)
@@ -510,7 +515,7 @@ class TrainCheckpoints:
                     "data_position": {"seed": cfg.seed, "next_step": steps_done,
                                       "global_batch_size": cfg.global_batch_size},
                     "lr_schedule": {k: getattr(cfg, k) for k in ("lr", "min_lr", "warmup_steps", "steps")},
-                    "tied_parameters": [list(t) for t in self.pm.ties]}
+                    "tied_parameters": [list(t) for t in getattr(self.pm, "ties", [])]}
             gpt_cfg = getattr(self._full_model_cfg(), "__dict__", None)
             if gpt_cfg:
                 meta["model_config"] = {k: v for k, v in gpt_cfg.items() if isinstance(v, (int, float, str, bool))}
@@ -555,10 +560,12 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> dict[s
         raise CheckpointError(f"checkpoint {p!r} holds no model tensors")
     state = {"model": sd}
     dcp.load(state, checkpoint_id=p, no_dist=True)
-    aliases = {alias: tie[0] for tie in meta.get("tied_parameters", []) for alias in tie[1:]
-               if alias in state["model"] and tie[0] in state["model"]}
-    for alias in aliases:                 # saved once (the copies are equal: kept tied in training)
-        del state["model"][alias]
+    aliases = {}
+    for tie in meta.get("tied_parameters", []):    # saved once, under the first name held
+        kept = [n for n in tie if n in state["model"]]
+        for alias in (n for n in tie if kept and n != kept[0]):
+            state["model"].pop(alias, None)
+            aliases[alias] = kept[0]
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
