@@ -199,3 +199,29 @@ def test_c14_and_c13_parity_rows_exist():
               "gpt-tied-fsdp2", "gpt-tied-tp2", "gpt-tied-pp2-1f1b", "gpt4-tied-pp2-zbvzerobubble",
               "gpt-tied-pp2xtp2"):
         assert n in names, n
+
+
+def test_a_last_stage_holds_its_tied_copy_under_the_first_name(tmp_path):
+    """Checkpoints name a tie once: a pipeline rank holding only the head's copy saves and loads it as
+    ``embed.tok.weight``, so a checkpoint of one layout resumes on another (here: one process -> the
+    last stage of a 2-stage pipeline)."""
+    from modelpar.train.checkpoint import Checkpointer, checkpoint_module, load_checkpoint
+
+    m = tied_gpt()
+    tie = ties.find_ties(m)
+    Checkpointer(tmp_path / "ck").save(checkpoint_module([m], tie), None, 1)
+    fresh = tied_gpt()
+    with torch.no_grad():
+        fresh.embed.tok.weight.zero_()
+    parts = get_model_parts(fresh)
+    last = StageModule(parts, 1, 2, is_first=False, is_last=True)
+    holder = checkpoint_module([last], tie)
+    names = {n for n, _ in holder.named_parameters()}
+    assert "embed.tok.weight" in names and "head.out.weight" not in names
+    from modelpar.train.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"of its parameter\(s\) are not in the model"):
+        load_checkpoint(holder, None, tmp_path / "ck")   # one process with only the last stage: partial
+    full = checkpoint_module([StageModule(parts, 0, 1, is_first=True, is_last=False), last], tie)
+    load_checkpoint(full, None, tmp_path / "ck")
+    torch.testing.assert_close(fresh.head.out.weight, m.embed.tok.weight, rtol=0, atol=0)

@@ -201,8 +201,9 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
             if global_batch_size % dp:
                 pruned["global batch not divisible by dp"] += layout_total
                 continue
-            if arch and tp > 1 and any(arch[k] % tp for k in ("n_head", "d_model", "ffn")):
-                pruned["tp does not divide heads/hidden/ffn"] += layout_total
+            # the GPT's embedding and head split over the vocabulary under TP (runtime vocab parallel)
+            if arch and tp > 1 and any(arch.get(k, 0) % tp for k in ("n_head", "d_model", "ffn", "vocab_size")):
+                pruned["tp does not divide heads/hidden/ffn/vocab"] += layout_total
                 continue
             if not arch and tp > 1 and any(b.num_params and b.num_params < tp for b in profile.blocks):
                 pruned["tp larger than a layer"] += layout_total
