@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-batch-size", type=int, default=0, help="samples per forward/backward per "
                                                                   "data-parallel rank (0: global / dp)")
     p.add_argument("--seq-len", type=int, default=16, help="tokens per sample for GPT models")
+    p.add_argument("--tie-embeddings", action="store_true", help="GPT models: the head reuses the embedding weight")
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--grad-clip", type=float, default=0.0, help="global L2 clip norm (0: off)")
@@ -95,7 +96,8 @@ def load_task(args):
     gb = args.global_batch_size
     if ":" not in args.model:
         if args.model in PRESETS:
-            model = build_model(args.model, seed=args.seed, seq_len=args.seq_len, dropout=0.0)
+            model = build_model(args.model, seed=args.seed, seq_len=args.seq_len, dropout=0.0,
+                                tie_embeddings=args.tie_embeddings)
 
             def batch_fn(step):
                 g = torch.Generator().manual_seed(args.seed * 100003 + step)

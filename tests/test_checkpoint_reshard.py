@@ -78,7 +78,7 @@ def step_of(d: Path, step: int) -> str:
 def runs(tmp_path_factory, request):
     request.config.pluginmanager.register(REPORT, "modelpar-reshard-report")
     w = tmp_path_factory.mktemp("reshard")
-    D = {k: w / f"ckpt-{k}" for k in "ABCEFG"}
+    D = {k: w / f"ckpt-{k}" for k in ("A", "B", "C", "E", "F", "G", "Et", "Ft")}
 
     def spec(name, ckpt=None, resume="", **kw):
         # grad_clip 0: the global grad norm under DDP x TP is computed over local TP shards as if they
@@ -100,14 +100,20 @@ def runs(tmp_path_factory, request):
     res["ref"] = run_local(spec("ref", **single))
     res["E"] = run_local(spec("E", ckpt="E", **single))
     res["E_resume4"] = run_local(spec("E_resume4", resume=step_of(D["E"], 4), **single))
+    # case C13: a GPT with a tied head, 1 process -> pp2 (the copies on two ranks) -> 1 process
+    tied = dict(tie_embeddings=True)
+    res["ref_t"] = run_local(spec("ref_t", **single, **tied))
+    res["E_t"] = run_local(spec("E_t", ckpt="Et", **single, **tied))
     res.update(launch(4, [spec("A", ckpt="A", **fsdp4), spec("A_nosave", **fsdp4),
                           spec("A_resume4", resume=step_of(D["A"], 4), **fsdp4),
                           spec("B", ckpt="B", resume=step_of(D["A"], 2), **ddptp4)], w, "l4a"))
     res.update(launch(2, [spec("C", ckpt="C", resume=step_of(D["B"], 4), **pp2),
-                          spec("F", ckpt="F", resume=step_of(D["E"], 2), **pp2)], w, "l2"))
+                          spec("F", ckpt="F", resume=step_of(D["E"], 2), **pp2),
+                          spec("F_t", ckpt="Ft", resume=step_of(D["Et"], 2), **pp2, **tied)], w, "l2"))
     res.update(launch(4, [spec("G", ckpt="G", resume=step_of(D["F"], 4), **ddptp4),
                           spec("H", resume=step_of(D["G"], 6), **fsdp4)], w, "l4b"))
     res["D"] = run_local(spec("D", resume=step_of(D["C"], 6), **single))
+    res["D_t"] = run_local(spec("D_t", resume=step_of(D["Ft"], 4), **single, **tied))
     return {"res": res, "dirs": D, "work": w}
 
 
@@ -206,3 +212,39 @@ def test_export_consolidates_sharded_checkpoint(runs, tmp_path):
     assert abs(val - want) / want <= LOSS_RTOL, (val, want)
     assert main(["export", str(runs["dirs"]["B"])]) == 0   # a folder of checkpoints: its latest, next to it
     assert (runs["dirs"]["B"] / "step-00000008.safetensors").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_tied_head_resumes_across_layouts_and_exports_once(runs, tmp_path):
+    """Case C13: a tied GPT saved on 1 process resumes under pp2 (the two copies on two ranks, one
+    checkpoint name) and back on 1 process, matching an uninterrupted tied run; the export holds the
+    tie once and loads into the tied model."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_model
+
+    from modelpar.cli import main
+    from modelpar.train.config import TrainConfig
+    from modelpar.train.task import build_task, lm_loss
+
+    _, ref = _losses(runs, "ref_t")
+    assert _losses(runs, "E_t")[1] == ref
+    assert ref != _losses(runs, "ref")[1]                    # the tie changes the model
+    for name, start in (("F_t", 2), ("D_t", 4)):
+        s, got = _losses(runs, name)
+        d = max_rel(ref[start:], got)
+        REPORT.rows.append((f"tied head: {'1 process -> pp2' if name == 'F_t' else 'pp2 -> 1 process'} "
+                            f"(from step {start})", len(got), d, d <= LOSS_RTOL))
+        assert s == start and d <= LOSS_RTOL, (name, ref[start:], got)
+    out = tmp_path / "tied.safetensors"
+    assert main(["export", step_of(runs["dirs"]["Ft"], 8), "--out", str(out)]) == 0
+    with safe_open(str(out), "pt") as f:
+        assert "head.out.weight" not in f.keys() and "embed.tok.weight" in f.keys()
+    task = build_task(TrainConfig(**base_cfg(strategy="single", grad_clip=0.0, tie_embeddings=True)))
+    load_model(task.model, str(out))
+    assert task.model.head.out.weight is task.model.embed.tok.weight
+    with torch.no_grad():
+        val = lm_loss(task.model(task.val[0]), task.val[1]).item()
+    want = runs["res"]["F_t"]["result"]["val_loss_after"]
+    assert abs(val - want) / want <= LOSS_RTOL, (val, want)

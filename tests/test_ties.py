@@ -73,6 +73,13 @@ def test_v_schedule_with_fsdp_is_refused_naming_the_tie():
         ties.check_ties(m, plan, get_model_parts(m))
 
 
+def test_placement_over_two_devices_is_refused():
+    m = tied_gpt()
+    with pytest.raises(ValueError, match=r"embed.tok.weight = head.out.weight would live on two devices"):
+        ties.check_ties(m, ParallelPlan(placement_devices=("cuda:0", "cuda:1")), get_model_parts(m))
+    ties.check_ties(m, ParallelPlan(placement_devices=("cpu", "cpu")), get_model_parts(m))
+
+
 def test_tie_across_fsdp_blocks_is_refused():
     m = build_gpt("gpt-nano", seq_len=16, n_layer=2, seed=0)
     m.blocks[1].mlp.up.weight = m.blocks[0].mlp.up.weight

@@ -118,6 +118,16 @@ def check_ties(model: nn.Module, plan, parts: ModelParts, *, tp_plan: dict[str, 
     ties = find_ties(model) if ties is None else ties
     if not ties:
         return
+    devs = tuple(getattr(plan, "placement_devices", ()) or ())
+    if plan.is_placement and devs and devs[0] != devs[-1]:
+        for tie in ties:
+            kinds = {_owner(parts, n)[0] for n in tie}
+            if {"pre", "post"} <= kinds:
+                raise ValueError(
+                    f"tied parameters {describe(tie)} would live on two devices: placement puts the input "
+                    f"part on {devs[0]} and the output part on {devs[-1]}, and one tensor cannot be on both. "
+                    f"Use a pipeline (pp) instead, which keeps a copy per stage and sums their gradients, "
+                    f"or untie them")
     if plan.tp_enabled and tp_plan is not None:
         for tie in ties:
             lay = {n: _tp_placement(model, n, tp_plan) for n in tie}

@@ -38,6 +38,8 @@ class TrainConfig:
         optimizer: adamw or sgd.
         grad_clip: clip gradients to this global L2 norm (0: off).
         dropout: dropout probability for GPT models.
+        tie_embeddings: GPT models: the output layer reuses the token embedding's weight (GPT-2's
+            tie; kept tied by every strategy, case C13).
         eval_every: validate every N steps (and before and after training).
         eval_samples: validation samples per evaluation.
         seed: seed of initial weights, data order and dropout.
@@ -91,6 +93,7 @@ class TrainConfig:
     optimizer: str = "adamw"
     grad_clip: float = 1.0
     dropout: float = 0.0
+    tie_embeddings: bool = False
     eval_every: int = 150
     eval_samples: int = 128
     seed: int = 0

@@ -38,6 +38,7 @@ def build_model_for(cfg, device: str = "cpu") -> nn.Module:
     kw = {}
     if cfg.model in PRESETS:
         kw["dropout"] = cfg.dropout
+        kw["tie_embeddings"] = getattr(cfg, "tie_embeddings", False)
         if cfg.seq_len:
             kw["seq_len"] = cfg.seq_len
     return build_model(cfg.model, device=device, seed=cfg.seed, **kw)
