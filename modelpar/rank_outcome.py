@@ -20,10 +20,12 @@ be named with its first error line.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,8 +50,9 @@ def leave_after_error(e: BaseException, prog: str) -> None:
     out = os.environ.get(OUTCOME_ENV)
     if out:
         with contextlib.suppress(OSError):
-            Path(out, f"rank{rank}.err").write_text(
-                ("value " if isinstance(e, ValueError) else "crash ") + first_error_line(e))
+            Path(out, f"rank{rank}.err").write_text(json.dumps(
+                {"kind": "value" if isinstance(e, ValueError) else "crash", "line": first_error_line(e),
+                 "t": time.time()}))
     if isinstance(e, ValueError):
         print(f"{prog}: error: {e}", file=sys.stderr)
     else:
@@ -85,17 +88,19 @@ def run_rank_and_exit(fn: Callable[[], int], prog: str) -> None:
 @dataclass
 class LaunchOutcome:
     code: int | None                         # rank 0's exit code, None when it did not finish
-    errors: dict[int, str] = field(default_factory=dict)   # rank -> "value|crash first line"
+    errors: dict[int, dict] = field(default_factory=dict)  # rank -> {"kind": value|crash, "line", "t"}
     launcher_error: str | None = None
 
     def report(self, prog: str) -> tuple[int, str | None]:
         """``(exit code, message or None)`` for the launching process."""
         if self.code is not None and not self.errors and self.launcher_error is None:
             return self.code, None
-        crashes = {r: e[6:] for r, e in self.errors.items() if e.startswith("crash ")}
-        values = {r: e[6:] for r, e in self.errors.items() if e.startswith("value ")}
-        if crashes:
-            lines = [f"{prog}: rank {r} crashed: {m}" for r, m in sorted(crashes.items())]
+        crashes = sorted((e["t"], r, e["line"]) for r, e in self.errors.items() if e["kind"] == "crash")
+        values = {r for r, e in self.errors.items() if e["kind"] == "value"}
+        if crashes:           # the first to fail is the cause; the others' errors usually follow from it
+            (_, r0, line0), rest = crashes[0], crashes[1:]
+            lines = [f"{prog}: rank {r0} crashed: {line0}"]
+            lines += [f"{prog}: then rank {r} failed: {line}" for _, r, line in rest]
             return 1, "\n".join(lines)
         if values:
             return 2, f"{prog}: stopped by the error above (raised on rank(s) {sorted(values)})"
@@ -136,5 +141,5 @@ def launch(torchrun_args: list[str]) -> LaunchOutcome:
                 os.environ[OUTCOME_ENV] = saved
         code_file = Path(d, "code")
         code = int(code_file.read_text()) if code_file.exists() else None
-        errors = {int(p.stem[4:]): p.read_text() for p in Path(d).glob("rank*.err")}
+        errors = {int(p.stem[4:]): json.loads(p.read_text()) for p in Path(d).glob("rank*.err")}
     return LaunchOutcome(code, errors, err)

@@ -53,23 +53,19 @@ def dropout_modules(modules) -> list[tuple[str, float]]:
 
 def batchnorm_warning(names: list[str], plan, *, sync: bool) -> str:
     """The one warning `parallelize` gives (rank 0) for a model with BatchNorm layers ``names``."""
-    where = []
-    if plan.dp > 1:
-        where.append(f"each of the {plan.dp} data-parallel ranks")
-    if plan.pp > 1:
-        where.append(f"each of the {plan.n_microbatches} pipeline micro-batches")
-    where.append("each accumulation micro-batch under gradient accumulation")
-    head = (f"{len(names)} BatchNorm layer(s) ({', '.join(names[:4])}{' ...' if len(names) > 4 else ''}) "
-            f"normalise with the statistics of the batch they see: ")
+    head = (f"{len(names)} BatchNorm layer(s) ({', '.join(names[:4])}{' ...' if len(names) > 4 else ''}) use "
+            f"batch statistics in train mode: ")
     if sync:
-        return head + ("SyncBatchNorm (sync_batchnorm) computes them over the data-parallel group; they are "
-                       "still per micro-batch under pp or accumulation, so losses differ from one device there")
-    return head + ("per " + ", and per ".join(where) + ", not of the global batch as on one device, so "
-                   "losses and gradients differ from one device (parity cannot hold). --sync-batchnorm "
-                   "(sync_batchnorm=True) would convert them to SyncBatchNorm over the data-parallel group "
-                   "(statistics of the whole data-parallel batch; CUDA only). Running statistics are "
-                   "averaged over the data-parallel ranks after every optimizer step, so all ranks evaluate "
-                   "alike.")
+        return head + ("SyncBatchNorm (sync_batchnorm) computes them over the whole data-parallel batch; they "
+                       "are still per micro-batch under pipelining or gradient accumulation, so losses differ "
+                       "from one device there")
+    ranks = f"each rank's local batch ({plan.dp} data-parallel ranks)" if plan.dp > 1 else "each local batch"
+    return head + (f"here those of {ranks} and, under pipelining or gradient accumulation, of each "
+                   f"micro-batch; not those of the global batch as on one device, so losses and gradients "
+                   f"differ from one device (parity cannot hold). --sync-batchnorm (sync_batchnorm=True) "
+                   f"would make them SyncBatchNorm over the data-parallel group: statistics of the whole "
+                   f"data-parallel batch (CUDA only). Running statistics are averaged over the data-parallel "
+                   f"ranks after every optimizer step, so every rank evaluates alike.")
 
 
 def check_sync_batchnorm(sync: bool, device_type: str, modules=None) -> None:
@@ -81,10 +77,10 @@ def check_sync_batchnorm(sync: bool, device_type: str, modules=None) -> None:
     have = [n for mod in (modules or []) for n, m in mod.named_modules() if isinstance(m, nn.SyncBatchNorm)]
     if (sync or have) and device_type != "cuda":
         what = (f"the model holds SyncBatchNorm layers ({', '.join(have[:4])})" if have
-                else "sync_batchnorm=True (--sync-batchnorm)")
-        raise ValueError(f"{what} needs CUDA: torch's SyncBatchNorm runs on GPU tensors only, and this run is "
-                         f"on {device_type}. Drop --sync-batchnorm (BatchNorm then uses per-rank statistics) "
-                         f"or use plain BatchNorm layers")
+                else "sync_batchnorm=True (--sync-batchnorm) was asked for")
+        raise ValueError(f"{what}, but torch's SyncBatchNorm runs on CUDA tensors only and this run is on "
+                         f"{device_type}. Drop --sync-batchnorm (BatchNorm then uses per-rank statistics) or "
+                         f"use plain BatchNorm layers")
 
 
 def convert_sync_batchnorm(module: nn.Module, group) -> nn.Module:
