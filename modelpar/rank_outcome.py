@@ -74,7 +74,7 @@ def run_rank_and_exit(fn: Callable[[], int], prog: str) -> None:
 
     try:
         code = fn()
-    except BaseException as e:  # noqa: BLE001 - every error ends this rank, reported
+    except Exception as e:  # noqa: BLE001 - every error ends this rank, reported
         leave_after_error(e, prog)
     out = os.environ.get(OUTCOME_ENV)
     rank = int(os.environ.get("RANK", "0"))
@@ -95,15 +95,16 @@ class LaunchOutcome:
         """``(exit code, message or None)`` for the launching process."""
         if self.code is not None and not self.errors and self.launcher_error is None:
             return self.code, None
-        crashes = sorted((e["t"], r, e["line"]) for r, e in self.errors.items() if e["kind"] == "crash")
-        values = {r for r, e in self.errors.items() if e["kind"] == "value"}
-        if crashes:           # the first to fail is the cause; the others' errors usually follow from it
-            (_, r0, line0), rest = crashes[0], crashes[1:]
-            lines = [f"{prog}: rank {r0} crashed: {line0}"]
-            lines += [f"{prog}: then rank {r} failed: {line}" for _, r, line in rest]
-            return 1, "\n".join(lines)
-        if values:
-            return 2, f"{prog}: stopped by the error above (raised on rank(s) {sorted(values)})"
+        events = sorted((e["t"], r, e) for r, e in self.errors.items())
+        if events:            # the first to fail is the cause; the others' errors usually follow from it
+            _, r0, first = events[0]
+            values = sorted(r for r, e in self.errors.items() if e["kind"] == "value")
+            if first["kind"] == "value":
+                code, lines = 2, [f"{prog}: stopped by the error above (raised on rank(s) {values})"]
+            else:
+                code, lines = 1, [f"{prog}: rank {r0} crashed: {first['line']}"]
+            lines += [f"{prog}: then rank {r} failed: {e['line']}" for _, r, e in events[1:] if e["kind"] == "crash"]
+            return code, "\n".join(lines)
         return 1, f"{prog}: a rank ended without a result ({self.launcher_error or 'no error was recorded'})"
 
 

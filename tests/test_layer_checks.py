@@ -149,3 +149,19 @@ def test_launch_outcome_report():
     same = LaunchOutcome(None, {0: {"kind": "value", "line": "x", "t": 1}, 1: {"kind": "value", "line": "x", "t": 1}})
     assert same.report("p") == (2, "p: stopped by the error above (raised on rank(s) [0, 1])")
     assert LaunchOutcome(None, {}, "ChildFailedError").report("p")[0] == 1
+    # rank 0's ValueError came first; rank 1 then lost its peer: the error is the cause, not a crash
+    chain = LaunchOutcome(None, {0: {"kind": "value", "line": "x", "t": 1.0},
+                                 1: {"kind": "crash", "line": "RuntimeError: Connection closed", "t": 2.0}})
+    assert chain.report("p") == (2, "p: stopped by the error above (raised on rank(s) [0])\n"
+                                    "p: then rank 1 failed: RuntimeError: Connection closed")
+
+
+def test_flags_and_fields_default_on_and_off():
+    from modelpar.train.config import TrainConfig
+    from modelpar.verify_cmd import build_parser
+
+    a = build_parser().parse_args([])
+    assert a.check_unused_params is True and a.sync_batchnorm is False
+    b = build_parser().parse_args(["--no-check-unused-params", "--sync-batchnorm"])
+    assert b.check_unused_params is False and b.sync_batchnorm is True
+    assert TrainConfig().check_unused_params is True and TrainConfig().sync_batchnorm is False
