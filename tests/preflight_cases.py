@@ -126,6 +126,8 @@ def run(spec: dict) -> dict:
         return case_c15(spec["plan"])
     if kind == "frozen_ddp":
         return case_frozen_ddp()
+    if kind == "ddp_accum_early_only":
+        return case_ddp_accum_early_only()
     raise ValueError(f"unknown scenario kind {kind!r}")
 
 
@@ -244,4 +246,31 @@ def case_frozen_ddp() -> dict:
     model[0].weight.requires_grad_(False)
     for _ in range(2):
         train_step(pm, opt, x, y, accum_steps=1)
+    return {"trained": True}
+
+
+class EarlyOnly(nn.Module):
+    """Branch ``b`` is used in the first accumulation micro-batch of a step only (on every rank)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.out = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.a(x) + (self.b(x) if self.calls % 2 == 1 else 0)
+        return self.out(h.relu())
+
+
+def case_ddp_accum_early_only() -> dict:
+    """DDP with 2 accumulation micro-batches, ``b`` used in the first only: DDP reduces in the second's
+    backward, where ``b`` gets nothing, so it would fail at the next forward; one error names ``b``."""
+    plan = ParallelPlan(dp_replicate=dist.get_world_size())
+    pm = parallelize(EarlyOnly(), plan, build_mesh(plan, CPU), loss_fn=F.cross_entropy, device=CPU)
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    x, y = _batch()
+    for _ in range(2):
+        train_step(pm, opt, x, y, accum_steps=2)
     return {"trained": True}

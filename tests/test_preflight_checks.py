@@ -27,7 +27,9 @@ def two_ranks(tmp_path_factory):
                        "find_unused": True},
                       {"name": "c15_ddp", "kind": "c15", "plan": {"dp_replicate": 2}},
                       {"name": "c15_fsdp", "kind": "c15", "plan": {"dp_shard": 2}},
-                      {"name": "frozen_ddp", "kind": "frozen_ddp"}], tmp_path_factory.mktemp("pre2"), "pre2")
+                      {"name": "frozen_ddp", "kind": "frozen_ddp"},
+                      {"name": "ddp_accum_early_only", "kind": "ddp_accum_early_only"}],
+                  tmp_path_factory.mktemp("pre2"), "pre2")
 
 
 @pytest.mark.slow
@@ -162,3 +164,14 @@ def test_ddp_params_frozen_after_wrapping_named(two_ranks):
         in errs["0"], errs
     assert "Set requires_grad before parallelize()" in errs["0"]
     assert errs["0"].startswith("ValueError: ")            # not torch's RuntimeError at the next forward
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_ddp_param_used_only_in_an_earlier_micro_batch_named(two_ranks):
+    errs = two_ranks["ddp_accum_early_only"]["errors"]
+    assert set(errs) == {"0", "1"} and errs["0"] == errs["1"], errs
+    e = errs["0"]
+    assert e.startswith("ValueError: 2 trainable parameter(s) got no gradient in the first step (on rank(s) "
+                        "[0, 1]): b.bias, b.weight."), e
+    assert "the backward of the last accumulation micro-batch" in e

@@ -18,6 +18,8 @@ It raises, on every rank, before any parameter changes:
   parameters, the ranks that used them and the ranks that did not;
 - at the first step, a trainable parameter no rank gave a gradient (case C1: forward never uses it,
   or a checkpointed block gave it none, C8);
+- under DDP, a parameter used in an earlier accumulation micro-batch but not in the last one (the
+  backward in which DDP reduces), on any rank, is not used (post-accumulate-grad hooks record it);
 - under DDP, a change of ``requires_grad`` after wrapping (DDP fixes its buckets at construction:
   a parameter frozen later never reduces, one unfrozen later is never averaged), and from the second
   step on, a parameter no rank used (DDP would fail at the next forward).
@@ -28,6 +30,8 @@ over the parameters (`benchmarks/unused_param_check.py` measures it). Turned off
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -55,6 +59,29 @@ class GradUseCheck:
         self.ddp, self.find_unused = ddp, find_unused
         self.step = 0
         self._layout: list[tuple[tuple, list[str], list[bool]]] | None = None   # per rank, gathered once
+        # DDP reduces in the backward of the last accumulation micro-batch only: a parameter with a
+        # gradient from an earlier micro-batch but none in that backward still stalls its bucket. So
+        # under DDP "used" means "got a gradient since the last forward" (`reset_seen` runs as a
+        # forward pre-hook of the DDP module; see `attach_reset`).
+        self._seen: list[bool] | None = None
+        if ddp and not find_unused:
+            self._seen = [False] * len(self.params)
+            for i, p in enumerate(self.params):
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(functools.partial(self._mark, i))
+
+    def _mark(self, i: int, _p) -> None:
+        self._seen[i] = True
+
+    def reset_seen(self, *_args) -> None:
+        """Forget which parameters got a gradient (DDP: called before every forward)."""
+        if self._seen is not None:
+            self._seen[:] = [False] * len(self._seen)
+
+    def attach_reset(self, ddp_module) -> None:
+        """Under DDP: reset the marks before each forward of ``ddp_module``."""
+        if self._seen is not None:
+            ddp_module.register_forward_pre_hook(self.reset_seen)
 
     def _gather_layout(self) -> list[tuple[tuple, list[str], list[bool]]]:
         if self._layout is None:
@@ -66,8 +93,9 @@ class GradUseCheck:
 
     def local_marks(self) -> torch.Tensor:
         """``uint8`` per parameter: bit 0 = has a gradient, bit 1 = ``requires_grad`` changed since wrapping."""
-        return torch.tensor([(p.grad is not None) | ((p.requires_grad != rg) << 1)
-                             for p, rg in zip(self.params, self.requires_grad)], dtype=torch.uint8)
+        seen = self._seen if self._seen is not None else [p.grad is not None for p in self.params]
+        return torch.tensor([bool(has) | ((p.requires_grad != rg) << 1)
+                             for p, rg, has in zip(self.params, self.requires_grad, seen)], dtype=torch.uint8)
 
     def __call__(self) -> None:
         """Check this step's gradients (collective: every rank calls it once per optimizer step).
@@ -139,6 +167,9 @@ def _diagnose(layout, marks, step: int, *, ddp: bool, find_unused: bool) -> str 
                 "DDP reduces every parameter in every step and would fail at the next forward. Set "
                 "requires_grad=False on them before parallelize(), or build DDP with "
                 "parallelize(..., find_unused_parameters=True)")
+        if ddp and not find_unused:
+            hint += (" (under DDP what counts is the backward of the last accumulation micro-batch, the one "
+                     "that reduces: a gradient from an earlier micro-batch does not finish DDP's reduction)")
         return (f"{len(names)} trainable parameter(s) got no gradient {what} (on rank(s) {ranks}): "
                 f"{', '.join(names[:12])}{' ...' if len(names) > 12 else ''}. {hint}.")
     return None

@@ -68,6 +68,8 @@ def attach(pm, *, check_unused_params: bool, find_unused: bool, ddp: bool) -> No
     if check_unused_params:
         pm.grad_check = GradUseCheck(pm.named_parameters(), (pm.mesh.pp_rank, pm.mesh.tp_rank), ddp=ddp,
                                      find_unused=find_unused)
+        if ddp:
+            pm.grad_check.attach_reset(pm.wrapped)
     sync = batchnorm.BatchNormBufferSync(pm.modules, dp_groups(pm.mesh))
     pm.buffer_sync = sync if sync else None
 
