@@ -3,8 +3,10 @@
 Trains N steps of a built-in model, or of the user's own model given as ``module:factory``, under a
 parallel plan on ``plan.world_size`` local ranks, and the same steps on one process from the same
 initial weights; prints the per-step loss differences, the largest parameter difference and
-PASS / FAIL against the project's tolerance (`modelpar.verify.compare`). Exit code 0 on PASS, 1 on
-FAIL, 2 on bad input.
+PASS / FAIL against the project's tolerance (`modelpar.verify.compare`), and on FAIL the likely
+reason where the model has one (BatchNorm, dropout). Exit code 0 on PASS, 1 on FAIL, 2 on bad input
+(also an error every rank raised, e.g. rank-divergent parameter use, case C12), 1 when a rank
+crashed (named with its first error line; `modelpar.rank_outcome`).
 
 The user factory is called with no arguments on every rank and returns either
 
