@@ -40,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from modelpar.plan import ParallelPlan
+from modelpar.planner.gpu import physics_for
 from modelpar.planner.hardware import Hardware
 from modelpar.planner.memory import Batch, RankLoad, rank_loads
 from modelpar.planner.profile import ModelProfile
@@ -213,6 +214,9 @@ def _coll_sum(plan: ParallelPlan, axis: str, hw: Hardware, op: str, sizes, n: in
                  and hw.collective_seconds(op, 1.0, n, in_context=ctx) is not None)
         bw, lat = _axis_link(plan, axis, hw, op)
         steps, volume = alpha_beta_form(op, n)
+        phys = physics_for(hw)
+        if phys is not None:            # built-in GPU: published NCCL bus bandwidths (gpu.py)
+            bw, lat, steps = _gpu_link(phys, hw, bw, op, n, steps)
         link = _LINKS[key] = (hw, table, steps * lat, volume / bw)
     if link[1]:
         return sum(hw.collective_seconds(op, x * scale, n, in_context=ctx) for x in sizes if x > 0)
@@ -229,6 +233,21 @@ def _coll_sum(plan: ParallelPlan, axis: str, hw: Hardware, op: str, sizes, n: in
 
 
 _SIZE_SUMS: dict[int, tuple] = {}
+
+
+def _gpu_link(phys, hw: Hardware, bw: float, op: str, n: int, steps: float) -> tuple[float, float, float]:
+    """(bus bandwidth, latency, latency steps) of ``op`` on a built-in GPU from its published NCCL
+    figures (`gpu.GpuPhysics`): inside a node the measured NVLink busbw (all-reduce: with NVLink
+    SHARP where the GPU has it), across nodes the measured per-GPU network busbw; all-reduce latency
+    over min(ring, tree) steps. ``bw``: the profile's link for the group (intra or inter)."""
+    intra = bw == hw.intra_bw and hw.intra_bw != hw.inter_bw
+    if intra:
+        b, lat = (phys.intra_allreduce_busbw if op == "all_reduce" else phys.intra_busbw), phys.intra_latency
+    else:
+        b, lat = phys.inter_busbw, phys.inter_latency
+    if op == "all_reduce":
+        steps = phys.allreduce_latency_steps(n)
+    return b, lat, steps
 
 
 ZERO_BUBBLE_SCHEDULES = ("interleavedzerobubble", "zbvzerobubble", "dualpipev")
@@ -274,7 +293,11 @@ def _comm_terms(ld: RankLoad, plan: ParallelPlan, hw: Hardware, b: int, wb: int,
     # without overlap (CPU) every data-parallel collective and pipeline transfer blocks between two
     # compute segments: its calibrated in-context time includes the wait for the slowest rank
     cx = not hw.comm_overlap
-    c = {"p2p": _coll(plan, "pp", hw, "send_recv", ld.boundary * b, 2, cx) if plan.pp > 1 else 0.0}
+    # a stage sends its output forward and its input's gradient back: hidden states, never logits
+    # (`RankLoad.p2p`); CPU profiles keep the stage-output size their calibrated accuracy was
+    # measured with (the last stage's logits; see docs/planner.md)
+    p2p = ld.p2p if (ld.p2p and physics_for(hw) is not None) else ld.boundary
+    c = {"p2p": _coll(plan, "pp", hw, "send_recv", p2p * b, 2, cx) if plan.pp > 1 else 0.0}
     grad_bytes = 4 * ld.params
     if plan.dp_shard > 1:
         n = plan.dp_shard
@@ -307,9 +330,12 @@ _LOAD_TIMES: dict[tuple, tuple] = {}
 
 
 def _load_times(ld: RankLoad, hw: Hardware, b: int, prec: str, mem_s: float, ew_s: float, attn_rate: float,
-                curve: bool, flops_s: float, alone: bool) -> tuple[float, float]:
+                curve: bool, flops_s: float, alone: bool, phys=None) -> tuple[float, float]:
     """Forward and backward seconds of one micro-batch of ``b`` samples on a rank holding ``ld``
-    (memoized by `rank_step`: they do not depend on the schedule or checkpointing)."""
+    (memoized by `rank_step`: they do not depend on the schedule or checkpointing). ``phys``: the
+    built-in GPU's published tables (`_gpu_load_times`), None elsewhere."""
+    if phys is not None:
+        return _gpu_load_times(ld, b, mem_s, flops_s, phys)
     # fused attention kernels at their own calibrated rate where there is one (on CPU far below
     # the GEMM rate); otherwise they count as matmuls
     af, ab = ld.attn_flops if attn_rate else (0.0, 0.0)
@@ -332,6 +358,27 @@ def _load_times(ld: RankLoad, hw: Hardware, b: int, prec: str, mem_s: float, ew_
     return t_f, t_b
 
 
+def _gpu_load_times(ld: RankLoad, b: int, mem_s: float, flops_s: float, phys) -> tuple[float, float]:
+    """`_load_times` on a built-in GPU (tables in `gpu.py`): matmuls at the roofline of MAMF and
+    the measured HBM rate; fused attention at the FlashAttention papers' rate for the model's head
+    dimension and sequence length (``RankLoad.attn_shape``; a causal kernel executes half the
+    FLOPs the profile counts, and its backward 2.5x the forward's FLOPs where the profile counts
+    2x, as the papers count them); memory-bound operators at the measured HBM rate; each pass at
+    least its kernel launches (a dispatch floor: the host enqueues ahead of the device)."""
+    af, ab = ld.attn_flops
+    mf, mb_ = ld.fwd_flops - af, ld.bwd_flops - ab
+    g_f = max(mf * b / flops_s, (ld.gemm_param_bytes[0] + ld.gemm_act_bytes[0] * b) / mem_s)
+    g_b = max(mb_ * b / flops_s, (ld.gemm_param_bytes[1] + ld.gemm_act_bytes[1] * b) / mem_s)
+    if af or ab:
+        seq, hd, causal = ld.attn_shape or (16384, 128, False)
+        half = 0.5 if causal else 1.0
+        g_f += af * b * half / phys.attention_flops("fwd", seq, hd, causal)
+        g_b += ab * b * half * 1.25 / phys.attention_flops("bwd", seq, hd, causal)
+    t_f = max(g_f + ld.fwd_mem * b / mem_s, ld.fwd_ops * phys.launch_s)
+    t_b = max(g_b + ld.bwd_mem * b / mem_s, (ld.ops - ld.fwd_ops) * phys.launch_s)
+    return t_f, t_b
+
+
 def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_batch_size: int,
               accumulation: int, optimizer: str, tp_bytes: float, dp_overlap: bool = True,
               fused_tp_optimizer: bool = False) -> dict:
@@ -349,6 +396,9 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     # so each streams at the one-rank rate (both calibrated on CPU; the same number elsewhere)
     alone = plan.dp * plan.tp == 1 and plan.pp > 1
     mem_s = (hw.extra.get("mem_bandwidth_alone", hw.mem_bandwidth) if alone else hw.mem_bandwidth) * hw.mem_bw_fraction
+    phys = physics_for(hw)
+    if phys is not None:            # built-in GPU: measured HBM fraction and MAMF (gpu.py)
+        mem_s = hw.mem_bandwidth * phys.hbm_fraction
     b, m, v, p = micro_batch_size, (plan.n_microbatches if plan.pp > 1 else 1), plan.virtual_stages, plan.pp
     ac = plan.activation_checkpointing == "full"
     overlap = dp_overlap and hw.comm_overlap
@@ -373,7 +423,7 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
         if hit is not None and hit[0] is ld and hit[1] is hw:
             t_f, t_b = hit[2]
         else:
-            t_f, t_b = _load_times(ld, hw, b, prec, mem_s, ew_s, attn_rate, curve, flops_s, alone)
+            t_f, t_b = _load_times(ld, hw, b, prec, mem_s, ew_s, attn_rate, curve, flops_s, alone, phys)
             if len(_LOAD_TIMES) > 65536:
                 _LOAD_TIMES.clear()
             _LOAD_TIMES[key] = (ld, hw, (t_f, t_b))
