@@ -91,3 +91,42 @@ def megatron_attention_mode():
             return out.view(b, h, s, v.shape[3])
 
     return _Mode()
+
+
+def selective_recompute_profile(profile: ModelProfile, *, dropout: bool) -> ModelProfile:
+    """``profile`` (attention ``"megatron"``) with the attention core's saved bytes removed from
+    every transformer block: Korthikanti et al. 2022, Sec. 5 (selective activation recomputation):
+    the softmax output (2 a s^2 b), the dropout mask (a s^2 b) and the dropout output (2 a s^2 b)
+    are recomputed in backward instead of kept (without dropout only the softmax output, 2 a s^2 b).
+    All of it lies inside the TP-sharded region. The recompute's time is `attention_core_seconds`.
+
+    Raises:
+        ValueError: the profile has no transformer ``arch``.
+    """
+    arch = profile.arch
+    if not arch or "n_head" not in arch:
+        raise ValueError("selective_recompute_profile needs a transformer profile (arch with n_head)")
+    s, a, bs = profile.tokens_per_sample, arch["n_head"], profile.batch_size
+    core = (5 if dropout else 2) * a * s * s * bs
+    blocks = list(profile.blocks)
+    for i in range(1, len(blocks) - 1):
+        bl = blocks[i]
+        blocks[i] = dataclasses.replace(bl, saved_bytes=bl.saved_bytes - core,
+                                        saved_tp_sharded_bytes=bl.saved_tp_sharded_bytes - core)
+    return dataclasses.replace(profile, blocks=tuple(blocks))
+
+
+def attention_core_seconds(profile: ModelProfile, hw, *, micro_batch: int, tp: int, dropout: bool) -> float:
+    """Seconds to recompute one transformer layer's attention core for ``micro_batch`` samples on a
+    rank of a ``tp``-way split (Korthikanti et al. 2022, Sec. 5): the Q K^T and attention-over-V
+    matmuls, 4 b s^2 h / t FLOPs at the GPU's achievable GEMM rate, and the fused softmax and dropout
+    (``MegatronAttention``: softmax read + write 4 bytes, dropout read + write + mask 5 bytes per
+    score element; a s^2 b / t elements) at its streaming memory rate."""
+    from modelpar.planner.gpu import physics_for
+    arch = profile.arch
+    s, a, h, b = profile.tokens_per_sample, arch["n_head"], arch["d_model"], micro_batch
+    phys = physics_for(hw)
+    flops_s = phys.mamf_bf16 if phys else hw.achievable_flops("bf16")
+    mem_s = hw.mem_bandwidth * (phys.hbm_fraction if phys else hw.mem_bw_fraction)
+    elems = a * s * s * b / tp
+    return 4 * b * s * s * h / tp / flops_s + (9 if dropout else 4) * elems / mem_s
