@@ -21,7 +21,8 @@ Each row is predicted for the runtime it ran on; describing that runtime is not 
   logits (`runtimes.vocab_parallel_profile`), apex's fused Adam (``fused_tp_optimizer``), fp16
   gradients reduced in fp16 (``reduce_bytes=2``: no ``--accumulate-allreduce-grads-in-fp32`` under
   fp16), its own pipeline runtime (two reused receive buffers, ``recv_per_microbatch=False``), and
-  Megatron's DDP for PP > 1 (all-reduce after backward in place: ``dp_overlap=False``,
+  the scatter / gather of pipeline transfers over the TP ranks (SC'21 Sec. 4.1,
+  ``p2p_scatter_gather``), and Megatron's DDP for PP > 1 (all-reduce after backward in place: ``dp_overlap=False``,
   ``ddp_bucket_copy=False``) or torch DDP for PP = 1 (overlapped, bucket copy). Selective
   recomputation: `runtimes.selective_recompute_profile` (memory) and
   `runtimes.attention_core_seconds` (the extra forward of the core, per layer and micro-batch).
@@ -201,7 +202,7 @@ def _megatron(profile, plan, batch, *, ddp: str, selective: bool, micro: int):
     mem = estimate_memory(mprof, plan, batch, overhead_bytes=A100.framework_overhead_bytes,
                           recv_per_microbatch=False, ddp_bucket_copy=(ddp == "torch"), **MEGATRON_RUNTIME)
     st = estimate_step(prof, plan, batch, A100, dp_overlap=(ddp == "torch"), reduce_bytes=2,
-                       **MEGATRON_RUNTIME)
+                       p2p_scatter_gather=True, **MEGATRON_RUNTIME)
     if selective:
         # the attention core's extra forward, per layer and micro-batch, on every rank's layers;
         # the pipeline's idle time grows with the per-micro-batch work (cost.rank_step's bubble)

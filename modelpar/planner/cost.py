@@ -223,11 +223,13 @@ _COMMS: dict[tuple, tuple] = {}
 
 
 def _comm_terms(ld: RankLoad, plan: ParallelPlan, hw: Hardware, b: int, wb: int, dp_overlap: bool,
-                rb: float = 4) -> dict:
+                rb: float = 4, sg: bool = False) -> dict:
     """The collective times of one rank's step that do not depend on the schedule, micro-batch count
     or checkpointing (memoized: the search evaluates many such variants of each layout). ``wb``:
-    bytes per gathered parameter (FSDP all-gather), ``rb``: per reduced gradient element."""
-    key = (id(ld), id(hw), plan.tp, plan.dp_shard, plan.dp_replicate, plan.pp, b, wb, dp_overlap, rb)
+    bytes per gathered parameter (FSDP all-gather), ``rb``: per reduced gradient element; ``sg``:
+    pipeline transfers use Megatron-LM's scatter / gather (each TP rank sends 1/tp of the tensor,
+    the receivers all-gather it over the TP group; Narayanan et al. SC'21, Sec. 4.1)."""
+    key = (id(ld), id(hw), plan.tp, plan.dp_shard, plan.dp_replicate, plan.pp, b, wb, dp_overlap, rb, sg)
     hit = _COMMS.get(key)
     if hit is not None and hit[0] is ld and hit[1] is hw:
         return hit[2]
@@ -239,6 +241,9 @@ def _comm_terms(ld: RankLoad, plan: ParallelPlan, hw: Hardware, b: int, wb: int,
     # measured with (the last stage's logits; see docs/planner.md)
     p2p = ld.p2p if (ld.p2p and physics_for(hw) is not None) else ld.boundary
     c = {"p2p": _coll(plan, "pp", hw, "send_recv", p2p * b, 2, cx) if plan.pp > 1 else 0.0}
+    if sg and plan.pp > 1 and plan.tp > 1 and not plan.sequence_parallel:
+        c["p2p"] = (_coll(plan, "pp", hw, "send_recv", p2p * b / plan.tp, 2)
+                    + _coll(plan, "tp", hw, "all_gather", p2p * b, plan.tp))
     grad_bytes = rb * ld.params
     if plan.dp_shard > 1:
         n = plan.dp_shard
@@ -302,7 +307,8 @@ def _load_times(ld: RankLoad, hw: Hardware, b: int, prec: str, mem_s: float, ew_
 def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_batch_size: int,
               accumulation: int, optimizer: str, tp_bytes: float, dp_overlap: bool = True,
               fused_tp_optimizer: bool = False, reduce_bytes: float = 4,
-              gather_bytes: float | None = None, attention_kernel: str | None = None) -> dict:
+              gather_bytes: float | None = None, attention_kernel: str | None = None,
+              p2p_scatter_gather: bool = False) -> dict:
     """Seconds of one step on the slowest pipeline rank; ``tp_bytes`` = block output per sample.
 
     CPU-specific terms (zero where the hardware profile lacks them): fresh allocations
@@ -313,6 +319,7 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     reductions) and of FSDP-gathered parameters (None: the plan's precision); other runtimes differ
     (Megatron-LM fp16 reduces fp16 gradients; Composer's FSDP mixed-precision modes).
     ``attention_kernel``: fused-attention table on built-in GPUs (`gpu.GpuPhysics`; None: its default).
+    ``p2p_scatter_gather``: Megatron-LM's scatter / gather of pipeline transfers (`_comm_terms`).
     """
     prec = plan.precision
     flops_s = hw.achievable_flops(prec)
@@ -373,7 +380,7 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     t_acc = (mbs - 1) * 12 * ld.params / mem_s
     # data parallel
     wb = gather_bytes or (2 if prec == "bf16" else 4)
-    cm = _comm_terms(ld, plan, hw, b, wb, dp_overlap, reduce_bytes)
+    cm = _comm_terms(ld, plan, hw, b, wb, dp_overlap, reduce_bytes, p2p_scatter_gather)
     t_p2p = 2 * v * cm["p2p"] if p > 1 else 0.0
     dp_exposed, fsdp_per_mb = 0.0, 0.0
     if plan.dp_shard > 1:
@@ -430,7 +437,8 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
 def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: Hardware, *,
                   optimizer: str = "adamw", dp_overlap: bool = True,
                   fused_tp_optimizer: bool = False, reduce_bytes: float = 4,
-                  gather_bytes: float | None = None, attention_kernel: str | None = None) -> StepEstimate:
+                  gather_bytes: float | None = None, attention_kernel: str | None = None,
+                  p2p_scatter_gather: bool = False) -> StepEstimate:
     """Predict one optimizer step of ``plan`` on ``hw`` (see module docstring for the formulas).
 
     Args:
@@ -443,7 +451,7 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
         fused_tp_optimizer: tensor-parallel plans step with a fused AdamW too (Megatron-LM's fused
             Adam); by default they pay the single-tensor loop modelpar's TP runs (see
             `modelpar.train.step.adamw`).
-        reduce_bytes, gather_bytes, attention_kernel: see `rank_step`.
+        reduce_bytes, gather_bytes, attention_kernel, p2p_scatter_gather: see `rank_step`.
 
     Raises:
         ValueError: batch sizes that do not divide, unknown optimizer or precision.
@@ -456,7 +464,8 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
     parts = rank_step(loads, plan, hw, micro_batch_size=b, accumulation=acc, optimizer=optimizer,
                       tp_bytes=tp_bytes_per_sample(profile, plan), dp_overlap=dp_overlap,
                       fused_tp_optimizer=fused_tp_optimizer, reduce_bytes=reduce_bytes,
-                      gather_bytes=gather_bytes, attention_kernel=attention_kernel)
+                      gather_bytes=gather_bytes, attention_kernel=attention_kernel,
+                      p2p_scatter_gather=p2p_scatter_gather)
     return _finish(parts, profile, plan, batch.global_batch_size)
 
 
