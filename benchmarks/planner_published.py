@@ -147,7 +147,7 @@ MOSAIC = [
 ]
 # the fast subset the test suite runs (small profiles; every source represented)
 FAST = {"korthikanti": ("22B",), "megatron": ("1.7B",), "mosaic": (("125m", 2048, 40), ("1b", 2048, 14),
-                                                                     ("7b", 2048, 6), ("3b", 8192, 3))}
+                                                                     ("3b", 2048, 10), ("7b", 65536, 1))}
 
 
 @dataclasses.dataclass
