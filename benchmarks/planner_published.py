@@ -374,6 +374,11 @@ def main(argv: list[str]) -> int:
         fw.setdefault(r.framework, []).append(x)
     print(table(results, f, "== leave-one-out framework factor (range per framework: " + ", ".join(
         f"{k} {min(v):.3f}-{max(v):.3f}" for k, v in fw.items()) + ") =="))
+    full = {}
+    for r in results:
+        full.setdefault(r.framework, []).append(math.log(r.ratio))
+    print("factor for runs not in this table (geometric mean over all its rows): " + ", ".join(
+        f"{k} {math.exp(sum(v) / len(v)):.3f} ({len(v)} rows)" for k, v in full.items()))
     print()
     print(activation_check())
     print(f"\n{len(results)} rows in {time.perf_counter() - t0:.1f} s")
