@@ -113,6 +113,10 @@ def preflight(cfg: TrainConfig, world_size: int) -> tuple[ParallelPlan, Batches]
     check_ties(task.model, plan, parts, tp_plan=tp_plan)        # case C13: a layout that breaks a tie
     if plan.cpu_offload and not torch.cuda.is_available():
         raise ValueError("cpu_offload=True needs CUDA: on a CPU-only run the shards already live in CPU memory")
+    if cfg.sync_batchnorm:          # case C15: refused before any process starts
+        from modelpar.parallel.batchnorm import check_sync_batchnorm
+
+        check_sync_batchnorm(True, "cuda" if torch.cuda.is_available() else "cpu")
     return plan, batches
 
 
