@@ -183,7 +183,8 @@ def gpt_profile(vocab: int, seq: int, layers: int, heads: int, d: int, *, attent
             model = GPT(GPTConfig(vocab_size=vocab, seq_len=seq, n_layer=2, n_head=heads, d_model=d,
                                   dropout=dropout))
         x = torch.zeros(1, seq, dtype=torch.long, device="meta")
-        p = profile_model(model, x, dtype=torch.bfloat16, attention=attention)
+        # the replicated embedding / head; the Megatron rows add vocab parallel (vocab_parallel_profile)
+        p = profile_model(model, x, dtype=torch.bfloat16, attention=attention, vocab_parallel=False)
         embed, b0, b1, head = p.blocks
         if dataclasses.replace(b1, name=b0.name) != b0:
             raise AssertionError("GPT blocks profile differently; profile every layer instead")

@@ -82,7 +82,9 @@ def test_published_1t_layout_fits_with_megatron_terms(bench):
 def _gpt(**kw):
     with torch.device("meta"):
         m = GPT(GPTConfig(**kw))
-    return profile_model(m, torch.zeros(1, m.cfg.seq_len, dtype=torch.long, device="meta"), dtype=torch.bfloat16)
+    # the replicated embedding / head profile, which vocab_parallel_profile shards
+    return profile_model(m, torch.zeros(1, m.cfg.seq_len, dtype=torch.long, device="meta"), dtype=torch.bfloat16,
+                         vocab_parallel=False)
 
 
 def test_vocab_parallel_profile_shards_embedding_head_and_logits():

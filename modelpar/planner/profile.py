@@ -154,14 +154,19 @@ def _arch_of(model: nn.Module) -> dict[str, int]:
             "vocab_size": cfg.vocab_size, "seq_len": cfg.seq_len}
 
 
-def _tp_styles(model: nn.Module) -> dict[str, str]:
-    """``{module path: "colwise" | "rowwise"}`` of the TP plan modelpar derives for ``model`` ({} if none)."""
-    from modelpar.parallel.tensor import COLWISE, ROWWISE, derive_tp_plan
+def _tp_styles(model: nn.Module, vocab_parallel: bool | None = None) -> dict[str, str]:
+    """``{module path: "colwise" | "rowwise"}`` of the TP plan modelpar's runtime derives for ``model``
+    ({} if none): `tensor.default_tp_plan`, whose GPT plan splits the token embedding (rowwise over
+    the vocabulary: its weight is sharded) and the head (colwise over the vocabulary) unless
+    ``vocab_parallel=False``."""
+    from modelpar.parallel import tensor
     try:
-        plan = derive_tp_plan(model)
+        plan, _ = tensor.default_tp_plan(model, loss_parallel=vocab_parallel)
     except ValueError:
         return {}
-    return {k: v for k, v in plan.items() if v in (COLWISE, ROWWISE)}
+    kind = {s: "colwise" for s in tensor.COLWISE_STYLES}
+    kind.update({s: "rowwise" for s in (*tensor.ROWWISE_STYLES, tensor.ROWWISE_VOCAB)})
+    return {k: kind[v] for k, v in plan.items() if v in kind}
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -401,7 +406,7 @@ _FLOP_FORMULAS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _c
 def profile_model(model: nn.Module, example_input: torch.Tensor | Sequence[torch.Tensor], *,
                   dtype: torch.dtype = torch.float32,
                   blocks: Sequence[tuple[str, nn.Module]] | None = None,
-                  attention: str = "flash") -> ModelProfile:
+                  attention: str = "flash", vocab_parallel: bool | None = None) -> ModelProfile:
     """Profile one training forward + backward of ``model`` on ``example_input`` without weights.
 
     Args:
@@ -414,6 +419,9 @@ def profile_model(model: nn.Module, example_input: torch.Tensor | Sequence[torch
         attention: ``"flash"`` (fused kernel, O(seq) saved bytes), ``"math"`` (unfused, the
             (seq, seq) scores saved; see the module docstring) or ``"megatron"`` (Megatron-LM's
             unfused core attention with its fused softmax, `runtimes.MegatronAttention`).
+        vocab_parallel: mark the GPT's token embedding and head TP-sharded as the runtime shards them
+            under TP (None: the runtime's default, `modelpar.parallel.tensor.default_tp_plan`;
+            False: both replicated, as ``parallelize(loss_parallel=False)``).
 
     Returns:
         ModelProfile with one BlockProfile per block, for the batch of ``example_input``.
@@ -450,7 +458,7 @@ def profile_model(model: nn.Module, example_input: torch.Tensor | Sequence[torch
     try:
         if flash is not None:
             flash.__enter__()
-        return _profile(model, inputs, dtype, blocks, names, fqn, on_meta)
+        return _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel)
     finally:
         if flash is not None:
             flash.__exit__(None, None, None)
@@ -458,7 +466,7 @@ def profile_model(model: nn.Module, example_input: torch.Tensor | Sequence[torch
             fake_mode.__exit__(None, None, None)
 
 
-def _profile(model, inputs, dtype, blocks, names, fqn, on_meta) -> ModelProfile:
+def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=None) -> ModelProfile:
     dev = "meta" if on_meta else None
 
     def stand_in(t: torch.Tensor, grad: bool) -> torch.Tensor:
@@ -483,7 +491,7 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta) -> ModelProfile:
     block_of = {m: i for i, (_, m) in enumerate(blocks)}
     current: list[int] = []                   # stack of active block indices
     sub_stack: list[str] = []                 # fqn of innermost active submodule
-    styles = _tp_styles(model)
+    styles = _tp_styles(model, vocab_parallel)
     sharded_region = [False]                  # inside a (colwise -> rowwise) TP pair
 
     def pre(mod, args):
