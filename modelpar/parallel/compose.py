@@ -107,12 +107,32 @@ class ParallelModel:
         return contextlib.nullcontext()
 
     def _grad_sync(self, enabled: bool):
-        """Skip DDP/FSDP gradient reduction on all but the last accumulation step."""
+        """Gradient reduction of one local batch; ``enabled`` on the last accumulation step.
+
+        - DDP (and FSDP2's ``replicate``): no reduction before the last step (gradients are
+          unsharded either way, so skipping costs no memory).
+        - FSDP without a pipeline: reduce-scatter every local batch and accumulate sharded
+          gradients (FSDP2's default); under HSDP the all-reduce across replicas runs on the last
+          step only (``set_requires_all_reduce``; the partial sums stay sharded). With
+          ``plan.defer_grad_sync`` the reduction is skipped before the last step and unsharded
+          fp32 gradients accumulate (``set_requires_gradient_sync(False)``).
+        - Pipelines: torch.distributed.pipelining turns the sync off for every micro-batch's backward
+          and reduces once at the end of each schedule step (``PipelineStage.perform_reduce_grad``
+          sets ``set_requires_gradient_sync(True)`` and runs FSDP's post-backward), whatever is set
+          here: each accumulation step ends with a reduction.
+        """
         w = self.wrapped
         if w is not None and hasattr(w, "no_sync") and not enabled:
             return w.no_sync()
+        fsdp = self.plan.fsdp_enabled and not self.plan.pp_enabled
         for m in self.modules:
-            if hasattr(m, "set_requires_gradient_sync"):
+            if not hasattr(m, "set_requires_gradient_sync"):
+                continue
+            if fsdp and not self.plan.defer_grad_sync:
+                m.set_requires_gradient_sync(True)
+                if self.plan.hsdp_enabled:
+                    m.set_requires_all_reduce(enabled)
+            else:
                 m.set_requires_gradient_sync(enabled)
         return contextlib.nullcontext()
 
