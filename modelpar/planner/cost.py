@@ -32,7 +32,11 @@ Fresh allocations (CPU): glibc's malloc serves blocks above its mmap threshold (
 touch and unmapping on free, at a per-byte cost `modelpar calibrate` measures. Counted: each
 micro-batch's weight gradients, FSDP's flat gather / reduce-scatter buffers and unsharded
 parameters (the fused AdamW step and the gradient norm make no temporaries).
-Gradient accumulation adds one in-place add (12 B/param) per micro-batch after the first.
+Gradient accumulation adds one in-place add (12 B/param) per micro-batch after the first (of the
+local shards where FSDP accumulates sharded gradients). FSDP without a pipeline reduce-scatters
+every local batch (FSDP2's default) unless the plan defers the sync (``defer_grad_sync``: once per
+step); HSDP's all-reduce across replicas runs once per step either way. DDP's buckets are views of
+its gradients (``gradient_as_bucket_view=True``): no copy into or out of them.
 """
 
 from __future__ import annotations
@@ -393,8 +397,10 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     _, ld, t_f, t_b, t_rc, t_tp = best
     mbs = accumulation * m                          # micro-batches per step on this rank
     # gradient accumulation: micro-batches after the first add their gradients in place (read 2,
-    # write 1 fp32 values per parameter)
-    t_acc = (mbs - 1) * 12 * ld.params / mem_s
+    # write 1 fp32 values per parameter); FSDP without a pipeline adds reduce-scattered shards
+    # unless the plan defers the sync (`fsdp_sharded_accumulation`)
+    sharded_acc = fsdp_sharded_accumulation(plan)
+    t_acc = (mbs - 1) * 12 * ld.params / (plan.dp_shard if sharded_acc else 1) / mem_s
     # data parallel
     wb = 2 if prec == "bf16" else 4
     cm = _comm_terms(ld, plan, hw, b, wb, dp_overlap)
@@ -409,6 +415,11 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
         if overlap:
             comm = gathers * ag + ag_root + rs
             fsdp_per_mb = max(0.0, comm - (t_f + t_b + t_rc)) + cm["first"]
+            if plan.defer_grad_sync and mbs > 1:
+                # deferred sync: only the last local batch reduce-scatters
+                no_rs = max(0.0, gathers * ag + ag_root - (t_f + t_b + t_rc)) + cm["first"]
+                dp_exposed = fsdp_per_mb - no_rs
+                fsdp_per_mb = no_rs
         else:
             # FSDP2's buffers: each gather fills a new flat all-gather output and copies it out into
             # new unsharded parameters (read + write); reduce-scatter copies the unsharded gradients
@@ -421,7 +432,10 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
             fsdp_per_mb = (gathers * (ag + ag_mem) + ag_root
                            + (len(units) + 1) * hw.extra.get("fsdp_unit_overhead_s", 0.0)
                            + ld.num_tensors * hw.extra.get("fsdp_tensor_overhead_s", 0.0))
-            dp_exposed = rs + rs_mem   # once per step: the last micro-batch syncs
+            # the reduce-scatter: once per step where the last micro-batch syncs (deferred sync, and
+            # torch.distributed.pipelining's runtime, which reduces at the end of each schedule step:
+            # modelled once per step), every local batch where FSDP accumulates sharded gradients
+            dp_exposed = (rs + rs_mem) * (accumulation if sharded_acc else 1)
         dp_exposed += cm["rep"]
     elif plan.dp_replicate > 1:
         t_ar, last = cm["t_ar"], cm["last"]
@@ -429,9 +443,13 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
             dp_exposed = max(t_ar - t_b, last)
         elif not dp_overlap:         # one all-reduce of a contiguous gradient buffer after backward
             dp_exposed = t_ar
+        elif p == 1 and plan.tp == 1:
+            # torch DDP with gradient_as_bucket_view=True (`apply_ddp`): the gradients are the
+            # buckets, nothing is copied
+            dp_exposed = t_ar
         else:
-            # torch DDP (gradient_as_bucket_view=False) copies gradients into its buckets and the
-            # reduced buckets back (read + write each way)
+            # FSDP2's replicate (DDP semantics under PP / TP) copies the gradients into a flat
+            # buffer and the reduced values back (read + write each way)
             dp_exposed = t_ar + 16 * ld.params / mem_s
     per_mb_compute = t_f + t_b + t_tp
     bub = bubble_fraction(plan.pp_schedule, p, m, v) * m * (per_mb_compute + t_rc)
@@ -449,6 +467,12 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
             "tp_comm": mbs * t_tp, "pp_comm": mbs * t_p2p,
             "dp_comm": dp_exposed + mbs * fsdp_per_mb, "bubble": accumulation * bub,
             "optimizer": opt}
+
+
+def fsdp_sharded_accumulation(plan: ParallelPlan) -> bool:
+    """FSDP without a pipeline and without ``defer_grad_sync``: each local batch of gradient
+    accumulation is reduce-scattered and the shards accumulate (FSDP2's default; `ParallelModel`)."""
+    return plan.dp_shard > 1 and plan.pp == 1 and not plan.defer_grad_sync
 
 
 def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: Hardware, *,

@@ -431,6 +431,7 @@ def _bwd_terms(c: tuple, mode: tuple) -> tuple:
     micro-batches, reshard_after_forward, bytes of a gathered parameter, pipeline)."""
     act, act_ac, done_u, done_r, gs, u, u_prev, u_next, _, gq = c
     fsdp, ac, prev, rafw, work, pp = mode[:6]
+    held = len(mode) > 7 and mode[7]         # sharded gradients of earlier local batches (in the base)
     A = act_ac if ac else act
     # weight gradients a matmul computed and AccumulateGrad has not stored yet are temporaries; with
     # gradients from earlier micro-batches the stored ones were added in place
@@ -452,7 +453,8 @@ def _bwd_terms(c: tuple, mode: tuple) -> tuple:
                 pre, 0.0)
     # reduce-scattered (sharded) gradients of completed units; the root's and unit k's unsharded
     # gradients so far; unit k gathered; the retained fp32 reduce-scatter input of the unit after k
-    return (0.0, 4 * done_u, A, work * (done_r + gs + gq), (work * u if rafw else 0.0),
+    # (accumulating into sharded gradients held in the base: completed units add nothing)
+    return (0.0, 0.0 if held else 4 * done_u, A, work * (done_r + gs + gq), (work * u if rafw else 0.0),
             pre + 4 * u_next, 0.0)
 
 
@@ -461,15 +463,19 @@ def _rs_terms(c: tuple, mode: tuple, collective: bool) -> tuple:
     gradient, in the parameters' dtype, copied into the fp32 reduce-scatter input) or during the
     collective (the unsharded gradient freed; input and output, which becomes the sharded gradient;
     gloo (``mode[6]``) first copies the input into a flat buffer of its own, ProcessGroupGloo's
-    reduce_scatter, where NCCL reduces in place). Unit k itself is resharded."""
+    reduce_scatter, where NCCL reduces in place). Unit k itself is resharded. With sharded gradients
+    of earlier local batches held (``mode[7]``, in the base) the output is a temporary that FSDP2
+    adds into them (``foreach_reduce``), and completed units add nothing."""
     act, act_ac, done_u, done_r, u, u_prev, _ = c
-    fsdp, ac, prev, rafw, work, pp, gloo = mode
+    fsdp, ac, prev, rafw, work, pp, gloo = mode[:7]
+    held = len(mode) > 7 and mode[7]
     A = act_ac if ac else act
     gath = 0.0 if rafw else -work * u
     buf = 4 * u + (work * u_prev if rafw else 0.0)
+    done = 0.0 if held else 4 * done_u
     if not collective:
-        return 0.0, 4 * done_u, A, work * (done_r + u), gath, buf, 0.0
-    return 0.0, 4 * done_u, A, work * done_r, gath, buf + (4 * u if gloo else 0.0), 4 * u
+        return 0.0, done, A, work * (done_r + u), gath, buf, 0.0
+    return 0.0, done, A, work * done_r, gath, buf + (4 * u if gloo else 0.0), 4 * u
 
 
 @functools.lru_cache(maxsize=4096)
@@ -479,7 +485,7 @@ def _projections(bwd_moments: tuple, rs_moments: tuple, mode: tuple) -> tuple:
     base, keeping only those that can be the largest for some b >= 1 and dp_shard >= 1: none that
     another bounds in A, K and G, and, where G is zero throughout, only the upper convex hull of
     (A, K) over slopes b >= 1."""
-    fsdp, ac, prev, rafw, work, pp, gloo = mode
+    fsdp, ac, prev, rafw, work, pp, gloo = mode[:7]
     terms = [("backward", _bwd_terms(c, mode)) for c in bwd_moments]
     if fsdp and not prev and not pp:
         for c in rs_moments:
@@ -583,8 +589,17 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
     # per micro-batch and stage (activations on non-first stages, gradients on non-last stages;
     # Megatron-LM reuses 2), and DDP's gradient buckets (a copy of the gradients)
     comm_persist = ((m if recv_per_microbatch else 2) * ld.recv * b) if pp else 0.0
+    # DDP (`apply_ddp`, gradient_as_bucket_view=True): the gradients are views into the buckets,
+    # which exist from construction on (4 B/param, counted as buffers); no separate gradient storage.
+    # FSDP2's replicate (DDP semantics under PP or TP) is modelled with a persistent copy as before.
+    ddp_view = plan.dp_replicate > 1 and not fsdp and not pp and plan.tp == 1
     if plan.dp_replicate > 1 and not fsdp:
         comm_persist += 4 * P
+    if ddp_view:
+        grads = 0.0
+    # FSDP without a pipeline accumulates sharded gradients (reduce-scatter every local batch) unless
+    # the plan defers the sync (`ParallelPlan.defer_grad_sync`: unsharded gradients accumulate)
+    sharded_acc = fsdp and not pp and not plan.defer_grad_sync and accumulation > 1
     # autocast keeps a bf16 copy of every weight it cast, from forward to the end of backward
     cast_cache = 2 * P if (bf16 and not fsdp) else 0.0
     # FSDP's root parameters (embed/head) stay gathered from forward to the end of backward
@@ -606,7 +621,9 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
         if m > 1:
             variants += ((W if W < m else m - 1.0, float(m) if keep else 1.0, True),)
     else:
-        variants = ((1.0, 1.0, accumulation > 1),)
+        # DDP's stored gradients are bucket views (always there); sharded FSDP accumulation: the
+        # earlier local batches' sharded gradients (in `grads`), the moments of a first backward
+        variants = ((1.0, 1.0, (accumulation > 1 or ddp_view) and not sharded_acc),)
     bS = b * S
     bout = b * out
     # other micro-batches in flight keep their saved bytes and, on the last stage, the loss's saved
@@ -619,7 +636,7 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
     for F, n_out, prev in variants:
         held = (F - 1) * per_other + (n_out if last else F) * per_out
         # gradients of earlier micro-batches: sharded, or (FSDP without gradient sync) unsharded
-        g0 = (4 * P if fsdp else grads) if prev else 0.0
+        g0 = (4 * P if fsdp else grads) if prev else (grads if sharded_acc else 0.0)
         # a pipeline under FSDP keeps every unit gathered after its first backward
         gath0 = root_g + work * (P - ld.root_params) if (fsdp and pp and prev and rafw) else root_g
         base = fixed + held + g0 + gath0
@@ -631,11 +648,11 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
             if tot > best_total:
                 best_total, best = tot, (held, g0, gath0, prev, None)
         # the block / reduce moments, as totals b * A + K + G / dp_shard (see `_projections`)
-        key = key0 + 4 * prev
+        key = key0 + 4 * prev + 128 * sharded_acc
         proj = ld.projections.get(key)
         if proj is None:
             proj = ld.projections[key] = _projections(ld.bwd_moments, ld.rs_moments,
-                                                      (fsdp, ac, prev, rafw, work, pp, gloo))
+                                                      (fsdp, ac, prev, rafw, work, pp, gloo, sharded_acc))
         for A, K, G, c in proj:
             tot = base + b * A + K + ws * G
             if tot > best_total:
