@@ -6,7 +6,8 @@ The order matters and is the same for every plan:
    layers (TP plans are written in whole-model paths, which stage modules keep);
 2. tensor parallel: turns weights into DTensors sharded over the ``tp`` axis; FSDP must see these
    DTensors to shard them further over the data axis (2-D FSDP x TP);
-3. activation checkpointing: wraps block forwards, after TP so recompute replays the TP collectives;
+3. activation checkpointing (every block, every k-th block, or only the attention cores:
+   `modelpar.parallel.checkpointing`): wraps forwards, after TP so recompute replays the TP collectives;
 3b. ``torch.compile`` of each block (``plan.compile``), after TP and checkpointing so the compiled
    graph contains the DTensor ops and the recompute region, and before data parallelism so FSDP's
    per-block hooks stay outside the graph (the order torchtitan uses);
@@ -315,6 +316,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
         # DDP / FSDP / TP need no block structure: FSDP then shards the whole model as one unit
         parts = ModelParts(form="whole")
     plan.validate(num_blocks=parts.num_blocks if plan.pp_enabled else None)
+    if plan.activation_checkpointing != "none":        # e.g. "selective" without attention cores
+        checkpointing.check_ac(parts.blocks, plan.activation_checkpointing, plan.ac_every)
+    block_index = {id(m): i for i, (_, m) in enumerate(parts.blocks)}
     shard_head = bool(plan.tp_enabled and (plan.sequence_parallel if loss_parallel is None else loss_parallel))
     if plan.tp_enabled:
         if tp_plan is None:
@@ -325,7 +329,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
     if plan.is_placement:                          # one process, many devices
         layout = placement.apply_placement(parts, plan.placement_devices,
                                            boundaries=list(plan.stage_boundaries) if plan.stage_boundaries else None)
-        checkpointing.apply_ac([m for _, m in parts.blocks], mode=plan.activation_checkpointing)
+        checkpointing.apply_ac([m for _, m in parts.blocks], mode=plan.activation_checkpointing,
+                               every=plan.ac_every)
         if plan.compile:
             compiling.apply_compile([m for _, m in parts.blocks])
         first = torch.device(plan.placement_devices[0])
@@ -363,7 +368,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
             tensor.apply_tp(mod, mesh.sub("tp"), tp_plan, present=present)
     # 3. activation checkpointing (after TP, so recompute replays the TP collectives)
     for mod in modules:
-        checkpointing.apply_ac(local_blocks(mod), mode=plan.activation_checkpointing)
+        blks = local_blocks(mod)
+        checkpointing.apply_ac(blks, mode=plan.activation_checkpointing, every=plan.ac_every,
+                               indices=[block_index[id(m)] for m in blks])
     # 3b. compile each block (same code for every block: one graph, reused)
     if plan.compile:
         for mod in modules:

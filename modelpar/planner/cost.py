@@ -13,7 +13,9 @@ Sources:
   Sec. 3); ZB-V about 0.
 - Compute: matmul-class FLOPs / (peak x achievable GEMM fraction) + memory-bound bytes /
   (bandwidth x fraction) + ops x per-op overhead (a roofline split, Williams et al., CACM 2009).
-- Full recompute adds one forward per micro-batch (Chen et al. 2016; Korthikanti Sec. 5).
+- Full recompute adds one forward per micro-batch (Chen et al. 2016; Korthikanti Sec. 5); every-k
+  the checkpointed blocks' share of it, selective the attention cores' forward
+  (`modelpar.planner.recompute`); recomputed blocks replay their TP all-reduces.
 - MFU / HFU: Chowdhery et al., "PaLM" (2022), App. B: model FLOPs count each forward once, hardware
   FLOPs include the recomputed forward.
 
@@ -47,6 +49,7 @@ from modelpar.plan import ParallelPlan
 from modelpar.planner.hardware import Hardware
 from modelpar.planner.memory import Batch, RankLoad, rank_loads
 from modelpar.planner.profile import ModelProfile
+from modelpar.planner.recompute import recompute_flops_per_sample, recompute_share
 
 DDP_BUCKET_BYTES = 25 * 2 ** 20
 # bytes read + written per parameter by the optimizer step: torch's fused AdamW (modelpar's default,
@@ -355,6 +358,7 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     mem_s = (hw.extra.get("mem_bandwidth_alone", hw.mem_bandwidth) if alone else hw.mem_bandwidth) * hw.mem_bw_fraction
     b, m, v, p = micro_batch_size, (plan.n_microbatches if plan.pp > 1 else 1), plan.virtual_stages, plan.pp
     ac = plan.activation_checkpointing == "full"
+    partial_ac = plan.activation_checkpointing in ("every-k", "selective")
     overlap = dp_overlap and hw.comm_overlap
     ar_tp = _coll(plan, "tp", hw, "all_reduce", tp_bytes * b, plan.tp, not hw.comm_overlap) if plan.tp > 1 else 0.0
     # DTensor's cost per sharded Linear (forward + backward): fixed + per byte of its input activation
@@ -384,11 +388,15 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
         if zb != 1.0:
             t_b *= zb
         t_rc = t_f if ac else 0.0
+        rc_share = 1.0 if ac else 0.0
+        if partial_ac:       # every-k / selective (`modelpar.planner.recompute`)
+            rc_share, attn_f = recompute_share(ld, plan)
+            t_rc = rc_share * t_f + (attn_f * b / attn_rate if attn_rate else attn_f * b / flops_s)
         # DTensor's per-call cost of each sharded Linear (dispatch, sharding propagation, input and
         # output conversion; forward + backward), calibrated on CPU; part of TP's price
         # (the per-Linear cost is calibrated on chains of sharded Linears less their all-reduces
         # at these same in-context times)
-        t_tp = (ld.tp_collectives * ar_tp * (3 if ac else 2)
+        t_tp = (ld.tp_collectives * ar_tp * (2 + rc_share)
                 + ld.tp_linears * tp_linear)
         work = t_f + t_b + t_rc + t_tp
         key = (work, ld.params)
@@ -519,7 +527,10 @@ def _finish(parts: dict, profile: ModelProfile, plan: ParallelPlan, global_batch
         flops = (profile.fwd_flops_per_sample, profile.train_flops_per_sample - profile.fwd_flops_per_sample)
     fwd, bwd = flops
     model = global_batch * (fwd + bwd)
-    hw_flops = model + (global_batch * fwd if plan.activation_checkpointing == "full" else 0.0)
+    if plan.activation_checkpointing in ("every-k", "selective"):
+        hw_flops = model + global_batch * recompute_flops_per_sample(profile, plan)
+    else:
+        hw_flops = model + (global_batch * fwd if plan.activation_checkpointing == "full" else 0.0)
     return StepEstimate(**parts, model_flops=model, hardware_flops=hw_flops,
                         num_devices=plan.world_size, samples=global_batch,
                         tokens_per_sample=profile.tokens_per_sample)

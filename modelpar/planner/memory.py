@@ -165,6 +165,12 @@ class RankLoad:
     attn_flops: tuple = (0.0, 0.0)     # (fwd, bwd) FLOPs per sample of fused attention kernels, TP applied
     attn_calls: int = 0                # fused attention calls per forward (as many in backward)
     tp_linears: int = 0                # weight matrices a TP split shards (DTensor Linears per forward)
+    # per block of the rank, in order, for the checkpointing modes other than none / full
+    # (`modelpar.planner.recompute`): (block's backward record, layer index among the checkpointable
+    # blocks or -1 for a transformer's embed / head, attention-core saved bytes per sample, forward
+    # FLOPs per sample, fused-attention forward FLOPs per sample), TP applied
+    ac_blocks: tuple = ()
+    ac_variants: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 def _adamw_temp(numels: list[tuple[float, bool]]) -> float:
@@ -205,7 +211,7 @@ def _scaled_peaks(peaks: tuple, in_grad, ex_mul: float, g_mul: float, shr: float
 
 
 @functools.lru_cache(maxsize=4096)
-def _backward_moments(recs: tuple) -> tuple[tuple, tuple]:
+def _backward_moments(recs: tuple, own: bool = False) -> tuple[tuple, tuple]:
     """Candidate peak moments of one micro-batch's backward on a rank, from its blocks in forward
     order. ``recs``: per block (saved bytes and full-checkpointing input bytes per sample; its
     in-backward peaks as (extra bytes, incoming gradient bytes per sample, parameters whose gradient
@@ -235,6 +241,11 @@ def _backward_moments(recs: tuple) -> tuple[tuple, tuple]:
     can be the maximum; within a block, a later peak (fewer activations, more gradients) is dropped
     when an earlier one beats it even with the heaviest gradient weight (4 bytes per element) and
     the smallest micro-batch (1 sample). `_projections` prunes further for each plan mode.
+
+    ``own``: the second column's block record is what the block keeps (`modelpar.planner.recompute`),
+    so inside block k's backward it holds blocks < k's and block k's whole saved bytes (restored by
+    its recompute, or never freed); False (full checkpointing): the input of blocks <= k and block
+    k's recomputed saved bytes.
     """
     nb = len(recs)
     cum, cum_ac, done_u, done_r = [0.0] * (nb + 1), [0.0] * (nb + 1), [0.0] * (nb + 1), [0.0] * (nb + 1)
@@ -269,7 +280,7 @@ def _backward_moments(recs: tuple) -> tuple[tuple, tuple]:
             if any(a - (ex + gi) >= 4 * (gs + gq - g) for a, g in kept):
                 continue
             kept.append((ex + gi, gs + gq))
-            bwd.append((cum[k + 1] + ex + gi, cum_ac[k + 1] + sv + ex + gi, done_u[k], done_r[k], gs,
+            bwd.append((cum[k + 1] + ex + gi, cum_ac[k + (0 if own else 1)] + sv + ex + gi, done_u[k], done_r[k], gs,
                         0.0 if root else pk, prev_u[k], next_u[k], upto[k], gq))
         if not root:
             rs.append((cum[k] + gin_in, cum_ac[k] + gin_in, done_u[k], done_r[k], pk, prev_u[k],
@@ -301,6 +312,7 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float):
     transformer = bool(profile.arch)
     pre = [(0,) * len(_SUMS)]
     first_adj, mbs, unit_params, numels, unit_gen, unit_first, rec_args = [], [], [], [], [], [], []
+    ac_info = []        # per block: (layer index or -1, core saved bytes, fwd FLOPs, attention fwd FLOPs)
     for i, bl in enumerate(profile.blocks):
         is_end = transformer and (i == 0 or i == n - 1)
         local = bl.num_params - bl.tp_sharded_params + bl.tp_sharded_params / t
@@ -317,6 +329,8 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float):
         unit_gen.append(None if is_end else (local, saved * scale / bs))
         unit_first.append(None if is_end else (local, saved_first * scale / bs))
         numels.append([(k / t if sh else k, mat) for k, mat, sh in bl.param_numels])
+        ac_info.append((-1 if is_end else (i - 1 if transformer else i), bl.attn_core_saved_bytes / t * scale / bs,
+                        bl.fwd_flops / bs / t, bl.fwd_attn_flops / bs / t))
         frac = bl.saved_tp_sharded_bytes / bl.saved_bytes if bl.saved_bytes else 0.0
         tp_div = 1.0 / t if sp else (1 - frac) + frac / t   # share of traffic left per rank
         shr = local / bl.num_params if bl.num_params else 1.0
@@ -349,7 +363,7 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float):
         return (sv_first if first else sv, 0.0 if first else ac_in, peaks, local, is_end,
                 bl.input_bytes * g_div if i > 0 else 0.0)
 
-    out = (pre, first_adj, mbs, unit_params, numels, unit_gen, unit_first, rec)
+    out = (pre, first_adj, mbs, unit_params, numels, unit_gen, unit_first, rec, ac_info)
     if len(_BLOCK_TERMS) > 256:
         _BLOCK_TERMS.clear()
     _BLOCK_TERMS[key] = (profile, out)
@@ -368,12 +382,13 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float) -
     sp = plan.sequence_parallel
     bs = profile.batch_size
     rng = stage_ranges(profile, plan.num_stages) if plan.num_stages > 1 else [(0, len(profile.blocks))]
-    pre, first_adj, mbs, unit_params, numels_b, unit_gen, unit_first, rec = _block_terms(profile, t, sp, scale)
+    pre, first_adj, mbs, unit_params, numels_b, unit_gen, unit_first, rec, ac_info = _block_terms(profile, t, sp, scale)
     loads = [RankLoad() for _ in range(plan.pp)]
     sums = [[0] * len(_SUMS) for _ in range(plan.pp)]
     numels: list[list[tuple[float, bool]]] = [[] for _ in range(plan.pp)]
     units: list[list[tuple[float, float]]] = [[] for _ in range(plan.pp)]
     recs: list[list[tuple]] = [[] for _ in range(plan.pp)]
+    acb: list[list[tuple]] = [[] for _ in range(plan.pp)]
     first_in = profile.blocks[0].input_bytes / bs
     data = first_in * (2 if profile.tokens_per_sample > 1 else 1) + (0 if profile.tokens_per_sample > 1 else 8)
     for s, (a, b) in enumerate(rng):
@@ -393,6 +408,7 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float) -
             if u is not None:
                 units[r].append(u)
             recs[r].append(rec(i, i == a, i == b - 1))
+            acb[r].append((recs[r][-1],) + ac_info[i])
         ld.boundary = profile.blocks[b - 1].output_bytes * scale / bs / (t if sp else 1)
         if s > 0:
             ld.recv += profile.blocks[a].input_bytes * scale / bs / (t if sp else 1)
@@ -404,8 +420,9 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float) -
          ld.ops, ld.fwd_ops, ld.fwd_gemms, ld.bwd_gemms, af, ab, ld.attn_calls, ld.tp_linears,
          gpf, gpb, gaf, gab, ld.tp_collectives) = acc
         ld.attn_flops, ld.gemm_param_bytes, ld.gemm_act_bytes = (af, ab), (gpf, gpb), (gaf, gab)
-    for ld, rc in zip(loads, recs):
+    for ld, rc, ab in zip(loads, recs, acb):
         ld.bwd_moments, ld.rs_moments = _backward_moments(tuple(rc))
+        ld.ac_blocks = tuple(ab)
     for ld, nl, un in zip(loads, numels, units):
         sizes = [k for k, _ in nl]
         ld.max_param = max(sizes, default=0.0)
@@ -567,6 +584,9 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
     keeps their stage outputs), and every rank holds the global batch (inputs and targets).
     ``gloo``: collectives run on gloo (CPU), whose reduce-scatter copies its input first.
     """
+    if plan.activation_checkpointing in ("selective", "every-k"):
+        from modelpar.planner.recompute import ac_load
+        ld = ac_load(ld, plan)
     shard = plan.dp_shard
     fsdp = shard > 1
     ws = 1.0 / shard
@@ -578,7 +598,9 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
     data = ld.data * global_batch_size
     bf16 = plan.precision == "bf16"
     work = 2 if bf16 else 4                  # bytes of a gathered / working parameter (and its gradient)
-    ac = plan.activation_checkpointing == "full"
+    # checkpointing: the ``saved_ac`` column holds what the mode keeps (full: block inputs;
+    # selective / every-k: `modelpar.planner.recompute.ac_load`)
+    ac = plan.activation_checkpointing != "none"
     S = ld.saved_ac if ac else ld.saved      # one micro-batch's saved bytes per sample
     pp = plan.pp > 1
     m = plan.n_microbatches if pp else 1

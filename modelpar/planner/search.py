@@ -2,7 +2,9 @@
 
 The space: every factorization dp_replicate x dp_shard x tp x pp = N, times pipeline schedule
 (gpipe, 1f1b, interleaved1f1b and interleavedzerobubble with v in VIRTUAL_STAGES, zbvzerobubble with
-v = 2), pipeline micro-batch count, activation checkpointing (none, full) and micro-batch size.
+v = 2), pipeline micro-batch count, activation checkpointing (none; where that does not fit,
+selective, every-k with k in AC_EVERY_CHOICES, full), micro-batch size, and for FSDP with gradient
+accumulation whether to defer the gradient sync.
 Pruning keeps the reason; a whole subtree pruned at the layout level counts every candidate under it.
 Each surviving candidate gets a memory estimate (`memory.rank_memory`) and a step-time estimate
 (`cost.rank_step`), both over a few representative pipeline ranks (first, last, most parameters,
@@ -23,7 +25,26 @@ from modelpar.planner.profile import ModelProfile
 
 VIRTUAL_STAGES = (2, 4, 8)
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
-AC_CHOICES = ("none", "full")
+AC_CHOICES = ("none", "selective", "every-k", "full")
+AC_EVERY_CHOICES = (4, 2)     # k of "every-k" the search tries (ParallelPlan.ac_every)
+
+
+def _ac_options(checkpointing: tuple[str, ...], every: tuple[int, ...], profile: ModelProfile,
+                num_layers: int) -> list[tuple[str, int]]:
+    """(mode, ac_every) pairs to try, roughly by increasing recompute: none, selective, every-k (larger
+    k first), full. "selective" only for a model with attention cores (its profile says what they save),
+    every-k only for k < the number of layers."""
+    out = []
+    for mode in ("none", "selective", "every-k", "full"):
+        if mode not in checkpointing:
+            continue
+        if mode == "selective" and not any(b.attn_core_saved_bytes for b in profile.blocks):
+            continue
+        if mode == "every-k":
+            out.extend((mode, k) for k in sorted(set(every), reverse=True) if 1 < k < num_layers)
+        else:
+            out.append((mode, 1))
+    return out
 
 
 @dataclass(slots=True)
@@ -133,7 +154,8 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                  optimizer: str = "adamw", precision: str = "bf16", sequence_parallel: bool = False,
                  dp_overlap: bool = True, memory_fraction: float = 1.0,
                  schedules: tuple[str, ...] = SEARCH_SCHEDULES, allow_fsdp: bool = True,
-                 checkpointing: tuple[str, ...] = AC_CHOICES, recv_per_microbatch: bool = True) -> SearchReport:
+                 checkpointing: tuple[str, ...] = AC_CHOICES, recv_per_microbatch: bool = True,
+                 ac_every: tuple[int, ...] = AC_EVERY_CHOICES, defer_grad_sync: bool = True) -> SearchReport:
     """Enumerate, prune and rank every plan of ``num_devices`` for one model and batch.
 
     Args:
@@ -148,8 +170,14 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
         memory_fraction: share of ``hw.memory_bytes`` a plan may use.
         schedules: pipeline schedules to consider (names from ``plan.PP_SCHEDULES``).
         allow_fsdp: consider dp_shard > 1 (set False to search the DDP x TP x PP space only).
-        checkpointing: activation checkpointing modes to consider.
+        checkpointing: activation checkpointing modes to consider (`plan.AC_MODES`); a mode that
+            recomputes is tried only where the same plan without checkpointing does not fit.
         recv_per_microbatch: see `memory.estimate_memory` (False models Megatron-LM's runtime).
+        ac_every: the k of "every-k" to try.
+        defer_grad_sync: also try FSDP plans (no pipeline, gradient accumulation) that defer the
+            gradient sync to the last local batch (`ParallelPlan.defer_grad_sync`): unsharded
+            gradients held, one reduce-scatter per step; ranked like any other candidate, so chosen
+            only where it fits and is faster.
 
     Returns:
         SearchReport; ``ranked`` is sorted by predicted samples/s, fastest first.
@@ -173,7 +201,12 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
     bad = [s for s in schedules if s not in PP_SCHEDULES] + [a for a in checkpointing if a not in AC_MODES]
     if bad:
         raise ValueError(f"unknown schedules/checkpointing modes {bad}; valid: {PP_SCHEDULES}, {AC_MODES}")
-    n_ac = len(checkpointing)
+    ac_opts = _ac_options(tuple(checkpointing), tuple(ac_every), profile, num_layers)
+    if not ac_opts:
+        raise ValueError(f"no checkpointing mode to search: checkpointing={tuple(checkpointing)}, "
+                         f"ac_every={tuple(ac_every)} (every-k needs 1 < k < {num_layers} layers; "
+                         f"selective needs attention cores)")
+    n_ac = len(ac_opts)
     # Hot loop (~10^5 candidates at 3,072 devices). Work that depends only on the degrees, the schedule
     # or (b, m) is done once outside the inner loops, and a plan does not depend on the micro-batch
     # size, so one ParallelPlan per (m, checkpointing) is shared by its micro-batch sizes. The cyclic
@@ -234,17 +267,20 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                         pruned["interleaved needs n_microbatches divisible by pp"] += n_ac
                         continue
                     fits_without_ac = False
-                    for ac in checkpointing:
-                        if ac == "full" and fits_without_ac:
+                    defers = (False, True) if (defer_grad_sync and ds > 1 and pp == 1 and acc > 1) else (False,)
+                    if len(defers) > 1:
+                        rep.considered += n_ac
+                    for (ac, k), defer in ((o, d) for o in ac_opts for d in defers):
+                        if ac != "none" and fits_without_ac:
                             # dominated: the same plan without recompute fits and is strictly faster
                             pruned["dominated (fits without checkpointing)"] += 1
                             continue
-                        plan = plans.get((m, ac))
+                        plan = plans.get((m, ac, k, defer))
                         if plan is None:
-                            plan = plans[(m, ac)] = ParallelPlan(
+                            plan = plans[(m, ac, k, defer)] = ParallelPlan(
                                 dp_replicate=dr, dp_shard=ds, tp=tp, pp=pp, pp_schedule=sched, n_microbatches=m,
                                 virtual_stages=v, activation_checkpointing=ac, precision=precision,
-                                sequence_parallel=sp)
+                                sequence_parallel=sp, ac_every=k, defer_grad_sync=defer)
                         mem = None
                         mem_total = 0.0
                         for r, ld in reps:
@@ -261,7 +297,7 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                         if mem_total > budget:
                             pruned["activations exceed memory"] += 1
                             continue
-                        fits_without_ac = ac == "none"
+                        fits_without_ac = fits_without_ac or (ac == "none" and not defer)
                         if tpb is None:
                             tpb = tp_bytes_per_sample(profile, plan)
                         parts = rank_step(loads, plan, hw, micro_batch_size=b, accumulation=acc,
