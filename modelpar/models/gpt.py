@@ -79,9 +79,10 @@ class AttentionCore(nn.Module):
 
     It calls ``F.scaled_dot_product_attention``, a fused kernel (flash / memory-efficient) wherever
     torch has one for the inputs: that kernel saves only q, k, v, its output and a (batch, heads,
-    seq) log-sum-exp for backward, no (seq x seq) scores or probabilities, so recomputing this region
-    frees little (its output and the log-sum-exp); with torch's unfused math path (attention dropout
-    on CPU, for instance) it frees the (seq x seq) tensors. No parameters."""
+    seq) log-sum-exp for backward, no (seq x seq) scores or probabilities; the output is also what
+    the output projection saves, so recomputing this region frees only the log-sum-exp. With torch's
+    unfused math path (attention dropout on CPU, for instance) it frees the (seq x seq) tensors.
+    No parameters."""
 
     modelpar_attention_core = True
 

@@ -96,8 +96,9 @@ class BlockProfile:
     # the batch or the pipeline's receive buffer, which the memory model counts there)
     saved_input_bytes: int = 0
     # part of saved_bytes that selective checkpointing frees: what the block's attention cores
-    # (`modelpar.parallel.checkpointing.attention_cores`) save beyond their own inputs (a fused
-    # kernel: its output and log-sum-exp; the unfused math path: the (seq x seq) scores too); inside
+    # (`modelpar.parallel.checkpointing.attention_cores`) save beyond their own inputs and beyond what
+    # the block saves again outside them (a fused kernel: its log-sum-exp only, its output being the
+    # output projection's saved input; the unfused math path: the (seq x seq) scores too); inside
     # the TP-sharded region (heads split), so sharded by the TP degree
     attn_core_saved_bytes: int = 0
 
@@ -490,6 +491,7 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta) -> ModelProfile:
     sharded_region = [False]                  # inside a (colwise -> rowwise) TP pair
     core_saved = [0] * n
     core_inputs: list[set[int]] = []          # input storages of the active attention cores
+    core_keys: dict[int, int] = {}            # storages first saved inside a core -> block
 
     def pre(mod, args):
         if mod in block_of:
@@ -523,6 +525,12 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta) -> ModelProfile:
             return t
         serial = life.add(t, -1)
         if serial in life.saved:
+            # saved inside an attention core and again by the block outside it (e.g. the fused
+            # kernel's output, viewed as the output projection's input): recomputing the core frees
+            # nothing of it
+            owner = core_keys.pop(key, None) if not core_inputs else None
+            if owner is not None:
+                core_saved[owner] -= _nbytes(t)
             return t
         life.saved.add(serial)
         i = current[-1]
@@ -534,6 +542,7 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta) -> ModelProfile:
             saved_tp[i] += b
         if core_inputs and key not in core_inputs[-1]:
             core_saved[i] += b
+            core_keys[key] = i
         return t
 
     handles = [m.register_forward_pre_hook(pre) for m in model.modules()]

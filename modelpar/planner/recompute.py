@@ -10,9 +10,10 @@ What the runtime does (`modelpar.parallel.checkpointing`):
   Sec. 5) is recomputed; the block keeps everything else. The bytes it frees are *profiled*
   (`BlockProfile.attn_core_saved_bytes`: what the core saves beyond its inputs q, k, v). With a fused
   attention kernel (the profile's default, ``attention="flash"``; FlashAttention, Dao et al. 2022,
-  Sec. 3.1) that is only the kernel's output and its (batch, heads, seq) log-sum-exp, about one
-  block-width tensor per layer: the (seq x seq) terms of Korthikanti's Eq. 1 (5 a s / h per element)
-  are already absent, so selective checkpointing saves little there. With the unfused math path
+  Sec. 3.1) that is only its (batch, heads, seq) log-sum-exp (its output is the same storage the
+  output projection saves): the (seq x seq) terms of Korthikanti's Eq. 1 (5 a s / h per element) are
+  already absent, so selective checkpointing saves almost nothing there and costs the attention
+  forward again. With the unfused math path
   (``attention="math"``) it frees the scores, probabilities and dropout mask as in the paper.
   Recompute: the fused attention forward of every layer (`RankLoad.ac_blocks`).
 
@@ -72,13 +73,22 @@ def recompute_share(ld, plan: ParallelPlan) -> tuple[float, float]:
     mode = plan.activation_checkpointing
     if mode == "full":
         return 1.0, 0.0
+    key = ("share", mode, plan.ac_every)
+    hit = ld.ac_variants.get(key)
+    if hit is not None:
+        return hit
+    out = (0.0, 0.0)
     if mode == "selective":
-        return 0.0, sum(a for *_, a in ld.ac_blocks)
-    if mode == "every-k":
+        out = (0.0, sum(a for *_, a in ld.ac_blocks))
+    elif mode == "every-k":
         tot = sum(f for *_, f, _ in ld.ac_blocks)
         ck = sum(f for _, layer, _, f, _ in ld.ac_blocks if is_checkpointed(layer, plan))
-        return (ck / tot if tot else 0.0), 0.0
-    return 0.0, 0.0
+        out = ((ck / tot if tot else 0.0), 0.0)
+    ld.ac_variants[key] = out
+    return out
+
+
+_FLOPS: dict[tuple, tuple] = {}
 
 
 def recompute_flops_per_sample(profile, plan: ParallelPlan) -> float:
@@ -87,6 +97,19 @@ def recompute_flops_per_sample(profile, plan: ParallelPlan) -> float:
     mode = plan.activation_checkpointing
     if mode == "none":
         return 0.0
+    key = (id(profile), mode, plan.ac_every)
+    hit = _FLOPS.get(key)
+    if hit is not None and hit[0] is profile:
+        return hit[1]
+    if len(_FLOPS) > 1024:
+        _FLOPS.clear()
+    val = _recompute_flops(profile, plan)
+    _FLOPS[key] = (profile, val)
+    return val
+
+
+def _recompute_flops(profile, plan: ParallelPlan) -> float:
+    mode = plan.activation_checkpointing
     bs = profile.batch_size
     if mode == "full":
         return profile.fwd_flops_per_sample

@@ -143,6 +143,49 @@ def _inner(per_dp: int, pp: int) -> list[tuple[int, int]]:
     return out
 
 
+def _ac_bounds(reps) -> tuple[float, float, float]:
+    """Per sample, over a layout's representative ranks: (attention-core bytes selective
+    checkpointing frees, the amount by which block inputs exceed a block's saved bytes, the largest
+    block input). A micro-batch of b samples under selective checkpointing needs at least the
+    memory without checkpointing less ``m b`` x the first (m micro-batches in flight at most);
+    under every-k at least full checkpointing's less ``b (m x the second + the third)``: every-k
+    keeps a block's input or its saved bytes where full keeps the input, and inside a block's
+    backward full checkpointing also counts that block's input (`memory._backward_moments`)."""
+    core = neg = top = 0.0
+    for _, ld in reps:
+        core = max(core, sum(c for _, _, c, _, _ in ld.ac_blocks))
+        neg = max(neg, sum(max(0.0, r[1] - r[0]) for r, *_ in ld.ac_blocks))
+        top = max(top, max((r[1] for r, *_ in ld.ac_blocks), default=0.0))
+    return core, neg, top
+
+
+def _plan(plans: dict, dr, ds, tp, pp, sched, m, v, ac, k, defer, precision, sp) -> ParallelPlan:
+    """The ParallelPlan of these fields, shared by the micro-batch sizes of a layout (memoized in
+    ``plans``)."""
+    key = (m, ac, k, defer)
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = ParallelPlan(
+            dp_replicate=dr, dp_shard=ds, tp=tp, pp=pp, pp_schedule=sched, n_microbatches=m,
+            virtual_stages=v, activation_checkpointing=ac, precision=precision, sequence_parallel=sp,
+            ac_every=k, defer_grad_sync=defer)
+    return plan
+
+
+def _plan_memory(plan: ParallelPlan, reps, b: int, acc: int, kw: dict, budget: float):
+    """(estimate, total) of the most loaded representative rank; stops at the first rank over
+    ``budget`` (the total is then a lower bound, enough to prune)."""
+    mem, mem_total = None, 0.0
+    for r, ld in reps:
+        e = rank_memory(ld, plan, micro_batch_size=b, pp_rank=r, accumulation=acc, **kw)
+        e_total = e.total
+        if mem is None or e_total > mem_total:
+            mem, mem_total = e, e_total
+            if e_total > budget:
+                break
+    return mem, mem_total
+
+
 def _representatives(loads) -> list[tuple[int, object]]:
     idx = {0, len(loads) - 1}
     for key in (lambda l: l.params, lambda l: l.fwd_flops + l.fwd_mem):
@@ -207,6 +250,7 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                          f"ac_every={tuple(ac_every)} (every-k needs 1 < k < {num_layers} layers; "
                          f"selective needs attention cores)")
     n_ac = len(ac_opts)
+    has_full = ("full", 1) in ac_opts
     # Hot loop (~10^5 candidates at 3,072 devices). Work that depends only on the degrees, the schedule
     # or (b, m) is done once outside the inner loops, and a plan does not depend on the micro-batch
     # size, so one ParallelPlan per (m, checkpointing) is shared by its micro-batch sizes. The cyclic
@@ -218,6 +262,8 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
     sort_keys: list[tuple[float, float]] = []
     overhead = hw.framework_overhead_bytes
     state_bytes = 8 + OPTIMIZER_BYTES[optimizer]
+    mem_kw = dict(optimizer=optimizer, overhead_bytes=overhead, global_batch_size=global_batch_size,
+                  foreach=foreach, recv_per_microbatch=recv_per_microbatch, gloo=gloo)
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -254,8 +300,8 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                                          pp_schedule=sched, precision=precision)
                     reps = _representatives(rank_loads(profile, plan0, act_bytes=act_bytes))
                     cached = load_cache[key] = (reps, [ld for _, ld in reps],
-                                                max(ld.params for _, ld in reps))
-                reps, loads, max_params = cached
+                                                max(ld.params for _, ld in reps), _ac_bounds(reps))
+                reps, loads, max_params, (core_bound, neg_bound, in_bound) = cached
                 if max_params / ds * state_bytes + overhead > budget:
                     pruned["model states exceed memory"] += n_inner
                     continue
@@ -266,45 +312,60 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                     if interleaved and m % pp:
                         pruned["interleaved needs n_microbatches divisible by pp"] += n_ac
                         continue
-                    fits_without_ac = False
-                    defers = (False, True) if (defer_grad_sync and ds > 1 and pp == 1 and acc > 1) else (False,)
-                    if len(defers) > 1:
+                    # checkpointing modes, by increasing recompute: any that recomputes is dominated
+                    # where "none" fits; every-k (larger k first) and full form a chain in which the
+                    # first that fits dominates the rest. Modes that cannot fit are skipped by the
+                    # bounds of `_ac_bounds` (exact: never a candidate that would fit)
+                    can_defer = defer_grad_sync and ds > 1 and pp == 1 and acc > 1
+                    per = 2 if can_defer else 1
+                    if can_defer:
                         rep.considered += n_ac
-                    for (ac, k), defer in ((o, d) for o in ac_opts for d in defers):
-                        if ac != "none" and fits_without_ac:
-                            # dominated: the same plan without recompute fits and is strictly faster
-                            pruned["dominated (fits without checkpointing)"] += 1
+                    fits_none = chain_fit = False
+                    none_over = full_res = None
+                    for ac, k in ac_opts:
+                        if ac != "none" and fits_none:
+                            pruned["dominated (fits without checkpointing)"] += per
                             continue
-                        plan = plans.get((m, ac, k, defer))
-                        if plan is None:
-                            plan = plans[(m, ac, k, defer)] = ParallelPlan(
-                                dp_replicate=dr, dp_shard=ds, tp=tp, pp=pp, pp_schedule=sched, n_microbatches=m,
-                                virtual_stages=v, activation_checkpointing=ac, precision=precision,
-                                sequence_parallel=sp, ac_every=k, defer_grad_sync=defer)
-                        mem = None
-                        mem_total = 0.0
-                        for r, ld in reps:
-                            e = rank_memory(ld, plan, micro_batch_size=b, optimizer=optimizer,
-                                            overhead_bytes=overhead, pp_rank=r,
-                                            accumulation=acc, global_batch_size=global_batch_size,
-                                            foreach=foreach, recv_per_microbatch=recv_per_microbatch,
-                                            gloo=gloo)
-                            e_total = e.total
-                            if mem is None or e_total > mem_total:
-                                mem, mem_total = e, e_total
-                                if e_total > budget:
-                                    break
+                        if chain_fit and ac in ("every-k", "full"):
+                            pruned["dominated (less recompute fits)"] += per
+                            continue
+                        if ac == "selective" and none_over is not None and none_over > m * b * core_bound:
+                            pruned["activations exceed memory"] += per
+                            continue
+                        if ac == "every-k" and has_full:
+                            if full_res is None:
+                                full_res = _plan_memory(_plan(plans, dr, ds, tp, pp, sched, m, v, "full", 1, False,
+                                                              precision, sp), reps, b, acc, mem_kw, budget)
+                            if full_res[1] - budget > b * (m * neg_bound + in_bound):
+                                pruned["activations exceed memory"] += per
+                                continue
+                        plan = (plans.get((m, ac, k, False))
+                                or _plan(plans, dr, ds, tp, pp, sched, m, v, ac, k, False, precision, sp))
+                        mem, mem_total = (full_res if (ac == "full" and full_res is not None)
+                                          else _plan_memory(plan, reps, b, acc, mem_kw, budget))
                         if mem_total > budget:
-                            pruned["activations exceed memory"] += 1
+                            pruned["activations exceed memory"] += per
+                            if ac == "none":
+                                none_over = mem_total - budget
                             continue
-                        fits_without_ac = fits_without_ac or (ac == "none" and not defer)
-                        if tpb is None:
-                            tpb = tp_bytes_per_sample(profile, plan)
-                        parts = rank_step(loads, plan, hw, micro_batch_size=b, accumulation=acc,
-                                          optimizer=optimizer, tp_bytes=tpb, dp_overlap=dp_overlap)
-                        st = _finish(parts, profile, plan, global_batch_size, flops)
-                        ranked.append(Candidate(plan, Batch(global_batch_size, local), mem, st))
-                        sort_keys.append((st.total, mem_total))
+                        fits_none = fits_none or ac == "none"
+                        chain_fit = chain_fit or ac in ("every-k", "full")
+                        variants = [(plan, mem, mem_total)]
+                        if can_defer:           # more memory than the plan without it: only if that fits
+                            dplan = _plan(plans, dr, ds, tp, pp, sched, m, v, ac, k, True, precision, sp)
+                            dmem, dtot = _plan_memory(dplan, reps, b, acc, mem_kw, budget)
+                            if dtot > budget:
+                                pruned["activations exceed memory"] += 1
+                            else:
+                                variants.append((dplan, dmem, dtot))
+                        for pl, mm, mt in variants:
+                            if tpb is None:
+                                tpb = tp_bytes_per_sample(profile, pl)
+                            parts = rank_step(loads, pl, hw, micro_batch_size=b, accumulation=acc,
+                                              optimizer=optimizer, tp_bytes=tpb, dp_overlap=dp_overlap)
+                            st = _finish(parts, profile, pl, global_batch_size, flops)
+                            ranked.append(Candidate(pl, Batch(global_batch_size, local), mm, st))
+                            sort_keys.append((st.total, mt))
     finally:
         if gc_was_enabled:
             gc.enable()
