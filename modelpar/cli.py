@@ -82,10 +82,9 @@ def cmd_train(argv: list[str]) -> int:
         argv = ["--config", os.environ[CONFIG_ENV]]
     cfg, dumped = parse_train_config(argv)
     if _under_launcher():
-        from modelpar.parallel.mesh import exit_rank
+        from modelpar.rank_outcome import run_rank_and_exit
 
-        train(cfg)
-        exit_rank(0)                # every rank done: leave without gloo teardown (see exit_rank)
+        run_rank_and_exit(lambda: (train(cfg), 0)[1], "modelpar train")   # an error: reported, no teardown
     world = 1 if cfg.strategy in ("single", "placement") else cfg.nproc
     try:
         plan, _ = preflight(cfg, world)

@@ -3,8 +3,10 @@
 Trains N steps of a built-in model, or of the user's own model given as ``module:factory``, under a
 parallel plan on ``plan.world_size`` local ranks, and the same steps on one process from the same
 initial weights; prints the per-step loss differences, the largest parameter difference and
-PASS / FAIL against the project's tolerance (`modelpar.verify.compare`). Exit code 0 on PASS, 1 on
-FAIL, 2 on bad input.
+PASS / FAIL against the project's tolerance (`modelpar.verify.compare`), and on FAIL the likely
+reason where the model has one (BatchNorm, dropout). Exit code 0 on PASS, 1 on FAIL, 2 on bad input
+(also an error every rank raised, e.g. rank-divergent parameter use, case C12), 1 when a rank
+crashed (named with its first error line; `modelpar.rank_outcome`).
 
 The user factory is called with no arguments on every rank and returns either
 
@@ -56,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-classes", type=int, default=0, help="user model: classes of its output")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the report to this file")
+    p.add_argument("--no-check-unused-params", dest="check_unused_params", action="store_false",
+                   help="skip the per-step check that data-parallel ranks used the same parameters (C12)")
+    p.add_argument("--sync-batchnorm", action="store_true", help="BatchNorm -> SyncBatchNorm over the "
+                                                                "data-parallel group (CUDA only; C15)")
     return p
 
 
@@ -141,7 +147,7 @@ def _random_batches(shape, classes: int, gb: int, seed: int):
     return batch_fn
 
 
-def format_report(desc: str, plan, world: int, rep, ref, got) -> str:
+def format_report(desc: str, plan, world: int, rep, ref, got, hints: list[str] = ()) -> str:
     lines = [f"modelpar verify: {desc}, plan {plan.describe()} on {world} rank(s) vs 1 process, "
              f"{len(ref.losses)} steps",
              f"{'step':>4}  {'loss 1 process':>15}  {'loss plan':>15}  {'rel diff':>9}  {'grad-norm rel diff':>18}"]
@@ -153,6 +159,8 @@ def format_report(desc: str, plan, world: int, rep, ref, got) -> str:
     lines.append("tolerance: loss 1e-5 relative per step; parameters |delta| <= 1e-4 + 1e-4 |theta| per element "
                  "and ||delta||/||theta|| <= 1e-5 (SGD: |delta| <= 1e-5 |theta| + 1e-7); grad norm 1e-5 relative")
     lines.append("PASS" if rep.passed else "FAIL:\n  " + "\n  ".join(rep.failures))
+    if not rep.passed and hints:
+        lines.append("likely reason:\n  " + "\n  ".join(hints))
     return "\n".join(lines)
 
 
@@ -175,13 +183,16 @@ def run_rank(args, plan) -> int:
     local = args.local_batch_size or args.global_batch_size // plan.dp
     kw = dict(loss_fn=loss_fn, batch_fn=batch_fn, steps=args.steps, global_batch_size=args.global_batch_size,
               optimizer=args.optimizer, lr=args.lr, grad_clip=args.grad_clip, loss_reduction=reduction)
-    got = run_steps(model, plan, local_batch_size=local, **kw)
+    got = run_steps(model, plan, local_batch_size=local, check_unused_params=args.check_unused_params,
+                    sync_batchnorm=args.sync_batchnorm, **kw)
     code = 0
     if rank == 0:
         ref = run_steps(model, ParallelPlan(), local_batch_size=args.global_batch_size,
                         mesh=MeshInfo(mesh=None), **kw)
         rep = compare(desc, ref, got, optimizer=args.optimizer)
-        print(format_report(desc, plan, world, rep, ref, got), flush=True)
+        from modelpar.parallel.layer_checks import parity_hints
+
+        print(format_report(desc, plan, world, rep, ref, got, parity_hints(model)), flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps({**rep.to_dict(), "plan": plan.to_dict(),
                                                    "ref_losses": ref.losses, "losses": got.losses}, indent=1))
@@ -190,9 +201,6 @@ def run_rank(args, plan) -> int:
         box = [code]
         dist.broadcast_object_list(box, src=0)
         code = box[0]
-        from modelpar.parallel.mesh import exit_rank
-
-        exit_rank(code)                          # a launched rank: leave without gloo teardown
     return code
 
 
@@ -218,24 +226,30 @@ def verify_main(argv: list[str]) -> int:
                 from modelpar.parallel.parts import get_model_parts
 
                 plan.validate(plan.world_size, num_blocks=get_model_parts(model).num_blocks)
+            from modelpar.parallel.batchnorm import check_sync_batchnorm
+            from modelpar.parallel.mesh import get_device
+
+            check_sync_batchnorm(args.sync_batchnorm, get_device().type, [model])    # case C15
     except ValueError as e:
         print(f"modelpar verify: error: {e}", file=sys.stderr)
         return 2
-    if _under_launcher() or plan.world_size == 1:
+    if _under_launcher():                        # a launched rank (modelpar.rank_outcome)
+        from modelpar.rank_outcome import run_rank_and_exit
+
+        run_rank_and_exit(lambda: run_rank(args, plan), "modelpar verify")
+    if plan.world_size == 1:
         return run_rank(args, plan)
-    from torch.distributed.run import main as torchrun
+    from modelpar.rank_outcome import launch as launch_ranks
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     launch = ["--standalone", f"--nproc-per-node={plan.world_size}", "--max-restarts=0", "-m", "modelpar",
               "verify", *argv]
     if args.strategy is not None:                # the launched ranks get the resolved plan
         launch = launch[:6] + [a for a in _replace_strategy(argv, plan)]
-    try:
-        torchrun(launch)
-    except Exception as e:                       # ChildFailedError: FAIL (exit 1) or a crash on a rank
-        print(f"modelpar verify: FAIL or a rank failed ({type(e).__name__})", file=sys.stderr)
-        return 1
-    return 0
+    code, msg = launch_ranks(launch).report("modelpar verify")   # FAIL: 1; a crash: 1, named; an error: 2
+    if msg:
+        print(msg, file=sys.stderr)
+    return code
 
 
 def _replace_strategy(argv: list[str], plan) -> list[str]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from modelpar.plan import AC_MODES, PP_SCHEDULES, ParallelPlan
 from modelpar.planner.cost import StepEstimate, _finish, rank_step, tp_bytes_per_sample
 from modelpar.planner.hardware import Hardware
-from modelpar.planner.memory import OPTIMIZER_BYTES, Batch, MemoryEstimate, rank_loads, rank_memory
+from modelpar.planner.memory import OPTIMIZER_BYTES, Batch, MemoryEstimate, in_flight, rank_loads, rank_memory
 from modelpar.planner.profile import ModelProfile
 
 VIRTUAL_STAGES = (2, 4, 8)
@@ -172,13 +172,20 @@ def _plan(plans: dict, dr, ds, tp, pp, sched, m, v, ac, k, defer, precision, sp)
     return plan
 
 
-def _plan_memory(plan: ParallelPlan, reps, b: int, acc: int, kw: dict, budget: float):
+def _plan_memory(plan: ParallelPlan, reps, b: int, acc: int, kw: dict, budget: float, memo: dict):
     """(estimate, total) of the most loaded representative rank; stops at the first rank over
-    ``budget`` (the total is then a lower bound, enough to prune)."""
+    ``budget`` (the total is then a lower bound, enough to prune). A rank's memory depends on the
+    schedule only through the micro-batches it holds in flight, so schedules that agree on that
+    share the estimate (``memo``, one per layout)."""
     mem, mem_total = None, 0.0
     for r, ld in reps:
-        e = rank_memory(ld, plan, micro_batch_size=b, pp_rank=r, accumulation=acc, **kw)
-        e_total = e.total
+        mkey = (id(ld), r, b, acc, plan.n_microbatches, plan.activation_checkpointing, plan.ac_every,
+                plan.defer_grad_sync, in_flight(plan, r))
+        hit = memo.get(mkey)
+        if hit is None:
+            e = rank_memory(ld, plan, micro_batch_size=b, pp_rank=r, accumulation=acc, **kw)
+            hit = memo[mkey] = (e, e.total)
+        e, e_total = hit
         if mem is None or e_total > mem_total:
             mem, mem_total = e, e_total
             if e_total > budget:
@@ -287,6 +294,7 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                 pruned["tp larger than a layer"] += layout_total
                 continue
             sp = sequence_parallel and tp > 1
+            mem_memo: dict[tuple, tuple] = {}     # rank memory of this layout's plans (see below)
             # (b, m, accumulation steps, local batch size): the same for every schedule of the layout
             inner_acc = [(b, m, global_batch_size // (b * m * dp), b * m) for b, m in inner]
             for sched, v in scheds:
@@ -335,14 +343,14 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                         if ac == "every-k" and has_full:
                             if full_res is None:
                                 full_res = _plan_memory(_plan(plans, dr, ds, tp, pp, sched, m, v, "full", 1, False,
-                                                              precision, sp), reps, b, acc, mem_kw, budget)
+                                                              precision, sp), reps, b, acc, mem_kw, budget, mem_memo)
                             if full_res[1] - budget > b * (m * neg_bound + in_bound):
                                 pruned["activations exceed memory"] += per
                                 continue
                         plan = (plans.get((m, ac, k, False))
                                 or _plan(plans, dr, ds, tp, pp, sched, m, v, ac, k, False, precision, sp))
                         mem, mem_total = (full_res if (ac == "full" and full_res is not None)
-                                          else _plan_memory(plan, reps, b, acc, mem_kw, budget))
+                                          else _plan_memory(plan, reps, b, acc, mem_kw, budget, mem_memo))
                         if mem_total > budget:
                             pruned["activations exceed memory"] += per
                             if ac == "none":
@@ -353,7 +361,7 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                         variants = [(plan, mem, mem_total)]
                         if can_defer:           # more memory than the plan without it: only if that fits
                             dplan = _plan(plans, dr, ds, tp, pp, sched, m, v, ac, k, True, precision, sp)
-                            dmem, dtot = _plan_memory(dplan, reps, b, acc, mem_kw, budget)
+                            dmem, dtot = _plan_memory(dplan, reps, b, acc, mem_kw, budget, mem_memo)
                             if dtot > budget:
                                 pruned["activations exceed memory"] += 1
                             else:
