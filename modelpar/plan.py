@@ -22,7 +22,9 @@ SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 MULTI_STAGE_SCHEDULES = ("interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble",
                          "dualpipev")
 PP_SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES
-AC_MODES = ("none", "full")
+# activation checkpointing (`modelpar.parallel.checkpointing`): "selective" recomputes only each
+# block's attention core (Korthikanti et al. 2022, Sec. 5), "every-k" checkpoints blocks 0, k, 2k, ...
+AC_MODES = ("none", "full", "selective", "every-k")
 PRECISIONS = ("fp32", "bf16")
 
 # Strategy shorthands (DESIGN.md): each names a plan on N ranks; "auto"/"rules" are resolved by the
@@ -45,7 +47,13 @@ class ParallelPlan:
         virtual_stages: stages per pipeline rank (> 1 for interleaved schedules).
         stage_boundaries: optional first-block index of every stage after the first
             (``len == pp * virtual_stages - 1``); None balances stages automatically.
-        activation_checkpointing: ``"none"`` or ``"full"`` (non-reentrant recompute of every block).
+        activation_checkpointing: ``"none"``, ``"full"`` (non-reentrant recompute of every block),
+            ``"selective"`` (recompute only each block's attention core: QK^T, softmax, dropout and
+            attention over V, Korthikanti et al. 2022, Sec. 5; with a fused attention kernel, which
+            saves no (seq x seq) tensor, this frees only the kernel's own output and log-sum-exp) or
+            ``"every-k"`` (full recompute of blocks 0, k, 2k, ... with k = ``ac_every``).
+        ac_every: k of ``"every-k"`` (>= 1; 1 checkpoints every block, like ``"full"``); must stay 1
+            with the other modes.
         precision: ``"fp32"`` or ``"bf16"`` (bf16 compute, fp32 master weights and reductions).
         reshard_after_forward: FSDP only; free gathered parameters after forward (ZeRO-3) or keep
             them until backward (ZeRO-2-like, more memory, less communication).
@@ -54,6 +62,12 @@ class ParallelPlan:
         compile: ``torch.compile`` each block (after TP and checkpointing, before FSDP/DDP).
         placement_devices: for single-process layer placement, the device of each segment
             (e.g. ``("cuda:0", "cuda:1")``); None for multi-process plans.
+        defer_grad_sync: FSDP only, without a pipeline: under gradient accumulation keep unsharded
+            fp32 gradients and reduce-scatter them once, on the last local batch of the step
+            (``set_requires_gradient_sync(False)`` before it: 4 B/param of unsharded gradients held,
+            one reduce-scatter per step). False (default): reduce-scatter every local batch and
+            accumulate sharded gradients (FSDP2's default; under HSDP the all-reduce across replicas
+            still runs once per step, ``set_requires_all_reduce(False)`` before the last).
     """
 
     dp_replicate: int = 1
@@ -71,6 +85,8 @@ class ParallelPlan:
     sequence_parallel: bool = False
     compile: bool = False
     placement_devices: tuple[str, ...] | None = None
+    ac_every: int = 1
+    defer_grad_sync: bool = False
 
     # ---- derived ------------------------------------------------------------------------------
     @property
@@ -134,8 +150,12 @@ class ParallelPlan:
             parts.append(f"tp{self.tp}" + ("+sp" if self.sequence_parallel else ""))
         name = " x ".join(parts) or "single"
         extras = []
-        if self.activation_checkpointing != "none":
+        if self.activation_checkpointing == "every-k":
+            extras.append(f"ac=every-{self.ac_every}")
+        elif self.activation_checkpointing != "none":
             extras.append(f"ac={self.activation_checkpointing}")
+        if self.defer_grad_sync:
+            extras.append("deferred grad sync")
         if self.compile:
             extras.append("compiled")
         if self.precision != "fp32":
@@ -165,6 +185,16 @@ class ParallelPlan:
         if self.activation_checkpointing not in AC_MODES:
             raise ValueError(f"ParallelPlan.activation_checkpointing="
                              f"{self.activation_checkpointing!r} is unknown; valid: {', '.join(AC_MODES)}")
+        if not isinstance(self.ac_every, int) or isinstance(self.ac_every, bool) or self.ac_every < 1:
+            raise ValueError(f"ParallelPlan.ac_every must be a positive integer, got {self.ac_every!r}")
+        if self.ac_every != 1 and self.activation_checkpointing != "every-k":
+            raise ValueError(f"ParallelPlan.ac_every={self.ac_every} only applies with "
+                             f"activation_checkpointing='every-k', got activation_checkpointing="
+                             f"{self.activation_checkpointing!r}")
+        if self.defer_grad_sync and (self.dp_shard == 1 or self.pp > 1):
+            raise ValueError(f"ParallelPlan.defer_grad_sync=True needs FSDP (dp_shard > 1) without a pipeline "
+                             f"(torch.distributed.pipelining reduces gradients at the end of every schedule "
+                             f"step itself), got dp_shard={self.dp_shard}, pp={self.pp}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"ParallelPlan.precision={self.precision!r} is unknown; valid: "
                              f"{', '.join(PRECISIONS)}")

@@ -398,3 +398,17 @@ _case("gpt-fsdp2-compile", 2, "gpt", dict(dp_shard=2, compile=True))
 # any nn.Module under DDP / FSDP (no block structure needed; FSDP shards it as one unit)
 _case("plain-ddp2", 2, "plain", dict(dp_replicate=2))
 _case("plain-fsdp2", 2, "plain", dict(dp_shard=2))
+
+# issue 14: FSDP's gradient sync under accumulation (sharded by default: gpt-fsdp2-accum2-clip above;
+# deferred; HSDP all-reducing once per step), selective and every-k checkpointing
+_case("gpt-fsdp2-accum2-defer-clip", 2, "gpt", dict(dp_shard=2, defer_grad_sync=True), local=2, clip=0.05)
+_case("gpt-fsdp2-selective", 2, "gpt", dict(dp_shard=2, activation_checkpointing="selective"))
+_case("gpt-ddp2-selective-accum2", 2, "gpt", dict(dp_replicate=2, activation_checkpointing="selective"), local=2)
+_case("gpt-tp2-selective", 2, "gpt", dict(tp=2, activation_checkpointing="selective"))
+_case("gpt4-fsdp2-every2", 2, "gpt", dict(dp_shard=2, activation_checkpointing="every-k", ac_every=2), n_layer=4)
+_case("gpt4-pp2-every2", 2, "gpt", dict(pp=2, n_microbatches=2, activation_checkpointing="every-k", ac_every=2),
+      n_layer=4)
+_case("mlp-fsdp2-every2", 2, "mlp", dict(dp_shard=2, activation_checkpointing="every-k", ac_every=2))
+_case("c14-selective-mlp", 2, "mlp", dict(dp_shard=2, activation_checkpointing="selective"), check="error")
+_case("gpt-hsdp2x2-accum2-clip", 4, "gpt", dict(dp_replicate=2, dp_shard=2), local=1, clip=0.05)
+_case("gpt-fsdp2xtp2-selective", 4, "gpt", dict(dp_shard=2, tp=2, activation_checkpointing="selective"))

@@ -56,7 +56,8 @@ def test_tuple_with_string_is_refused():
 @pytest.mark.slow
 @pytest.mark.parametrize("name,needle", [("c6-dict-int-pp2", "field ['n'] is int"),
                                          ("c5-batch10-mb4-pp2", "local batch size 10 is not divisible by "
-                                                                "n_microbatches=4")])
+                                                                "n_microbatches=4"),
+                                         ("c14-selective-mlp", "block '0' (Sequential) has none")])
 def test_same_error_on_every_rank(name, needle, dist_results):
     res = dist_results(CASES[name].world).get(name)
     assert res is not None and "error" not in res, res

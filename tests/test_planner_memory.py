@@ -47,7 +47,7 @@ def _brute(ld, plan, b, **kw):
     saved = memory._projections
     try:
         def all_moments(bwd, rs, mode):
-            fsdp, ac, prev, rafw, work, pp, gloo = mode
+            fsdp, ac, prev, rafw, work, pp, gloo = mode[:7]
             terms = [("backward", memory._bwd_terms(c, mode)) for c in bwd]
             if fsdp and not prev and not pp:
                 terms += [("fsdp_reduce", memory._rs_terms(c, mode, coll)) for c in rs for coll in (False, True)]
@@ -68,6 +68,8 @@ def test_pruned_moments_give_the_same_peak():
                  for ds, tp, pp, sch, ac, prec in itertools.product(
                      (1, 2, 8), (1, 2), (1, 2), ("1f1b", "gpipe"), ("none", "full"), ("fp32", "bf16"))
                  if not (pp == 1 and sch == "gpipe")]
+        plans += [ParallelPlan(dp_shard=ds, defer_grad_sync=True, precision=prec) for ds in (2, 8)
+                  for prec in ("fp32", "bf16")]
         for plan in plans:
             loads = rank_loads(prof, plan, act_bytes=2 if plan.precision == "bf16" else 4)
             for r, ld in enumerate(loads):
@@ -129,3 +131,31 @@ def test_fsdp_moments_follow_fsdp2():
     assert gl.phase == "fsdp_reduce" and gl.comm_buffers == 4 * u + 4 * u + 4 * u / 2
     assert gl.params == 4 * sum(b.num_params for b in mlp.blocks) / 2 and gl.fsdp_gathered == 0   # resharded
     assert nccl.total < gl.total
+
+
+def test_fsdp_accumulation_keeps_gradients_sharded():
+    """Issue 14: under gradient accumulation FSDP reduce-scatters every local batch, so the gradients
+    held between local batches are the shards (4 B/param / dp_shard); ``defer_grad_sync`` holds the
+    unsharded fp32 gradients (4 B/param) instead."""
+    _, prof = _profile("gpt-10m")
+    P = prof.num_params
+    one = estimate_memory(prof, ParallelPlan(dp_shard=8), Batch(8, 1))
+    four = estimate_memory(prof, ParallelPlan(dp_shard=8), Batch(32, 1))
+    defer = estimate_memory(prof, ParallelPlan(dp_shard=8, defer_grad_sync=True), Batch(32, 1))
+    # at most the shards (the single step's backward peak comes before most of its gradients exist)
+    assert 0 <= four.total - one.total <= 1.1 * 4 * P / 8
+    assert defer.total - four.total >= 0.9 * 4 * P * (1 - 1 / 8)
+    assert four.grads <= 4 * P / 8 + 1 and defer.grads >= 4 * P
+    # without accumulation the option changes nothing
+    assert estimate_memory(prof, ParallelPlan(dp_shard=8, defer_grad_sync=True), Batch(8, 1)).total == one.total
+
+
+def test_ddp_gradients_are_bucket_views():
+    """Issue 14: DDP's buckets are its gradients (gradient_as_bucket_view=True): the 4 B/param of the
+    buckets are counted once, as buffers, from the start of the step, and no gradient storage
+    beyond them."""
+    _, prof = _profile("mlp-large")
+    P = prof.num_params
+    e = estimate_memory(prof, ParallelPlan(dp_replicate=2), Batch(8, 4))
+    assert e.grads == 0 and e.comm_buffers == 4 * P
+    assert e.total <= 4 * P + 4 * P + 8 * P + e.activations + 1     # params + buckets + adamw + the rest

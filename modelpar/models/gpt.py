@@ -80,6 +80,29 @@ class Embedding(nn.Module):
         return self.drop(self.tok(idx) + self.pos(pos))
 
 
+class AttentionCore(nn.Module):
+    """softmax(q k^T / sqrt(d) + causal mask) v with dropout on the probabilities: the region
+    selective activation checkpointing recomputes (Korthikanti et al. 2022, Sec. 5;
+    `modelpar.parallel.checkpointing`). Inputs and output ``(batch, heads, seq, head_dim)``.
+
+    It calls ``F.scaled_dot_product_attention``, a fused kernel (flash / memory-efficient) wherever
+    torch has one for the inputs: that kernel saves only q, k, v, its output and a (batch, heads,
+    seq) log-sum-exp for backward, no (seq x seq) scores or probabilities; the output is also what
+    the output projection saves, so recomputing this region frees only the log-sum-exp. With torch's
+    unfused math path (attention dropout on CPU, for instance) it frees the (seq x seq) tensors.
+    No parameters."""
+
+    modelpar_attention_core = True
+
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              dropout_p=self.dropout if self.training else 0.0)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -90,16 +113,14 @@ class Attention(nn.Module):
         self.k = nn.Linear(cfg.d_model, cfg.d_model)
         self.v = nn.Linear(cfg.d_model, cfg.d_model)
         self.o = nn.Linear(cfg.d_model, cfg.d_model)
-        self.dropout = cfg.dropout
+        self.core = AttentionCore(cfg.dropout)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         # -1: the local number of heads (all of them, or n_head / tp under tensor parallel)
         q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        y = y.transpose(1, 2).reshape(b, t, -1)
+        y = self.core(q, k, v).transpose(1, 2).reshape(b, t, -1)
         return self.resid_drop(self.o(y))
 
 

@@ -6,7 +6,8 @@ The order matters and is the same for every plan:
    layers (TP plans are written in whole-model paths, which stage modules keep);
 2. tensor parallel: turns weights into DTensors sharded over the ``tp`` axis; FSDP must see these
    DTensors to shard them further over the data axis (2-D FSDP x TP);
-3. activation checkpointing: wraps block forwards, after TP so recompute replays the TP collectives;
+3. activation checkpointing (every block, every k-th block, or only the attention cores:
+   `modelpar.parallel.checkpointing`): wraps forwards, after TP so recompute replays the TP collectives;
 3b. ``torch.compile`` of each block (``plan.compile``), after TP and checkpointing so the compiled
    graph contains the DTensor ops and the recompute region, and before data parallelism so FSDP's
    per-block hooks stay outside the graph (the order torchtitan uses);
@@ -122,12 +123,32 @@ class ParallelModel:
         return contextlib.nullcontext()
 
     def _grad_sync(self, enabled: bool):
-        """Skip DDP/FSDP gradient reduction on all but the last accumulation step."""
+        """Gradient reduction of one local batch; ``enabled`` on the last accumulation step.
+
+        - DDP (and FSDP2's ``replicate``): no reduction before the last step (gradients are
+          unsharded either way, so skipping costs no memory).
+        - FSDP without a pipeline: reduce-scatter every local batch and accumulate sharded
+          gradients (FSDP2's default); under HSDP the all-reduce across replicas runs on the last
+          step only (``set_requires_all_reduce``; the partial sums stay sharded). With
+          ``plan.defer_grad_sync`` the reduction is skipped before the last step and unsharded
+          fp32 gradients accumulate (``set_requires_gradient_sync(False)``).
+        - Pipelines: torch.distributed.pipelining turns the sync off for every micro-batch's backward
+          and reduces once at the end of each schedule step (``PipelineStage.perform_reduce_grad``
+          sets ``set_requires_gradient_sync(True)`` and runs FSDP's post-backward), whatever is set
+          here: each accumulation step ends with a reduction.
+        """
         w = self.wrapped
         if w is not None and hasattr(w, "no_sync") and not enabled:
             return w.no_sync()
+        fsdp = self.plan.fsdp_enabled and not self.plan.pp_enabled
         for m in self.modules:
-            if hasattr(m, "set_requires_gradient_sync"):
+            if not hasattr(m, "set_requires_gradient_sync"):
+                continue
+            if fsdp and not self.plan.defer_grad_sync:
+                m.set_requires_gradient_sync(True)
+                if self.plan.hsdp_enabled:
+                    m.set_requires_all_reduce(enabled)
+            else:
                 m.set_requires_gradient_sync(enabled)
         return contextlib.nullcontext()
 
@@ -335,6 +356,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
         parts = ModelParts(form="whole")
     plan.validate(num_blocks=parts.num_blocks if plan.pp_enabled else None)
     tied = ties.find_ties(model)
+    if plan.activation_checkpointing != "none":        # e.g. "selective" without attention cores
+        checkpointing.check_ac(parts.blocks, plan.activation_checkpointing, plan.ac_every)
+    block_index = {id(m): i for i, (_, m) in enumerate(parts.blocks)}
     shard_head = False
     if plan.tp_enabled:
         if tp_plan is None:
@@ -348,7 +372,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
     if plan.is_placement:                          # one process, many devices
         layout = placement.apply_placement(parts, plan.placement_devices,
                                            boundaries=list(plan.stage_boundaries) if plan.stage_boundaries else None)
-        checkpointing.apply_ac([m for _, m in parts.blocks], mode=plan.activation_checkpointing)
+        checkpointing.apply_ac([m for _, m in parts.blocks], mode=plan.activation_checkpointing,
+                               every=plan.ac_every)
         if plan.compile:
             compiling.apply_compile([m for _, m in parts.blocks])
         first = torch.device(plan.placement_devices[0])
@@ -389,7 +414,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
         ties.retie(modules, tied)              # TP gave each copy its own DTensor: one again (C13)
     # 3. activation checkpointing (after TP, so recompute replays the TP collectives)
     for mod in modules:
-        checkpointing.apply_ac(local_blocks(mod), mode=plan.activation_checkpointing)
+        blks = local_blocks(mod)
+        checkpointing.apply_ac(blks, mode=plan.activation_checkpointing, every=plan.ac_every,
+                               indices=[block_index[id(m)] for m in blks])
     # 3b. compile each block (same code for every block: one graph, reused)
     if plan.compile:
         for mod in modules:

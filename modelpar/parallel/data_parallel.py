@@ -1,7 +1,9 @@
 """Data parallel: DDP (replicated model states) and FSDP2 (sharded model states, ZeRO-3).
 
 - DDP: `torch.nn.parallel.DistributedDataParallel`; gradients are averaged by bucketed all-reduce
-  overlapped with backward (Li et al. 2020, "PyTorch Distributed").
+  overlapped with backward (Li et al. 2020, "PyTorch Distributed"). The buckets are the gradients'
+  storage (``gradient_as_bucket_view=True``): no second copy of the gradients (4 B/param) and no
+  copy into and out of the buckets.
 - FSDP2: `torch.distributed.fsdp.fully_shard` on every block and then the root, so each block's
   parameters are all-gathered just before use and its gradients reduce-scattered just after
   (Rajbhandari et al. 2020, ZeRO stage 3; Zhao et al. 2023, "PyTorch FSDP"). HSDP = a 2-D
@@ -20,6 +22,10 @@ def apply_ddp(model: nn.Module, dp_mesh, *, find_unused_parameters: bool = False
     """Wrap ``model`` in DistributedDataParallel over the 1-D ``dp_mesh``; returns the wrapper.
 
     Under TP the mesh is a slice of the 2-D mesh, which DDP accepts (its DTensor path).
+    ``gradient_as_bucket_view=True``: each ``.grad`` is a view into its all-reduce bucket, so the
+    buckets cost no memory beyond the gradients (torch's default, False, keeps a bucket copy of every
+    gradient). The buckets exist from construction on and persist across steps, also while
+    ``zero_grad(set_to_none=True)`` has set ``.grad`` to None.
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -28,7 +34,7 @@ def apply_ddp(model: nn.Module, dp_mesh, *, find_unused_parameters: bool = False
     with warnings.catch_warnings():      # broadcast_buffers' deprecation notice: we keep buffers rank-local
         warnings.simplefilter("ignore", FutureWarning)
         return DDP(model, device_mesh=dp_mesh, device_ids=ids, find_unused_parameters=find_unused_parameters,
-                   broadcast_buffers=False)
+                   broadcast_buffers=False, gradient_as_bucket_view=True)
 
 
 def apply_fsdp(model: nn.Module, dp_mesh, blocks: list[nn.Module], *, precision: str = "fp32",

@@ -10,6 +10,7 @@ import time
 import torch
 
 from modelpar.planner.hardware import BUILTIN, Hardware, cpu_profile, get_hardware, interpolate_sizes, save_profile
+from modelpar.plan import AC_MODES
 
 GIB = 2 ** 30
 
@@ -37,6 +38,16 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=("fp32", "bf16"), default=None,
                    help="default: fp32 on cpu, bf16 on GPUs")
     p.add_argument("--optimizer", choices=("sgd", "sgd_momentum", "adamw"), default="adamw")
+    p.add_argument("--activation-checkpointing", choices=AC_MODES, default=None, help="search only this mode (default: all)")
+    p.add_argument("--ac-every", type=int, default=None, metavar="K", help="k of every-k (default: the search tries 2 and 4)")
+
+
+def _ac_kwargs(args) -> dict:
+    """search_plans' checkpointing arguments from --activation-checkpointing / --ac-every."""
+    kw = {"checkpointing": (args.activation_checkpointing,)} if args.activation_checkpointing else {}
+    if args.ac_every is not None:
+        kw["ac_every"] = (args.ac_every,)
+    return kw
 
 
 def _setup(args):
@@ -67,7 +78,7 @@ def plan_main(argv: list[str]) -> int:
     hw, prec, prof = _setup(args)
     t = time.perf_counter()
     rep = search_plans(prof, args.devices, hw, global_batch_size=args.global_batch_size,
-                       optimizer=args.optimizer, precision=prec)
+                       optimizer=args.optimizer, precision=prec, **_ac_kwargs(args))
     print(f"{args.model} ({prof.num_params / 1e6:,.1f}M params) on {args.devices} x {hw.name}, "
           f"global batch {args.global_batch_size}, {prec}: {rep.summary()} [{time.perf_counter() - t:.2f} s]")
     if not rep.ranked:
@@ -119,7 +130,7 @@ def estimate_main(argv: list[str]) -> int:
         except ValueError as e:
             print(f"  {s:<6} not applicable: {e}")
     rep = search_plans(prof, n, hw, global_batch_size=args.global_batch_size, optimizer=args.optimizer,
-                       precision=prec)
+                       precision=prec, **_ac_kwargs(args))
     if not rep.ranked:
         print(f"no: nothing fits on {n} devices ({rep.summary()})")
         return 1

@@ -13,7 +13,9 @@ Sources:
   Sec. 3); ZB-V about 0.
 - Compute: matmul-class FLOPs / (peak x achievable GEMM fraction) + memory-bound bytes /
   (bandwidth x fraction) + ops x per-op overhead (a roofline split, Williams et al., CACM 2009).
-- Full recompute adds one forward per micro-batch (Chen et al. 2016; Korthikanti Sec. 5).
+- Full recompute adds one forward per micro-batch (Chen et al. 2016; Korthikanti Sec. 5); every-k
+  the checkpointed blocks' share of it, selective the attention cores' forward
+  (`modelpar.planner.recompute`); recomputed blocks replay their TP all-reduces.
 - MFU / HFU: Chowdhery et al., "PaLM" (2022), App. B: model FLOPs count each forward once, hardware
   FLOPs include the recomputed forward.
 
@@ -32,7 +34,11 @@ Fresh allocations (CPU): glibc's malloc serves blocks above its mmap threshold (
 touch and unmapping on free, at a per-byte cost `modelpar calibrate` measures. Counted: each
 micro-batch's weight gradients, FSDP's flat gather / reduce-scatter buffers and unsharded
 parameters (the fused AdamW step and the gradient norm make no temporaries).
-Gradient accumulation adds one in-place add (12 B/param) per micro-batch after the first.
+Gradient accumulation adds one in-place add (12 B/param) per micro-batch after the first (of the
+local shards where FSDP accumulates sharded gradients). FSDP without a pipeline reduce-scatters
+every local batch (FSDP2's default) unless the plan defers the sync (``defer_grad_sync``: once per
+step); HSDP's all-reduce across replicas runs once per step either way. DDP's buckets are views of
+its gradients (``gradient_as_bucket_view=True``): no copy into or out of them.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from modelpar.planner.gpu import gpu_link, gpu_load_times, physics_for
 from modelpar.planner.hardware import Hardware
 from modelpar.planner.memory import Batch, RankLoad, rank_loads
 from modelpar.planner.profile import ModelProfile
+from modelpar.planner.recompute import recompute_flops_per_sample, recompute_share
 
 DDP_BUCKET_BYTES = 25 * 2 ** 20
 # bytes read + written per parameter by the optimizer step: torch's fused AdamW (modelpar's default,
@@ -333,6 +340,7 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
         mem_s = hw.mem_bandwidth * phys.hbm_fraction
     b, m, v, p = micro_batch_size, (plan.n_microbatches if plan.pp > 1 else 1), plan.virtual_stages, plan.pp
     ac = plan.activation_checkpointing == "full"
+    partial_ac = plan.activation_checkpointing in ("every-k", "selective")
     overlap = dp_overlap and hw.comm_overlap
     ar_tp = _coll(plan, "tp", hw, "all_reduce", tp_bytes * b, plan.tp, not hw.comm_overlap) if plan.tp > 1 else 0.0
     # DTensor's cost per sharded Linear (forward + backward): fixed + per byte of its input activation
@@ -363,11 +371,15 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
         if zb != 1.0:
             t_b *= zb
         t_rc = t_f if ac else 0.0
+        rc_share = 1.0 if ac else 0.0
+        if partial_ac:       # every-k / selective (`modelpar.planner.recompute`)
+            rc_share, attn_f = recompute_share(ld, plan)
+            t_rc = rc_share * t_f + (attn_f * b / attn_rate if attn_rate else attn_f * b / flops_s)
         # DTensor's per-call cost of each sharded Linear (dispatch, sharding propagation, input and
         # output conversion; forward + backward), calibrated on CPU; part of TP's price
         # (the per-Linear cost is calibrated on chains of sharded Linears less their all-reduces
         # at these same in-context times)
-        t_tp = (ld.tp_collectives * ar_tp * (3 if ac else 2)
+        t_tp = (ld.tp_collectives * ar_tp * (2 + rc_share)
                 + ld.tp_linears * tp_linear)
         work = t_f + t_b + t_rc + t_tp
         key = (work, ld.params)
@@ -376,8 +388,10 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     _, ld, t_f, t_b, t_rc, t_tp = best
     mbs = accumulation * m                          # micro-batches per step on this rank
     # gradient accumulation: micro-batches after the first add their gradients in place (read 2,
-    # write 1 fp32 values per parameter)
-    t_acc = (mbs - 1) * 12 * ld.params / mem_s
+    # write 1 fp32 values per parameter); FSDP without a pipeline adds reduce-scattered shards
+    # unless the plan defers the sync (`fsdp_sharded_accumulation`)
+    sharded_acc = fsdp_sharded_accumulation(plan)
+    t_acc = (mbs - 1) * 12 * ld.params / (plan.dp_shard if sharded_acc else 1) / mem_s
     # data parallel
     wb = gather_bytes or (2 if prec == "bf16" else 4)
     cm = _comm_terms(ld, plan, hw, b, wb, dp_overlap, reduce_bytes, p2p_scatter_gather)
@@ -392,6 +406,11 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
         if overlap:
             comm = gathers * ag + ag_root + rs
             fsdp_per_mb = max(0.0, comm - (t_f + t_b + t_rc)) + cm["first"]
+            if plan.defer_grad_sync and mbs > 1:
+                # deferred sync: only the last local batch reduce-scatters
+                no_rs = max(0.0, gathers * ag + ag_root - (t_f + t_b + t_rc)) + cm["first"]
+                dp_exposed = fsdp_per_mb - no_rs
+                fsdp_per_mb = no_rs
         else:
             # FSDP2's buffers: each gather fills a new flat all-gather output and copies it out into
             # new unsharded parameters (read + write); reduce-scatter copies the unsharded gradients
@@ -404,7 +423,10 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
             fsdp_per_mb = (gathers * (ag + ag_mem) + ag_root
                            + (len(units) + 1) * hw.extra.get("fsdp_unit_overhead_s", 0.0)
                            + ld.num_tensors * hw.extra.get("fsdp_tensor_overhead_s", 0.0))
-            dp_exposed = rs + rs_mem   # once per step: the last micro-batch syncs
+            # the reduce-scatter: once per step where the last micro-batch syncs (deferred sync, and
+            # torch.distributed.pipelining's runtime, which reduces at the end of each schedule step:
+            # modelled once per step), every local batch where FSDP accumulates sharded gradients
+            dp_exposed = (rs + rs_mem) * (accumulation if sharded_acc else 1)
         dp_exposed += cm["rep"]
     elif plan.dp_replicate > 1:
         t_ar, last = cm["t_ar"], cm["last"]
@@ -412,9 +434,13 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
             dp_exposed = max(t_ar - t_b, last)
         elif not dp_overlap:         # one all-reduce of a contiguous gradient buffer after backward
             dp_exposed = t_ar
+        elif p == 1 and plan.tp == 1:
+            # torch DDP with gradient_as_bucket_view=True (`apply_ddp`): the gradients are the
+            # buckets, nothing is copied
+            dp_exposed = t_ar
         else:
-            # torch DDP (gradient_as_bucket_view=False) copies gradients into its buckets and the
-            # reduced buckets back (read + write each way)
+            # FSDP2's replicate (DDP semantics under PP / TP) copies the gradients into a flat
+            # buffer and the reduced values back (read + write each way)
             dp_exposed = t_ar + 16 * ld.params / mem_s
     per_mb_compute = t_f + t_b + t_tp
     bub = bubble_fraction(plan.pp_schedule, p, m, v) * m * (per_mb_compute + t_rc)
@@ -432,6 +458,12 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
             "tp_comm": mbs * t_tp, "pp_comm": mbs * t_p2p,
             "dp_comm": dp_exposed + mbs * fsdp_per_mb, "bubble": accumulation * bub,
             "optimizer": opt}
+
+
+def fsdp_sharded_accumulation(plan: ParallelPlan) -> bool:
+    """FSDP without a pipeline and without ``defer_grad_sync``: each local batch of gradient
+    accumulation is reduce-scattered and the shards accumulate (FSDP2's default; `ParallelModel`)."""
+    return plan.dp_shard > 1 and plan.pp == 1 and not plan.defer_grad_sync
 
 
 def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: Hardware, *,
@@ -483,7 +515,10 @@ def _finish(parts: dict, profile: ModelProfile, plan: ParallelPlan, global_batch
         flops = (profile.fwd_flops_per_sample, profile.train_flops_per_sample - profile.fwd_flops_per_sample)
     fwd, bwd = flops
     model = global_batch * (fwd + bwd)
-    hw_flops = model + (global_batch * fwd if plan.activation_checkpointing == "full" else 0.0)
+    if plan.activation_checkpointing in ("every-k", "selective"):
+        hw_flops = model + global_batch * recompute_flops_per_sample(profile, plan)
+    else:
+        hw_flops = model + (global_batch * fwd if plan.activation_checkpointing == "full" else 0.0)
     return StepEstimate(**parts, model_flops=model, hardware_flops=hw_flops,
                         num_devices=plan.world_size, samples=global_batch,
                         tokens_per_sample=profile.tokens_per_sample)

@@ -165,6 +165,12 @@ class RankLoad:
     attn_flops: tuple = (0.0, 0.0)     # (fwd, bwd) FLOPs per sample of fused attention kernels, TP applied
     attn_calls: int = 0                # fused attention calls per forward (as many in backward)
     tp_linears: int = 0                # weight matrices a TP split shards (DTensor Linears per forward)
+    # per block of the rank, in order, for the checkpointing modes other than none / full
+    # (`modelpar.planner.recompute`): (block's backward record, layer index among the checkpointable
+    # blocks or -1 for a transformer's embed / head, attention-core saved bytes per sample, forward
+    # FLOPs per sample, fused-attention forward FLOPs per sample), TP applied
+    ac_blocks: tuple = ()
+    ac_variants: dict = field(default_factory=dict, repr=False, compare=False)
     # bytes per sample of the largest pipeline transfer of the rank: a stage's output (sent forward)
     # or its input (whose gradient is sent back); hidden states, never the logits (0: no pipeline)
     p2p: float = 0.0
@@ -209,7 +215,7 @@ def _scaled_peaks(peaks: tuple, in_grad, ex_mul: float, g_mul: float, shr: float
 
 
 @functools.lru_cache(maxsize=4096)
-def _backward_moments(recs: tuple) -> tuple[tuple, tuple]:
+def _backward_moments(recs: tuple, own: bool = False) -> tuple[tuple, tuple]:
     """Candidate peak moments of one micro-batch's backward on a rank, from its blocks in forward
     order. ``recs``: per block (saved bytes and full-checkpointing input bytes per sample; its
     in-backward peaks as (extra bytes, incoming gradient bytes per sample, parameters whose gradient
@@ -239,6 +245,11 @@ def _backward_moments(recs: tuple) -> tuple[tuple, tuple]:
     can be the maximum; within a block, a later peak (fewer activations, more gradients) is dropped
     when an earlier one beats it even with the heaviest gradient weight (4 bytes per element) and
     the smallest micro-batch (1 sample). `_projections` prunes further for each plan mode.
+
+    ``own``: the second column's block record is what the block keeps (`modelpar.planner.recompute`),
+    so inside block k's backward it holds blocks < k's and block k's whole saved bytes (restored by
+    its recompute, or never freed); False (full checkpointing): the input of blocks <= k and block
+    k's recomputed saved bytes.
     """
     nb = len(recs)
     cum, cum_ac, done_u, done_r = [0.0] * (nb + 1), [0.0] * (nb + 1), [0.0] * (nb + 1), [0.0] * (nb + 1)
@@ -273,7 +284,7 @@ def _backward_moments(recs: tuple) -> tuple[tuple, tuple]:
             if any(a - (ex + gi) >= 4 * (gs + gq - g) for a, g in kept):
                 continue
             kept.append((ex + gi, gs + gq))
-            bwd.append((cum[k + 1] + ex + gi, cum_ac[k + 1] + sv + ex + gi, done_u[k], done_r[k], gs,
+            bwd.append((cum[k + 1] + ex + gi, cum_ac[k + (0 if own else 1)] + sv + ex + gi, done_u[k], done_r[k], gs,
                         0.0 if root else pk, prev_u[k], next_u[k], upto[k], gq))
         if not root:
             rs.append((cum[k] + gin_in, cum_ac[k] + gin_in, done_u[k], done_r[k], pk, prev_u[k],
@@ -305,6 +316,7 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float):
     transformer = bool(profile.arch)
     pre = [(0,) * len(_SUMS)]
     first_adj, mbs, unit_params, numels, unit_gen, unit_first, rec_args = [], [], [], [], [], [], []
+    ac_info = []        # per block: (layer index or -1, core saved bytes, fwd FLOPs, attention fwd FLOPs)
     for i, bl in enumerate(profile.blocks):
         is_end = transformer and (i == 0 or i == n - 1)
         local = bl.num_params - bl.tp_sharded_params + bl.tp_sharded_params / t
@@ -321,6 +333,8 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float):
         unit_gen.append(None if is_end else (local, saved * scale / bs))
         unit_first.append(None if is_end else (local, saved_first * scale / bs))
         numels.append([(k / t if sh else k, mat) for k, mat, sh in bl.param_numels])
+        ac_info.append((-1 if is_end else (i - 1 if transformer else i), bl.attn_core_saved_bytes / t * scale / bs,
+                        bl.fwd_flops / bs / t, bl.fwd_attn_flops / bs / t))
         frac = bl.saved_tp_sharded_bytes / bl.saved_bytes if bl.saved_bytes else 0.0
         tp_div = 1.0 / t if sp else (1 - frac) + frac / t   # share of traffic left per rank
         shr = local / bl.num_params if bl.num_params else 1.0
@@ -353,7 +367,7 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float):
         return (sv_first if first else sv, 0.0 if first else ac_in, peaks, local, is_end,
                 bl.input_bytes * g_div if i > 0 else 0.0)
 
-    out = (pre, first_adj, mbs, unit_params, numels, unit_gen, unit_first, rec)
+    out = (pre, first_adj, mbs, unit_params, numels, unit_gen, unit_first, rec, ac_info)
     if len(_BLOCK_TERMS) > 256:
         _BLOCK_TERMS.clear()
     _BLOCK_TERMS[key] = (profile, out)
@@ -372,12 +386,13 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float) -
     sp = plan.sequence_parallel
     bs = profile.batch_size
     rng = stage_ranges(profile, plan.num_stages) if plan.num_stages > 1 else [(0, len(profile.blocks))]
-    pre, first_adj, mbs, unit_params, numels_b, unit_gen, unit_first, rec = _block_terms(profile, t, sp, scale)
+    pre, first_adj, mbs, unit_params, numels_b, unit_gen, unit_first, rec, ac_info = _block_terms(profile, t, sp, scale)
     loads = [RankLoad() for _ in range(plan.pp)]
     sums = [[0] * len(_SUMS) for _ in range(plan.pp)]
     numels: list[list[tuple[float, bool]]] = [[] for _ in range(plan.pp)]
     units: list[list[tuple[float, float]]] = [[] for _ in range(plan.pp)]
     recs: list[list[tuple]] = [[] for _ in range(plan.pp)]
+    acb: list[list[tuple]] = [[] for _ in range(plan.pp)]
     first_in = profile.blocks[0].input_bytes / bs
     data = first_in * (2 if profile.tokens_per_sample > 1 else 1) + (0 if profile.tokens_per_sample > 1 else 8)
     for s, (a, b) in enumerate(rng):
@@ -397,6 +412,7 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float) -
             if u is not None:
                 units[r].append(u)
             recs[r].append(rec(i, i == a, i == b - 1))
+            acb[r].append((recs[r][-1],) + ac_info[i])
         ld.boundary = profile.blocks[b - 1].output_bytes * scale / bs / (t if sp else 1)
         if s > 0:
             ld.recv += profile.blocks[a].input_bytes * scale / bs / (t if sp else 1)
@@ -410,8 +426,9 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float) -
          ld.ops, ld.fwd_ops, ld.fwd_gemms, ld.bwd_gemms, af, ab, ld.attn_calls, ld.tp_linears,
          gpf, gpb, gaf, gab, ld.tp_collectives) = acc
         ld.attn_flops, ld.gemm_param_bytes, ld.gemm_act_bytes = (af, ab), (gpf, gpb), (gaf, gab)
-    for ld, rc in zip(loads, recs):
+    for ld, rc, ab in zip(loads, recs, acb):
         ld.bwd_moments, ld.rs_moments = _backward_moments(tuple(rc))
+        ld.ac_blocks = tuple(ab)
     for ld, nl, un in zip(loads, numels, units):
         sizes = [k for k, _ in nl]
         ld.max_param = max(sizes, default=0.0)
@@ -444,6 +461,7 @@ def _bwd_terms(c: tuple, mode: tuple) -> tuple:
     micro-batches, reshard_after_forward, bytes of a gathered parameter, pipeline)."""
     act, act_ac, done_u, done_r, gs, u, u_prev, u_next, _, gq = c
     fsdp, ac, prev, rafw, work, pp = mode[:6]
+    held = len(mode) > 7 and mode[7]         # sharded gradients of earlier local batches (in the base)
     A = act_ac if ac else act
     # weight gradients a matmul computed and AccumulateGrad has not stored yet are temporaries; with
     # gradients from earlier micro-batches the stored ones were added in place
@@ -465,7 +483,8 @@ def _bwd_terms(c: tuple, mode: tuple) -> tuple:
                 pre, 0.0)
     # reduce-scattered (sharded) gradients of completed units; the root's and unit k's unsharded
     # gradients so far; unit k gathered; the retained fp32 reduce-scatter input of the unit after k
-    return (0.0, 4 * done_u, A, work * (done_r + gs + gq), (work * u if rafw else 0.0),
+    # (accumulating into sharded gradients held in the base: completed units add nothing)
+    return (0.0, 0.0 if held else 4 * done_u, A, work * (done_r + gs + gq), (work * u if rafw else 0.0),
             pre + 4 * u_next, 0.0)
 
 
@@ -474,15 +493,19 @@ def _rs_terms(c: tuple, mode: tuple, collective: bool) -> tuple:
     gradient, in the parameters' dtype, copied into the fp32 reduce-scatter input) or during the
     collective (the unsharded gradient freed; input and output, which becomes the sharded gradient;
     gloo (``mode[6]``) first copies the input into a flat buffer of its own, ProcessGroupGloo's
-    reduce_scatter, where NCCL reduces in place). Unit k itself is resharded."""
+    reduce_scatter, where NCCL reduces in place). Unit k itself is resharded. With sharded gradients
+    of earlier local batches held (``mode[7]``, in the base) the output is a temporary that FSDP2
+    adds into them (``foreach_reduce``), and completed units add nothing."""
     act, act_ac, done_u, done_r, u, u_prev, _ = c
-    fsdp, ac, prev, rafw, work, pp, gloo = mode
+    fsdp, ac, prev, rafw, work, pp, gloo = mode[:7]
+    held = len(mode) > 7 and mode[7]
     A = act_ac if ac else act
     gath = 0.0 if rafw else -work * u
     buf = 4 * u + (work * u_prev if rafw else 0.0)
+    done = 0.0 if held else 4 * done_u
     if not collective:
-        return 0.0, 4 * done_u, A, work * (done_r + u), gath, buf, 0.0
-    return 0.0, 4 * done_u, A, work * done_r, gath, buf + (4 * u if gloo else 0.0), 4 * u
+        return 0.0, done, A, work * (done_r + u), gath, buf, 0.0
+    return 0.0, done, A, work * done_r, gath, buf + (4 * u if gloo else 0.0), 4 * u
 
 
 @functools.lru_cache(maxsize=4096)
@@ -492,7 +515,7 @@ def _projections(bwd_moments: tuple, rs_moments: tuple, mode: tuple) -> tuple:
     base, keeping only those that can be the largest for some b >= 1 and dp_shard >= 1: none that
     another bounds in A, K and G, and, where G is zero throughout, only the upper convex hull of
     (A, K) over slopes b >= 1."""
-    fsdp, ac, prev, rafw, work, pp, gloo = mode
+    fsdp, ac, prev, rafw, work, pp, gloo = mode[:7]
     terms = [("backward", _bwd_terms(c, mode)) for c in bwd_moments]
     if fsdp and not prev and not pp:
         for c in rs_moments:
@@ -548,7 +571,7 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
                 overhead_bytes: float, pp_rank: int, accumulation: int = 1, global_batch_size: int = 0,
                 foreach: bool = False, recv_per_microbatch: bool = True, fused: bool = True,
                 gloo: bool = False, fused_tp_optimizer: bool = False,
-                ddp_bucket_copy: bool = True) -> MemoryEstimate:
+                ddp_bucket_copy: bool | None = None) -> MemoryEstimate:
     """Peak memory of one pipeline rank, with its parts at the moment of the peak.
 
     The largest of these moments of a training step (steady state: optimizer state exists;
@@ -574,9 +597,14 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
     present. Other micro-batches in flight add their saved activations (and the pipeline runtime
     keeps their stage outputs), and every rank holds the global batch (inputs and targets).
     ``gloo``: collectives run on gloo (CPU), whose reduce-scatter copies its input first.
-    ``ddp_bucket_copy``: DDP keeps its buckets as a copy of the gradients (4 B/param); False for a
-    runtime that reduces the gradients in place (Megatron-LM's DDP: one contiguous gradient buffer).
+    ``ddp_bucket_copy``: None (modelpar's runtime): DDP's gradients are views into its buckets
+    (4 B/param, counted as buffers, no gradient storage beside them); True: torch DDP's default,
+    the buckets a copy beside the gradients; False for a runtime that reduces the gradients in place
+    (Megatron-LM's DDP: one contiguous gradient buffer).
     """
+    if plan.activation_checkpointing in ("selective", "every-k"):
+        from modelpar.planner.recompute import ac_load
+        ld = ac_load(ld, plan)
     shard = plan.dp_shard
     fsdp = shard > 1
     ws = 1.0 / shard
@@ -588,7 +616,9 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
     data = ld.data * global_batch_size
     bf16 = plan.precision == "bf16"
     work = 2 if bf16 else 4                  # bytes of a gathered / working parameter (and its gradient)
-    ac = plan.activation_checkpointing == "full"
+    # checkpointing: the ``saved_ac`` column holds what the mode keeps (full: block inputs;
+    # selective / every-k: `modelpar.planner.recompute.ac_load`)
+    ac = plan.activation_checkpointing != "none"
     S = ld.saved_ac if ac else ld.saved      # one micro-batch's saved bytes per sample
     pp = plan.pp > 1
     m = plan.n_microbatches if pp else 1
@@ -599,8 +629,20 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
     # per micro-batch and stage (activations on non-first stages, gradients on non-last stages;
     # Megatron-LM reuses 2), and DDP's gradient buckets (a copy of the gradients)
     comm_persist = ((m if recv_per_microbatch else 2) * ld.recv * b) if pp else 0.0
-    if plan.dp_replicate > 1 and not fsdp and ddp_bucket_copy:
+    # DDP's buckets (4 B/param, from construction on). modelpar's runtime (``ddp_bucket_copy=None``):
+    # `apply_ddp` makes the gradients views into them (gradient_as_bucket_view=True), so no gradient
+    # storage beside them; FSDP2's replicate (DDP semantics under PP or TP) is modelled with a
+    # persistent copy as before. True: torch DDP's default, the buckets a copy beside the gradients;
+    # False: gradients reduced in place (Megatron-LM's contiguous gradient buffer), no buckets.
+    ddp_view = (ddp_bucket_copy is None and plan.dp_replicate > 1 and not fsdp and not pp
+                and plan.tp == 1)
+    if plan.dp_replicate > 1 and not fsdp and ddp_bucket_copy is not False:
         comm_persist += 4 * P
+    if ddp_view:
+        grads = 0.0
+    # FSDP without a pipeline accumulates sharded gradients (reduce-scatter every local batch) unless
+    # the plan defers the sync (`ParallelPlan.defer_grad_sync`: unsharded gradients accumulate)
+    sharded_acc = fsdp and not pp and not plan.defer_grad_sync and accumulation > 1
     # autocast keeps a bf16 copy of every weight it cast, from forward to the end of backward
     cast_cache = 2 * P if (bf16 and not fsdp) else 0.0
     # FSDP's root parameters (embed/head) stay gathered from forward to the end of backward
@@ -622,7 +664,9 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
         if m > 1:
             variants += ((W if W < m else m - 1.0, float(m) if keep else 1.0, True),)
     else:
-        variants = ((1.0, 1.0, accumulation > 1),)
+        # DDP's stored gradients are bucket views (always there); sharded FSDP accumulation: the
+        # earlier local batches' sharded gradients (in `grads`), the moments of a first backward
+        variants = ((1.0, 1.0, (accumulation > 1 or ddp_view) and not sharded_acc),)
     bS = b * S
     bout = b * out
     # other micro-batches in flight keep their saved bytes and, on the last stage, the loss's saved
@@ -635,7 +679,7 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
     for F, n_out, prev in variants:
         held = (F - 1) * per_other + (n_out if last else F) * per_out
         # gradients of earlier micro-batches: sharded, or (FSDP without gradient sync) unsharded
-        g0 = (4 * P if fsdp else grads) if prev else 0.0
+        g0 = (4 * P if fsdp else grads) if prev else (grads if sharded_acc else 0.0)
         # a pipeline under FSDP keeps every unit gathered after its first backward
         gath0 = root_g + work * (P - ld.root_params) if (fsdp and pp and prev and rafw) else root_g
         base = fixed + held + g0 + gath0
@@ -647,11 +691,11 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
             if tot > best_total:
                 best_total, best = tot, (held, g0, gath0, prev, None)
         # the block / reduce moments, as totals b * A + K + G / dp_shard (see `_projections`)
-        key = key0 + 4 * prev
+        key = key0 + 4 * prev + 128 * sharded_acc
         proj = ld.projections.get(key)
         if proj is None:
             proj = ld.projections[key] = _projections(ld.bwd_moments, ld.rs_moments,
-                                                      (fsdp, ac, prev, rafw, work, pp, gloo))
+                                                      (fsdp, ac, prev, rafw, work, pp, gloo, sharded_acc))
         for A, K, G, c in proj:
             tot = base + b * A + K + ws * G
             if tot > best_total:
@@ -689,7 +733,7 @@ def estimate_memory(profile: ModelProfile, plan: ParallelPlan, batch: Batch, *,
                     optimizer: str = "adamw", overhead_bytes: float = 0.0, foreach: bool = False,
                     recv_per_microbatch: bool = True, fused: bool = True,
                     gloo: bool = False, fused_tp_optimizer: bool = False,
-                    ddp_bucket_copy: bool = True) -> MemoryEstimate:
+                    ddp_bucket_copy: bool | None = None) -> MemoryEstimate:
     """Peak memory per rank for ``plan``: the most loaded pipeline rank, with its parts (bytes).
 
     Args:

@@ -43,6 +43,8 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.module_tracker import ModuleTracker
 
+from modelpar.parallel.checkpointing import CORE_ATTR
+
 _VIEW_OPS = {"view", "_unsafe_view", "t", "transpose", "expand", "detach", "permute", "unsqueeze",
              "squeeze", "slice", "select", "alias", "as_strided", "split", "unbind", "lift_fresh",
              "_reshape_alias", "reshape", "split_with_sizes", "chunk", "expand_as",
@@ -93,6 +95,12 @@ class BlockProfile:
     # part of saved_bytes that is the block's own input (for a stage's first block that storage is
     # the batch or the pipeline's receive buffer, which the memory model counts there)
     saved_input_bytes: int = 0
+    # part of saved_bytes that selective checkpointing frees: what the block's attention cores
+    # (`modelpar.parallel.checkpointing.attention_cores`) save beyond their own inputs and beyond what
+    # the block saves again outside them (a fused kernel: its log-sum-exp only, its output being the
+    # output projection's saved input; the unfused math path: the (seq x seq) scores too); inside
+    # the TP-sharded region (heads split), so sharded by the TP degree
+    attn_core_saved_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -493,6 +501,9 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
     sub_stack: list[str] = []                 # fqn of innermost active submodule
     styles = _tp_styles(model, vocab_parallel)
     sharded_region = [False]                  # inside a (colwise -> rowwise) TP pair
+    core_saved = [0] * n
+    core_inputs: list[set[int]] = []          # input storages of the active attention cores
+    core_keys: dict[int, int] = {}            # storages first saved inside a core -> block
 
     def pre(mod, args):
         if mod in block_of:
@@ -501,10 +512,15 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
             ins = [a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)]
             in_bytes[i] = sum(_nbytes(a) for a in ins)
             in_keys[i] = {a.untyped_storage()._cdata for a in ins}
+        if getattr(type(mod), CORE_ATTR, False):
+            core_inputs.append({a.untyped_storage()._cdata for a in tree_flatten(args)[0]
+                                if isinstance(a, torch.Tensor)})
         sub_stack.append(fqn.get(mod, ""))
 
     def post(mod, args, out):
         sub_stack.pop()
+        if getattr(type(mod), CORE_ATTR, False):
+            core_inputs.pop()
         style = styles.get(fqn.get(mod, ""))
         if style is not None:
             sharded_region[0] = style == "colwise"
@@ -521,6 +537,12 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
             return t
         serial = life.add(t, -1)
         if serial in life.saved:
+            # saved inside an attention core and again by the block outside it (e.g. the fused
+            # kernel's output, viewed as the output projection's input): recomputing the core frees
+            # nothing of it
+            owner = core_keys.pop(key, None) if not core_inputs else None
+            if owner is not None:
+                core_saved[owner] -= _nbytes(t)
             return t
         life.saved.add(serial)
         i = current[-1]
@@ -530,6 +552,9 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
             saved_in[i] += b
         if sharded_region[0]:         # between a colwise Linear's output and its rowwise partner
             saved_tp[i] += b
+        if core_inputs and key not in core_inputs[-1]:
+            core_saved[i] += b
+            core_keys[key] = i
         return t
 
     handles = [m.register_forward_pre_hook(pre) for m in model.modules()]
@@ -591,7 +616,7 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
             fwd_attn_flops=counter.attn[i][0], bwd_attn_flops=counter.attn[i][1], attn_calls=counter.attn[i][2],
             bwd_peaks=tuple((own - cum_saved - saved[i], inn, g // esize, pend // esize)
                             for own, inn, g, pend in peaks[i]),
-            saved_input_bytes=saved_in[i]))
+            saved_input_bytes=saved_in[i], attn_core_saved_bytes=core_saved[i]))
         cum_saved += saved[i]
     x0 = inputs[0]
     tokens = x0.shape[1] if (x0.dim() == 2 and not x0.is_floating_point()) else 1

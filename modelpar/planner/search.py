@@ -2,7 +2,9 @@
 
 The space: every factorization dp_replicate x dp_shard x tp x pp = N, times pipeline schedule
 (gpipe, 1f1b, interleaved1f1b and interleavedzerobubble with v in VIRTUAL_STAGES, zbvzerobubble with
-v = 2), pipeline micro-batch count, activation checkpointing (none, full) and micro-batch size.
+v = 2), pipeline micro-batch count, activation checkpointing (none; where that does not fit,
+selective, every-k with k in AC_EVERY_CHOICES, full), micro-batch size, and for FSDP with gradient
+accumulation whether to defer the gradient sync.
 Pruning keeps the reason; a whole subtree pruned at the layout level counts every candidate under it.
 Each surviving candidate gets a memory estimate (`memory.rank_memory`) and a step-time estimate
 (`cost.rank_step`), both over a few representative pipeline ranks (first, last, most parameters,
@@ -23,7 +25,26 @@ from modelpar.planner.profile import ModelProfile
 
 VIRTUAL_STAGES = (2, 4, 8)
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
-AC_CHOICES = ("none", "full")
+AC_CHOICES = ("none", "selective", "every-k", "full")
+AC_EVERY_CHOICES = (4, 2)     # k of "every-k" the search tries (ParallelPlan.ac_every)
+
+
+def _ac_options(checkpointing: tuple[str, ...], every: tuple[int, ...], profile: ModelProfile,
+                num_layers: int) -> list[tuple[str, int]]:
+    """(mode, ac_every) pairs to try, roughly by increasing recompute: none, selective, every-k (larger
+    k first), full. "selective" only for a model with attention cores (its profile says what they save),
+    every-k only for k < the number of layers."""
+    out = []
+    for mode in ("none", "selective", "every-k", "full"):
+        if mode not in checkpointing:
+            continue
+        if mode == "selective" and not any(b.attn_core_saved_bytes for b in profile.blocks):
+            continue
+        if mode == "every-k":
+            out.extend((mode, k) for k in sorted(set(every), reverse=True) if 1 < k < num_layers)
+        else:
+            out.append((mode, 1))
+    return out
 
 
 @dataclass(slots=True)
@@ -122,6 +143,56 @@ def _inner(per_dp: int, pp: int) -> list[tuple[int, int]]:
     return out
 
 
+def _ac_bounds(reps) -> tuple[float, float, float]:
+    """Per sample, over a layout's representative ranks: (attention-core bytes selective
+    checkpointing frees, the amount by which block inputs exceed a block's saved bytes, the largest
+    block input). A micro-batch of b samples under selective checkpointing needs at least the
+    memory without checkpointing less ``m b`` x the first (m micro-batches in flight at most);
+    under every-k at least full checkpointing's less ``b (m x the second + the third)``: every-k
+    keeps a block's input or its saved bytes where full keeps the input, and inside a block's
+    backward full checkpointing also counts that block's input (`memory._backward_moments`)."""
+    core = neg = top = 0.0
+    for _, ld in reps:
+        core = max(core, sum(c for _, _, c, _, _ in ld.ac_blocks))
+        neg = max(neg, sum(max(0.0, r[1] - r[0]) for r, *_ in ld.ac_blocks))
+        top = max(top, max((r[1] for r, *_ in ld.ac_blocks), default=0.0))
+    return core, neg, top
+
+
+def _plan(plans: dict, dr, ds, tp, pp, sched, m, v, ac, k, defer, precision, sp) -> ParallelPlan:
+    """The ParallelPlan of these fields, shared by the micro-batch sizes of a layout (memoized in
+    ``plans``)."""
+    key = (m, ac, k, defer)
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = ParallelPlan(
+            dp_replicate=dr, dp_shard=ds, tp=tp, pp=pp, pp_schedule=sched, n_microbatches=m,
+            virtual_stages=v, activation_checkpointing=ac, precision=precision, sequence_parallel=sp,
+            ac_every=k, defer_grad_sync=defer)
+    return plan
+
+
+def _plan_memory(plan: ParallelPlan, reps, b: int, acc: int, kw: dict, budget: float, memo: dict):
+    """(estimate, total) of the most loaded representative rank; stops at the first rank over
+    ``budget`` (the total is then a lower bound, enough to prune). A rank's memory depends on the
+    schedule only through the micro-batches it holds in flight, so schedules that agree on that
+    share the estimate (``memo``, one per layout)."""
+    mem, mem_total = None, 0.0
+    for r, ld in reps:
+        mkey = (id(ld), r, b, acc, plan.n_microbatches, plan.activation_checkpointing, plan.ac_every,
+                plan.defer_grad_sync, in_flight(plan, r))
+        hit = memo.get(mkey)
+        if hit is None:
+            e = rank_memory(ld, plan, micro_batch_size=b, pp_rank=r, accumulation=acc, **kw)
+            hit = memo[mkey] = (e, e.total)
+        e, e_total = hit
+        if mem is None or e_total > mem_total:
+            mem, mem_total = e, e_total
+            if e_total > budget:
+                break
+    return mem, mem_total
+
+
 def _representatives(loads) -> list[tuple[int, object]]:
     idx = {0, len(loads) - 1}
     for key in (lambda l: l.params, lambda l: l.fwd_flops + l.fwd_mem):
@@ -133,7 +204,8 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                  optimizer: str = "adamw", precision: str = "bf16", sequence_parallel: bool = False,
                  dp_overlap: bool = True, memory_fraction: float = 1.0,
                  schedules: tuple[str, ...] = SEARCH_SCHEDULES, allow_fsdp: bool = True,
-                 checkpointing: tuple[str, ...] = AC_CHOICES, recv_per_microbatch: bool = True) -> SearchReport:
+                 checkpointing: tuple[str, ...] = AC_CHOICES, recv_per_microbatch: bool = True,
+                 ac_every: tuple[int, ...] = AC_EVERY_CHOICES, defer_grad_sync: bool = True) -> SearchReport:
     """Enumerate, prune and rank every plan of ``num_devices`` for one model and batch.
 
     Args:
@@ -148,8 +220,14 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
         memory_fraction: share of ``hw.memory_bytes`` a plan may use.
         schedules: pipeline schedules to consider (names from ``plan.PP_SCHEDULES``).
         allow_fsdp: consider dp_shard > 1 (set False to search the DDP x TP x PP space only).
-        checkpointing: activation checkpointing modes to consider.
+        checkpointing: activation checkpointing modes to consider (`plan.AC_MODES`); a mode that
+            recomputes is tried only where the same plan without checkpointing does not fit.
         recv_per_microbatch: see `memory.estimate_memory` (False models Megatron-LM's runtime).
+        ac_every: the k of "every-k" to try.
+        defer_grad_sync: also try FSDP plans (no pipeline, gradient accumulation) that defer the
+            gradient sync to the last local batch (`ParallelPlan.defer_grad_sync`): unsharded
+            gradients held, one reduce-scatter per step; ranked like any other candidate, so chosen
+            only where it fits and is faster.
 
     Returns:
         SearchReport; ``ranked`` is sorted by predicted samples/s, fastest first.
@@ -173,7 +251,13 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
     bad = [s for s in schedules if s not in PP_SCHEDULES] + [a for a in checkpointing if a not in AC_MODES]
     if bad:
         raise ValueError(f"unknown schedules/checkpointing modes {bad}; valid: {PP_SCHEDULES}, {AC_MODES}")
-    n_ac = len(checkpointing)
+    ac_opts = _ac_options(tuple(checkpointing), tuple(ac_every), profile, num_layers)
+    if not ac_opts:
+        raise ValueError(f"no checkpointing mode to search: checkpointing={tuple(checkpointing)}, "
+                         f"ac_every={tuple(ac_every)} (every-k needs 1 < k < {num_layers} layers; "
+                         f"selective needs attention cores)")
+    n_ac = len(ac_opts)
+    has_full = ("full", 1) in ac_opts
     # Hot loop (~10^5 candidates at 3,072 devices). Work that depends only on the degrees, the schedule
     # or (b, m) is done once outside the inner loops, and a plan does not depend on the micro-batch
     # size, so one ParallelPlan per (m, checkpointing) is shared by its micro-batch sizes. The cyclic
@@ -185,6 +269,8 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
     sort_keys: list[tuple[float, float]] = []
     overhead = hw.framework_overhead_bytes
     state_bytes = 8 + OPTIMIZER_BYTES[optimizer]
+    mem_kw = dict(optimizer=optimizer, overhead_bytes=overhead, global_batch_size=global_batch_size,
+                  foreach=foreach, recv_per_microbatch=recv_per_microbatch, gloo=gloo)
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -223,8 +309,8 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                                          pp_schedule=sched, precision=precision)
                     reps = _representatives(rank_loads(profile, plan0, act_bytes=act_bytes))
                     cached = load_cache[key] = (reps, [ld for _, ld in reps],
-                                                max(ld.params for _, ld in reps))
-                reps, loads, max_params = cached
+                                                max(ld.params for _, ld in reps), _ac_bounds(reps))
+                reps, loads, max_params, (core_bound, neg_bound, in_bound) = cached
                 if max_params / ds * state_bytes + overhead > budget:
                     pruned["model states exceed memory"] += n_inner
                     continue
@@ -235,48 +321,60 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                     if interleaved and m % pp:
                         pruned["interleaved needs n_microbatches divisible by pp"] += n_ac
                         continue
-                    fits_without_ac = False
-                    for ac in checkpointing:
-                        if ac == "full" and fits_without_ac:
-                            # dominated: the same plan without recompute fits and is strictly faster
-                            pruned["dominated (fits without checkpointing)"] += 1
+                    # checkpointing modes, by increasing recompute: any that recomputes is dominated
+                    # where "none" fits; every-k (larger k first) and full form a chain in which the
+                    # first that fits dominates the rest. Modes that cannot fit are skipped by the
+                    # bounds of `_ac_bounds` (exact: never a candidate that would fit)
+                    can_defer = defer_grad_sync and ds > 1 and pp == 1 and acc > 1
+                    per = 2 if can_defer else 1
+                    if can_defer:
+                        rep.considered += n_ac
+                    fits_none = chain_fit = False
+                    none_over = full_res = None
+                    for ac, k in ac_opts:
+                        if ac != "none" and fits_none:
+                            pruned["dominated (fits without checkpointing)"] += per
                             continue
-                        plan = plans.get((m, ac))
-                        if plan is None:
-                            plan = plans[(m, ac)] = ParallelPlan(
-                                dp_replicate=dr, dp_shard=ds, tp=tp, pp=pp, pp_schedule=sched, n_microbatches=m,
-                                virtual_stages=v, activation_checkpointing=ac, precision=precision,
-                                sequence_parallel=sp)
-                        mem = None
-                        mem_total = 0.0
-                        for r, ld in reps:
-                            # a rank's memory depends on the schedule only through the micro-batches
-                            # it holds in flight, so schedules that agree on that share the estimate
-                            mkey = (id(ld), r, b, acc, m, ac, in_flight(plan, r))
-                            hit = mem_memo.get(mkey)
-                            if hit is None:
-                                e = rank_memory(ld, plan, micro_batch_size=b, optimizer=optimizer,
-                                                overhead_bytes=overhead, pp_rank=r,
-                                                accumulation=acc, global_batch_size=global_batch_size,
-                                                foreach=foreach, recv_per_microbatch=recv_per_microbatch,
-                                                gloo=gloo)
-                                hit = mem_memo[mkey] = (e, e.total)
-                            e, e_total = hit
-                            if mem is None or e_total > mem_total:
-                                mem, mem_total = e, e_total
-                                if e_total > budget:
-                                    break
+                        if chain_fit and ac in ("every-k", "full"):
+                            pruned["dominated (less recompute fits)"] += per
+                            continue
+                        if ac == "selective" and none_over is not None and none_over > m * b * core_bound:
+                            pruned["activations exceed memory"] += per
+                            continue
+                        if ac == "every-k" and has_full:
+                            if full_res is None:
+                                full_res = _plan_memory(_plan(plans, dr, ds, tp, pp, sched, m, v, "full", 1, False,
+                                                              precision, sp), reps, b, acc, mem_kw, budget, mem_memo)
+                            if full_res[1] - budget > b * (m * neg_bound + in_bound):
+                                pruned["activations exceed memory"] += per
+                                continue
+                        plan = (plans.get((m, ac, k, False))
+                                or _plan(plans, dr, ds, tp, pp, sched, m, v, ac, k, False, precision, sp))
+                        mem, mem_total = (full_res if (ac == "full" and full_res is not None)
+                                          else _plan_memory(plan, reps, b, acc, mem_kw, budget, mem_memo))
                         if mem_total > budget:
-                            pruned["activations exceed memory"] += 1
+                            pruned["activations exceed memory"] += per
+                            if ac == "none":
+                                none_over = mem_total - budget
                             continue
-                        fits_without_ac = ac == "none"
-                        if tpb is None:
-                            tpb = tp_bytes_per_sample(profile, plan)
-                        parts = rank_step(loads, plan, hw, micro_batch_size=b, accumulation=acc,
-                                          optimizer=optimizer, tp_bytes=tpb, dp_overlap=dp_overlap)
-                        st = _finish(parts, profile, plan, global_batch_size, flops)
-                        ranked.append(Candidate(plan, Batch(global_batch_size, local), mem, st))
-                        sort_keys.append((st.total, mem_total))
+                        fits_none = fits_none or ac == "none"
+                        chain_fit = chain_fit or ac in ("every-k", "full")
+                        variants = [(plan, mem, mem_total)]
+                        if can_defer:           # more memory than the plan without it: only if that fits
+                            dplan = _plan(plans, dr, ds, tp, pp, sched, m, v, ac, k, True, precision, sp)
+                            dmem, dtot = _plan_memory(dplan, reps, b, acc, mem_kw, budget, mem_memo)
+                            if dtot > budget:
+                                pruned["activations exceed memory"] += 1
+                            else:
+                                variants.append((dplan, dmem, dtot))
+                        for pl, mm, mt in variants:
+                            if tpb is None:
+                                tpb = tp_bytes_per_sample(profile, pl)
+                            parts = rank_step(loads, pl, hw, micro_batch_size=b, accumulation=acc,
+                                              optimizer=optimizer, tp_bytes=tpb, dp_overlap=dp_overlap)
+                            st = _finish(parts, profile, pl, global_batch_size, flops)
+                            ranked.append(Candidate(pl, Batch(global_batch_size, local), mm, st))
+                            sort_keys.append((st.total, mt))
     finally:
         if gc_was_enabled:
             gc.enable()

@@ -113,10 +113,12 @@ def _choose(cfg, world_size: int, *, strategy: str = "auto") -> Choice:
         local = 0
         reason = f"rules: {why}"
     else:
-        ac = ("none", "full") if cfg.activation_checkpointing == "none" else (cfg.activation_checkpointing,)
+        from modelpar.planner.search import AC_CHOICES, AC_EVERY_CHOICES
+        ac = AC_CHOICES if cfg.activation_checkpointing == "none" else (cfg.activation_checkpointing,)
+        every = (cfg.ac_every,) if cfg.activation_checkpointing == "every-k" else AC_EVERY_CHOICES
         plan, rep = choose_plan(prof, world_size, hw, global_batch_size=cfg.global_batch_size,
                                 precision=cfg.precision, optimizer="adamw" if cfg.optimizer == "adamw" else "sgd",
-                                checkpointing=ac)
+                                checkpointing=ac, ac_every=every)
         local = rep.ranked[0].batch.local_batch_size
         reason = f"auto: best of {len(rep.ranked)} feasible plans on {hw.name} ({rep.summary()})"
         if not cfg.hardware and not torch.cuda.is_available() and not calibration_path().is_file():

@@ -53,7 +53,14 @@ class TrainConfig:
         virtual_stages: pipeline stages per rank (interleaved schedules).
         stage_boundaries: first block of every stage after the first (empty: balanced by parameters).
         placement_devices: devices for the placement strategy (empty: cuda:0,cuda:1 with 2 GPUs, else cpu,cpu).
-        activation_checkpointing: none or full.
+        activation_checkpointing: none, full (recompute every block), selective (recompute only each
+            block's attention core; with a fused attention kernel this frees little) or every-k
+            (recompute blocks 0, k, 2k, ... with k = ac_every). With strategy auto/rules, none lets
+            the planner choose any mode.
+        ac_every: k of activation_checkpointing=every-k (1 with the other modes).
+        defer_grad_sync: FSDP with gradient accumulation: reduce-scatter once per step on the last
+            local batch, holding unsharded fp32 gradients until then (more memory, less
+            communication); default: reduce-scatter every local batch, gradients stay sharded.
         precision: fp32 or bf16 (bf16 compute, fp32 master weights).
         reshard_after_forward: FSDP: free gathered parameters after forward.
         cpu_offload: FSDP: keep shards and optimizer state in CPU memory (CUDA only).
@@ -114,6 +121,8 @@ class TrainConfig:
     stage_boundaries: list[int] = dataclasses.field(default_factory=list)
     placement_devices: list[str] = dataclasses.field(default_factory=list)
     activation_checkpointing: str = "none"
+    ac_every: int = 1
+    defer_grad_sync: bool = False
     precision: str = "fp32"
     reshard_after_forward: bool = True
     cpu_offload: bool = False

@@ -33,7 +33,8 @@ def resolve_plan(cfg: TrainConfig, world_size: int) -> ParallelPlan:
     """
     ov = {k: getattr(cfg, k) for k in ("dp_replicate", "dp_shard", "tp", "pp") if getattr(cfg, k)}
     extra = dict(pp_schedule=cfg.pp_schedule, virtual_stages=cfg.virtual_stages,
-                 activation_checkpointing=cfg.activation_checkpointing, precision=cfg.precision,
+                 activation_checkpointing=cfg.activation_checkpointing, ac_every=cfg.ac_every,
+                 defer_grad_sync=cfg.defer_grad_sync, precision=cfg.precision,
                  reshard_after_forward=cfg.reshard_after_forward, cpu_offload=cfg.cpu_offload,
                  compile=cfg.compile)
     if cfg.stage_boundaries:

@@ -1,0 +1,125 @@
+"""Memory and step-time terms of the checkpointing modes beyond none / full (issue 14).
+
+What the runtime does (`modelpar.parallel.checkpointing`):
+
+- ``"every-k"``: blocks 0, k, 2k, ... of the model (a transformer's layers; the embedding and the
+  head are never checkpointed) keep only their input and recompute their forward in backward; the
+  other blocks keep their saved activations. Recompute: the forward of the checkpointed blocks,
+  FLOPs-weighted share of the rank's forward.
+- ``"selective"``: each layer's attention core (softmax(QK^T)V with dropout, Korthikanti et al. 2022,
+  Sec. 5) is recomputed; the block keeps everything else. The bytes it frees are *profiled*
+  (`BlockProfile.attn_core_saved_bytes`: what the core saves beyond its inputs q, k, v). With a fused
+  attention kernel (the profile's default, ``attention="flash"``; FlashAttention, Dao et al. 2022,
+  Sec. 3.1) that is only its (batch, heads, seq) log-sum-exp (its output is the same storage the
+  output projection saves): the (seq x seq) terms of Korthikanti's Eq. 1 (5 a s / h per element) are
+  already absent, so selective checkpointing saves almost nothing there and costs the attention
+  forward again. With the unfused math path
+  (``attention="math"``) it frees the scores, probabilities and dropout mask as in the paper.
+  Recompute: the fused attention forward of every layer (`RankLoad.ac_blocks`).
+
+In backward, a block's own saved bytes are back while its backward runs (recomputed, or never
+freed), which `memory._backward_moments` places with ``own=True``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from modelpar.plan import ParallelPlan
+
+
+def is_checkpointed(layer: int, plan: ParallelPlan) -> bool:
+    """Whether the block with ``layer`` index (-1: a transformer's embedding or head) is fully
+    recomputed under ``plan``."""
+    mode = plan.activation_checkpointing
+    if layer < 0:
+        return False
+    return mode == "full" or (mode == "every-k" and layer % plan.ac_every == 0)
+
+
+def ac_load(ld, plan: ParallelPlan):
+    """``ld`` (a `memory.RankLoad`) as ``plan``'s checkpointing mode leaves it: ``saved_ac`` = bytes
+    per sample one micro-batch keeps, and the backward moments for it; cached on ``ld`` per mode.
+    none / full: ``ld`` itself (its ``saved`` / ``saved_ac`` columns)."""
+    mode = plan.activation_checkpointing
+    if mode not in ("selective", "every-k"):
+        return ld
+    key = (mode, plan.ac_every if mode == "every-k" else 0)
+    hit = ld.ac_variants.get(key)
+    if hit is not None:
+        return hit
+    from modelpar.planner.memory import _backward_moments
+
+    recs, kept_total = [], 0.0
+    for rec, layer, core, _, _ in ld.ac_blocks:
+        sv, ac_in = rec[0], rec[1]
+        if mode == "selective":
+            kept = max(sv - core, 0.0)
+        else:
+            kept = ac_in if is_checkpointed(layer, plan) else sv
+        recs.append((sv, kept) + tuple(rec[2:]))
+        kept_total += kept
+    bwd, rs = _backward_moments(tuple(recs), True)
+    out = dataclasses.replace(ld, saved_ac=kept_total, bwd_moments=bwd, rs_moments=rs, projections={},
+                              ac_variants={})
+    ld.ac_variants[key] = out
+    return out
+
+
+def recompute_share(ld, plan: ParallelPlan) -> tuple[float, float]:
+    """(share of the rank's forward recomputed, fused-attention forward FLOPs per sample recomputed)
+    under ``plan``: full (1, 0); every-k: the checkpointed blocks' share of forward FLOPs; selective
+    (0, the attention forward FLOPs); none (0, 0)."""
+    mode = plan.activation_checkpointing
+    if mode == "full":
+        return 1.0, 0.0
+    key = ("share", mode, plan.ac_every)
+    hit = ld.ac_variants.get(key)
+    if hit is not None:
+        return hit
+    out = (0.0, 0.0)
+    if mode == "selective":
+        out = (0.0, sum(a for *_, a in ld.ac_blocks))
+    elif mode == "every-k":
+        tot = sum(f for *_, f, _ in ld.ac_blocks)
+        ck = sum(f for _, layer, _, f, _ in ld.ac_blocks if is_checkpointed(layer, plan))
+        out = ((ck / tot if tot else 0.0), 0.0)
+    ld.ac_variants[key] = out
+    return out
+
+
+_FLOPS: dict[tuple, tuple] = {}
+
+
+def recompute_flops_per_sample(profile, plan: ParallelPlan) -> float:
+    """Forward FLOPs per sample recomputed in backward (for HFU, PaLM App. B): the whole forward
+    (full), the checkpointed blocks' (every-k), the attention cores' (selective), 0 (none)."""
+    mode = plan.activation_checkpointing
+    if mode == "none":
+        return 0.0
+    key = (id(profile), mode, plan.ac_every)
+    hit = _FLOPS.get(key)
+    if hit is not None and hit[0] is profile:
+        return hit[1]
+    if len(_FLOPS) > 1024:
+        _FLOPS.clear()
+    val = _recompute_flops(profile, plan)
+    _FLOPS[key] = (profile, val)
+    return val
+
+
+def _recompute_flops(profile, plan: ParallelPlan) -> float:
+    mode = plan.activation_checkpointing
+    bs = profile.batch_size
+    if mode == "full":
+        return profile.fwd_flops_per_sample
+    if mode == "selective":
+        return sum(b.fwd_attn_flops for b in profile.blocks) / bs
+    n = len(profile.blocks)
+    transformer = bool(profile.arch) and n >= 3
+    total = 0.0
+    for i, b in enumerate(profile.blocks):
+        layer = (-1 if i in (0, n - 1) else i - 1) if transformer else i
+        if is_checkpointed(layer, plan):
+            total += b.fwd_flops
+    return total / bs
