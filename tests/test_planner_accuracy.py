@@ -14,7 +14,7 @@ import pathlib
 import pytest
 import torch
 
-from modelpar.planner.measure import Case, launch, measure_memory, planner_boundaries
+from modelpar.measure import Case, launch, measure_memory, planner_boundaries
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
