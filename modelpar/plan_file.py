@@ -10,8 +10,9 @@ folder by ``modelpar train``; read by ``train --plan FILE``, ``verify --plan FIL
   ``local_batch_size`` (samples per forward/backward on one data-parallel rank), and the derived
   ``micro_batch_size`` (samples per pipeline micro-batch, = local under no pipeline) and
   ``accum_steps`` (= global / (local x dp)), which are checked when present;
-- optionally ``world_size`` (checked against the degrees' product), ``format_version`` (1) and
-  free-text ``source`` (who chose the plan, and why).
+- optionally ``world_size`` (checked against the degrees' product), ``format_version`` (1),
+  free-text ``source`` (who chose the plan, and why) and ``predicted`` (what ``estimate --json``
+  predicted for it: step time, MFU, HFU, memory by part; informative, ignored when read).
 
 Unknown keys are an error naming them, so a misspelt field never silently falls back to a default.
 """
@@ -27,7 +28,7 @@ from modelpar.plan import ParallelPlan, gradient_accumulation_steps
 
 FORMAT_VERSION = 1
 BATCH_KEYS = ("global_batch_size", "local_batch_size", "micro_batch_size", "accum_steps")
-INFO_KEYS = ("world_size", "format_version", "source")
+INFO_KEYS = ("world_size", "format_version", "source", "predicted")
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ class Choice:
     reason: str
 
 
-def hardware_for(cfg, world_size: int):
+def hardware_for(cfg, world_size: int, *, measure_if_missing: bool = True):
     """The device profile named by ``cfg.hardware``, else this machine's (`machine_hardware`; the only
     caller that measures an uncalibrated machine on the fly, see TrainConfig.hardware)."""
     from modelpar.calibrate import machine_hardware
@@ -43,16 +43,17 @@ def hardware_for(cfg, world_size: int):
     local = min(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if cfg.hardware:
         return get_hardware(cfg.hardware, local_ranks=local)
-    return machine_hardware(local, measure_if_missing=True)[0]
+    return machine_hardware(local, measure_if_missing=measure_if_missing)[0]
 
 
-def choose(cfg, world_size: int, *, strategy: str = "auto") -> Choice:
+def choose(cfg, world_size: int, *, strategy: str = "auto", measure_if_missing: bool = True) -> Choice:
     """The planner's (``auto``) or the rules baseline's (``rules``) plan for ``cfg`` on ``world_size``
-    ranks; called once, by the launcher (`modelpar.train.resolve.resolve`)."""
-    return _choose(cfg, world_size, strategy=strategy)
+    ranks; called once, by the launcher (`modelpar.train.resolve.resolve`). ``measure_if_missing``:
+    calibrate an uncalibrated machine first (``train`` only)."""
+    return _choose(cfg, world_size, strategy=strategy, measure_if_missing=measure_if_missing)
 
 
-def _choose(cfg, world_size: int, *, strategy: str = "auto") -> Choice:
+def _choose(cfg, world_size: int, *, strategy: str = "auto", measure_if_missing: bool = True) -> Choice:
     """Profile the config's model on the meta device and let the planner (``auto``) or the
     rule-of-thumb baseline (``rules``) pick the plan for ``world_size`` ranks.
 
@@ -68,7 +69,7 @@ def _choose(cfg, world_size: int, *, strategy: str = "auto") -> Choice:
     x = example_input(task, 1).to("meta")
     dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
     prof = profile_model(task.model, x, dtype=dtype)
-    hw = hardware_for(cfg, world_size)
+    hw = hardware_for(cfg, world_size, measure_if_missing=measure_if_missing)
     if strategy == "rules":
         plan, why = rule_plan(prof, world_size, hw, global_batch_size=cfg.global_batch_size,
                               task="language" if task.kind == "lm" else "image", precision=cfg.precision)

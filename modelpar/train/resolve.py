@@ -67,8 +67,10 @@ def _given_degrees(cfg) -> dict:
     return {k: getattr(cfg, k) for k in DEGREES if getattr(cfg, k)}
 
 
-def resolve(cfg, world_size: int) -> Resolved:
+def resolve(cfg, world_size: int, *, measure_if_missing: bool = True) -> Resolved:
     """The one plan ``cfg`` names on ``world_size`` ranks (see the module docstring).
+    ``measure_if_missing``: ``auto`` / ``rules`` may calibrate an uncalibrated machine first (only
+    ``modelpar train`` does).
 
     Raises:
         ValueError: contradicting sources (naming both flags), unknown names, a strategy that cannot
@@ -85,7 +87,7 @@ def resolve(cfg, world_size: int) -> Resolved:
                              f"the degrees, or use --strategy custom to run exactly them")
         from modelpar.train.auto import choose
 
-        c = choose(cfg, world_size, strategy=strategy)
+        c = choose(cfg, world_size, strategy=strategy, measure_if_missing=measure_if_missing)
         extra = {k: v for k, v in (getattr(cfg, "plan_options", None) or {}).items()
                  if getattr(ParallelPlan(), k) != v}
         plan = ParallelPlan.from_dict({**c.plan.to_dict(), **extra}) if extra else c.plan
