@@ -106,6 +106,8 @@ def main(argv: list[str]) -> int:
     a = parse(p, argv)
     given = given_fields(p, argv)
     n = world_size(a, given)
+    from modelpar.models.spec import check_model
+    check_model(a.model, a.model_config)          # bad names fail first, before any note
     hw = resolve_hardware(a.hardware, n, gpus_per_node=a.gpus_per_node)
     prec = precision_for(a.precision, hw)
     pf = _exact_plan(a, given, n, prec)

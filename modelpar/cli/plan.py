@@ -64,6 +64,8 @@ def main(argv: list[str]) -> int:
     n = world_size(a, given_fields(p, argv))
     if a.json and not a.explain:
         raise ValueError("--json prints one plan file: give --explain K too")
+    from modelpar.models.spec import check_model
+    check_model(a.model, a.model_config)          # bad names fail first, before any note
     hw = resolve_hardware(a.hardware, n, gpus_per_node=a.gpus_per_node)
     prec = precision_for(a.precision, hw)
     prof, desc = profile_for(a.model, a.model_config, a.seq_len, prec)
