@@ -33,7 +33,7 @@ GLOBAL_BATCH = 32          # TrainConfig's default
 
 
 def load_hardware(path: str | None = None):
-    from modelpar.planner.commands import default_calibration_path
+    from modelpar.calibrate import default_calibration_path
     from modelpar.planner.hardware import load_profile
     p = path or default_calibration_path()
     if not os.path.isfile(p):

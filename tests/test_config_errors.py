@@ -112,6 +112,7 @@ def test_plan_round_trips():
         ParallelPlan.from_dict({"tp_degree": 2})
 
 
+@pytest.mark.slow
 def test_cli_error_before_launch():
     """The CLI exits 2 with the message and never starts a process group."""
     r = subprocess.run([sys.executable, "-m", "modelpar", "train", "--model", "gpt-nano", "--strategy", "tp",
@@ -135,6 +136,7 @@ def test_global_batch_not_divisible_by_dp_names_user_fields():
         _pre(world=2, strategy="ddp", global_batch_size=7)
 
 
+@pytest.mark.slow
 def test_other_commands_report_bad_input_in_one_line():
     r = subprocess.run([sys.executable, "-m", "modelpar", "estimate", "--model", "gpt-7b"], capture_output=True,
                        text=True, timeout=120)

@@ -139,6 +139,7 @@ def test_flash_flops_equal_math_flops():
     assert [b.bwd_flops for b in f.blocks] == [b.bwd_flops for b in g.blocks]
 
 
+@pytest.mark.slow
 def test_gpu_check_without_cuda_exits_cleanly():
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")], capture_output=True,

@@ -51,6 +51,7 @@ def test_rules_follow_precedence():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_calibrate_smoke(tmp_path, capsys):
     out = tmp_path / "hw.json"
     assert calibrate_main(["--out", str(out), "--nproc", "2"]) == 0

@@ -459,7 +459,7 @@ class TrainCheckpoints:
             if found:
                 raise ValueError(f"ckpt_dir {str(self.ckpt_dir)!r} already holds checkpoints "
                                  f"({found[-1][1].name} and {len(found) - 1} older); pass --resume auto to "
-                                 f"continue them, or another --ckpt_dir (nothing was overwritten)")
+                                 f"continue them, or another --ckpt-dir (nothing was overwritten)")
         if self.every > 0:
             self.saver = Checkpointer(self.ckpt_dir, keep_last=cfg.keep_last, async_save=cfg.async_ckpt)
 
