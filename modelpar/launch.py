@@ -55,6 +55,17 @@ def torchrun_cmd(nproc: int, target: list[str], *, max_restarts: int = 0, python
             f"--max-restarts={max_restarts}", *target]
 
 
+def node_cmd(target: list[str], *, nnodes: int, nproc_per_node: int, node_rank: int | None = None,
+             endpoint: str = "$HEAD_NODE:29500", rdzv_id: str = "$JOB_ID", max_restarts: int = 0,
+             python: str | None = None) -> list[str]:
+    """The torchrun argv one node runs to join an ``nnodes`` x ``nproc_per_node`` job (c10d
+    rendezvous at ``endpoint``); ``node_rank`` None lets the rendezvous assign it."""
+    rank = [f"--node-rank={node_rank}"] if node_rank is not None else []
+    return [python or sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+            f"--nproc-per-node={nproc_per_node}", *rank, "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={rdzv_id}", f"--max-restarts={max_restarts}", *target]
+
+
 def multinode_commands(target: list[str], *, nnodes: int, nproc_per_node: int, port: int = 29500) -> str:
     """Text with the torchrun line to run on every node and the equivalent srun line (c10d rendezvous
     on the first node). ``target`` as for `torchrun_cmd`."""

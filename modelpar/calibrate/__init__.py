@@ -44,7 +44,7 @@ def machine_hardware(local_ranks: int, *, measure_if_missing: bool = False, say=
     path = default_calibration_path()
     if not path.is_file() and measure_if_missing and os.environ.get(AUTO_CALIBRATE_ENV, "1") != "0":
         say(f"modelpar: this machine has no calibration yet; measuring it once with {local} local rank(s) "
-            f"(`modelpar calibrate --out {path}`; set {AUTO_CALIBRATE_ENV}=0 to skip)", flush=True)
+            f"(`modelpar calibrate --out {path}`; set {AUTO_CALIBRATE_ENV}=0 to skip)")
         calibrate(path, local, say=say)
     if path.is_file():
         hw = get_hardware(str(path), local_ranks=local)

@@ -7,7 +7,6 @@ are in `modelpar.calibrate.collectives`.
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
