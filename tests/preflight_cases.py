@@ -1,4 +1,4 @@
-"""Preflight scenarios (cases C1, C2, C9) run inside a multi-process launch by tests/ckpt_worker.py."""
+"""Preflight scenarios (cases C1, C2, C9, C12, C15, frozen DDP parameters) run inside a multi-process launch by tests/ckpt_worker.py."""
 
 from __future__ import annotations
 
@@ -120,4 +120,157 @@ def run(spec: dict) -> dict:
         return case_c9()
     if kind == "c2":
         return case_c2(spec.get("steps_differ", False))
+    if kind == "c12":
+        return case_c12(spec["plan"], spec["split_at"], spec.get("check", True), spec.get("find_unused", False))
+    if kind == "c15":
+        return case_c15(spec["plan"])
+    if kind == "frozen_ddp":
+        return case_frozen_ddp()
+    if kind == "ddp_accum_early_only":
+        return case_ddp_accum_early_only()
     raise ValueError(f"unknown scenario kind {kind!r}")
+
+
+class Branchy(nn.Module):
+    """Case C12: from the step ``split_at`` on, rank 0's forward uses branch ``a``, the others ``b``
+    (same shapes, so a positional reduction pairs them up silently); before it, both."""
+
+    def __init__(self, split_at: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.a, self.b, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.split_at, self.step = split_at, 0
+
+    def forward(self, x):
+        h = self.inp(x).relu()
+        if self.step >= self.split_at:
+            h = (self.a if dist.get_rank() == 0 else self.b)(h)
+        else:
+            h = self.a(h) + self.b(h)
+        return self.out(h.relu())
+
+
+def _local_slice(n: int = 8):
+    r, w = dist.get_rank(), dist.get_world_size()
+    return slice(r * n // w, (r + 1) * n // w)
+
+
+def case_c12(plan_fields: dict, split_at: int, check: bool = True, find_unused: bool = False) -> dict:
+    """C12: train 3 steps; with the check on, the step ``split_at`` must raise (the caller compares
+    the ranks' messages). With DDP's find_unused_parameters the split is handled: the gradients at the
+    split step must be the mean over ranks of each rank's own gradients (zeros where unused)."""
+    plan = ParallelPlan(**plan_fields).validate(dist.get_world_size())
+    model = Branchy(split_at)
+    ref = copy.deepcopy(model)
+    pm = parallelize(model, plan, build_mesh(plan, CPU), loss_fn=F.cross_entropy, device=CPU,
+                     check_unused_params=check, find_unused_parameters=find_unused)
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x, y = _batch()
+    worst = 0.0
+    for s in range(3):
+        model.step = ref.step = s
+        train_step(pm, opt, x, y, accum_steps=1)
+        # the data-parallel reference: this rank's gradient on its slice, averaged over ranks
+        F.cross_entropy(ref(x[_local_slice()]), y[_local_slice()]).backward()
+        for p in ref.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+        ropt.step()
+        ropt.zero_grad()
+        got = dict(pm.named_parameters())
+        for n, p in ref.named_parameters():
+            g = got[n].full_tensor() if hasattr(got[n], "full_tensor") else got[n]
+            worst = max(worst, (g.detach() - p.detach()).abs().max().item())
+    return {"steps": 3, "max_param_diff_vs_dp_reference": worst}
+
+
+class BNNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.seq = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+
+    def forward(self, x):
+        return self.seq(x)
+
+
+def case_c15(plan_fields: dict) -> dict:
+    """C15: BatchNorm under DDP / FSDP: one warning on rank 0 only at parallelize; after one step
+    the running mean equals one device's (an average of per-rank exponential averages); after three
+    steps every rank holds the same running statistics; sync_batchnorm on CPU is refused."""
+    import warnings
+
+    plan = ParallelPlan(**plan_fields).validate(dist.get_world_size())
+    model = BNNet()
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        pm = parallelize(model, plan, build_mesh(plan, CPU), loss_fn=F.cross_entropy, device=CPU)
+    msgs = [str(w.message) for w in seen if "BatchNorm" in str(w.message)]
+    counts = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, len(msgs))
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    x, y = _batch()
+    train_step(pm, opt, x, y, accum_steps=1)
+    ref(x)                                             # one device: statistics of the whole batch
+    bn, rbn = model.seq[1], ref.seq[1]
+    mean_diff = (bn.running_mean - rbn.running_mean).abs().max().item()
+    var_diff = (bn.running_var - rbn.running_var).abs().max().item()
+    for s in range(2):
+        train_step(pm, opt, *_batch(seed=s + 1), accum_steps=1)
+    mine = torch.cat([bn.running_mean, bn.running_var])
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    spread = max((e - every[0]).abs().max().item() for e in every)
+    refused = None
+    try:
+        parallelize(BNNet(), plan, build_mesh(plan, CPU), loss_fn=F.cross_entropy, device=CPU, sync_batchnorm=True)
+    except ValueError as e:
+        refused = str(e)
+    return {"warnings": msgs, "warnings_per_rank": counts, "mean_diff_after_1": mean_diff, "var_diff_after_1": var_diff,
+            "rank_spread_after_3": spread, "refused": refused}
+
+
+def case_frozen_ddp() -> dict:
+    """DDP, then the first layer frozen after wrapping: one error naming it on every rank (instead of
+    torch's "Expected to have finished reduction" at the next step)."""
+    plan = ParallelPlan(dp_replicate=dist.get_world_size())
+    model = _mlp()
+    pm = parallelize(model, plan, build_mesh(plan, CPU), loss_fn=F.cross_entropy, device=CPU)
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    x, y = _batch()
+    train_step(pm, opt, x, y, accum_steps=1)
+    model[0].weight.requires_grad_(False)
+    for _ in range(2):
+        train_step(pm, opt, x, y, accum_steps=1)
+    return {"trained": True}
+
+
+class EarlyOnly(nn.Module):
+    """Branch ``b`` is used in the first accumulation micro-batch of a step only (on every rank)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.out = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.a(x) + (self.b(x) if self.calls % 2 == 1 else 0)
+        return self.out(h.relu())
+
+
+def case_ddp_accum_early_only() -> dict:
+    """DDP with 2 accumulation micro-batches, ``b`` used in the first only: DDP reduces in the second's
+    backward, where ``b`` gets nothing, so it would fail at the next forward; one error names ``b``."""
+    plan = ParallelPlan(dp_replicate=dist.get_world_size())
+    pm = parallelize(EarlyOnly(), plan, build_mesh(plan, CPU), loss_fn=F.cross_entropy, device=CPU)
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    x, y = _batch()
+    for _ in range(2):
+        train_step(pm, opt, x, y, accum_steps=2)
+    return {"trained": True}

@@ -1,4 +1,5 @@
-"""Preflight checks on the live model and optimizer (cases C1, C2, C8, C9), one launch per world size."""
+"""Preflight checks on the live model and optimizer (cases C1, C2, C8, C9, C12, C15, DDP parameters frozen
+after wrapping), one launch per world size."""
 
 from __future__ import annotations
 
@@ -17,7 +18,18 @@ from test_checkpoint_reshard import launch  # noqa: E402
 def two_ranks(tmp_path_factory):
     return launch(2, [{"name": "c1_ddp", "kind": "c1", "plan": {"dp_replicate": 2}},
                       {"name": "c1_fsdp", "kind": "c1", "plan": {"dp_shard": 2}},
-                      {"name": "c9", "kind": "c9"}], tmp_path_factory.mktemp("pre2"), "pre2")
+                      {"name": "c9", "kind": "c9"},
+                      {"name": "c12_fsdp", "kind": "c12", "plan": {"dp_shard": 2}, "split_at": 1},
+                      {"name": "c12_ddp", "kind": "c12", "plan": {"dp_replicate": 2}, "split_at": 1},
+                      {"name": "c12_fsdp_at0", "kind": "c12", "plan": {"dp_shard": 2}, "split_at": 0},
+                      {"name": "c12_fsdp_off", "kind": "c12", "plan": {"dp_shard": 2}, "split_at": 1, "check": False},
+                      {"name": "c12_ddp_find_unused", "kind": "c12", "plan": {"dp_replicate": 2}, "split_at": 1,
+                       "find_unused": True},
+                      {"name": "c15_ddp", "kind": "c15", "plan": {"dp_replicate": 2}},
+                      {"name": "c15_fsdp", "kind": "c15", "plan": {"dp_shard": 2}},
+                      {"name": "frozen_ddp", "kind": "frozen_ddp"},
+                      {"name": "ddp_accum_early_only", "kind": "ddp_accum_early_only"}],
+                  tmp_path_factory.mktemp("pre2"), "pre2")
 
 
 @pytest.mark.slow
@@ -95,3 +107,71 @@ def test_c8_modelpar_checkpointing_gives_every_parameter_a_grad():
     apply_ac(list(m.blocks), mode="full")
     _first_step(m)                                   # no error: non-reentrant by default
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in m.parameters())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", ["c12_fsdp", "c12_ddp"])
+def test_c12_rank_divergent_use_is_one_error_at_the_step(two_ranks, name):
+    errs = two_ranks[name]["errors"]
+    assert set(errs) == {"0", "1"} and errs["0"] == errs["1"], errs
+    e = errs["0"]
+    assert "rank-divergent parameter use at step 1 (case C12)" in e, e
+    assert "a.bias, a.weight (a gradient on rank(s) [0], none on [1])" in e, e
+    assert "b.bias, b.weight (a gradient on rank(s) [1], none on [0])" in e, e
+    assert ("find_unused_parameters=True" in e) == (name == "c12_ddp")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_c12_split_from_step0_is_not_called_unused(two_ranks):
+    e = two_ranks["c12_fsdp_at0"]["errors"]["0"]
+    assert "rank-divergent parameter use at step 0" in e and "never uses" not in e and "no rank" not in e, e
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_c12_handled_by_ddp_find_unused_and_silent_without_the_check(two_ranks):
+    ok = two_ranks["c12_ddp_find_unused"]
+    assert not ok["errors"], ok["errors"]
+    assert ok["result"]["max_param_diff_vs_dp_reference"] < 1e-6, ok["result"]
+    off = two_ranks["c12_fsdp_off"]                   # what the check prevents: FSDP mixes a and b
+    assert not off["errors"], off["errors"]
+    assert off["result"]["max_param_diff_vs_dp_reference"] > 1e-3, off["result"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", ["c15_ddp", "c15_fsdp"])
+def test_c15_batchnorm_warned_and_buffers_agree(two_ranks, name):
+    r = two_ranks[name]
+    assert not r["errors"], r["errors"]
+    res = r["result"]
+    assert res["warnings_per_rank"] == [1, 0], res              # one warning, on rank 0 only
+    w = res["warnings"][0]
+    assert "1 BatchNorm layer(s) (seq.1)" in w and "2 data-parallel ranks" in w and "--sync-batchnorm" in w, w
+    assert res["mean_diff_after_1"] < 1e-6, res                 # mean of per-rank EMAs = one device's
+    assert res["rank_spread_after_3"] == 0.0, res
+    assert "SyncBatchNorm runs on CUDA tensors only" in res["refused"], res
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_ddp_params_frozen_after_wrapping_named(two_ranks):
+    errs = two_ranks["frozen_ddp"]["errors"]
+    assert set(errs) == {"0", "1"} and errs["0"] == errs["1"], errs
+    assert "1 parameter(s) changed requires_grad after DDP wrapped the model: 0.weight (trainable -> frozen)" \
+        in errs["0"], errs
+    assert "Set requires_grad before parallelize()" in errs["0"]
+    assert errs["0"].startswith("ValueError: ")            # not torch's RuntimeError at the next forward
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_ddp_param_used_only_in_an_earlier_micro_batch_named(two_ranks):
+    errs = two_ranks["ddp_accum_early_only"]["errors"]
+    assert set(errs) == {"0", "1"} and errs["0"] == errs["1"], errs
+    e = errs["0"]
+    assert e.startswith("ValueError: 2 trainable parameter(s) got no gradient in the first step (on rank(s) "
+                        "[0, 1]): b.bias, b.weight."), e
+    assert "the backward of the last accumulation micro-batch" in e

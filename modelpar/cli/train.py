@@ -115,7 +115,8 @@ def read_run_folder(run_dir: Path):
 
 
 def main(argv: list[str]) -> int:
-    from modelpar.launch import exit_rank, multinode_commands, run_local, under_launcher
+    from modelpar.launch import multinode_commands, run_local, under_launcher
+    from modelpar.rank_outcome import run_rank_and_exit
     from modelpar.train.loop import preflight
     from modelpar.train.resolve import resolve
     from modelpar.train.runner import make_run_dir, train
@@ -123,13 +124,13 @@ def main(argv: list[str]) -> int:
     cfg, ns, given = parse_train_config(argv)
     if ns.run_dir:                              # a rank of a resolved run: read, validate, train
         cfg, resolved = read_run_folder(Path(ns.run_dir))
-        train(cfg, run_dir=Path(ns.run_dir), resolved=resolved)
-        if under_launcher():
-            exit_rank(0)                        # every rank done: leave without gloo teardown
-        return 0
+        if not under_launcher():
+            train(cfg, run_dir=Path(ns.run_dir), resolved=resolved)
+            return 0
+        run_rank_and_exit(lambda: (train(cfg, run_dir=Path(ns.run_dir), resolved=resolved), 0)[1],
+                          "modelpar train")     # an error: reported, no teardown
     if under_launcher():                        # started by the user's own torchrun
-        train(cfg)
-        exit_rank(0)
+        run_rank_and_exit(lambda: (train(cfg), 0)[1], "modelpar train")
     if cfg.strategy.lower() in ("single", "placement"):
         world = 1
     elif cfg.plan and "nproc" not in given and "nnodes" not in given:

@@ -6,6 +6,10 @@ initial weights; prints the per-step loss differences, the largest parameter dif
 PASS / FAIL against the project's tolerance (`modelpar.verify.compare`). Exit code 0 on PASS, 1 on
 FAIL, 2 on bad input.
 
+On FAIL the likely reason is printed where the model has one (BatchNorm, dropout). Exit code 0 on
+PASS, 1 on FAIL, 2 on bad input (also an error every rank raised, e.g. rank-divergent parameter use,
+case C12), 1 when a rank crashed (named with its first error line; `modelpar.rank_outcome`).
+
 Your own model is named as ``module:factory`` or ``path/to/file.py:factory``; the factory
 protocol is documented once, in `modelpar.models.spec`. The launcher resolves the plan once and
 writes it (``plan.json``) with the options (``verify.yaml``) into a folder the ranks read.
@@ -80,6 +84,7 @@ def build_parser():
     add_fields(p, HardwareOptions)
     add_fields(p, VerifyOptions)
     mirrored, only_plan = plan_flag_fields()
+    add_fields(p, TrainConfig, only=("check_unused_params", "sync_batchnorm"))
     add_fields(p, TrainConfig, only=mirrored, group="plan options")
     add_fields(p, ParallelPlan, only=only_plan, dest_prefix="plan_options.", group="plan options")
     p.add_argument("--run-dir", default="", help="a folder with verify.yaml and plan.json written by the "
@@ -179,7 +184,7 @@ def _random_batches(shape, classes: int, gb: int, seed: int):
     return batch_fn
 
 
-def format_report(desc: str, plan, world: int, rep, ref, got) -> str:
+def format_report(desc: str, plan, world: int, rep, ref, got, hints: list[str] = ()) -> str:
     lines = [f"modelpar verify: {desc}, plan {plan.describe()} on {world} rank(s) vs 1 process, "
              f"{len(ref.losses)} steps",
              f"{'step':>4}  {'loss 1 process':>15}  {'loss plan':>15}  {'rel diff':>9}  {'grad-norm rel diff':>18}"]
@@ -191,6 +196,8 @@ def format_report(desc: str, plan, world: int, rep, ref, got) -> str:
     lines.append("tolerance: loss 1e-5 relative per step; parameters |delta| <= 1e-4 + 1e-4 |theta| per element "
                  "and ||delta||/||theta|| <= 1e-5 (SGD: |delta| <= 1e-5 |theta| + 1e-7); grad norm 1e-5 relative")
     lines.append("PASS" if rep.passed else "FAIL:\n  " + "\n  ".join(rep.failures))
+    if not rep.passed and hints:
+        lines.append("likely reason:\n  " + "\n  ".join(hints))
     return "\n".join(lines)
 
 
@@ -208,13 +215,16 @@ def run_rank(args, plan, local: int) -> int:
     model, batch_fn, loss_fn, reduction, desc = load_task(args)
     kw = dict(loss_fn=loss_fn, batch_fn=batch_fn, steps=args.steps, global_batch_size=args.global_batch_size,
               optimizer=args.optimizer, lr=args.lr, grad_clip=args.grad_clip, loss_reduction=reduction)
-    got = run_steps(model, plan, local_batch_size=local, **kw)
+    got = run_steps(model, plan, local_batch_size=local, check_unused_params=args.check_unused_params,
+                    sync_batchnorm=args.sync_batchnorm, **kw)
     code = 0
     if rank == 0:
         ref = run_steps(model, ParallelPlan(), local_batch_size=args.global_batch_size,
                         mesh=MeshInfo(mesh=None), **kw)
         rep = compare(desc, ref, got, optimizer=args.optimizer)
-        print(format_report(desc, plan, world, rep, ref, got), flush=True)
+        from modelpar.parallel.layer_checks import parity_hints
+
+        print(format_report(desc, plan, world, rep, ref, got, parity_hints(model)), flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps({**rep.to_dict(), "plan": plan.to_dict(),
                                                   "ref_losses": ref.losses, "losses": got.losses}, indent=1))
@@ -223,9 +233,6 @@ def run_rank(args, plan, local: int) -> int:
         box = [code]
         dist.broadcast_object_list(box, src=0)
         code = box[0]
-        from modelpar.launch import exit_rank
-
-        exit_rank(code)                          # a launched rank: leave without gloo teardown
     return code
 
 
@@ -246,6 +253,10 @@ def _check_before_launch(args, plan, local: int) -> None:
         from modelpar.parallel.parts import get_model_parts
 
         plan.validate(plan.world_size, num_blocks=get_model_parts(model).num_blocks)
+    from modelpar.parallel.batchnorm import check_sync_batchnorm
+    from modelpar.parallel.mesh import get_device
+
+    check_sync_batchnorm(args.sync_batchnorm, get_device().type, [model])    # case C15
 
 
 def main(argv: list[str]) -> int:
@@ -254,8 +265,9 @@ def main(argv: list[str]) -> int:
 
     import yaml
 
-    from modelpar.launch import run_local, under_launcher
+    from modelpar.launch import under_launcher
     from modelpar.plan_file import PlanFile, read_plan_file
+    from modelpar.rank_outcome import launch as launch_ranks, run_rank_and_exit
 
     p = build_parser()
     argv = normalize_argv(argv, p, prog="modelpar verify")
@@ -265,21 +277,24 @@ def main(argv: list[str]) -> int:
         args = parse(p, ["--config", str(d / "verify.yaml")])
         pf = read_plan_file(d / "plan.json")
         plan = pf.plan.validate(pf.plan.world_size)
-        return run_rank(args, plan, pf.local_batch_size)
+        run_rank_and_exit(lambda: run_rank(args, plan, pf.local_batch_size), "modelpar verify")
     plan, local = resolve_plan(args, given_fields(p, argv))
     local = local or args.local_batch_size or args.global_batch_size // plan.dp
     _check_before_launch(args, plan, local)
-    if under_launcher() or plan.world_size == 1:
+    if under_launcher():                         # started by the user's own torchrun
+        run_rank_and_exit(lambda: run_rank(args, plan, local), "modelpar verify")
+    if plan.world_size == 1:
         return run_rank(args, plan, local)
     d = Path(tempfile.mkdtemp(prefix="modelpar-verify-"))
     opts = {k: v for k, v in args.as_dict().items() if k not in ("config", "__path__", "run_dir")}
     (d / "verify.yaml").write_text(yaml.safe_dump(opts))
     PlanFile(plan, args.global_batch_size, local, "modelpar verify").write(d / "plan.json")
-    rc = run_local(["-m", "modelpar", "verify", "--run-dir", str(d)], plan.world_size)
-    if rc != 0:
-        print(f"modelpar verify: FAIL or a rank failed (exit code {rc})", file=sys.stderr)
-        return 1
-    return 0
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    code, msg = launch_ranks(["--standalone", f"--nproc-per-node={plan.world_size}", "--max-restarts=0", "-m",
+                              "modelpar", "verify", "--run-dir", str(d)]).report("modelpar verify")
+    if msg:                                      # FAIL: 1; a crash: 1, named; an error on every rank: 2
+        print(msg, file=sys.stderr)
+    return code
 
 
 def verify_main(argv: list[str]) -> int:

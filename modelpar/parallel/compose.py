@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from modelpar.parallel import checkpointing, compiling, data_parallel, pipeline, placement, tensor
+from modelpar.parallel import checkpointing, compiling, data_parallel, layer_checks, pipeline, placement, tensor
 from modelpar.parallel.mesh import MeshInfo
 from modelpar.parallel.parts import ModelParts, check_parts_order, get_model_parts
 from modelpar.plan import ParallelPlan
@@ -70,6 +70,8 @@ class ParallelModel:
     loss_reduction: str = "mean"          # "mean" | "sum": what loss_fn does over its batch
     loss_parallel: bool = False           # logits are vocab-sharded DTensors; loss under loss_parallel()
     fsdp_mixed_precision: bool = False    # bf16 done by FSDP2's MixedPrecisionPolicy (no autocast)
+    grad_check: Callable | None = None    # per-step gradient-use check (grad_use.GradUseCheck; C1, C12)
+    buffer_sync: Callable | None = None   # BatchNorm running statistics averaged over dp (C15)
     _scaled: "_ScaledLoss | None" = None  # the schedule's loss function (see _ScaledLoss)
 
     def __post_init__(self):
@@ -148,6 +150,18 @@ class ParallelModel:
             self.schedule.step(*args, **kwargs)
         for p, g in zip(params, saved):
             p.grad = g
+
+    def check_grad_use(self) -> None:
+        """After the backward of an optimizer step, before clipping and ``optimizer.step()``: raise
+        one ValueError on every rank if the data-parallel ranks used different parameters (case C12,
+        `modelpar.parallel.grad_use`). Collective; a no-op with ``check_unused_params=False``."""
+        if self.grad_check is not None:
+            self.grad_check()
+
+    def after_optimizer_step(self) -> None:
+        """Average BatchNorm running statistics over the data-parallel group (case C15). Collective."""
+        if self.buffer_sync is not None:
+            self.buffer_sync()
 
     # ---- the step -----------------------------------------------------------------------------
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, *, loss_scale: float = 1.0,
@@ -262,7 +276,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
                 device: torch.device, example_input: torch.Tensor | None = None,
                 tp_plan: dict[str, str] | None = None, split_points: tuple[str, ...] | None = None,
                 find_unused_parameters: bool = False, loss_reduction: str = "mean",
-                loss_parallel: bool | None = None, block_costs: list[float] | str | None = None) -> ParallelModel:
+                loss_parallel: bool | None = None, block_costs: list[float] | str | None = None,
+                check_unused_params: bool = True, sync_batchnorm: bool = False) -> ParallelModel:
     """Lay ``model`` out according to ``plan`` on this rank (see the module docstring for the order).
 
     Args:
@@ -278,11 +293,18 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
         block_costs: pipeline stage balancing: per-block costs, or ``"flops"`` (counted on
             ``example_input``), ``"time"`` (measured), ``"params"``; None: ``"flops"`` when an example
             input is given, else ``"params"`` (`modelpar.parallel.parts.block_costs`).
+        find_unused_parameters: DDP's own option (it then reduces zeros for parameters a rank did not
+            use: rank-divergent use is handled instead of refused).
+        check_unused_params: check at every optimizer step that the data-parallel ranks used the same
+            parameters (`modelpar.parallel.grad_use`, case C12; one small all-gather per step).
+        sync_batchnorm: convert BatchNorm layers to SyncBatchNorm over the data-parallel group (CUDA
+            only; `modelpar.parallel.batchnorm`, case C15). Without it a model with BatchNorm gets one
+            warning (rank 0) that its batch statistics are per rank.
 
     Raises:
         ValueError: the model cannot be split as the plan needs (see `modelpar.parallel.parts`), a
             stage boundary carries something other than tensors, a TP split does not divide evenly,
-            or an unknown ``loss_reduction``.
+            or an unknown ``loss_reduction``, ``sync_batchnorm`` without CUDA.
     """
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"loss_reduction={loss_reduction!r} is unknown; valid: mean, sum")
@@ -313,6 +335,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
                              loss_reduction=loss_reduction)
 
     model.to(device)
+    model = layer_checks.prepare_batchnorm(model, plan, mesh, device, sync=sync_batchnorm)
     # 1. pipeline split (first: every later step sees only this rank's stages)
     indices, ranges = [], []
     if plan.pp_enabled:
@@ -373,4 +396,6 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
         pm.schedule = pipeline.build_schedule(runtime_modules, indices, plan.num_stages,
                                               schedule=plan.pp_schedule, n_microbatches=plan.n_microbatches,
                                               loss_fn=pm._scaled, device=device, pp_group=mesh.group("pp"))
+    layer_checks.attach(pm, check_unused_params=check_unused_params, find_unused=find_unused_parameters,
+                        ddp=plan.dp_replicate > 1 and not fsdp_style)
     return pm

@@ -40,6 +40,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from modelpar.plan import ParallelPlan
+# the collective (alpha-beta) and pipeline-bubble formulas live in formulas.py, re-exported here
+from modelpar.planner.formulas import (all_gather_time, all_reduce_time, alpha_beta_form,  # noqa: F401
+                                       bubble_fraction, p2p_time)
+from modelpar.planner.gpu import gpu_link, gpu_load_times, physics_for
 from modelpar.planner.hardware import Hardware
 from modelpar.planner.memory import Batch, RankLoad, rank_loads
 from modelpar.planner.profile import ModelProfile
@@ -58,57 +62,6 @@ OPT_KERNELS = {"sgd": 1 + 4, "sgd_momentum": 3 + 4, "adamw": 1 + 4}
 # torch's single-tensor loop (`modelpar.train.step.adamw`): mul_ 8, lerp_ 12, mul_ 8, addcmul_ 16,
 # sqrt 8, div 8, add_ 8, addcdiv_ 16 = 84 B/param, 8 kernels and two new tensors (sqrt, div) per tensor
 ADAMW_LOOP_TRAFFIC, ADAMW_LOOP_KERNELS = 84 + 12, 8 + 4
-
-
-# ---- collectives (alpha-beta) ------------------------------------------------------------------
-def alpha_beta_form(op: str, n: int) -> tuple[float, float]:
-    """(latency steps, bandwidth volume factor) of ``op`` over ``n`` ranks, so that its time is
-    steps x latency + volume x bytes / bandwidth (Thakur et al. 2005, ring algorithms): all-reduce
-    2(n-1) and 2(n-1)/n; all-gather and reduce-scatter (bytes = the gathered size) n-1 and (n-1)/n;
-    send/recv 1 and 1. Raises KeyError for another op."""
-    if op == "send_recv":
-        return 1, 1
-    k = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}[op]
-    return k * (n - 1), k * (n - 1) / n
-
-
-def all_reduce_time(nbytes: float, n: int, bw: float, lat: float) -> float:
-    """Ring all-reduce of ``nbytes`` over ``n`` ranks: 2(n-1) lat + 2(n-1)/n nbytes/bw seconds."""
-    steps, volume = alpha_beta_form("all_reduce", n)
-    return 0.0 if n <= 1 else steps * lat + volume * nbytes / bw
-
-
-def all_gather_time(nbytes: float, n: int, bw: float, lat: float) -> float:
-    """Ring all-gather (or reduce-scatter) whose gathered size is ``nbytes``: (n-1) lat + (n-1)/n B/bw."""
-    steps, volume = alpha_beta_form("all_gather", n)
-    return 0.0 if n <= 1 else steps * lat + volume * nbytes / bw
-
-
-def p2p_time(nbytes: float, bw: float, lat: float) -> float:
-    """One send/recv of ``nbytes``: lat + nbytes/bw seconds."""
-    return lat + nbytes / bw
-
-
-def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
-    """Pipeline bubble time / ideal time (see module docstring). 0 without a pipeline.
-
-    Raises:
-        ValueError: ``m < 1`` or an unknown schedule.
-    """
-    if p <= 1:
-        return 0.0
-    if m < 1:
-        raise ValueError(f"n_microbatches must be >= 1, got {m}")
-    if schedule in ("gpipe", "1f1b"):
-        return (p - 1) / m
-    if schedule in ("interleaved1f1b", "loopedbfs"):
-        return (p - 1) / (v * m)
-    if schedule == "interleavedzerobubble":
-        return (p - 1) / (3 * v * m)     # ZB-H1 applied per virtual chunk (assumption)
-    if schedule in ("zbvzerobubble", "dualpipev"):
-        # ZB-V reaches ~0 only once m >= 2p micro-batches fill the V; below that, ZB-H1's bound
-        return 0.0 if m >= 2 * p else (p - 1) / (3 * m)
-    raise ValueError(f"unknown pp_schedule {schedule!r}")
 
 
 @dataclass(slots=True)
@@ -185,7 +138,6 @@ def _axis_link(plan: ParallelPlan, axis: str, hw: Hardware, op: str = "all_reduc
     return hw.link(n, span)
 
 
-
 def _coll(plan: ParallelPlan, axis: str, hw: Hardware, op: str, nbytes: float, n: int, ctx: bool = False) -> float:
     """Seconds of one ``op`` of ``nbytes`` over ``n`` ranks of mesh axis ``axis``: the calibrated
     table (`Hardware.collective_seconds`; ``ctx``: the one of calls issued between compute segments,
@@ -213,6 +165,11 @@ def _coll_sum(plan: ParallelPlan, axis: str, hw: Hardware, op: str, sizes, n: in
                  and hw.collective_seconds(op, 1.0, n, in_context=ctx) is not None)
         bw, lat = _axis_link(plan, axis, hw, op)
         steps, volume = alpha_beta_form(op, n)
+        phys = physics_for(hw)
+        if phys is not None:            # built-in GPU: published NCCL bus bandwidths (gpu.py)
+            span = {"tp": 1, "dp_shard": plan.tp, "dp_replicate": plan.tp * plan.dp_shard,
+                    "pp": plan.tp * plan.dp}[axis]
+            bw, lat, steps = gpu_link(phys, hw, bw, op, n, steps, min(n, hw.devices_per_node // span))
         link = _LINKS[key] = (hw, table, steps * lat, volume / bw)
     if link[1]:
         return sum(hw.collective_seconds(op, x * scale, n, in_context=ctx) for x in sizes if x > 0)
@@ -236,13 +193,14 @@ DDP_FIRST_BUCKET_BYTES = 2 ** 20     # torch DDP's first bucket (``_DEFAULT_FIRS
 _BUCKETS: dict[int, tuple] = {}
 
 
-def _ddp_buckets_cached(sizes: tuple) -> list[float]:
-    """`ddp_buckets` of fp32 gradients, memoized per parameter-size tuple (one per rank load)."""
-    hit = _BUCKETS.get(id(sizes))
+def _ddp_buckets_cached(sizes: tuple, elem_bytes: float = 4) -> list[float]:
+    """`ddp_buckets` of gradients of ``elem_bytes`` (fp32 by default), memoized per parameter-size
+    tuple (one per rank load) and element size."""
+    hit = _BUCKETS.get((id(sizes), elem_bytes))
     if hit is None or hit[0] is not sizes:
         if len(_BUCKETS) > 4096:
             _BUCKETS.clear()
-        hit = _BUCKETS[id(sizes)] = (sizes, ddp_buckets(sizes, 4))
+        hit = _BUCKETS[(id(sizes), elem_bytes)] = (sizes, ddp_buckets(sizes, elem_bytes))
     return hit[1]
 
 
@@ -264,31 +222,42 @@ def ddp_buckets(sizes, elem_bytes: float, cap: float = DDP_BUCKET_BYTES) -> list
 _COMMS: dict[tuple, tuple] = {}
 
 
-def _comm_terms(ld: RankLoad, plan: ParallelPlan, hw: Hardware, b: int, wb: int, dp_overlap: bool) -> dict:
+def _comm_terms(ld: RankLoad, plan: ParallelPlan, hw: Hardware, b: int, wb: int, dp_overlap: bool,
+                rb: float = 4, sg: bool = False) -> dict:
     """The collective times of one rank's step that do not depend on the schedule, micro-batch count
-    or checkpointing (memoized: the search evaluates many such variants of each layout)."""
-    key = (id(ld), id(hw), plan.tp, plan.dp_shard, plan.dp_replicate, plan.pp, b, wb, dp_overlap)
+    or checkpointing (memoized: the search evaluates many such variants of each layout). ``wb``:
+    bytes per gathered parameter (FSDP all-gather), ``rb``: per reduced gradient element; ``sg``:
+    pipeline transfers use Megatron-LM's scatter / gather (each TP rank sends 1/tp of the tensor,
+    the receivers all-gather it over the TP group; Narayanan et al. SC'21, Sec. 4.1)."""
+    key = (id(ld), id(hw), plan.tp, plan.dp_shard, plan.dp_replicate, plan.pp, b, wb, dp_overlap, rb, sg)
     hit = _COMMS.get(key)
     if hit is not None and hit[0] is ld and hit[1] is hw:
         return hit[2]
     # without overlap (CPU) every data-parallel collective and pipeline transfer blocks between two
     # compute segments: its calibrated in-context time includes the wait for the slowest rank
     cx = not hw.comm_overlap
-    c = {"p2p": _coll(plan, "pp", hw, "send_recv", ld.boundary * b, 2, cx) if plan.pp > 1 else 0.0}
-    grad_bytes = 4 * ld.params
+    # a stage sends its output forward and its input's gradient back: hidden states, never logits
+    # (`RankLoad.p2p`); CPU profiles keep the stage-output size their calibrated accuracy was
+    # measured with (the last stage's logits; see docs/planner.md)
+    p2p = ld.p2p if (ld.p2p and physics_for(hw) is not None) else ld.boundary
+    c = {"p2p": _coll(plan, "pp", hw, "send_recv", p2p * b, 2, cx) if plan.pp > 1 else 0.0}
+    if sg and plan.pp > 1 and plan.tp > 1 and not plan.sequence_parallel:
+        c["p2p"] = (_coll(plan, "pp", hw, "send_recv", p2p * b / plan.tp, 2)
+                    + _coll(plan, "tp", hw, "all_gather", p2p * b, plan.tp))
+    grad_bytes = rb * ld.params
     if plan.dp_shard > 1:
         n = plan.dp_shard
         units = ld.unit_sizes or (ld.params - ld.root_params,)
         c["ag"] = _coll_sum(plan, "dp_shard", hw, "all_gather", units, n, wb, cx)
         c["ag_root"] = _coll(plan, "dp_shard", hw, "all_gather", wb * ld.root_params, n, cx)
-        c["rs"] = (_coll_sum(plan, "dp_shard", hw, "reduce_scatter", units, n, 4, cx)
-                   + _coll(plan, "dp_shard", hw, "reduce_scatter", 4 * ld.root_params, n, cx))
+        c["rs"] = (_coll_sum(plan, "dp_shard", hw, "reduce_scatter", units, n, rb, cx)
+                   + _coll(plan, "dp_shard", hw, "reduce_scatter", rb * ld.root_params, n, cx))
         c["first"] = _coll(plan, "dp_shard", hw, "all_gather", wb * ld.max_unit_params, n)
         c["rep"] = (_coll(plan, "dp_replicate", hw, "all_reduce", grad_bytes / n, plan.dp_replicate, cx)
                     if plan.dp_replicate > 1 else 0.0)
     elif plan.dp_replicate > 1:
         n = plan.dp_replicate
-        buckets = _ddp_buckets_cached(ld.param_sizes) if (ld.param_sizes and dp_overlap) else (grad_bytes,)
+        buckets = _ddp_buckets_cached(ld.param_sizes, rb) if (ld.param_sizes and dp_overlap) else (grad_bytes,)
         c["t_ar"] = _coll_sum(plan, "dp_replicate", hw, "all_reduce", buckets, n)
         if cx:
             # DDP launches each bucket's all-reduce asynchronously from backward; only the wait for
@@ -307,9 +276,12 @@ _LOAD_TIMES: dict[tuple, tuple] = {}
 
 
 def _load_times(ld: RankLoad, hw: Hardware, b: int, prec: str, mem_s: float, ew_s: float, attn_rate: float,
-                curve: bool, flops_s: float, alone: bool) -> tuple[float, float]:
+                curve: bool, flops_s: float, alone: bool, phys=None, kernel=None) -> tuple[float, float]:
     """Forward and backward seconds of one micro-batch of ``b`` samples on a rank holding ``ld``
-    (memoized by `rank_step`: they do not depend on the schedule or checkpointing)."""
+    (memoized by `rank_step`: they do not depend on the schedule or checkpointing). ``phys``: the
+    built-in GPU's published tables (`gpu.gpu_load_times`), None elsewhere."""
+    if phys is not None:
+        return gpu_load_times(ld, b, mem_s, flops_s, phys, kernel)
     # fused attention kernels at their own calibrated rate where there is one (on CPU far below
     # the GEMM rate); otherwise they count as matmuls
     af, ab = ld.attn_flops if attn_rate else (0.0, 0.0)
@@ -334,13 +306,20 @@ def _load_times(ld: RankLoad, hw: Hardware, b: int, prec: str, mem_s: float, ew_
 
 def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_batch_size: int,
               accumulation: int, optimizer: str, tp_bytes: float, dp_overlap: bool = True,
-              fused_tp_optimizer: bool = False) -> dict:
+              fused_tp_optimizer: bool = False, reduce_bytes: float = 4,
+              gather_bytes: float | None = None, attention_kernel: str | None = None,
+              p2p_scatter_gather: bool = False) -> dict:
     """Seconds of one step on the slowest pipeline rank; ``tp_bytes`` = block output per sample.
 
     CPU-specific terms (zero where the hardware profile lacks them): fresh allocations
     (`Hardware.fresh_seconds`: each micro-batch's weight gradients; FSDP's gathered and
     reduce-scatter buffers), and no overlap
     of communication with compute when ``hw.comm_overlap`` is False.
+    ``reduce_bytes`` / ``gather_bytes``: bytes per element of reduced gradients (4: fp32, modelpar's
+    reductions) and of FSDP-gathered parameters (None: the plan's precision); other runtimes differ
+    (Megatron-LM fp16 reduces fp16 gradients; Composer's FSDP mixed-precision modes).
+    ``attention_kernel``: fused-attention table on built-in GPUs (`gpu.GpuPhysics`; None: its default).
+    ``p2p_scatter_gather``: Megatron-LM's scatter / gather of pipeline transfers (`_comm_terms`).
     """
     prec = plan.precision
     flops_s = hw.achievable_flops(prec)
@@ -349,6 +328,9 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     # so each streams at the one-rank rate (both calibrated on CPU; the same number elsewhere)
     alone = plan.dp * plan.tp == 1 and plan.pp > 1
     mem_s = (hw.extra.get("mem_bandwidth_alone", hw.mem_bandwidth) if alone else hw.mem_bandwidth) * hw.mem_bw_fraction
+    phys = physics_for(hw)
+    if phys is not None:            # built-in GPU: measured HBM fraction and MAMF (gpu.py)
+        mem_s = hw.mem_bandwidth * phys.hbm_fraction
     b, m, v, p = micro_batch_size, (plan.n_microbatches if plan.pp > 1 else 1), plan.virtual_stages, plan.pp
     ac = plan.activation_checkpointing == "full"
     overlap = dp_overlap and hw.comm_overlap
@@ -368,12 +350,13 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     zb = (hw.extra.get("zero_bubble_backward_factor", 1.0)
           if p > 1 and plan.pp_schedule in ZERO_BUBBLE_SCHEDULES else 1.0)
     for ld in loads:
-        key = (id(ld), id(hw), b, prec, alone)
+        key = (id(ld), id(hw), b, prec, alone, attention_kernel)
         hit = _LOAD_TIMES.get(key)
         if hit is not None and hit[0] is ld and hit[1] is hw:
             t_f, t_b = hit[2]
         else:
-            t_f, t_b = _load_times(ld, hw, b, prec, mem_s, ew_s, attn_rate, curve, flops_s, alone)
+            t_f, t_b = _load_times(ld, hw, b, prec, mem_s, ew_s, attn_rate, curve, flops_s, alone, phys,
+                                   attention_kernel)
             if len(_LOAD_TIMES) > 65536:
                 _LOAD_TIMES.clear()
             _LOAD_TIMES[key] = (ld, hw, (t_f, t_b))
@@ -396,8 +379,8 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     # write 1 fp32 values per parameter)
     t_acc = (mbs - 1) * 12 * ld.params / mem_s
     # data parallel
-    wb = 2 if prec == "bf16" else 4
-    cm = _comm_terms(ld, plan, hw, b, wb, dp_overlap)
+    wb = gather_bytes or (2 if prec == "bf16" else 4)
+    cm = _comm_terms(ld, plan, hw, b, wb, dp_overlap, reduce_bytes, p2p_scatter_gather)
     t_p2p = 2 * v * cm["p2p"] if p > 1 else 0.0
     dp_exposed, fsdp_per_mb = 0.0, 0.0
     if plan.dp_shard > 1:
@@ -453,7 +436,9 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
 
 def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: Hardware, *,
                   optimizer: str = "adamw", dp_overlap: bool = True,
-                  fused_tp_optimizer: bool = False) -> StepEstimate:
+                  fused_tp_optimizer: bool = False, reduce_bytes: float = 4,
+                  gather_bytes: float | None = None, attention_kernel: str | None = None,
+                  p2p_scatter_gather: bool = False) -> StepEstimate:
     """Predict one optimizer step of ``plan`` on ``hw`` (see module docstring for the formulas).
 
     Args:
@@ -466,6 +451,7 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
         fused_tp_optimizer: tensor-parallel plans step with a fused AdamW too (Megatron-LM's fused
             Adam); by default they pay the single-tensor loop modelpar's TP runs (see
             `modelpar.train.step.adamw`).
+        reduce_bytes, gather_bytes, attention_kernel, p2p_scatter_gather: see `rank_step`.
 
     Raises:
         ValueError: batch sizes that do not divide, unknown optimizer or precision.
@@ -477,7 +463,9 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
     loads = rank_loads(profile, plan, act_bytes=2 if plan.precision == "bf16" else 4)
     parts = rank_step(loads, plan, hw, micro_batch_size=b, accumulation=acc, optimizer=optimizer,
                       tp_bytes=tp_bytes_per_sample(profile, plan), dp_overlap=dp_overlap,
-                      fused_tp_optimizer=fused_tp_optimizer)
+                      fused_tp_optimizer=fused_tp_optimizer, reduce_bytes=reduce_bytes,
+                      gather_bytes=gather_bytes, attention_kernel=attention_kernel,
+                      p2p_scatter_gather=p2p_scatter_gather)
     return _finish(parts, profile, plan, batch.global_batch_size)
 
 

@@ -14,6 +14,10 @@ Bandwidths are per device and per direction (NVLink 3: 600 GB/s bidirectional = 
 NVLink 4: 900 -> 450). Inter-node bandwidth is the node's InfiniBand bandwidth divided by its GPUs
 (8 x HDR 200 Gb/s = 25 GB/s per A100; 8 x NDR 400 Gb/s = 50 GB/s per H100/H200).
 
+The step-time model reads the built-in GPU profiles through `modelpar.planner.gpu` (cited kernel
+and NCCL tables: achieved bus bandwidths, attention rates, measured HBM fraction); the link fields
+here then only say which groups stay inside a node.
+
 `cpu_profile` describes this machine before calibration (an estimate); `modelpar calibrate`
 measures it and `save_profile` / `load_profile` keep the result as JSON.
 """

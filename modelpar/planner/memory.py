@@ -165,6 +165,10 @@ class RankLoad:
     attn_flops: tuple = (0.0, 0.0)     # (fwd, bwd) FLOPs per sample of fused attention kernels, TP applied
     attn_calls: int = 0                # fused attention calls per forward (as many in backward)
     tp_linears: int = 0                # weight matrices a TP split shards (DTensor Linears per forward)
+    # bytes per sample of the largest pipeline transfer of the rank: a stage's output (sent forward)
+    # or its input (whose gradient is sent back); hidden states, never the logits (0: no pipeline)
+    p2p: float = 0.0
+    attn_shape: tuple | None = None    # (seq, head dim, causal) of a transformer's attention, for GPU tables
 
 
 def _adamw_temp(numels: list[tuple[float, bool]]) -> float:
@@ -396,8 +400,10 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float) -
         ld.boundary = profile.blocks[b - 1].output_bytes * scale / bs / (t if sp else 1)
         if s > 0:
             ld.recv += profile.blocks[a].input_bytes * scale / bs / (t if sp else 1)
+            ld.p2p = max(ld.p2p, profile.blocks[a].input_bytes * scale / bs / (t if sp else 1))
         if s < len(rng) - 1:
             ld.recv += ld.boundary
+            ld.p2p = max(ld.p2p, ld.boundary)
         ld.data = data
     for ld, acc in zip(loads, sums):
         (ld.params, ld.root_params, ld.saved, ld.saved_ac, ld.fwd_flops, ld.bwd_flops, ld.fwd_mem, ld.bwd_mem,
@@ -416,9 +422,16 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float) -
         _fsdp_unit_peak(ld, un)
     last = loads[(len(rng) - 1) % plan.pp]
     last.is_last = True
+    arch = profile.arch
+    if arch.get("n_head") and arch.get("seq_len"):
+        for ld in loads:
+            ld.attn_shape = (profile.tokens_per_sample, arch["d_model"] // arch["n_head"], True)
     # the logits (model output) and the loss's saved copy of them (log-softmax output); replicated
-    # under TP unless the head is vocab-sharded (sequence parallel turns loss parallel on)
-    last.logits = 2 * profile.blocks[-1].output_bytes * scale / bs / (t if sp else 1)
+    # under TP unless the head is vocab-sharded (sequence parallel turns loss parallel on; a head
+    # whose projection the profile marks TP-sharded, `vocab_parallel_profile`, computes the loss
+    # on sharded logits: Megatron-LM's parallel cross entropy, torch's loss_parallel)
+    head_sharded = profile.blocks[-1].tp_sharded_params > 0
+    last.logits = 2 * profile.blocks[-1].output_bytes * scale / bs / (t if (sp or head_sharded) else 1)
     last.out = last.logits / 2
     return loads
 
@@ -534,7 +547,8 @@ def in_flight(plan: ParallelPlan, pp_rank: int) -> float:
 def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, optimizer: str,
                 overhead_bytes: float, pp_rank: int, accumulation: int = 1, global_batch_size: int = 0,
                 foreach: bool = False, recv_per_microbatch: bool = True, fused: bool = True,
-                gloo: bool = False, fused_tp_optimizer: bool = False) -> MemoryEstimate:
+                gloo: bool = False, fused_tp_optimizer: bool = False,
+                ddp_bucket_copy: bool = True) -> MemoryEstimate:
     """Peak memory of one pipeline rank, with its parts at the moment of the peak.
 
     The largest of these moments of a training step (steady state: optimizer state exists;
@@ -560,6 +574,8 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
     present. Other micro-batches in flight add their saved activations (and the pipeline runtime
     keeps their stage outputs), and every rank holds the global batch (inputs and targets).
     ``gloo``: collectives run on gloo (CPU), whose reduce-scatter copies its input first.
+    ``ddp_bucket_copy``: DDP keeps its buckets as a copy of the gradients (4 B/param); False for a
+    runtime that reduces the gradients in place (Megatron-LM's DDP: one contiguous gradient buffer).
     """
     shard = plan.dp_shard
     fsdp = shard > 1
@@ -583,7 +599,7 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
     # per micro-batch and stage (activations on non-first stages, gradients on non-last stages;
     # Megatron-LM reuses 2), and DDP's gradient buckets (a copy of the gradients)
     comm_persist = ((m if recv_per_microbatch else 2) * ld.recv * b) if pp else 0.0
-    if plan.dp_replicate > 1 and not fsdp:
+    if plan.dp_replicate > 1 and not fsdp and ddp_bucket_copy:
         comm_persist += 4 * P
     # autocast keeps a bf16 copy of every weight it cast, from forward to the end of backward
     cast_cache = 2 * P if (bf16 and not fsdp) else 0.0
@@ -672,7 +688,8 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
 def estimate_memory(profile: ModelProfile, plan: ParallelPlan, batch: Batch, *,
                     optimizer: str = "adamw", overhead_bytes: float = 0.0, foreach: bool = False,
                     recv_per_microbatch: bool = True, fused: bool = True,
-                    gloo: bool = False, fused_tp_optimizer: bool = False) -> MemoryEstimate:
+                    gloo: bool = False, fused_tp_optimizer: bool = False,
+                    ddp_bucket_copy: bool = True) -> MemoryEstimate:
     """Peak memory per rank for ``plan``: the most loaded pipeline rank, with its parts (bytes).
 
     Args:
@@ -690,6 +707,7 @@ def estimate_memory(profile: ModelProfile, plan: ParallelPlan, batch: Batch, *,
         fused: AdamW runs torch's fused kernel (modelpar's default), which makes no temporaries;
             tensor-parallel plans still use the single-tensor loop (modelpar's TP mixes plain tensors
             and DTensors) unless ``fused_tp_optimizer`` (Megatron-LM's fused Adam).
+        ddp_bucket_copy: see `rank_memory`.
 
     Raises:
         ValueError: unknown optimizer, batch sizes that do not divide, more stages than blocks.
@@ -702,7 +720,7 @@ def estimate_memory(profile: ModelProfile, plan: ParallelPlan, batch: Batch, *,
     ests = [rank_memory(ld, plan, micro_batch_size=b, optimizer=optimizer, overhead_bytes=overhead_bytes,
                         pp_rank=r, accumulation=acc, global_batch_size=batch.global_batch_size, foreach=foreach,
                         recv_per_microbatch=recv_per_microbatch, fused=fused, gloo=gloo,
-                        fused_tp_optimizer=fused_tp_optimizer)
+                        fused_tp_optimizer=fused_tp_optimizer, ddp_bucket_copy=ddp_bucket_copy)
             for r, ld in enumerate(loads)]
     return max(ests, key=lambda e: e.total)
 

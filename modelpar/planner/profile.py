@@ -411,8 +411,9 @@ def profile_model(model: nn.Module, example_input: torch.Tensor | Sequence[torch
             ``(batch, seq)`` int64 or features ``(batch, in)``; floating inputs are cast to ``dtype``.
         dtype: ``torch.float32`` or ``torch.bfloat16``: the dtype of parameters and activations.
         blocks: ``(name, submodule)`` pairs to attribute costs to; default `default_blocks`.
-        attention: ``"flash"`` (fused kernel, O(seq) saved bytes) or ``"math"`` (unfused, the
-            (seq, seq) scores saved); see the module docstring.
+        attention: ``"flash"`` (fused kernel, O(seq) saved bytes), ``"math"`` (unfused, the
+            (seq, seq) scores saved; see the module docstring) or ``"megatron"`` (Megatron-LM's
+            unfused core attention with its fused softmax, `runtimes.MegatronAttention`).
 
     Returns:
         ModelProfile with one BlockProfile per block, for the batch of ``example_input``.
@@ -421,8 +422,8 @@ def profile_model(model: nn.Module, example_input: torch.Tensor | Sequence[torch
         ValueError: unsupported dtype or attention, an empty input, or a block that is not a
             submodule of model.
     """
-    if attention not in ("flash", "math"):
-        raise ValueError(f"profile_model attention must be 'flash' or 'math', got {attention!r}")
+    if attention not in ("flash", "math", "megatron"):
+        raise ValueError(f"profile_model attention must be 'flash', 'math' or 'megatron', got {attention!r}")
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"profile_model dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     inputs = tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)
@@ -443,6 +444,9 @@ def profile_model(model: nn.Module, example_input: torch.Tensor | Sequence[torch
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         fake_mode.__enter__()
     flash = _FlashAttention() if attention == "flash" else None
+    if attention == "megatron":      # Megatron-LM's unfused core attention (`runtimes.MegatronAttention`)
+        from modelpar.planner.runtimes import megatron_attention_mode
+        flash = megatron_attention_mode()
     try:
         if flash is not None:
             flash.__enter__()

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from modelpar.plan import AC_MODES, PP_SCHEDULES, ParallelPlan
 from modelpar.planner.cost import StepEstimate, _finish, rank_step, tp_bytes_per_sample
 from modelpar.planner.hardware import Hardware
-from modelpar.planner.memory import OPTIMIZER_BYTES, Batch, MemoryEstimate, rank_loads, rank_memory
+from modelpar.planner.memory import OPTIMIZER_BYTES, Batch, MemoryEstimate, in_flight, rank_loads, rank_memory
 from modelpar.planner.profile import ModelProfile
 
 VIRTUAL_STAGES = (2, 4, 8)
@@ -208,6 +208,7 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                 pruned["tp larger than a layer"] += layout_total
                 continue
             sp = sequence_parallel and tp > 1
+            mem_memo: dict[tuple, tuple] = {}     # rank memory of this layout's plans (see below)
             # (b, m, accumulation steps, local batch size): the same for every schedule of the layout
             inner_acc = [(b, m, global_batch_size // (b * m * dp), b * m) for b, m in inner]
             for sched, v in scheds:
@@ -248,12 +249,18 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                         mem = None
                         mem_total = 0.0
                         for r, ld in reps:
-                            e = rank_memory(ld, plan, micro_batch_size=b, optimizer=optimizer,
-                                            overhead_bytes=overhead, pp_rank=r,
-                                            accumulation=acc, global_batch_size=global_batch_size,
-                                            foreach=foreach, recv_per_microbatch=recv_per_microbatch,
-                                            gloo=gloo)
-                            e_total = e.total
+                            # a rank's memory depends on the schedule only through the micro-batches
+                            # it holds in flight, so schedules that agree on that share the estimate
+                            mkey = (id(ld), r, b, acc, m, ac, in_flight(plan, r))
+                            hit = mem_memo.get(mkey)
+                            if hit is None:
+                                e = rank_memory(ld, plan, micro_batch_size=b, optimizer=optimizer,
+                                                overhead_bytes=overhead, pp_rank=r,
+                                                accumulation=acc, global_batch_size=global_batch_size,
+                                                foreach=foreach, recv_per_microbatch=recv_per_microbatch,
+                                                gloo=gloo)
+                                hit = mem_memo[mkey] = (e, e.total)
+                            e, e_total = hit
                             if mem is None or e_total > mem_total:
                                 mem, mem_total = e, e_total
                                 if e_total > budget:

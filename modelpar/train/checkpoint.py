@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from modelpar.train.dcp_quiet import single_process_dcp
+
 FORMAT = "modelpar-checkpoint"
 VERSION = 1
 META_FILE = "modelpar.json"
@@ -340,7 +342,8 @@ class Checkpointer:
             fut = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group)
             self._pending = (fut, finish)
         else:
-            dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+            with single_process_dcp():
+                dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
             finish()
             _barrier()
         return final
@@ -410,7 +413,8 @@ def load_checkpoint(holder: nn.Module, opt: torch.optim.Optimizer | None, path: 
     else:
         plain = get_train_state(holder, None)
     wrapped = _as_dtensors(plain, _tp_specs(holder))
-    dcp.load(wrapped, checkpoint_id=p, no_dist=not dist.is_initialized())
+    with single_process_dcp():
+        dcp.load(wrapped, checkpoint_id=p, no_dist=not dist.is_initialized())
     _as_local(wrapped, plain)
     if with_optim:
         set_state_dict(holder, opt, model_state_dict=plain["model"], optim_state_dict=plain["optim"],
@@ -545,7 +549,8 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> dict[s
     if not sd:
         raise CheckpointError(f"checkpoint {p!r} holds no model tensors")
     state = {"model": sd}
-    dcp.load(state, checkpoint_id=p, no_dist=True)
+    with single_process_dcp():
+        dcp.load(state, checkpoint_id=p, no_dist=True)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")

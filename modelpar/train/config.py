@@ -79,6 +79,12 @@ class TrainConfig:
         keep_last: keep the newest K complete checkpoints in ckpt_dir (0: keep all).
         async_ckpt: write checkpoints in a background thread (torch.distributed.checkpoint.async_save);
             training goes on while the files are written.
+        check_unused_params: check at every optimizer step that all data-parallel ranks gave gradients
+            to the same parameters (rank-divergent control flow would mix gradients; case C12); one
+            small all-gather per step.
+        sync_batchnorm: convert BatchNorm layers to SyncBatchNorm over the data-parallel group (CUDA
+            only; refused before launch on CPU). Without it BatchNorm uses per-rank batch statistics
+            (case C15).
         plan_options: further ParallelPlan fields by name (e.g. {"sequence_parallel": true}); on the
             command line each has its own flag (--sequence-parallel).
     """
@@ -129,6 +135,8 @@ class TrainConfig:
     async_ckpt: bool = False
     hardware: str = ""
     compile: bool = False
+    check_unused_params: bool = True
+    sync_batchnorm: bool = False
     plan_options: dict = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict:

@@ -96,6 +96,10 @@ def preflight(cfg: TrainConfig, world_size: int, resolved=None) -> tuple[Paralle
         validate_tp_plan(task.model, derive_tp_plan(task.model), plan.tp)
     if plan.cpu_offload and not torch.cuda.is_available():
         raise ValueError("cpu_offload=True needs CUDA: on a CPU-only run the shards already live in CPU memory")
+    if cfg.sync_batchnorm:          # case C15: refused before any process starts
+        from modelpar.parallel.batchnorm import check_sync_batchnorm
+
+        check_sync_batchnorm(True, "cuda" if torch.cuda.is_available() else "cpu")
     return plan, batches
 
 

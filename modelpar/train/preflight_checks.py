@@ -7,8 +7,9 @@
   would never change the model).
 - C1 / C8, `install_first_step_checks`: just before the first ``optimizer.step()``, every trainable
   parameter has a gradient (a layer that forward never calls, or a checkpointed block whose
-  parameters got none), and the optimizer check of C9 again (a forward before the optimizer was
-  built must not have replaced parameters).
+  parameters got none; a parameter missing on only some ranks is named as rank-divergent use,
+  case C12), and the optimizer check of C9 again (a forward before the optimizer was built must
+  not have replaced parameters). The check of every step is `modelpar.parallel.grad_use`.
 
 Every check gathers each rank's findings (``all_gather_object``) so that all ranks raise the same
 message naming the parameters and the ranks.
@@ -67,6 +68,30 @@ def check_optimizer_params(named_params, opt: torch.optim.Optimizer) -> None:
                          f"from ParallelModel.parameters() after parallelize() (case C9)")
 
 
+def _raise_unused(per_rank: list[tuple[list[str], list[str]]]) -> None:
+    """C1 / C12 at the first step from every rank's ``(names without a gradient, trainable names)``:
+    a name missing on every rank that holds it is unused everywhere; one missing on only some of its
+    holders is rank-divergent use (told apart, since the advice differs)."""
+    holders: dict[str, list[int]] = {}
+    for r, (_, held) in enumerate(per_rank):
+        for n in held:
+            holders.setdefault(n, []).append(r)
+    missing = {n: [r for r, (miss, _) in enumerate(per_rank) if n in miss] for n in holders}
+    some = {n: m for n, m in missing.items() if m and len(m) < len(holders[n])}
+    if some:
+        names = sorted(some)
+        raise ValueError(f"{len(names)} trainable parameter(s) got a gradient in the first step on some ranks but "
+                         f"not on others (rank-divergent use, case C12): "
+                         + "; ".join(f"{n} (none on rank(s) {some[n]}, a gradient on "
+                                     f"{[r for r in holders[n] if r not in some[n]]})" for n in names[:12])
+                         + (" ..." if len(names) > 12 else "")
+                         + ". Make every data-parallel rank use the same parameters in every step.")
+    _raise_if_any([[n for n in miss if len(missing[n]) == len(holders[n])] for miss, _ in per_rank],
+                  "trainable parameter(s) got no gradient in the first step",
+                  "Forward uses them on no rank (unused everywhere, case C1), or an activation-checkpointed "
+                  "block gave them none (case C8). Remove the unused layers or set requires_grad=False on them.")
+
+
 def missing_grads(named_params) -> list[str]:
     """Names of trainable parameters whose ``.grad`` is None."""
     return [n for n, p in named_params if p.requires_grad and p.grad is None]
@@ -90,9 +115,9 @@ def install_first_step_checks(named_params, opt: torch.optim.Optimizer):
 
     def hook(optimizer, args, kwargs):
         handle.remove()
-        _raise_if_any(_gather(missing_grads(named)), "trainable parameter(s) got no gradient in the first step",
-                      "Forward never uses them (case C1), or an activation-checkpointed block gave them none "
-                      "(case C8). Remove the unused layers or set requires_grad=False on them.")
+        held = [n for n, p in named if p.requires_grad]
+        per_rank = _gather((missing_grads(named), held))
+        _raise_unused(per_rank)
         stale = sum(1 for g in optimizer.param_groups for p in g["params"] if p.requires_grad and p.grad is None)
         per_rank = _gather(stale)
         if any(per_rank):

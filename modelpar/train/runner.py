@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from modelpar.parallel.compose import parallelize
+from modelpar.parallel.layer_checks import dropout_note
 from modelpar.parallel.mesh import build_mesh, get_device, init_distributed
 from modelpar.plan_file import PlanFile
 from modelpar.train.checkpoint import TrainCheckpoints
@@ -87,7 +88,11 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
 
     mesh = build_mesh(plan, device)
     pm = parallelize(task.model, plan, mesh, loss_fn=task.loss_fn, device=device,
-                     example_input=example_input(task, batches.micro_batch_size))
+                     example_input=example_input(task, batches.micro_batch_size),
+                     check_unused_params=cfg.check_unused_params, sync_batchnorm=cfg.sync_batchnorm)
+    note = dropout_note(pm.modules, plan, cfg.dropout)
+    if note:
+        say(note)
     opt = build_optimizer(pm, cfg)
     ckpt = TrainCheckpoints(cfg, pm, opt, say=say)    # loads the checkpoint cfg.resume names, on any layout
     check_same_steps(cfg.steps - ckpt.start_step)     # preflight checks: C2, C9; C1/C8 at the first step

@@ -36,7 +36,12 @@ def train_step(pm: ParallelModel, opt: torch.optim.Optimizer, xg: torch.Tensor, 
 
     The global batch is the same on every rank; each data-parallel rank takes its disjoint slices
     (`global_batch_slice`), accumulating ``accum_steps`` local batches, each loss scaled by
-    1 / accum_steps so the gradient is that of the global mean loss.
+    1 / accum_steps so the gradient is that of the global mean loss. Before clipping, the gradient-use
+    check (case C12) runs; after the step, BatchNorm running statistics are averaged (case C15).
+
+    Raises:
+        ValueError: rank-divergent parameter use, or under DDP a ``requires_grad`` changed after
+            wrapping (`modelpar.parallel.grad_use`), the same on every rank, before any update.
 
     Returns:
         ``(sum of local-batch mean losses, how many, global grad norm before clipping)``; the loss sum
@@ -51,7 +56,9 @@ def train_step(pm: ParallelModel, opt: torch.optim.Optimizer, xg: torch.Tensor, 
         if loss is not None:
             loss_sum += loss.item()
             n += 1
+    pm.check_grad_use()          # case C12: the data-parallel ranks used the same parameters
     gnorm = clip_grad_norm_(pm.parameters(), grad_clip, pp_group=pm.mesh.group("pp"))
     opt.step()
+    pm.after_optimizer_step()    # case C15: BatchNorm running statistics agree across dp ranks
     opt.zero_grad(set_to_none=True)
     return loss_sum, n, gnorm

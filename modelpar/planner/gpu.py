@@ -1,0 +1,260 @@
+"""GPU physics tables for the built-in GPU profiles, each entry with its published source.
+
+These numbers are taken from kernel and collective benchmarks, never fitted to the training runs the
+planner is checked against (`benchmarks/planner_published.py`). They are used only for the built-in
+GPU profiles (`hardware.BUILTIN`); the CPU profile and calibrated JSON profiles never read them.
+
+Dense matmuls (GEMM)
+    Achievable large-GEMM rate: Maximum Achievable Matmul FLOPS (MAMF), S. Bekman, "Machine Learning
+    Engineering", compute/accelerator/README.md, table "Maximum achievable FLOPS": A100 SXM bf16
+    267.9 TFLOP/s (of 312), H100 SXM bf16 792.1 TFLOP/s (of 989). The shape dependence is the
+    roofline (Williams, Waterman & Patterson, CACM 2009): a matmul moving B bytes and doing F FLOPs
+    takes max(F / MAMF, B / HBM) (cost.py's matmul term), with HBM at its measured rate below.
+    A published per-shape sweep for these GPUs was not found in a form we could cite entry by entry;
+    the roofline is the only shape term.
+
+Fused attention (FLOP/s by head dimension and sequence length; FLOPs as the papers count them:
+4 s^2 d per head forward, 2.5x that backward, halved with a causal mask)
+    H100 SXM5: Shah et al., "FlashAttention-3" (2024), Fig. 5 (forward, with / without causal mask,
+    head dim 64 / 128) and Fig. 6 (backward, without causal mask), bars for FlashAttention-2 and -3
+    at sequence 512 ... 16k (batch x seq = 16k tokens, hidden 2048). The backward with a causal mask
+    is not published there: it is taken as the non-causal backward times the forward's causal /
+    non-causal ratio at the same length (assumption).
+    A100 SXM: Dao, "FlashAttention-2" (2023), abstract and Sec. 4.1: the forward reaches up to 73% of
+    the A100's 312 TFLOP/s. The per-length, per-direction shape is that of FlashAttention-2 on the
+    H100 (the same kernel, FlashAttention-3 paper Figs. 5-6) scaled so its forward plateau is 73% of
+    the A100 peak (assumption: the kernel's relative curve carries over between the two GPUs; it puts
+    the backward plateau at 63% of peak, which matches FlashAttention-2's stated backward figure).
+    FlashAttention (v1, 2022), A100 only: FlashAttention-2 paper, abstract: FlashAttention reaches
+    "only 25-40% of the theoretical maximum FLOPs/s"; its table is the A100 FlashAttention-2 one
+    scaled by 0.40 / 0.73 (assumption: same relative shape).
+    Lengths beyond 16k use the 16k value; below 512 the 512 value.
+
+Memory-bound kernels
+    HBM bandwidth achieved by streaming kernels: ~84-92% of the datasheet on H100 SXM (coalesced
+    loads 2.8 of 3.35 TB/s, M. Mirai, "GPU Memory Bandwidth: What Your Profiler Isn't Telling You",
+    2026; device-to-device copy ~3.0-3.1 TB/s in published H100 roofline dumps); 0.85 is used for
+    every GPU here (A100: the same fraction, assumption).
+
+Kernel launch
+    ~5 us per CUDA kernel launch (order of the CUDA launch latency); on a GPU the host enqueues
+    asynchronously, so launches cost time only where kernels are shorter than the launch: each
+    pass takes at least (its operators) x (launch) (a dispatch floor, not an additive term).
+
+Collectives (NCCL; bus bandwidth as nccl-tests defines it, so that a ring all-reduce of B bytes on
+n ranks takes 2 (n-1)/n B / busbw)
+    A100 SXM, 8 GPUs on NVLink3/NVSwitch: all_reduce_perf busbw ~200-208 GB/s (NVIDIA/nccl-tests
+    issues #149 and #178, 8x A100-SXM4-80GB).
+    H100 SXM, 8 GPUs on NVLink4: ~370 GB/s effective NVLink bandwidth for ring algorithms and
+    non-all-reduce collectives, ~480 GB/s all-reduce busbw with NVLink SHARP (NVIDIA/nccl-tests
+    issue #212, answer by NCCL's maintainer); H200: 475 GB/s all-reduce (nccl-tests issue #272).
+    Between nodes: ~85% of the line rate of the NICs the group drives (nccl-tests issue #119:
+    3 nodes of 8 A100s with 4x HDR each, all_reduce busbw 84.8 GB/s average, 96 peak, of the node's
+    100 GB/s line rate). NCCL builds one ring per NIC, so a group with k members per node moves data
+    over k NICs at once: busbw = k x 0.85 x (NIC line rate), capped by the NVLink busbw (a group of
+    one GPU per node, e.g. data parallel across nodes beside TP 8, gets one NIC's). A100 8x HDR
+    200 Gb/s: 25 GB/s line per NIC, 21 GB/s used; H100 8x NDR 400 Gb/s: 50 -> 42 GB/s. RoCE 1,600
+    Gb/s per 8-GPU node (MosaicML's A100 cluster) is the same 25 GB/s per GPU.
+    Latency: ~5 us per step inside a node, ~10 us across nodes; NCCL switches from ring to tree
+    algorithms for large groups (its tuning model), so an all-reduce's latency steps are
+    min(2 (n-1), 2 ceil(log2 n)) (Thakur et al. 2005 ring; binary-tree reduce + broadcast).
+
+FSDP (PyTorch FSDP, Zhao et al., VLDB 2023, Sec. 3.3 and 4): the next unit's all-gather is prefetched
+during the current unit's compute and the reduce-scatter runs on its own stream, so per micro-batch
+only communication beyond compute is exposed, plus the first unit's gather (cost.py).
+
+Optimizer step: fused AdamW streams its state at HBM rate (cost.OPT_TRAFFIC bytes per parameter).
+
+Loss: cross entropy over fp32 copies of the logits (`LOSS_BYTES_PER_LOGIT`), memory-bound.
+
+Framework memory (CUDA context + NCCL buffers + caching-allocator fragmentation): 1 GiB allowance per
+rank; the CUDA context alone is ~300-500 MiB on these GPUs (PyTorch "CUDA semantics" notes: the
+context is created on first use and is not freed by empty_cache), NCCL's channel buffers a few
+hundred MiB at 8 ranks (NCCL_BUFFSIZE 4 MiB x channels x peers).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+
+SEQS = (512, 1024, 2048, 4096, 8192, 16384)
+T = 1e12
+
+# FlashAttention-3 paper (Shah et al. 2024), H100 SXM5, TFLOP/s at SEQS:
+# (kernel, direction, causal, head_dim) -> values
+_H100_ATTN = {
+    ("fa3", "fwd", False, 64): (333, 392, 460, 476, 496, 497),
+    ("fa3", "fwd", True, 64): (197, 265, 371, 420, 460, 473),
+    ("fa3", "fwd", False, 128): (467, 565, 625, 638, 646, 648),
+    ("fa3", "fwd", True, 128): (292, 423, 521, 579, 602, 616),
+    ("fa3", "bwd", False, 64): (272, 363, 422, 453, 472, 474),
+    ("fa3", "bwd", False, 128): (316, 424, 501, 542, 559, 561),
+    ("fa2", "fwd", False, 64): (282, 306, 318, 321, 322, 324),
+    ("fa2", "fwd", True, 64): (180, 229, 262, 284, 295, 299),
+    ("fa2", "fwd", False, 128): (309, 350, 362, 368, 370, 370),
+    ("fa2", "fwd", True, 128): (191, 260, 298, 319, 333, 335),
+    ("fa2", "bwd", False, 64): (198, 238, 264, 279, 287, 291),
+    ("fa2", "bwd", False, 128): (214, 260, 291, 310, 318, 322),
+}
+
+
+def _with_causal_bwd(tab: dict) -> dict:
+    """Add causal backward rows: non-causal backward x (causal / non-causal forward) per length."""
+    out = dict(tab)
+    for (k, d, c, hd), v in tab.items():
+        if d == "bwd" and not c and (k, "fwd", True, hd) in tab:
+            ratio = [a / b for a, b in zip(tab[(k, "fwd", True, hd)], tab[(k, "fwd", False, hd)])]
+            out[(k, "bwd", True, hd)] = tuple(x * r for x, r in zip(v, ratio))
+    return out
+
+
+_H100_ATTN = _with_causal_bwd(_H100_ATTN)
+# A100: FlashAttention-2's H100 curves scaled so the forward plateau is 73% of 312 TFLOP/s (see docstring)
+_A100_FA2_SCALE = 0.73 * 312 / max(max(v) for (k, d, _, _), v in _H100_ATTN.items() if k == "fa2" and d == "fwd")
+_A100_ATTN = {key: tuple(x * _A100_FA2_SCALE for x in v) for key, v in _H100_ATTN.items() if key[0] == "fa2"}
+# FlashAttention (v1) on the A100: "only 25-40% of the theoretical maximum FLOPs/s" (FlashAttention-2
+# paper, abstract and Sec. 1), against FlashAttention-2's 73%: the FA2 curves scaled by 0.40 / 0.73 (the
+# upper end of the stated range; assumption: the same relative shape in length and direction)
+_A100_ATTN.update({("fa1", *key[1:]): tuple(x * 0.40 / 0.73 for x in v) for key, v in list(_A100_ATTN.items())})
+
+
+@dataclass(frozen=True)
+class GpuPhysics:
+    """Published kernel and collective rates of one GPU type (sources in the module docstring).
+    Units: FLOP/s, bytes/s, seconds, bytes."""
+
+    name: str
+    mamf_bf16: float                 # achievable large-GEMM rate, FLOP/s
+    hbm_fraction: float              # achieved / datasheet HBM bandwidth for streaming kernels
+    launch_s: float                  # per-kernel launch (dispatch floor), s
+    intra_busbw: float               # NCCL busbw inside a node (ring), bytes/s
+    intra_allreduce_busbw: float     # all-reduce busbw inside a node (NVLS where the GPU has it)
+    inter_busbw: float               # busbw between nodes per NIC (one per GPU) a group drives, bytes/s
+    intra_latency: float
+    inter_latency: float
+    framework_bytes: float
+    attention: dict = field(default_factory=dict, repr=False)   # (kernel, dir, causal, hd) -> TFLOP/s at SEQS
+    default_kernel: str = "fa2"
+
+    def attention_flops(self, direction: str, seq: int, head_dim: int, causal: bool,
+                        kernel: str | None = None) -> float:
+        """Fused-attention FLOP/s of ``direction`` (``"fwd"``/``"bwd"``) at ``seq`` tokens and
+        ``head_dim``: the published value at the nearest tabulated head dimension (64 or 128),
+        interpolated log-linearly in the sequence length, clamped at 512 and 16k.
+
+        Raises:
+            ValueError: no table for the kernel on this GPU.
+        """
+        k = kernel or self.default_kernel
+        dims = sorted({hd for (kk, d, c, hd) in self.attention if kk == k and d == direction and c == causal})
+        if not dims:
+            raise ValueError(f"no {k!r} {direction} attention table for {self.name}; "
+                             f"known kernels: {sorted({kk for kk, *_ in self.attention})}")
+        hd = min(dims, key=lambda x: abs(math.log(x) - math.log(max(head_dim, 1))))
+        v = self.attention[(k, direction, causal, hd)]
+        if seq <= SEQS[0]:
+            return v[0] * T
+        if seq >= SEQS[-1]:
+            return v[-1] * T
+        i = bisect.bisect_right(SEQS, seq) - 1
+        w = (math.log(seq) - math.log(SEQS[i])) / (math.log(SEQS[i + 1]) - math.log(SEQS[i]))
+        return math.exp(math.log(v[i]) + w * (math.log(v[i + 1]) - math.log(v[i]))) * T
+
+    def loss_bytes(self, logits: float) -> tuple[float, float]:
+        """(forward, backward) bytes the loss moves over ``logits`` 16-bit logit elements
+        (`LOSS_BYTES_PER_LOGIT`)."""
+        return LOSS_BYTES_PER_LOGIT[0] * logits, LOSS_BYTES_PER_LOGIT[1] * logits
+
+    def allreduce_latency_steps(self, n: int) -> float:
+        """Latency steps of an n-rank all-reduce: min(ring 2(n-1), tree 2 ceil(log2 n))."""
+        return 0.0 if n <= 1 else float(min(2 * (n - 1), 2 * math.ceil(math.log2(n))))
+
+
+GIB = 2 ** 30
+# Cross entropy on 16-bit logits as torch runs it under autocast (PyTorch AMP docs, "CUDA ops that can
+# autocast to float32": log_softmax, nll_loss, cross_entropy): forward casts to fp32 (read 2, write 4)
+# and takes log_softmax (read 4, write 4); backward log_softmax_backward (read 4 + 4, write 4) and the
+# cast back (read 4, write 2): 14 and 18 bytes per logit element. Megatron-LM's vocab-parallel cross
+# entropy also works on an fp32 copy of its logit shard (``output.float()``).
+LOSS_BYTES_PER_LOGIT = (14.0, 18.0)
+
+A100 = GpuPhysics("A100", mamf_bf16=267.9e12, hbm_fraction=0.85, launch_s=5e-6,
+                  intra_busbw=200e9, intra_allreduce_busbw=200e9, inter_busbw=21e9,
+                  intra_latency=5e-6, inter_latency=10e-6, framework_bytes=1 * GIB, attention=_A100_ATTN)
+H100 = GpuPhysics("H100", mamf_bf16=792.1e12, hbm_fraction=0.85, launch_s=5e-6,
+                  intra_busbw=370e9, intra_allreduce_busbw=480e9, inter_busbw=42e9,
+                  intra_latency=5e-6, inter_latency=10e-6, framework_bytes=1 * GIB, attention=_H100_ATTN)
+H200 = GpuPhysics("H200", mamf_bf16=792.1e12, hbm_fraction=0.85, launch_s=5e-6,
+                  intra_busbw=370e9, intra_allreduce_busbw=475e9, inter_busbw=42e9,
+                  intra_latency=5e-6, inter_latency=10e-6, framework_bytes=1 * GIB, attention=_H100_ATTN)
+
+# built-in hardware profile name -> its physics (hardware.BUILTIN keys)
+GPU_PHYSICS: dict[str, GpuPhysics] = {"A100-40GB": A100, "A100-80GB": A100, "H100-80GB-SXM": H100, "H200": H200}
+
+
+def physics_for(hw) -> GpuPhysics | None:
+    """The physics table of a built-in GPU profile (by name), None for the CPU and calibrated
+    profiles (a calibrated JSON profile carries its own measured tables in ``extra``)."""
+    if hw.extra:
+        return None
+    return GPU_PHYSICS.get(hw.name)
+
+
+# ---- the cost model's GPU terms (called by cost.py for built-in GPU profiles) ------------------
+def gpu_link(phys: GpuPhysics, hw, bw: float, op: str, n: int, steps: float,
+             per_node: int = 1) -> tuple[float, float, float]:
+    """(bus bandwidth, latency, latency steps) of ``op`` on a built-in GPU from its published NCCL
+    figures (`gpu.GpuPhysics`): inside a node the measured NVLink busbw (all-reduce: with NVLink
+    SHARP where the GPU has it), across nodes ``per_node`` (the group's members in one node) NICs'
+    measured busbw, at most the NVLink one; all-reduce latency over min(ring, tree) steps.
+    ``bw``: the profile's link for the group (intra or inter)."""
+    intra = bw == hw.intra_bw and hw.intra_bw != hw.inter_bw
+    nvl = phys.intra_allreduce_busbw if op == "all_reduce" else phys.intra_busbw
+    if intra:
+        b, lat = nvl, phys.intra_latency
+    else:
+        b, lat = min(nvl, max(1, per_node) * phys.inter_busbw), phys.inter_latency
+    if op == "all_reduce":
+        steps = phys.allreduce_latency_steps(n)
+    return b, lat, steps
+
+
+def gpu_load_times(ld, b: int, mem_s: float, flops_s: float, phys: GpuPhysics,
+                   kernel: str | None = None) -> tuple[float, float]:
+    """`cost._load_times` on a built-in GPU (``ld``: a `memory.RankLoad`; tables in this module):
+    matmuls at the roofline of MAMF and
+    the measured HBM rate; fused attention at the FlashAttention papers' rate for the model's head
+    dimension and sequence length (``RankLoad.attn_shape``; a causal kernel executes half the
+    FLOPs the profile counts, and its backward 2.5x the forward's FLOPs where the profile counts
+    2x, as the papers count them); memory-bound operators at the measured HBM rate; each pass at
+    least its kernel launches (a dispatch floor: the host enqueues ahead of the device).
+    ``kernel``: the attention kernel's table (`GpuPhysics.default_kernel` when None)."""
+    af, ab = ld.attn_flops
+    mf, mb_ = ld.fwd_flops - af, ld.bwd_flops - ab
+    g_f = max(mf * b / flops_s, (ld.gemm_param_bytes[0] + ld.gemm_act_bytes[0] * b) / mem_s)
+    g_b = max(mb_ * b / flops_s, (ld.gemm_param_bytes[1] + ld.gemm_act_bytes[1] * b) / mem_s)
+    if af or ab:
+        seq, hd, causal = ld.attn_shape or (16384, 128, False)
+        half = 0.5 if causal else 1.0
+        g_f += af * b * half / phys.attention_flops("fwd", seq, hd, causal, kernel)
+        g_b += ab * b * half * 1.25 / phys.attention_flops("bwd", seq, hd, causal, kernel)
+    # the loss on the last stage (not in the profile, whose backward starts from a sum): torch's
+    # cross entropy under autocast runs in fp32 (`gpu.LOSS_BYTES_PER_LOGIT`), per logit element
+    loss_f, loss_b = (phys.loss_bytes(ld.out / 2 * b) if ld.is_last else (0.0, 0.0))
+    t_f = max(g_f + (ld.fwd_mem * b + loss_f) / mem_s, ld.fwd_ops * phys.launch_s)
+    t_b = max(g_b + (ld.bwd_mem * b + loss_b) / mem_s, (ld.ops - ld.fwd_ops) * phys.launch_s)
+    return t_f, t_b
+
+
+def print_tables() -> str:
+    """The tables as text (for docs and the published-run benchmark's header)."""
+    lines = []
+    for name, p in (("A100", A100), ("H100", H100)):
+        lines.append(f"{name}: MAMF {p.mamf_bf16 / T:.1f} TFLOP/s bf16; HBM x{p.hbm_fraction}; launch "
+                     f"{p.launch_s * 1e6:.0f} us; NCCL busbw intra {p.intra_busbw / 1e9:.0f} GB/s "
+                     f"(all-reduce {p.intra_allreduce_busbw / 1e9:.0f}), inter {p.inter_busbw / 1e9:.0f} GB/s")
+        for key in sorted(p.attention):
+            lines.append(f"  attention {key}: " + " ".join(f"{x:.0f}" for x in p.attention[key]))
+    return "\n".join(lines)

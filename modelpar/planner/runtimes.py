@@ -1,0 +1,132 @@
+"""Profile terms for runtimes other than modelpar's own (Megatron-LM), as `ModelProfile` rewrites.
+
+`vocab_parallel_profile`: Megatron-LM shards the token embedding over the vocabulary across the
+tensor-parallel ranks (``VocabParallelEmbedding``: each rank holds V/t rows, looks up its own
+tokens and the partial outputs are all-reduced) and the output layer column-wise over the
+vocabulary with the loss computed on the sharded logits (``vocab_parallel_cross_entropy``)
+(Shoeybi et al., "Megatron-LM", 2019, Sec. 3, "input embedding ... parallelized along the vocabulary
+dimension"; Narayanan et al. SC'21, Sec. 3.2). In the planner's terms: the vocabulary matrices of
+the ``embed`` and ``head`` blocks count as TP-sharded parameters (so their parameters, gradients and
+optimizer state divide by t), and the logits shard by t (`memory.rank_loads`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from modelpar.planner.profile import ModelProfile
+
+
+def vocab_parallel_profile(profile: ModelProfile) -> ModelProfile:
+    """``profile`` with every vocabulary-sized matrix of its first and last block (the token
+    embedding; the output projection) marked TP-sharded. A profile without ``arch`` (not a
+    transformer of embed / blocks / head) is returned unchanged.
+
+    Raises:
+        ValueError: the profile's arch lacks ``vocab_size`` or ``d_model``.
+    """
+    arch = profile.arch
+    if not arch or len(profile.blocks) < 3:
+        return profile
+    if "vocab_size" not in arch or "d_model" not in arch:
+        raise ValueError(f"vocab_parallel_profile needs arch vocab_size and d_model, got {sorted(arch)}")
+    vocab_numel = arch["vocab_size"] * arch["d_model"]
+    blocks = list(profile.blocks)
+    for i in (0, len(blocks) - 1):
+        bl = blocks[i]
+        numels = tuple((n, mat, sh or (mat and n == vocab_numel)) for n, mat, sh in bl.param_numels)
+        blocks[i] = dataclasses.replace(bl, param_numels=numels,
+                                        tp_sharded_params=sum(n for n, _, sh in numels if sh))
+    return dataclasses.replace(profile, blocks=tuple(blocks))
+
+
+class MegatronAttention:
+    """A ``TorchFunctionMode`` (built lazily, `megatron_attention_mode`) that profiles
+    ``F.scaled_dot_product_attention`` as Megatron-LM's unfused core attention runs it
+    (``CoreAttention``: Shoeybi et al. 2019; Korthikanti et al. 2022, Sec. 4.1): Q K^T as one
+    batched matmul (the 1/sqrt(d) scale folded into the query), the fused scale-mask-softmax kernel
+    (``FusedScaleMaskSoftmax``: one read and one write of the scores, the causal mask applied inside),
+    dropout on the probabilities (a 1-byte mask saved) and the product with V; every dropout (also
+    the hidden ones) as CUDA's fused ``native_dropout`` kernel. Saved for backward:
+    q, k, the softmax output, the dropout mask, the dropout output and v, the terms of Korthikanti's
+    Eq. 1 (2 a s^2 b + a s^2 b + 2 a s^2 b per layer beyond the s b h terms)."""
+
+
+def megatron_attention_mode():
+    """A fresh `MegatronAttention` mode (a ``torch.overrides.TorchFunctionMode``)."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    class _Mode(TorchFunctionMode):
+        __doc__ = MegatronAttention.__doc__
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.dropout:
+                # CUDA's fused dropout kernel (one read, one write, a 1-byte mask), not the
+                # bernoulli / div / mul decomposition the meta and CPU paths dispatch
+                x = args[0]
+                p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+                train = kwargs.get("training", args[2] if len(args) > 2 else True)
+                if not p or not train:
+                    return x
+                with self:
+                    return torch.native_dropout(x, p, True)[0]
+            if func is not F.scaled_dot_product_attention:
+                return func(*args, **kwargs)
+            q, k, v = args[:3]
+            drop = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+            b, h, s, d = q.shape
+            scale = kwargs.get("scale") or 1.0 / math.sqrt(d)
+            with self:
+                q3 = (q * scale).reshape(b * h, s, d)
+                scores = torch.bmm(q3, k.reshape(b * h, k.shape[2], d).transpose(1, 2))
+                probs = torch.softmax(scores, dim=-1)
+                if drop:
+                    probs = F.dropout(probs, drop)
+                out = torch.bmm(probs, v.reshape(b * h, v.shape[2], v.shape[3]))
+            return out.view(b, h, s, v.shape[3])
+
+    return _Mode()
+
+
+def selective_recompute_profile(profile: ModelProfile, *, dropout: bool) -> ModelProfile:
+    """``profile`` (attention ``"megatron"``) with the attention core's saved bytes removed from
+    every transformer block: Korthikanti et al. 2022, Sec. 5 (selective activation recomputation):
+    the softmax output (2 a s^2 b), the dropout mask (a s^2 b) and the dropout output (2 a s^2 b)
+    are recomputed in backward instead of kept (without dropout only the softmax output, 2 a s^2 b).
+    All of it lies inside the TP-sharded region. The recompute's time is `attention_core_seconds`.
+
+    Raises:
+        ValueError: the profile has no transformer ``arch``.
+    """
+    arch = profile.arch
+    if not arch or "n_head" not in arch:
+        raise ValueError("selective_recompute_profile needs a transformer profile (arch with n_head)")
+    s, a, bs = profile.tokens_per_sample, arch["n_head"], profile.batch_size
+    core = (5 if dropout else 2) * a * s * s * bs
+    blocks = list(profile.blocks)
+    for i in range(1, len(blocks) - 1):
+        bl = blocks[i]
+        blocks[i] = dataclasses.replace(bl, saved_bytes=bl.saved_bytes - core,
+                                        saved_tp_sharded_bytes=bl.saved_tp_sharded_bytes - core)
+    return dataclasses.replace(profile, blocks=tuple(blocks))
+
+
+def attention_core_seconds(profile: ModelProfile, hw, *, micro_batch: int, tp: int, dropout: bool) -> float:
+    """Seconds to recompute one transformer layer's attention core for ``micro_batch`` samples on a
+    rank of a ``tp``-way split (Korthikanti et al. 2022, Sec. 5): the Q K^T and attention-over-V
+    matmuls, 4 b s^2 h / t FLOPs at the GPU's achievable GEMM rate, and the fused softmax and dropout
+    (``MegatronAttention``: softmax read + write 4 bytes, dropout read + write + mask 5 bytes per
+    score element; a s^2 b / t elements) at its streaming memory rate."""
+    from modelpar.planner.gpu import physics_for
+    arch = profile.arch
+    s, a, h, b = profile.tokens_per_sample, arch["n_head"], arch["d_model"], micro_batch
+    phys = physics_for(hw)
+    flops_s = phys.mamf_bf16 if phys else hw.achievable_flops("bf16")
+    mem_s = hw.mem_bandwidth * (phys.hbm_fraction if phys else hw.mem_bw_fraction)
+    elems = a * s * s * b / tp
+    return 4 * b * s * s * h / tp / flops_s + (9 if dropout else 4) * elems / mem_s
