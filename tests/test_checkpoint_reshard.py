@@ -53,8 +53,10 @@ def launch(nproc: int, specs: list[dict], work: Path, tag: str) -> dict:
     spec_file, out = work / f"{tag}.spec.json", work / f"{tag}.out.json"
     spec_file.write_text(json.dumps(specs))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = ["timeout", "-k", "10", str(LAUNCH_TIMEOUT_S), sys.executable, "-m", "torch.distributed.run",
-           "--standalone", f"--nproc-per-node={nproc}", str(ROOT / "tests" / "ckpt_worker.py"), str(out), str(spec_file)]
+    from modelpar.launch import torchrun_cmd
+
+    cmd = ["timeout", "-k", "10", str(LAUNCH_TIMEOUT_S),
+           *torchrun_cmd(nproc, [str(ROOT / "tests" / "ckpt_worker.py"), str(out), str(spec_file)])]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=LAUNCH_TIMEOUT_S + 30)
     if proc.returncode != 0 or not out.exists():
         pytest.fail(f"launch {tag} ({nproc} ranks) failed, rc {proc.returncode}:\n{proc.stderr[-4000:]}")
