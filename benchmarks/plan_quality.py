@@ -3,7 +3,7 @@
 On CPU with N ranks (default 2) for one model at the default batch (global 32, AdamW, fp32): the
 finalists are the planner's top 5 predicted distinct layouts plus the best-predicted plan of each
 basic strategy (ddp, fsdp, tp, pp) and the `rules` baseline's plan; all are built once in one launch
-and re-measured in alternation (`modelpar.planner.measure.time_cases`). Goal: the median throughput
+and re-measured in alternation (`modelpar.measure.time_cases`). Goal: the median throughput
 of auto's pick >= 90% of the best median, and >= that of rules. When rules picks the very plan auto
 picks (same degrees, schedule and local batch), that plan is measured once and the ratio is 100% by
 construction (measuring one configuration twice would only compare noise), and the table says so.
@@ -22,7 +22,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 from modelpar.plan import ParallelPlan  # noqa: E402
-from modelpar.planner.measure import Case, launch  # noqa: E402
+from modelpar.measure import Case, launch  # noqa: E402
 
 GLOBAL_BATCH = 32
 

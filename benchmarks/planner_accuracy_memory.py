@@ -2,7 +2,7 @@
 
 For each model and strategy (single, ddp, fsdp, tp, pp gpipe / 1f1b on 2 ranks; fsdp x tp on 4),
 at two batch sizes (one where activations dominate, one where model states do), the run measures
-the peak tensor bytes of step 3 (`modelpar.planner.measure`) and compares it with
+the peak tensor bytes of step 3 (`modelpar.measure`) and compares it with
 `modelpar.planner.memory.estimate_memory` on the model's profile. Parts compared (measured
 MemTracker reference types -> predicted parts):
 
@@ -34,7 +34,7 @@ import time
 import torch
 
 from modelpar.plan import ParallelPlan
-from modelpar.planner.measure import Case, launch
+from modelpar.measure import Case, launch
 
 MIB = 2 ** 20
 # per model: (activation-dominated global batch, model-state-dominated global batch)

@@ -2,7 +2,7 @@
 
 For the GPT presets and mlp-large at their default batch (global 32, AdamW, fp32, 1 thread per rank),
 every 2-rank basic plan (ddp, fsdp, tp, pp gpipe and 1f1b with 4 micro-batches) is measured in one
-launch per model, the plans interleaved round by round (`modelpar.planner.measure.time_cases`) so
+launch per model, the plans interleaved round by round (`modelpar.measure.time_cases`) so
 load changes on the shared machine hit all plans alike, and compared with
 `modelpar.planner.cost.estimate_step` using the calibration file (`modelpar calibrate`, micro-benchmarks
 only; never fitted to these runs). Only steps of 200 ms or more count towards the goal (median
@@ -24,7 +24,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 from modelpar.plan import ParallelPlan  # noqa: E402
-from modelpar.planner.measure import Case, launch  # noqa: E402
+from modelpar.measure import Case, launch  # noqa: E402
 
 PLANS = {"ddp": dict(dp_replicate=2), "fsdp": dict(dp_shard=2), "tp": dict(tp=2),
          "pp_gpipe": dict(pp=2, pp_schedule="gpipe", n_microbatches=4),
@@ -33,7 +33,7 @@ GLOBAL_BATCH = 32          # TrainConfig's default
 
 
 def load_hardware(path: str | None = None):
-    from modelpar.planner.commands import default_calibration_path
+    from modelpar.calibrate import default_calibration_path
     from modelpar.planner.hardware import load_profile
     p = path or default_calibration_path()
     if not os.path.isfile(p):

@@ -12,14 +12,18 @@ def tiny() -> bool:
 
 
 def relaunch(script: str, nproc: int) -> bool:
-    """Start ``nproc`` local ranks of ``script`` through torch.distributed.run unless already a rank.
+    """Start ``nproc`` local ranks of ``script`` (`modelpar.launch.run_local`) unless already a rank.
 
     Returns True in the launching process (the ranks have finished), False inside a rank.
-    """
-    if "RANK" in os.environ:
-        return False
-    from torch.distributed.run import main
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main(["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", script, *sys.argv[1:]])
+    Raises:
+        SystemExit: a rank failed (with torchrun's exit code).
+    """
+    from modelpar.launch import run_local, under_launcher
+
+    if under_launcher():
+        return False
+    rc = run_local([script, *sys.argv[1:]], nproc)
+    if rc != 0:
+        raise SystemExit(rc)
     return True

@@ -28,9 +28,9 @@ AC_MODES = ("none", "full", "selective", "every-k")
 PRECISIONS = ("fp32", "bf16")
 
 # Strategy shorthands (DESIGN.md): each names a plan on N ranks; "auto"/"rules" are resolved by the
-# planner, "placement" is one process over a device list.
+# planner, "placement" is one process over a device list, "custom" runs exactly the degrees given.
 STRATEGIES = ("single", "placement", "ddp", "fsdp", "hsdp", "tp", "pp", "ddp+tp", "fsdp+tp", "auto",
-              "rules")
+              "rules", "custom")
 
 
 @dataclass(frozen=True)
@@ -286,7 +286,9 @@ def plan_for_strategy(strategy: str, world_size: int, **overrides: Any) -> Paral
     if s not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
     ov = dict(overrides)
-    if s == "single":
+    if s == "custom":
+        deg = {}                    # the overrides are the degrees
+    elif s == "single":
         deg = {}
         if n != 1:
             raise ValueError(f"strategy 'single' runs on 1 rank, got nproc={n}")

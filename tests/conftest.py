@@ -1,6 +1,6 @@
 """Shared fixtures.
 
-- ``dist_results(world)``: one torchrun launch per world size runs every parity case of that size
+- ``dist_results(world)``: one launch (`modelpar.launch`) per world size runs every parity case of that size
   (process groups are shared across cases; an 8-rank launch costs ~15 s here), with a hard timeout
   so a hang fails instead of blocking CI.
 - An autouse fixture restores environment variables and checks no process group leaks from a test.
@@ -10,9 +10,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -32,19 +30,15 @@ REPORT: dict[str, dict] = {}
 LAUNCH_TIMEOUT_S = {2: 420, 4: 420, 8: 600}
 
 
-def torchrun_cmd(nproc: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+def run_ranks(nproc: int, target: list[str], result_path: Path, timeout: float, env: dict | None = None):
+    """Run ``target`` on ``nproc`` ranks (`modelpar.launch.run_workers`); a launch past ``timeout`` is
+    killed and the test fails with its output."""
+    from modelpar.launch import run_workers
 
-
-def run_torchrun(nproc: int, args: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run a torchrun job; a job past ``timeout`` is killed and the test fails with its output."""
-    e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
-    try:
-        return subprocess.run(torchrun_cmd(nproc, *args), capture_output=True, text=True, timeout=timeout,
-                              cwd=ROOT, env=e)
-    except subprocess.TimeoutExpired as ex:
-        pytest.fail(f"torchrun with {nproc} ranks did not finish in {timeout} s (hang?)\n"
-                    f"{(ex.stdout or b'')[-3000:]!r}\n{(ex.stderr or b'')[-3000:]!r}")
+    run = run_workers(target, nproc, result_path, timeout_s=timeout, env=env, cwd=ROOT)
+    if run.timed_out:
+        pytest.fail(f"torchrun with {nproc} ranks did not finish in {timeout} s (hang?)\n{run.output[-6000:]}")
+    return run
 
 
 @pytest.fixture(scope="session")
@@ -58,11 +52,11 @@ def dist_results(tmp_path_factory):
         if world not in cache:
             names = [n for n, c in parity_cases.CASES.items() if c[0] == world]
             out = tmp_path_factory.mktemp(f"parity{world}") / "results.json"
-            proc = run_torchrun(world, [str(ROOT / "tests" / "dist_worker.py"), str(out), *names],
-                                LAUNCH_TIMEOUT_S[world])
-            res = json.loads(out.read_text()) if out.exists() else {}
-            if proc.returncode != 0 and not res:
-                pytest.fail(f"parity launch with {world} ranks failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+            run = run_ranks(world, [str(ROOT / "tests" / "dist_worker.py"), str(out), *names], out,
+                            LAUNCH_TIMEOUT_S[world])
+            res = run.result or {}
+            if run.returncode != 0 and not res:
+                pytest.fail(f"parity launch with {world} ranks failed (rc {run.returncode}):\n{run.output[-4000:]}")
             cache[world] = res
         return cache[world]
     return get

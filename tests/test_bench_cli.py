@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from modelpar.bench import cli
+from modelpar.bench import suite
+from modelpar.cli import bench as cli
 
 pytestmark = pytest.mark.slow
 ARGS = ["--models", "gpt-nano", "--warmup", "0", "--steps", "1", "--no-fit", "--timeout", "180"]
@@ -18,7 +19,7 @@ def rows(out):
 
 def test_bench_tables_charts_resume(tmp_path, capsys):
     out = tmp_path / "b"
-    rc = cli.bench_main([*ARGS, "--strategies", "single,pp,pp-interleaved", "--out", str(out)])
+    rc = cli.bench_main([*ARGS, "--strategies", "single,pp,pp-interleaved", "--out-dir", str(out)])
     assert rc == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == str(out.resolve())   # the folder, last
     r = {x["row"]: x for x in rows(out)}
@@ -32,12 +33,12 @@ def test_bench_tables_charts_resume(tmp_path, capsys):
         assert 0 < (out / "img" / name).stat().st_size < 300_000
     # resume: nothing re-run, nothing duplicated
     calls = []
-    orig = cli.run_row
-    cli.run_row = lambda *a, **k: calls.append(a) or orig(*a, **k)
+    orig = suite.run_row
+    suite.run_row = lambda *a, **k: calls.append(a) or orig(*a, **k)
     try:
-        assert cli.bench_main([*ARGS, "--strategies", "single,pp,pp-interleaved", "--out", str(out), "--resume"]) == 0
+        assert cli.bench_main([*ARGS, "--strategies", "single,pp,pp-interleaved", "--out-dir", str(out), "--resume"]) == 0
     finally:
-        cli.run_row = orig
+        suite.run_row = orig
     assert calls == [] and len(rows(out)) == 3
 
 
@@ -50,8 +51,8 @@ def test_interrupted_bench_keeps_finished_rows(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         seen.append(spec.key)
         return json.loads(json.dumps({"status": "failed", "reason": "stand-in"}))
-    monkeypatch.setattr(cli, "run_row", fake_run_row)
-    rc = cli.bench_main([*ARGS, "--strategies", "single,ddp,fsdp", "--out", str(out)])
+    monkeypatch.setattr(suite, "run_row", fake_run_row)
+    rc = cli.bench_main([*ARGS, "--strategies", "single,ddp,fsdp", "--out-dir", str(out)])
     assert rc == 130
     assert [x["row"] for x in rows(out)] == ["single"]
     assert (out / "bench.md").exists()

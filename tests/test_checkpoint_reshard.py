@@ -53,8 +53,10 @@ def launch(nproc: int, specs: list[dict], work: Path, tag: str) -> dict:
     spec_file, out = work / f"{tag}.spec.json", work / f"{tag}.out.json"
     spec_file.write_text(json.dumps(specs))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = ["timeout", "-k", "10", str(LAUNCH_TIMEOUT_S), sys.executable, "-m", "torch.distributed.run",
-           "--standalone", f"--nproc-per-node={nproc}", str(ROOT / "tests" / "ckpt_worker.py"), str(out), str(spec_file)]
+    from modelpar.launch import torchrun_cmd
+
+    cmd = ["timeout", "-k", "10", str(LAUNCH_TIMEOUT_S),
+           *torchrun_cmd(nproc, [str(ROOT / "tests" / "ckpt_worker.py"), str(out), str(spec_file)])]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=LAUNCH_TIMEOUT_S + 30)
     if proc.returncode != 0 or not out.exists():
         pytest.fail(f"launch {tag} ({nproc} ranks) failed, rc {proc.returncode}:\n{proc.stderr[-4000:]}")
@@ -101,7 +103,7 @@ def runs(tmp_path_factory, request):
     res["E"] = run_local(spec("E", ckpt="E", **single))
     res["E_resume4"] = run_local(spec("E_resume4", resume=step_of(D["E"], 4), **single))
     # case C13: a GPT with a tied head, 1 process -> pp2 (the copies on two ranks) -> 1 process
-    tied = dict(tie_embeddings=True)
+    tied = dict(model_config={"tie_embeddings": True})
     res["ref_t"] = run_local(spec("ref_t", **single, **tied))
     res["E_t"] = run_local(spec("E_t", ckpt="Et", **single, **tied))
     res.update(launch(4, [spec("A", ckpt="A", **fsdp4), spec("A_nosave", **fsdp4),
@@ -241,7 +243,7 @@ def test_tied_head_resumes_across_layouts_and_exports_once(runs, tmp_path):
     assert main(["export", step_of(runs["dirs"]["Ft"], 8), "--out", str(out)]) == 0
     with safe_open(str(out), "pt") as f:
         assert "head.out.weight" not in f.keys() and "embed.tok.weight" in f.keys()
-    task = build_task(TrainConfig(**base_cfg(strategy="single", grad_clip=0.0, tie_embeddings=True)))
+    task = build_task(TrainConfig(**base_cfg(strategy="single", grad_clip=0.0, model_config={"tie_embeddings": True})))
     load_model(task.model, str(out))
     assert task.model.head.out.weight is task.model.embed.tok.weight
     with torch.no_grad():

@@ -35,7 +35,26 @@ def test_tp_degree_not_dividing_hidden_case_c7():
 def test_world_size_not_product_of_degrees():
     with pytest.raises(ValueError, match=r"dp_replicate x dp_shard x tp x pp = 1 x 2 x 2 x 1 = 4 does not equal "
                                          r"the world size 2"):
-        _pre(world=2, strategy="fsdp", dp_shard=2, tp=2)
+        _pre(world=2, strategy="custom", dp_shard=2, tp=2)
+
+
+def test_degrees_that_contradict_the_strategy_are_an_error():
+    """Before: ``--strategy fsdp --tp 2`` silently ran a different layout (issue 13)."""
+    with pytest.raises(ValueError, match=r"--strategy fsdp on 4 ranks sets tp=1, but --tp 2 was given"):
+        _pre(world=4, strategy="fsdp", tp=2)
+    with pytest.raises(ValueError, match=r"--strategy auto chooses the degrees itself, but --dp-shard 2"):
+        _pre(world=2, strategy="auto", dp_shard=2)
+    with pytest.raises(ValueError, match=r"strategy 'ddp\+tp' on 4 ranks sets dp_replicate=2, but 4 was given"):
+        _pre(world=4, strategy="ddp+tp", dp_replicate=4, tp=2)
+    plan, _ = _pre(world=4, strategy="fsdp+tp", tp=2)          # the shorthand's open axis: fine
+    assert (plan.dp_shard, plan.tp) == (2, 2)
+
+
+def test_every_plan_field_is_reachable_from_train_config():
+    plan, _ = _pre(world=4, strategy="custom", dp_shard=2, tp=2, plan_options={"sequence_parallel": True})
+    assert plan.sequence_parallel and plan.describe() == "fsdp2 x tp2+sp"
+    with pytest.raises(ValueError, match="plan_options has unknown ParallelPlan fields"):
+        _pre(world=2, strategy="ddp", plan_options={"tp_degree": 2})
 
 
 def test_more_stages_than_blocks():
@@ -93,6 +112,7 @@ def test_plan_round_trips():
         ParallelPlan.from_dict({"tp_degree": 2})
 
 
+@pytest.mark.slow
 def test_cli_error_before_launch():
     """The CLI exits 2 with the message and never starts a process group."""
     r = subprocess.run([sys.executable, "-m", "modelpar", "train", "--model", "gpt-nano", "--strategy", "tp",
@@ -116,6 +136,7 @@ def test_global_batch_not_divisible_by_dp_names_user_fields():
         _pre(world=2, strategy="ddp", global_batch_size=7)
 
 
+@pytest.mark.slow
 def test_other_commands_report_bad_input_in_one_line():
     r = subprocess.run([sys.executable, "-m", "modelpar", "estimate", "--model", "gpt-7b"], capture_output=True,
                        text=True, timeout=120)

@@ -24,14 +24,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 from ckpt_worker import data_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ["--model", "gpt-nano", "--seq_len", "16", "--global_batch_size", "8", "--steps", "8", "--warmup_steps", "2",
-        "--eval_every", "0", "--eval_samples", "8", "--sample_bytes", "0", "--track_memory", "false",
+TINY = ["--model", "gpt-nano", "--seq-len", "16", "--global-batch-size", "8", "--steps", "8", "--warmup-steps", "2",
+        "--eval-every", "0", "--eval-samples", "8", "--sample-bytes", "0", "--no-track-memory",
         "--threads", "1", "--strategy", "ddp", "--data", data_dir()]
 
 
 def torchrun(args: list[str], *, restarts: int, env: dict | None = None, timeout: int = 240):
-    cmd = ["timeout", "-k", "10", str(timeout), sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node=2", f"--max-restarts={restarts}", "-m", "modelpar", "train", *args]
+    from modelpar.launch import torchrun_cmd
+
+    cmd = ["timeout", "-k", "10", str(timeout), *torchrun_cmd(2, ["-m", "modelpar", "train", *args],
+                                                              max_restarts=restarts)]
     e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
     t = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=e, timeout=timeout + 30)
@@ -52,10 +54,10 @@ def final(out_dir: Path) -> tuple[float, float]:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_kill_one_rank_restart_resume_bit_identical(tmp_path):
-    ref, _ = torchrun([*TINY, "--out_dir", str(tmp_path / "ref")], restarts=0)
+    ref, _ = torchrun([*TINY, "--out-dir", str(tmp_path / "ref")], restarts=0)
     assert ref.returncode == 0, ref.stderr[-3000:]
     ckpt = tmp_path / "ckpt"
-    run, secs = torchrun([*TINY, "--out_dir", str(tmp_path / "run"), "--ckpt_dir", str(ckpt), "--ckpt_every", "2",
+    run, secs = torchrun([*TINY, "--out-dir", str(tmp_path / "run"), "--ckpt-dir", str(ckpt), "--ckpt-every", "2",
                           "--resume", "auto"], restarts=1,
                          env={"MODELPAR_TEST_KILL_AT_STEP": "5", "MODELPAR_TEST_FAULT_RANK": "1"})
     log = run.stdout + run.stderr
@@ -69,7 +71,7 @@ def test_kill_one_rank_restart_resume_bit_identical(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_stalled_rank_is_named_within_the_timeout(tmp_path):
-    run, secs = torchrun([*TINY, "--out_dir", str(tmp_path), "--timeout_s", "6"], restarts=0,
+    run, secs = torchrun([*TINY, "--out-dir", str(tmp_path), "--timeout-s", "6"], restarts=0,
                          env={"MODELPAR_TEST_STALL_AT_STEP": "2", "MODELPAR_TEST_FAULT_RANK": "1"}, timeout=150)
     log = run.stdout + run.stderr
     assert run.returncode != 0

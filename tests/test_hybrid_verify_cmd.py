@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from modelpar.verify_cmd import verify_main
+from modelpar.cli.verify import verify_main
 
 HERE = Path(__file__).resolve().parent
 

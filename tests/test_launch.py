@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-TINY = ["--model", "gpt-nano", "--steps", "3", "--global_batch_size", "4", "--seq_len", "16",
-        "--eval_samples", "8", "--sample_bytes", "20", "--log_every", "1", "--warmup_steps", "1"]
+TINY = ["--model", "gpt-nano", "--steps", "3", "--global-batch-size", "4", "--seq-len", "16",
+        "--eval-samples", "8", "--sample-bytes", "20", "--log-every", "1", "--warmup-steps", "1"]
 
 
 def _free_port() -> int:
@@ -26,12 +26,12 @@ def _env():
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("strategy,plan_key,extra", [("fsdp", "dp_shard", []), ("pp", "pp", []),
-                                                      ("ddp", "dp_replicate", ["--local_batch_size", "1"])])
+                                                      ("ddp", "dp_replicate", ["--local-batch-size", "1"])])
 def test_cli_train_nproc2_writes_run_record(tmp_path, strategy, plan_key, extra):
     """The whole `modelpar train` path, memory tracking included (pipelines and gradient accumulation,
     whose modules run more than once per step, use StepMemory)."""
     r = subprocess.run([sys.executable, "-m", "modelpar", "train", "--strategy", strategy, "--nproc", "2",
-                        "--out_dir", str(tmp_path), *TINY, *extra], capture_output=True, text=True, timeout=200,
+                        "--out-dir", str(tmp_path), *TINY, *extra], capture_output=True, text=True, timeout=200,
                        env=_env())
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"plan {strategy}2" in r.stdout and "validation loss" in r.stdout and "tokens/s" in r.stdout
@@ -48,12 +48,19 @@ def test_cli_train_nproc2_writes_run_record(tmp_path, strategy, plan_key, extra)
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_two_torchrun_agents_as_two_nodes(tmp_path):
+def test_two_torchrun_agents_as_two_nodes(tmp_path, capsys):
+    """`modelpar train --nnodes 2` resolves once and writes the run folder; two torchrun agents (the
+    printed per-node line) join one job of world size 2 whose ranks read it."""
+    from modelpar.cli.train import main
+    from modelpar.launch import node_cmd
+
+    assert main(["--strategy", "ddp", "--nnodes", "2", "--gpus-per-node", "1", "--out-dir", str(tmp_path),
+                 *TINY]) == 0
+    assert "--run-dir" in capsys.readouterr().out
+    (run,) = list(tmp_path.iterdir())
     port = _free_port()
-    cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-             f"--node-rank={i}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=twonode",
-             "--max-restarts=0", "-m", "modelpar", "train", "--strategy", "ddp", "--out_dir", str(tmp_path / f"n{i}"),
-             *TINY] for i in range(2)]
+    cmds = [node_cmd(["-m", "modelpar", "train", "--run-dir", str(run)], nnodes=2, nproc_per_node=1, node_rank=i,
+                     endpoint=f"127.0.0.1:{port}", rdzv_id="twonode") for i in range(2)]
     procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()) for c in cmds]
     outs = []
     for p in procs:
@@ -68,3 +75,4 @@ def test_two_torchrun_agents_as_two_nodes(tmp_path):
     joined = outs[0][0] + outs[1][0]
     assert "on 2 rank(s), plan ddp2" in joined          # one job of world size 2 across both agents
     assert joined.count("wall time") == 1               # rank 0 alone reports
+    assert (run / "summary.json").exists()              # in the run folder the launcher wrote

@@ -158,7 +158,7 @@ def test_launch_outcome_report():
 
 def test_flags_and_fields_default_on_and_off():
     from modelpar.train.config import TrainConfig
-    from modelpar.verify_cmd import build_parser
+    from modelpar.cli.verify import build_parser
 
     a = build_parser().parse_args([])
     assert a.check_unused_params is True and a.sync_batchnorm is False

@@ -14,7 +14,7 @@ import pathlib
 import pytest
 import torch
 
-from modelpar.planner.measure import Case, launch, measure_memory, planner_boundaries
+from modelpar.measure import Case, launch, measure_memory, planner_boundaries
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -56,6 +56,7 @@ def _check(rows):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow
 def test_memory_prediction_within_tolerance_2_ranks():
     b = _bench()
     cases = [c for c in b.make_cases(["gpt-1m"], [1, 2])[2] if c.name.endswith("/act")]
@@ -70,6 +71,7 @@ def test_memory_prediction_within_tolerance_2_ranks():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_memory_prediction_within_tolerance_4_ranks():
     b = _bench()
     cases = [c for c in b.make_cases(["gpt-nano"], [4])[4] if c.name.endswith("/act")]

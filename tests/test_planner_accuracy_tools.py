@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from modelpar.models import build_model
-from modelpar.planner.commands import calibrate_main, default_calibration_path, fit_alpha_beta
+from modelpar.calibrate import default_calibration_path
+from modelpar.calibrate.micro import fit_alpha_beta
+from modelpar.cli.calibrate import main as calibrate_main
 from modelpar.planner.hardware import cpu_profile, load_profile
 from modelpar.planner.profile import profile_model
 
@@ -40,8 +42,8 @@ def test_fit_alpha_beta_recovers_constants():
 def test_calibrate_writes_default_path(tmp_path, monkeypatch, capsys):
     target = tmp_path / "sub" / "calibration.json"
     monkeypatch.setenv("MODELPAR_CALIBRATION", str(target))
-    assert default_calibration_path() == str(target)
-    assert calibrate_main(["--no-collectives", "--ranks", "2"]) == 0
+    assert default_calibration_path() == target
+    assert calibrate_main(["--no-collectives", "--nproc", "2"]) == 0
     hw = load_profile(target)
     curve = {k: v for k, v in hw.extra.items() if k.startswith("matmul_flops_")}
     assert len(curve) >= 5 and all(v > 1e7 for v in curve.values())
@@ -72,14 +74,14 @@ def test_calibrate_scales_compute_when_ranks_outnumber_cores(tmp_path, monkeypat
     ranks' share of the cores (4 ranks on this 2-core machine computed 2x slower than predicted)."""
     import os
 
-    from modelpar.planner import commands
+    from modelpar.calibrate import micro
     fake = {"matmul_flops": {256: 1e11, 512: 1.2e11}, "matmul_peak": 1.3e11, "op_overhead_s": 2e-6,
             "mem_bandwidth": 2e10, "attention_flops": 7e10, "fresh": {2 ** 25: 3e-10},
             "elementwise_bw": 2e10, "zero_bubble_backward_factor": 1.1}
-    monkeypatch.setattr(commands, "measure_compute", lambda: {**fake, "matmul_flops": dict(fake["matmul_flops"])})
+    monkeypatch.setattr(micro, "measure_compute", lambda: {**fake, "matmul_flops": dict(fake["matmul_flops"])})
     ranks = 4 * (os.cpu_count() or 1)
     out = tmp_path / "hw.json"
-    assert calibrate_main(["--no-collectives", "--ranks", str(ranks), "--out", str(out)]) == 0
+    assert calibrate_main(["--no-collectives", "--nproc", str(ranks), "--out", str(out)]) == 0
     hw = load_profile(out)
     share = (os.cpu_count() or 1) / ranks
     assert math.isclose(hw.extra["core_share"], share)
@@ -137,6 +139,7 @@ def test_flash_flops_equal_math_flops():
     assert [b.bwd_flops for b in f.blocks] == [b.bwd_flops for b in g.blocks]
 
 
+@pytest.mark.slow
 def test_gpu_check_without_cuda_exits_cleanly():
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")], capture_output=True,

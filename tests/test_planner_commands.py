@@ -1,4 +1,4 @@
-"""The planner's CLI mains and the rules baseline (calibrate spawns 2 gloo ranks once)."""
+"""The planner commands (plan, estimate, calibrate) and the rules baseline (calibrate launches 2 gloo ranks once)."""
 
 import json
 
@@ -6,14 +6,16 @@ import pytest
 import torch
 
 from modelpar.models import build_model
-from modelpar.planner.commands import calibrate_main, estimate_main, plan_main
+from modelpar.cli.calibrate import main as calibrate_main
+from modelpar.cli.estimate import main as estimate_main
+from modelpar.cli.plan import main as plan_main
 from modelpar.planner.hardware import BUILTIN, cpu_profile, load_profile
 from modelpar.planner.profile import profile_model
 from modelpar.planner.rules import rule_plan
 
 
 def test_plan_main_prints_table_and_explain(capsys):
-    assert plan_main(["--model", "gpt-nano", "--devices", "2", "--global-batch-size", "8",
+    assert plan_main(["--model", "gpt-nano", "--nproc", "2", "--global-batch-size", "8",
                       "--top", "3", "--explain", "1"]) == 0
     out = capsys.readouterr().out
     assert "candidates considered" in out and "GiB/dev" in out and "step time:" in out
@@ -22,7 +24,7 @@ def test_plan_main_prints_table_and_explain(capsys):
 
 
 def test_estimate_main_answers_fit(capsys):
-    assert estimate_main(["--model", "gpt-1m", "--devices", "2", "--global-batch-size", "8"]) == 0
+    assert estimate_main(["--model", "gpt-1m", "--nproc", "2", "--global-batch-size", "8"]) == 0
     out = capsys.readouterr().out
     assert "ddp" in out and "yes: best plan" in out
 
@@ -49,9 +51,10 @@ def test_rules_follow_precedence():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_calibrate_smoke(tmp_path, capsys):
     out = tmp_path / "hw.json"
-    assert calibrate_main(["--out", str(out), "--ranks", "2"]) == 0
+    assert calibrate_main(["--out", str(out), "--nproc", "2"]) == 0
     hw = load_profile(out)
     assert hw.peak_flops["fp32"] > 1e8 and 0 < hw.intra_latency < 0.1 and hw.intra_bw > 1e6
     assert json.loads(out.read_text())["source"].startswith("calibrated")

@@ -113,7 +113,7 @@ def test_vocab_not_divisible_by_tp_is_refused_before_launch(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(k, raising=False)
-    from modelpar.verify_cmd import verify_main
+    from modelpar.cli.verify import verify_main
 
     assert verify_main(["--model", "c13models:odd_vocab", "--strategy", "tp", "--nproc", "2"]) == 2
     assert "does not divide GPTConfig.vocab_size=251" in capsys.readouterr().err

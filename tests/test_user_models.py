@@ -38,6 +38,7 @@ def test_verify_unused_layer_case_c1(tmp_path):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_verify_refuses_bad_tp_split_before_launch_case_c7(tmp_path):
     (tmp_path / "c7_models.py").write_text(
         "import torch.nn as nn\n\ndef c7():\n    return nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 4))\n")

@@ -5,5 +5,5 @@
 - `comm`: the communication profile of a step, read from torch.profiler events.
 - `fit`: which model sizes fit on how many devices, from the planner's memory model.
 - `plots`: throughput, memory by part, pipeline timelines (matplotlib, Agg).
-- `cli`: ``modelpar bench`` (``bench_main(argv) -> exit code``).
+- `suite`: the bench run and its report (``modelpar bench``: `modelpar.cli.bench`).
 """

@@ -1,8 +1,8 @@
 """Strategy runs: one ``torch.distributed.run`` launch per row of the bench.
 
-The launcher side (`run_row`) writes the row's spec as JSON, starts
-``python -m torch.distributed.run --standalone --nproc-per-node N -m modelpar.bench.runner SPEC OUT``
-with a hard timeout, and reads the result JSON back; a row that fails or hangs becomes a row with
+The launcher side (`run_row`) writes the row's spec as JSON, runs
+``-m modelpar.bench.runner SPEC OUT`` on N ranks through `modelpar.launch.run_workers` with a hard
+timeout, and reads the result JSON back; a row that fails or hangs becomes a row with
 ``status="failed"`` and the reason, never an exception. Every launch is separate, so an interrupted
 bench keeps the rows already written.
 
@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from modelpar.parallel.mesh import exit_rank
+from modelpar.launch import exit_rank, write_json_atomic
 from modelpar.train.metrics import StepMemory
 
 PP_MARK = "modelpar.pp"       # record_function name prefix of pipeline actions: "modelpar.pp S F MB"
@@ -115,57 +114,27 @@ def check_row(spec: RowSpec):
 
 # ---- launcher side -------------------------------------------------------------------------------
 def run_row(spec: RowSpec, out_dir: Path, *, env: dict | None = None) -> dict:
-    """Launch one row and return its result dict (``status`` "ok" or "failed" with ``reason``)."""
+    """Launch one row (`modelpar.launch.run_workers`, output to the row's log, killed at
+    ``spec.timeout_s``) and return its result dict (``status`` "ok" or "failed" with ``reason``)."""
+    from modelpar.launch import run_workers
+
     out_dir.mkdir(parents=True, exist_ok=True)
     spec_path = out_dir / f"{spec.row_id}.spec.json"
     res_path = out_dir / f"{spec.row_id}.json"
     log_path = out_dir / f"{spec.row_id}.log"
     spec_path.write_text(json.dumps(asdict(spec), indent=1))
-    res_path.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.nproc}",
-           "--max-restarts=0", "-m", "modelpar.bench.runner", str(spec_path), str(res_path)]
-    e = {**os.environ, "OMP_NUM_THREADS": str(spec.threads), "PYTHONWARNINGS": "ignore", **(env or {})}
-    t0 = time.time()
-    proc = None
-    with open(log_path, "w") as log:
-        try:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=e, start_new_session=True)
-            rc = proc.wait(timeout=spec.timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            rc = None
-        except BaseException:          # KeyboardInterrupt: stop this launch's processes, then re-raise
-            _kill_group(proc)
-            raise
-    wall = time.time() - t0
-    if rc is not None and res_path.exists():
+    run = run_workers(["-m", "modelpar.bench.runner", str(spec_path), str(res_path)], spec.nproc, res_path,
+                      timeout_s=spec.timeout_s, threads=spec.threads, env=env, log_path=log_path)
+    if not run.timed_out and run.result is not None:
         # The result file is written (atomically, by rank 0) only after every rank's measurements
         # were gathered, so it is complete even when a rank then failed while shutting down.
-        res = json.loads(res_path.read_text())
-        res["launch_wall_s"] = wall
-        if rc != 0:
-            res["exit_warning"] = f"a rank exited with code {rc} after the results were written (see {log_path})"
+        res = run.result
+        res["launch_wall_s"] = run.wall_s
+        if run.returncode != 0:
+            res["exit_warning"] = (f"a rank exited with code {run.returncode} after the results were written "
+                                   f"(see {log_path})")
         return res
-    tail = log_path.read_text(errors="replace").strip().splitlines() if log_path.exists() else []
-    errs = [l for l in tail if "Error" in l or "error:" in l]
-    reason = (f"timed out after {spec.timeout_s:.0f} s" if rc is None
-              else (errs[-1] if errs else (tail[-1] if tail else f"exit code {rc}")))
-    return {"status": "failed", "reason": reason.strip()[:300], "launch_wall_s": wall, "log": str(log_path)}
-
-
-def _kill_group(proc) -> None:
-    import signal
-
-    if proc is None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    return {"status": "failed", "reason": run.reason(), "launch_wall_s": run.wall_s, "log": str(log_path)}
 
 
 # ---- rank side -----------------------------------------------------------------------------------
@@ -336,9 +305,7 @@ def worker_main(argv: list[str]) -> int:
                                 if task.kind == "lm" else None),
                "loss": losses[-1] if losses else None, "ranks": gathered,
                "torch": torch.__version__, "threads": spec.threads}
-        tmp = Path(argv[1]).with_suffix(".tmp")
-        tmp.write_text(json.dumps(res))
-        tmp.replace(argv[1])
+        write_json_atomic(argv[1], res)
     return 0
 
 

@@ -94,22 +94,4 @@ def build_mesh(plan: ParallelPlan, device: torch.device) -> MeshInfo:
     return MeshInfo(mesh=mesh, dp_rank=dp_rank, tp_rank=coord.get("tp", 0), pp_rank=coord.get("pp", 0))
 
 
-def exit_rank(code: int = 0):
-    """End a launched rank after its work is done: wait for every rank, flush, and leave without
-    interpreter teardown.
-
-    Destroying gloo process groups (or letting interpreter exit destroy them) occasionally aborted a
-    rank here with "terminate called without an active exception" after all results were written
-    (seen about once in ten launches under load, with and without pipelines). Once every rank has
-    passed the final barrier nothing is in flight, so ``os._exit`` is safe and skips that teardown.
-    Entry points of launched ranks call this; library code never does.
-    """
-    import sys
-
-    try:
-        if dist.is_initialized():
-            dist.barrier()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+from modelpar.launch import exit_rank  # noqa: E402,F401  (moved; kept importable here)

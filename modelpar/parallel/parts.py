@@ -21,7 +21,8 @@ import torch.nn as nn
 FORMS_HELP = ("modelpar splits three forms of model: (1) an nn.Sequential; (2) a module whose direct "
               "children are an input part, one nn.ModuleList of blocks and an output part, called in "
               "that order (like modelpar.models.GPT); (3) any other module with split points given as "
-              "module paths (--split-points, e.g. 'encoder.layer.4')")
+              "module paths (get_model_parts(model, split_points=['encoder.layer.4']) from Python; no "
+              "command takes split points yet)")
 
 
 @dataclass

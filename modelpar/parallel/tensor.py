@@ -86,11 +86,12 @@ def derive_tp_plan(model: nn.Module, *, sequence_parallel: bool = False, shard_h
         return plan
     if sequence_parallel or shard_head:
         raise ValueError(f"sequence_parallel / loss parallel plans are derived for modelpar's GPT only; "
-                         f"{type(model).__name__} needs its own TP plan")
+                         f"{type(model).__name__} needs its own TP plan (parallelize(..., tp_plan=...) from Python)")
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     if len(linears) < 2:
         raise ValueError(f"tensor parallel needs at least two nn.Linear layers to pair (colwise, rowwise); "
-                         f"{type(model).__name__} has {len(linears)}. Pass your own TP plan instead.")
+                         f"{type(model).__name__} has {len(linears)}. Pass your own TP plan (parallelize(..., tp_plan=...) "
+                         f"from Python; no command takes one yet).")
     plan = {}
     for a, b in zip(linears[0::2], linears[1::2]):
         plan[a], plan[b] = COLWISE, ROWWISE

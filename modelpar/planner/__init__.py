@@ -2,7 +2,8 @@
 
 Pure Python over numbers (no process group). Entry points: `profile_model`, `estimate_memory`,
 `estimate_step`, `search_plans` / `choose_plan` (``--strategy auto``), `rule_plan` (``--strategy
-rules``), and the CLI mains in `modelpar.planner.commands`.
+rules``). The command line lives in `modelpar.cli`, calibration in `modelpar.calibrate`, the
+accuracy harness in `modelpar.measure`: none of them is imported from here.
 """
 
 from modelpar.planner.cost import StepEstimate, estimate_step, hfu, mfu

@@ -2,37 +2,28 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from modelpar.calibrate import AUTO_CALIBRATE_ENV, default_calibration_path  # noqa: F401  (re-exported)
 from modelpar.plan import ParallelPlan
-
-AUTO_CALIBRATE_ENV = "MODELPAR_AUTO_CALIBRATE"   # "0": never measure the machine on the fly
 
 
 def calibration_path() -> Path:
     """``$MODELPAR_CALIBRATION``, else ``~/.cache/modelpar/calibration.json``."""
-    from modelpar.planner.commands import default_calibration_path
-    return Path(default_calibration_path())
+    return default_calibration_path()
 
 
 def ensure_calibration(local_ranks: int) -> Path | None:
-    """The machine's calibration file, measured now (`modelpar calibrate`, ~20 s, once per machine:
-    the file is kept) if there is none and ``$MODELPAR_AUTO_CALIBRATE`` is not ``0``; None when it
-    stays uncalibrated."""
+    """The machine's calibration file, measured now (`modelpar.calibrate.calibrate`, ~40 s, once per
+    machine: the file is kept) if there is none and ``$MODELPAR_AUTO_CALIBRATE`` is not ``0``; None
+    when it stays uncalibrated."""
+    from modelpar.calibrate import machine_hardware
+    machine_hardware(local_ranks, measure_if_missing=True)
     path = calibration_path()
-    if path.is_file():
-        return path
-    if os.environ.get(AUTO_CALIBRATE_ENV, "1") == "0":
-        return None
-    from modelpar.planner.commands import calibrate_main
-    print(f"modelpar: this machine has no calibration yet; measuring it once with {local_ranks} local "
-          f"rank(s) (`modelpar calibrate --out {path}`; set {AUTO_CALIBRATE_ENV}=0 to skip)", flush=True)
-    calibrate_main(["--out", str(path), "--ranks", str(max(1, local_ranks))])
     return path if path.is_file() else None
 
 
@@ -43,54 +34,26 @@ class Choice:
     reason: str
 
 
-def hardware_for(cfg, world_size: int):
-    """The device profile named by ``cfg.hardware``, else this machine's (see TrainConfig.hardware)."""
+def hardware_for(cfg, world_size: int, *, measure_if_missing: bool = True):
+    """The device profile named by ``cfg.hardware``, else this machine's (`machine_hardware`; the only
+    caller that measures an uncalibrated machine on the fly, see TrainConfig.hardware)."""
+    from modelpar.calibrate import machine_hardware
     from modelpar.planner import get_hardware
 
     local = min(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if cfg.hardware:
         return get_hardware(cfg.hardware, local_ranks=local)
-    if torch.cuda.is_available():
-        from modelpar.planner.hardware import hardware_for_device
-        return hardware_for_device(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)
-    path = ensure_calibration(local)
-    if path is not None:
-        import dataclasses
-
-        from modelpar.planner.hardware import total_ram_bytes
-        hw = get_hardware(str(path), local_ranks=local)
-        # the memory budget follows this launch's local ranks, whatever the calibration used
-        return dataclasses.replace(hw, memory_bytes=total_ram_bytes() / max(1, local))
-    return get_hardware("cpu", local_ranks=local)
+    return machine_hardware(local, measure_if_missing=measure_if_missing)[0]
 
 
-PLAN_ENV = "MODELPAR_CHOSEN_PLAN"      # set by the launcher so every rank runs the plan it checked
-_CACHE: dict[str, Choice] = {}
+def choose(cfg, world_size: int, *, strategy: str = "auto", measure_if_missing: bool = True) -> Choice:
+    """The planner's (``auto``) or the rules baseline's (``rules``) plan for ``cfg`` on ``world_size``
+    ranks; called once, by the launcher (`modelpar.train.resolve.resolve`). ``measure_if_missing``:
+    calibrate an uncalibrated machine first (``train`` only)."""
+    return _choose(cfg, world_size, strategy=strategy, measure_if_missing=measure_if_missing)
 
 
-def choose_for_config(cfg, world_size: int, *, strategy: str = "auto") -> Choice:
-    """Cached `_choose` (keyed by the config), or the launcher's choice passed in PLAN_ENV."""
-    key = json.dumps([cfg.to_dict(), world_size, strategy], sort_keys=True, default=str)
-    if key not in _CACHE:
-        handed = os.environ.get(PLAN_ENV)
-        if handed:
-            d = json.loads(handed)
-            if d["key"] == key:
-                _CACHE[key] = Choice(ParallelPlan.from_dict(d["plan"]), d["local_batch_size"], d["reason"])
-        if key not in _CACHE:
-            _CACHE[key] = _choose(cfg, world_size, strategy=strategy)
-    return _CACHE[key]
-
-
-def export_choice(cfg, world_size: int, strategy: str) -> None:
-    """Put the choice in the environment of the ranks about to be launched."""
-    c = choose_for_config(cfg, world_size, strategy=strategy)
-    key = json.dumps([cfg.to_dict(), world_size, strategy], sort_keys=True, default=str)
-    os.environ[PLAN_ENV] = json.dumps({"key": key, "plan": c.plan.to_dict(), "local_batch_size": c.local_batch_size,
-                                       "reason": c.reason})
-
-
-def _choose(cfg, world_size: int, *, strategy: str = "auto") -> Choice:
+def _choose(cfg, world_size: int, *, strategy: str = "auto", measure_if_missing: bool = True) -> Choice:
     """Profile the config's model on the meta device and let the planner (``auto``) or the
     rule-of-thumb baseline (``rules``) pick the plan for ``world_size`` ranks.
 
@@ -106,7 +69,7 @@ def _choose(cfg, world_size: int, *, strategy: str = "auto") -> Choice:
     x = example_input(task, 1).to("meta")
     dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
     prof = profile_model(task.model, x, dtype=dtype)
-    hw = hardware_for(cfg, world_size)
+    hw = hardware_for(cfg, world_size, measure_if_missing=measure_if_missing)
     if strategy == "rules":
         plan, why = rule_plan(prof, world_size, hw, global_batch_size=cfg.global_batch_size,
                               task="language" if task.kind == "lm" else "image", precision=cfg.precision)

@@ -24,11 +24,9 @@ write has completed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -470,7 +468,7 @@ class TrainCheckpoints:
             if found:
                 raise ValueError(f"ckpt_dir {str(self.ckpt_dir)!r} already holds checkpoints "
                                  f"({found[-1][1].name} and {len(found) - 1} older); pass --resume auto to "
-                                 f"continue them, or another --ckpt_dir (nothing was overwritten)")
+                                 f"continue them, or another --ckpt-dir (nothing was overwritten)")
         if self.every > 0:
             self.saver = Checkpointer(self.ckpt_dir, keep_last=cfg.keep_last, async_save=cfg.async_ckpt)
 
@@ -580,23 +578,3 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> dict[s
                         **extra})
     tmp.replace(out)
     return state["model"]
-
-
-def export_main(argv: list[str]) -> int:
-    """``modelpar export CHECKPOINT [--out FILE]``: one consolidated safetensors file."""
-    ap = argparse.ArgumentParser(prog="modelpar export", description=(
-        "Write the model weights of a modelpar checkpoint (saved under any plan and world size) as one "
-        "safetensors file with the plain model's parameter names."))
-    ap.add_argument("checkpoint", help="a checkpoint folder (step-NNNNNNNN) or a folder of them (the latest)")
-    ap.add_argument("--out", default=None, help="output file (default: CHECKPOINT.safetensors next to it)")
-    args = ap.parse_args(argv)
-    try:
-        src = resolve_checkpoint(args.checkpoint)
-        out = Path(args.out) if args.out else src.parent / f"{src.name}.safetensors"
-        sd = export_checkpoint(src, out)
-    except CheckpointError as e:
-        print(f"modelpar export: error: {e}", file=sys.stderr)
-        return 2
-    n = sum(v.numel() for v in sd.values())
-    print(f"wrote {out}: {len(sd)} tensors, {n:,} parameters (from {src})")
-    return 0

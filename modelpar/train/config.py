@@ -21,10 +21,15 @@ class TrainConfig:
 
     Args:
         model: built-in model: gpt-nano, gpt-1m, gpt-3m, gpt-10m (trainable here), larger gpt-* presets,
-            mlp-small, mlp-large, mlp-deep, cnn.
+            mlp-small, mlp-large, mlp-deep, cnn (`modelpar.models.spec`).
+        model_config: GPT presets: a JSON object of GPTConfig fields replacing the preset's, e.g.
+            {"n_layer": 8, "d_model": 512}.
         strategy: auto (the planner picks the fastest plan that fits; the default), rules (the common
-            rule-of-thumb advice), or a shorthand: single, placement, ddp, fsdp, hsdp, tp, pp, ddp+tp,
-            fsdp+tp. Degrees below override the shorthand.
+            rule-of-thumb advice), custom (exactly the degrees given below), or a shorthand: single,
+            placement, ddp, fsdp, hsdp, tp, pp, ddp+tp, fsdp+tp. A degree that contradicts the shorthand
+            is an error (giving degrees without a strategy means custom).
+        plan: a plan file (plan.json, as `modelpar plan --explain K --json` or a run folder writes it)
+            or its JSON text: the whole layout, instead of strategy and degrees.
         nproc: local ranks to launch (ignored under torchrun, which sets the world size).
         data: text file or folder for GPT models (default: the Python standard library's sources).
         steps: optimizer steps.
@@ -38,16 +43,14 @@ class TrainConfig:
         optimizer: adamw or sgd.
         grad_clip: clip gradients to this global L2 norm (0: off).
         dropout: dropout probability for GPT models.
-        tie_embeddings: GPT models: the output layer reuses the token embedding's weight (GPT-2's
-            tie; kept tied by every strategy, case C13).
         eval_every: validate every N steps (and before and after training).
         eval_samples: validation samples per evaluation.
         seed: seed of initial weights, data order and dropout.
         threads: torch threads per rank (0: max(1, cores // local ranks)).
-        dp_replicate: override the data-parallel (replicated) degree (0: from strategy).
-        dp_shard: override the FSDP degree (0: from strategy).
-        tp: override the tensor-parallel degree (0: from strategy).
-        pp: override the pipeline-parallel degree (0: from strategy).
+        dp_replicate: data-parallel (replicated) degree (0: from strategy).
+        dp_shard: FSDP degree (0: from strategy).
+        tp: tensor-parallel degree (0: from strategy).
+        pp: pipeline-parallel degree (0: from strategy).
         pp_schedule: gpipe, 1f1b, interleaved1f1b, loopedbfs, interleavedzerobubble, zbvzerobubble, dualpipev.
         n_microbatches: pipeline micro-batches per local batch (0: 2 x pp).
         virtual_stages: pipeline stages per rank (interleaved schedules).
@@ -89,10 +92,14 @@ class TrainConfig:
         sync_batchnorm: convert BatchNorm layers to SyncBatchNorm over the data-parallel group (CUDA
             only; refused before launch on CPU). Without it BatchNorm uses per-rank batch statistics
             (case C15).
+        plan_options: further ParallelPlan fields by name (e.g. {"sequence_parallel": true}); on the
+            command line each has its own flag (--sequence-parallel).
     """
 
     model: str = "gpt-3m"
+    model_config: dict = dataclasses.field(default_factory=dict)
     strategy: str = "auto"
+    plan: str = ""
     nproc: int = 2
     data: str | None = None
     steps: int = 450
@@ -106,7 +113,6 @@ class TrainConfig:
     optimizer: str = "adamw"
     grad_clip: float = 1.0
     dropout: float = 0.0
-    tie_embeddings: bool = False
     eval_every: int = 150
     eval_samples: int = 128
     seed: int = 0
@@ -140,6 +146,7 @@ class TrainConfig:
     compile: bool = False
     check_unused_params: bool = True
     sync_batchnorm: bool = False
+    plan_options: dict = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -18,7 +18,7 @@ from modelpar.parallel.compose import ParallelModel
 from modelpar.parallel.parts import get_model_parts
 from modelpar.parallel.tensor import default_tp_plan, validate_tp_plan
 from modelpar.parallel.ties import check_ties
-from modelpar.plan import ParallelPlan, gradient_accumulation_steps, plan_for_strategy
+from modelpar.plan import ParallelPlan, gradient_accumulation_steps
 from modelpar.train.config import TrainConfig
 from modelpar.train.data import eval_shard
 from modelpar.train.step import adamw
@@ -26,35 +26,14 @@ from modelpar.train.task import Task, build_task
 
 
 def resolve_plan(cfg: TrainConfig, world_size: int) -> ParallelPlan:
-    """The plan ``cfg`` asks for on ``world_size`` ranks (strategy shorthand + explicit overrides).
+    """The plan ``cfg`` asks for on ``world_size`` ranks (`modelpar.train.resolve.resolve`).
 
     Raises:
-        ValueError: unknown strategy / schedule, or degrees that do not multiply to the world size.
+        ValueError: unknown strategy / schedule, contradicting options, or degrees that do not
+            multiply to the world size.
     """
-    ov = {k: getattr(cfg, k) for k in ("dp_replicate", "dp_shard", "tp", "pp") if getattr(cfg, k)}
-    extra = dict(pp_schedule=cfg.pp_schedule, virtual_stages=cfg.virtual_stages,
-                 activation_checkpointing=cfg.activation_checkpointing, ac_every=cfg.ac_every,
-                 defer_grad_sync=cfg.defer_grad_sync, precision=cfg.precision,
-                 reshard_after_forward=cfg.reshard_after_forward, cpu_offload=cfg.cpu_offload,
-                 compile=cfg.compile)
-    if cfg.stage_boundaries:
-        extra["stage_boundaries"] = tuple(cfg.stage_boundaries)
-    strategy = cfg.strategy.lower()
-    if strategy in ("auto", "rules"):
-        from modelpar.train.auto import choose_for_config   # the planner resolves the degrees
-        return choose_for_config(cfg, world_size, strategy=strategy).plan
-    if strategy == "placement":
-        devs = cfg.placement_devices or (["cuda:0", "cuda:1"] if torch.cuda.device_count() >= 2 else ["cpu", "cpu"])
-        return plan_for_strategy("placement", 1, placement_devices=tuple(devs), **extra)
-    if ov and strategy in ("ddp", "fsdp", "tp", "pp") and set(ov) - {
-            {"ddp": "dp_replicate", "fsdp": "dp_shard", "tp": "tp", "pp": "pp"}[strategy]}:
-        plan = ParallelPlan(**ov, **extra)          # explicit degrees describe a hybrid
-    else:
-        plan = plan_for_strategy(strategy, world_size, **ov, **extra)
-    if plan.pp > 1:
-        m = cfg.n_microbatches or 2 * plan.pp
-        plan = ParallelPlan.from_dict({**plan.to_dict(), "n_microbatches": m})
-    return plan
+    from modelpar.train.resolve import resolve
+    return resolve(cfg, world_size).plan
 
 
 @dataclass
@@ -67,14 +46,13 @@ class Batches:
     micro_batch_size: int
 
 
-def batch_terms(cfg: TrainConfig, plan: ParallelPlan) -> Batches:
-    if not cfg.local_batch_size and cfg.global_batch_size % plan.dp:
+def batch_terms(cfg: TrainConfig, plan: ParallelPlan, local_batch_size: int = 0) -> Batches:
+    """The batch terms of ``cfg`` under ``plan``; ``local_batch_size`` (0: ``cfg.local_batch_size``,
+    else global / dp) is the resolved local batch (the planner picks it under ``auto``)."""
+    local = local_batch_size or cfg.local_batch_size
+    if not local and cfg.global_batch_size % plan.dp:
         raise ValueError(f"global_batch_size={cfg.global_batch_size} is not divisible by the data-parallel "
                          f"degree {plan.dp} (dp_replicate x dp_shard = {plan.dp_replicate} x {plan.dp_shard})")
-    local = cfg.local_batch_size
-    if not local and cfg.strategy.lower() == "auto":       # the planner also picks the local batch
-        from modelpar.train.auto import choose_for_config
-        local = choose_for_config(cfg, plan.world_size, strategy="auto").local_batch_size
     local = local or cfg.global_batch_size // plan.dp
     if local < 1:
         raise ValueError(f"global_batch_size={cfg.global_batch_size} is smaller than the data-parallel degree "
@@ -83,8 +61,12 @@ def batch_terms(cfg: TrainConfig, plan: ParallelPlan) -> Batches:
     return Batches(cfg.global_batch_size, local, accum, local // (plan.n_microbatches if plan.pp > 1 else 1))
 
 
-def preflight(cfg: TrainConfig, world_size: int) -> tuple[ParallelPlan, Batches]:
+def preflight(cfg: TrainConfig, world_size: int, resolved=None) -> tuple[ParallelPlan, Batches]:
     """Every check that needs no process: plan, batch terms, model form, TP divisibility (meta device).
+
+    ``resolved`` (`modelpar.train.resolve.Resolved`): the plan the launcher resolved (read from the
+    run folder's plan.json on every rank), validated here instead of resolving again; None resolves
+    ``cfg`` now.
 
     Raises:
         ValueError: one clear message naming the field and the numbers.
@@ -102,10 +84,13 @@ def preflight(cfg: TrainConfig, world_size: int) -> tuple[ParallelPlan, Batches]
         if min(train_b.numel(), val_b.numel()) < seq + 2:
             raise ValueError(f"--data {cfg.data!r} has {train_b.numel()} train and {val_b.numel()} validation "
                              f"bytes; each split needs at least seq_len + 2 = {seq + 2}")
-    plan = resolve_plan(cfg, world_size)
+    if resolved is None:
+        from modelpar.train.resolve import resolve
+        resolved = resolve(cfg, world_size)
+    plan = resolved.plan
     task = build_task(cfg, device="meta", load_data=False)
     parts = get_model_parts(task.model)
-    batches = batch_terms(cfg, plan)
+    batches = batch_terms(cfg, plan, resolved.local_batch_size)
     plan.validate(1 if plan.is_placement else world_size, num_blocks=parts.num_blocks,
                   local_batch_size=batches.local_batch_size)
     tp_plan = default_tp_plan(task.model, sequence_parallel=plan.sequence_parallel)[0] if plan.tp > 1 else None

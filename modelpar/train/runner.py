@@ -11,6 +11,7 @@ import torch
 from modelpar.parallel.compose import parallelize
 from modelpar.parallel.layer_checks import dropout_note
 from modelpar.parallel.mesh import build_mesh, get_device, init_distributed
+from modelpar.plan_file import PlanFile
 from modelpar.train.checkpoint import TrainCheckpoints
 from modelpar.train.config import TrainConfig
 from modelpar.train.health import guard, start_heartbeat
@@ -43,22 +44,25 @@ def make_run_dir(cfg: TrainConfig) -> Path:
     return Path(cfg.out_dir) / f"{cfg.model}-{cfg.strategy.replace('+', '_')}-{stamp}"
 
 
-def train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False) -> dict:
+def train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False, resolved=None) -> dict:
     """Train per ``cfg`` on this rank; returns a summary dict (losses, timings, paths) on every rank.
+
+    ``resolved`` (`modelpar.train.resolve.Resolved`): the plan the launcher resolved once (the run
+    folder's plan.json); it is validated, not re-planned. None resolves ``cfg`` here (library use).
 
     Raises:
         RankFailureError: a collective failed; names the rank that died or stalled and its step.
     """
     with guard():       # a failed collective -> one error naming the rank and step (modelpar.train.health)
-        return _train(cfg, run_dir=run_dir, quiet=quiet)
+        return _train(cfg, run_dir=run_dir, quiet=quiet, resolved=resolved)
 
 
-def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False) -> dict:
+def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False, resolved=None) -> dict:
     t_start = time.time()
     rank, world = init_distributed(cfg.timeout_s)
     nthreads = threads_per_rank(cfg.threads)
     torch.set_num_threads(nthreads)
-    plan, batches = preflight(cfg, world)
+    plan, batches = preflight(cfg, world, resolved)
     device = get_device() if not plan.is_placement else torch.device(plan.placement_devices[0])
     is_main = rank == 0
     say = (lambda *a: print(*a, flush=True)) if (is_main and not quiet) else (lambda *a: None)
@@ -78,7 +82,8 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
     nparams = sum(p.numel() for p in task.model.parameters())
     say(f"  model: {nparams / 1e6:.2f}M parameters")
     record.write_json("config.json", cfg.to_dict())
-    record.write_json("plan.json", plan.to_dict())
+    record.write_json("plan.json", PlanFile(plan, batches.global_batch_size, batches.local_batch_size,
+                                            resolved.reason if resolved is not None else "").to_dict())
     record.write_json("data.json", task.data_info)
 
     mesh = build_mesh(plan, device)

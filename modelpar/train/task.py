@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from modelpar.models import MLP_PRESETS, PRESETS, build_model
+from modelpar.models import MLP_PRESETS, PRESETS
 from modelpar.train.data import TensorBatches, TokenBatches, load_digits, load_text_corpus
 
 
@@ -35,13 +35,20 @@ class Task:
 
 
 def build_model_for(cfg, device: str = "cpu") -> nn.Module:
+    """The built-in model ``cfg.model`` with ``cfg.model_config`` overrides (`modelpar.models.spec`);
+    ``cfg.seq_len`` and ``cfg.dropout`` win over both for GPT presets.
+
+    Raises:
+        ValueError: unknown name, a factory / hf: name (train runs built-in models), unknown fields.
+    """
+    from modelpar.models.spec import build_builtin
+
     kw = {}
     if cfg.model in PRESETS:
         kw["dropout"] = cfg.dropout
-        kw["tie_embeddings"] = getattr(cfg, "tie_embeddings", False)
         if cfg.seq_len:
             kw["seq_len"] = cfg.seq_len
-    return build_model(cfg.model, device=device, seed=cfg.seed, **kw)
+    return build_builtin(cfg.model, getattr(cfg, "model_config", None) or None, device=device, seed=cfg.seed, **kw)
 
 
 def synthetic_classification(in_dim: int, classes: int, n: int = 4096, seed: int = 0):

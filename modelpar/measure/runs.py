@@ -291,7 +291,7 @@ def run_cases(cases: list[Case], *, mode: str = "memory", **kw) -> dict:
 
 
 def worker_main(argv: list[str]) -> int:
-    """``torchrun ... -m modelpar.planner.measure CASES.json OUT.json [memory|time] [rounds]``."""
+    """``torchrun ... -m modelpar.measure.runs CASES.json OUT.json [memory|time] [rounds]``."""
     from modelpar.parallel.mesh import init_distributed
 
     cases_path, out_path = argv[0], argv[1]
@@ -310,33 +310,30 @@ def worker_main(argv: list[str]) -> int:
 
 def launch(cases: list[Case], world: int, *, mode: str = "memory", timeout: float = 300, rounds: int = 5,
            threads: int = 1, workdir: str | None = None) -> dict:
-    """Run ``cases`` in one torchrun launch of ``world`` ranks; returns rank 0's results.
+    """Run ``cases`` in one torchrun launch of ``world`` ranks (`modelpar.launch.run_workers`);
+    returns rank 0's results.
 
     Raises:
         RuntimeError: the launch failed or timed out (its output tail is in the message).
     """
-    import subprocess
     import tempfile
+
+    from modelpar.launch import run_workers
 
     d = workdir or tempfile.mkdtemp(prefix="modelpar-measure-")
     cp, op = os.path.join(d, "cases.json"), os.path.join(d, "out.json")
     with open(cp, "w") as f:
         json.dump([c.to_dict() for c in cases], f)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "-m", "modelpar.planner.measure", cp, op, mode, str(rounds)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MODELPAR_THREADS": str(threads),
-           "PYTHONWARNINGS": "ignore"}
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired as e:
-        raise RuntimeError(f"measure launch ({world} ranks) timed out after {timeout} s: "
-                           f"{(e.stderr or b'')[-3000:]!r}") from None
-    if p.returncode != 0 or not os.path.exists(op):
-        raise RuntimeError(f"measure launch ({world} ranks) failed (rc {p.returncode}):\n{p.stderr[-4000:]}")
-    return json.loads(open(op).read())
+    run = run_workers(["-m", "modelpar.measure.runs", cp, op, mode, str(rounds)], world, op, timeout_s=timeout,
+                      threads=threads, env={"MODELPAR_THREADS": threads})
+    if run.timed_out:
+        raise RuntimeError(f"measure launch ({world} ranks) timed out after {timeout} s:\n{run.output[-3000:]}")
+    if run.returncode != 0 or run.result is None:
+        raise RuntimeError(f"measure launch ({world} ranks) failed (rc {run.returncode}):\n{run.output[-4000:]}")
+    return run.result
 
 
 if __name__ == "__main__":
-    from modelpar.parallel.mesh import exit_rank
+    from modelpar.launch import exit_rank
 
     exit_rank(worker_main(sys.argv[1:]))

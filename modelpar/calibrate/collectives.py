@@ -1,0 +1,287 @@
+"""Calibration of communication: gloo all-reduce / all-gather / reduce-scatter / send-recv between
+local ranks started through `modelpar.launch` (``python -m modelpar.calibrate.collectives``), back
+to back and between compute segments, the memory bandwidth every rank gets at once, and the per-call
+overheads of torch's TP Linear and FSDP2 units.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+from modelpar.calibrate.micro import COLLECTIVE_SIZES, COLLECTIVES, _fresh_alloc_costs, _time, fit_alpha_beta
+from modelpar.planner.hardware import interpolate_sizes
+
+
+def _collective_calls(rank: int, world: int, nbytes: int) -> dict:
+    """{op: call} issuing each of `COLLECTIVES` on ``nbytes`` (the full, gathered / reduced size) from
+    this rank; send/recv runs from rank 0 to rank 1 (other ranks do nothing)."""
+    import torch.distributed as dist
+    full = torch.zeros(nbytes // 4)
+    shard = torch.zeros(nbytes // 4 // world)
+    return {"all_reduce": lambda: dist.all_reduce(full),
+            "all_gather": lambda: dist.all_gather_into_tensor(full, shard),
+            "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),
+            "send_recv": (lambda: dist.send(full, 1)) if rank == 0 else
+                         (lambda: dist.recv(full, 0)) if rank == 1 else (lambda: None)}
+
+
+def _collective_worker(sizes) -> dict:
+    """What each launched rank measures (the process group is up); rank 0's dict is the result."""
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    res = {op: {} for op in COLLECTIVES}
+    # memory bandwidth per rank while every rank streams at once (ranks share the memory bus)
+    a, b = torch.ones(16 * 2 ** 20), torch.ones(16 * 2 ** 20)     # 64 MiB each: past the caches
+    c = torch.empty_like(a)
+    res["mem_bandwidth"] = 3 * a.numel() * 4 / _synced_median(lambda: torch.add(a, b, out=c), 15)
+    del a, b, c
+    res["fresh"] = _fresh_alloc_costs()
+    for nbytes in sizes:
+        ops = _collective_calls(rank, world, nbytes)
+        for op, fn in ops.items():
+            dist.barrier()
+            res[op][nbytes] = _time(fn, 7)
+    res["in_context"] = _in_context_tables(rank, world, sizes)
+    res["framework"] = _framework_overheads(world, res["in_context"]["all_reduce"])
+    return res
+
+
+def worker_main(argv: list[str]) -> int:
+    """``torchrun ... -m modelpar.calibrate.collectives OUT.json SIZE [SIZE ...]``: every rank measures,
+    rank 0 writes the result (dict keys that are byte counts become strings in JSON)."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from modelpar.launch import write_json_atomic
+    from modelpar.parallel.mesh import init_distributed
+    warnings.simplefilter("ignore", FutureWarning)     # *_tensor collectives' rename notices
+    torch.set_num_threads(1)
+    init_distributed(timeout_s=300)
+    res = _collective_worker([int(a) for a in argv[1:]])
+    if dist.get_rank() == 0:
+        write_json_atomic(argv[0], res)
+    return 0
+
+
+def _int_keys(d):
+    """JSON's string keys back to byte counts, recursively where every key is a number."""
+    if not isinstance(d, dict):
+        return d
+    if d and all(isinstance(k, str) and k.isdigit() for k in d):
+        return {int(k): _int_keys(v) for k, v in d.items()}
+    return {k: _int_keys(v) for k, v in d.items()}
+
+
+def _synced_median(fn, reps: int) -> float:
+    """Seconds of ``fn`` with every rank calling it at the same moment (a barrier before each call):
+    the median per rank, averaged over the ranks. For rates that ranks share (the memory bus), which a
+    rank measuring while the others lag behind would overstate (up to 1.7x here)."""
+    import statistics
+
+    import torch.distributed as dist
+    fn()
+    ts = []
+    for _ in range(reps):
+        dist.barrier()
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    out = torch.tensor([statistics.median(ts)], dtype=torch.float64)
+    dist.all_reduce(out)
+    return float(out) / dist.get_world_size()
+
+
+def _trimmed_mean(ts: list[float]) -> float:
+    """Mean of ``ts`` without its top and bottom eighth. The mean is what a step pays; a collective's
+    cost between compute segments is bimodal per call (the other rank is already waiting, or not),
+    so a median flips between the modes; the trim drops scheduler hiccups."""
+    import statistics
+    ts = sorted(ts)
+    cut = len(ts) // 8
+    return statistics.fmean(ts[cut:len(ts) - cut])
+
+
+def _in_context_tables(rank: int, world: int, sizes, segment_s: float = 0.01) -> dict[str, dict[int, float]]:
+    """Seconds of each collective issued the way training issues it: after ~``segment_s`` of matmul
+    work on every rank (a block's forward or backward), not back to back. On a shared CPU this is
+    what a blocking collective costs in a step: the wait for the slowest rank (the segments' spread)
+    plus waking the backend's threads, which a tight loop of collectives never pays (gloo on 2 ranks
+    of this machine: 1-5 ms per call between segments vs 0.3-4 ms back to back).
+    Per call: the time from the end of the rank's segment to the collective's return; per rank the
+    `_trimmed_mean` over the calls (up to 1 MiB, where the wait dominates, pooled over those sizes;
+    non-decreasing in the size), averaged over the ranks (every rank reports the same number)."""
+    import torch.distributed as dist
+    a, w = torch.randn(2048, 128), torch.randn(128, 512)
+    t = time.perf_counter()
+    a @ w
+    k = max(1, round(segment_s / max(time.perf_counter() - t, 1e-5)))
+
+    def seg():
+        for _ in range(k):
+            a @ w
+    out = {op: {} for op in COLLECTIVES}
+    samples: dict[str, dict[int, list[float]]] = {}
+    for nbytes in sizes:
+        ops = _collective_calls(rank, world, nbytes)
+        reps = 12 if nbytes <= 4 * 2 ** 20 else 5
+        for op, fn in ops.items():
+            dist.barrier()
+            ts = []
+            for _ in range(reps):
+                seg()
+                t = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t)
+            samples.setdefault(op, {})[nbytes] = ts
+    for op, by_size in samples.items():
+        # up to 1 MiB the wait dominates and does not depend on the size: one pooled value
+        small = sorted(t for nb, ts in by_size.items() if nb <= 2 ** 20 for t in ts)
+        prev = 0.0
+        for nbytes, ts in sorted(by_size.items()):
+            # cumulative max: a larger message never costs less
+            prev = out[op][nbytes] = max(prev, _trimmed_mean(small if nbytes <= 2 ** 20 else ts))
+    flat = torch.tensor([out[op][nb] for op in COLLECTIVES for nb in sizes], dtype=torch.float64)
+    dist.all_reduce(flat)
+    if world > 2:       # send/recv runs between ranks 0 and 1 only
+        per = len(sizes)
+        i = COLLECTIVES.index("send_recv") * per
+        flat[i:i + per] *= world / 2
+    flat /= world
+    vals = iter(flat.tolist())
+    return {op: {nb: next(vals) for nb in sizes} for op in COLLECTIVES}
+
+
+def _tp_linear_cost(mesh, world: int, tokens: int, width: int, all_reduce: dict[int, float],
+                    n: int = 3) -> tuple[float, float]:
+    """(input activation bytes, seconds per Linear) that tensor parallelism adds, forward + backward:
+    ``2n`` Linears alternating width -> 4 width (colwise) and back (rowwise) on a (tokens, width) input,
+    minus the same local shards as plain Linears (medians) and minus its ``2n - 1`` all-reduces at the
+    in-context times ``all_reduce`` ({bytes: s}) that the cost model charges them, so that model and
+    measurement agree on this chain whatever share of it one calls communication."""
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    x, act = torch.randn(tokens, width), torch.zeros(tokens, width)
+    tp = nn.Sequential(*[nn.Linear(width, 4 * width) if i % 2 == 0 else nn.Linear(4 * width, width)
+                         for i in range(2 * n)])
+    parallelize_module(tp, mesh, {str(i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel() for i in range(2 * n)})
+    local = nn.Sequential(*[nn.Linear(width, 4 * width // world) if i % 2 == 0 else nn.Linear(4 * width // world, width)
+                            for i in range(2 * n)])
+    import statistics
+    est = []
+    for _ in range(5):                  # median of 5 estimates: each is a difference of jittery times
+        dist.barrier()
+        t_tp = _time(lambda: tp(x).sum().backward(), 9)
+        t_local = _time(lambda: local(x).sum().backward(), 9)
+        est.append((t_tp - t_local) / (2 * n))
+    t_ar = (2 * n - 1) * interpolate_sizes(sorted(all_reduce.items()), act.numel() * 4)
+    return 4.0 * tokens * width, statistics.median(est) - t_ar / (2 * n)
+
+
+def _framework_overheads(world: int, all_reduce: dict[int, float], *, d: int = 16, n: int = 8) -> dict:
+    """Seconds per call that torch's tensor-parallel Linear (DTensor) and FSDP2 unit add beyond the
+    arithmetic and the collectives, forward + backward: a chain of ``2n`` tiny (d x d) Linears, plain,
+    with alternating colwise / rowwise TP (`_tp_linear_cost`: its all-reduces subtracted at the
+    in-context times ``all_reduce``, {bytes: s}, that the cost model charges), and with every Linear an
+    FSDP2 unit (the same collectives issued alone subtracted). Every rank reports the ranks' mean."""
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    x = torch.randn(4, d)
+
+    def chain():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(d, d) for _ in range(2 * n)])
+
+    def step(m):
+        m(x).sum().backward()
+
+    plain = chain()
+    t_plain = _time(lambda: step(plain), 15, best=True)
+    tp_costs = [_tp_linear_cost(mesh, world, tokens, width, all_reduce) for tokens, width in ((64, 16), (2048, 256))]
+    fs = chain()
+    for lin in fs:
+        fully_shard(lin, mesh=mesh)
+    fully_shard(fs, mesh=mesh)
+    # the same 2n Linears as n/ 2 units of 4 Linears (8 tensors each instead of 2): FSDP2's cost
+    # has a part per unit (hooks, one gather, one reduce-scatter) and a part per tensor (copy-in/out)
+    fs4 = chain()
+    for i in range(0, 2 * n, 4):
+        fully_shard([fs4[j] for j in range(i, i + 4)], mesh=mesh)
+    fully_shard(fs4, mesh=mesh)
+    # the same chains' collectives alone (tiny messages: latency), subtracted:
+    # FSDP2 (reshard after forward): per unit a gather in forward and in backward, one reduce-scatter
+    w4, shard4 = torch.zeros(4 * (d * d + d)), torch.zeros(4 * (d * d + d) // world)
+    w = torch.zeros(d * d + d)
+    shard = torch.zeros((d * d + d) // world)
+    c2s, c8s = [], []
+    for _ in range(3):                  # median of 3 estimates, each a difference of best-of-15 times
+        dist.barrier()
+        t_fs = _time(lambda: step(fs), 15, best=True)
+        t_fs4 = _time(lambda: step(fs4), 15, best=True)
+        t_fc4 = _time(lambda: [(dist.all_gather_into_tensor(w4, shard4), dist.all_gather_into_tensor(w4, shard4),
+                                dist.reduce_scatter_tensor(shard4, w4)) for _ in range(n // 2)], 15, best=True)
+        t_fc = _time(lambda: [(dist.all_gather_into_tensor(w, shard), dist.all_gather_into_tensor(w, shard),
+                               dist.reduce_scatter_tensor(shard, w)) for _ in range(2 * n)], 15, best=True)
+        c2s.append((t_fs - t_plain - t_fc) / (2 * n))              # per unit of 2 tensors
+        c8s.append((t_fs4 - t_plain - t_fc4) / (n // 2))           # per unit of 8 tensors
+    # TP: a fixed part and a part per byte of the Linear's input activation (DTensor's conversions
+    # and copies of the activation), from the two sizes
+    (b0, c0), (b1, c1) = tp_costs
+    tp_per_byte = max(0.0, (c1 - c0) / (b1 - b0))
+    tp_each = max(0.0, c0 - tp_per_byte * b0)
+    import statistics
+    c2, c8 = statistics.median(c2s), statistics.median(c8s)
+    per_tensor = max(0.0, (c8 - c2) / 6)
+    per_unit = max(0.0, c2 - 2 * per_tensor)
+    vals = torch.tensor([tp_each, tp_per_byte, per_unit, per_tensor], dtype=torch.float64)
+    dist.all_reduce(vals)               # the ranks' mean: every rank reports the same numbers
+    vals /= world
+    return dict(zip(("tp_linear_overhead_s", "tp_linear_overhead_s_per_byte", "fsdp_unit_overhead_s",
+                     "fsdp_tensor_overhead_s"), vals.tolist()))
+
+
+def measure_collectives(world: int = 2, sizes=COLLECTIVE_SIZES, *, timeout_s: float = 600) -> dict:
+    """``{op: (latency s, bandwidth B/s)}`` of gloo all-reduce, all-gather, reduce-scatter and
+    send/recv between ``world`` local ranks (launched by `modelpar.launch.run_workers`), each fitted
+    by `fit_alpha_beta` over ``sizes``, and ``"mem_bandwidth"``: bytes/s one rank streams while all
+    ``world`` ranks stream at once.
+
+    Raises:
+        RuntimeError: the ranks failed or did not finish within ``timeout_s``.
+    """
+    import tempfile
+
+    from modelpar.launch import run_workers
+    out = os.path.join(tempfile.mkdtemp(prefix="modelpar-calibrate-"), "collectives.json")
+    run = run_workers(["-m", "modelpar.calibrate.collectives", out, *map(str, sizes)], world, out, timeout_s=timeout_s)
+    if run.result is None:
+        raise RuntimeError(f"calibration ranks failed ({run.reason()}):\n{run.output[-3000:]}")
+    res = _int_keys(run.result)
+    from modelpar.planner.cost import alpha_beta_form
+    fits = {}
+    for op in COLLECTIVES:
+        steps, volume = alpha_beta_form(op, world)
+        fits[op] = fit_alpha_beta(res[op], steps=steps, volume=volume)
+    fits["mem_bandwidth"] = res["mem_bandwidth"]
+    fits["times"] = {op: res[op] for op in COLLECTIVES}
+    fits["fresh"] = res["fresh"]
+    fits["framework"] = res["framework"]
+    fits["in_context"] = res["in_context"]
+    return fits
+
+
+if __name__ == "__main__":
+    from modelpar.launch import exit_rank
+
+    exit_rank(worker_main(sys.argv[1:]))

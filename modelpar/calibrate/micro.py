@@ -1,0 +1,240 @@
+"""Calibration micro-benchmarks: what `modelpar calibrate` times on this machine (never a model).
+
+Compute (this process): matmul rates over sizes, per-operator overhead, streaming and element-wise
+bandwidth, fused attention, the zero-bubble split backward, fresh-allocation costs. Collectives
+are in `modelpar.calibrate.collectives`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+MATMUL_SIZES = (32, 64, 128, 256, 512, 1024, 2048)
+# bytes: from latency-bound (TP activations of tiny models) to a DDP bucket and past it
+COLLECTIVE_SIZES = (4 * 2 ** 10, 64 * 2 ** 10, 1 * 2 ** 20, 4 * 2 ** 20, 16 * 2 ** 20, 64 * 2 ** 20)
+# fresh-allocation sweep (MiB): straddles glibc's largest dynamic mmap threshold (32 MiB on 64-bit)
+FRESH_SIZES_MIB = (8, 16, 31, 33, 64)
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+
+
+def _time(fn, reps: int, *, best: bool = False) -> float:
+    """Median (``best``: smallest) seconds of ``fn`` over ``reps`` calls after one warm-up. Compute
+    rates take the best call, which a busy neighbour on a shared machine can only slow down;
+    collectives take the median, as their spread (TCP on loopback) is part of what training sees."""
+    import statistics
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return min(ts) if best else statistics.median(ts)
+
+
+def measure_compute(sizes=MATMUL_SIZES) -> dict:
+    """Matmul FLOP/s of N x N x N fp32 products over ``sizes``: the peak (``matmul_peak``: the best
+    rate of a product repeated on the same operands) and the curve the cost model interpolates
+    (`_linear_matmul_rate`); per-op overhead (a tiny add), copy bandwidth. Units: FLOP/s, s, B/s."""
+    peak = 0.0
+    for n in (256, 512):
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        peak = max(peak, 2 * n ** 3 / _time(lambda: a @ b, max(7, min(200, int(3e9 // n ** 3))), best=True))
+    flops = {n: _linear_matmul_rate(n) for n in sizes}
+    overhead = _time(_op_chain, 30, best=True) / (2 * _CHAIN)         # forward op + its backward op
+    fresh = _fresh_alloc_costs()     # first: its warm-up leaves the allocator in its steady state
+    attn = measure_attention()
+    elementwise = measure_elementwise()
+    zero_bubble = measure_zero_bubble_backward()
+    a, b = torch.ones(32 * 2 ** 20), torch.ones(32 * 2 ** 20)   # 128 MiB each: past the caches
+    c = torch.empty_like(a)
+    bw = 3 * a.numel() * 4 / _time(lambda: torch.add(a, b, out=c), 5)     # read 2 + write 1
+    return {"matmul_flops": flops, "matmul_peak": max(peak, *flops.values()), "op_overhead_s": overhead,
+            "mem_bandwidth": bw, "attention_flops": attn, "fresh": fresh, "elementwise_bw": elementwise,
+            "zero_bubble_backward_factor": zero_bubble}
+
+
+def _linear_matmul_rate(n: int, pool_bytes: int = 64 * 2 ** 20) -> float:
+    """FLOP/s of the three products a Linear layer runs on ``n x n`` operands -- forward ``x @ W.T``,
+    input gradient ``dy @ W``, weight gradient ``dy.T @ x`` -- with operands that are not in cache:
+    each call takes the next of as many operand sets as fill ``pool_bytes`` (past the last-level
+    cache), as in a training step, where a product's inputs were written by earlier operators long
+    evicted. Harmonic mean over the three layouts (equal FLOPs each); the median of 3 passes
+    (one above n = 512).
+    1 thread, this machine: n=128 75, n=256 94, n=512 101, n=1024 106 GFLOP/s vs 101-108 for the
+    same products repeated on the same operands."""
+    import statistics
+    nbytes = 3 * n * n * 4
+    sets = max(2, pool_bytes // nbytes)
+    total = 0.0
+    src = torch.randn(n, n)
+    for layout in ("NT", "NN", "TN"):
+        # copies of one random matrix: distinct memory is what matters, and copying is 10x faster
+        # than drawing random numbers
+        ops = [((src.clone().t() if layout == "TN" else src.clone()),
+                (src.clone().t() if layout == "NT" else src.clone()), torch.empty(n, n))
+               for _ in range(sets)]
+
+        def run():
+            for x, w, o in ops:
+                torch.mm(x, w, out=o)
+        big = n > 512                   # seconds per pass; cold and repeated rates agree there
+        if not big:
+            run()
+        passes = []
+        for _ in range(1 if big else 3):
+            t = time.perf_counter()
+            run()
+            passes.append(time.perf_counter() - t)
+        total += statistics.median(passes) / sets
+    return 3 * 2 * n ** 3 / total
+
+
+def measure_elementwise(tokens: int = 2048, width: int = 256) -> float:
+    """Bytes/s that a transformer block's non-matmul operators reach, counted as `profile_model`
+    counts them (inputs + outputs of each non-view, non-matmul operator), forward + backward, on
+    activations of (tokens, width) fp32 and the MLP's (tokens, 4 x width): layer norm, GELU on the
+    4x-wide hidden, the head reshapes' copies, two residual adds, cross-entropy. GELU's erf and the
+    norms' reductions keep them well below the streaming bandwidth."""
+    import torch.nn.functional as F
+
+    from modelpar.planner.profile import count_elementwise_bytes
+    x = torch.randn(tokens, width, requires_grad=True)
+    hid = torch.randn(tokens, 4 * width, requires_grad=True)
+    ln = torch.nn.LayerNorm(width)
+    target = torch.randint(0, width, (tokens,))
+
+    def run():
+        h = ln(x)
+        heads = h.view(tokens // 64, 64, 4, width // 4).transpose(1, 2).contiguous()   # split heads
+        u = F.gelu(hid)
+        y = x + heads.transpose(1, 2).reshape(tokens, width) + u[:, :width]
+        F.cross_entropy(y, target).backward()
+
+    nbytes = count_elementwise_bytes(run)
+    return nbytes / _time(run, 9, best=True)
+
+
+def measure_zero_bubble_backward(tokens: int = 1024, width: int = 256, blocks: int = 6) -> float:
+    """How much longer a backward takes when split the zero-bubble way (Qi et al. ICLR'24): torch's
+    ``stage_backward_input`` (activation gradients) then ``stage_backward_weight`` (weight gradients,
+    from output gradients and activations kept for it), over the plain ``backward()``; on a chain of
+    ``blocks`` pre-norm MLP blocks (LayerNorm, Linear width -> 4 width, GELU, Linear back, residual)
+    on (tokens, width) fp32 activations. Ratio of backward seconds (medians; forward subtracted).
+    1 thread here: 1.07-1.12 (gpt-3m's own blocks: 1.10-1.12, gpt-1m's 1.25: the weight pass reads
+    what the input pass left, evicted; the more blocks per stage, the more)."""
+    import statistics
+
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(width)
+            self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+
+        def forward(self, x):
+            return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[Block() for _ in range(blocks)])
+    src = torch.randn(tokens, width)
+
+    def fwd():
+        with torch.no_grad():
+            net(src)
+
+    def plain():
+        x = src.clone().requires_grad_()
+        y = net(x)
+        y.backward(torch.ones_like(y))
+        net.zero_grad(set_to_none=True)
+
+    def split():
+        x = src.clone().requires_grad_()
+        y = net(x)
+        _, groups = stage_backward_input([y], [torch.ones_like(y)], [x], net.parameters())
+        stage_backward_weight(net.parameters(), groups)
+        net.zero_grad(set_to_none=True)
+    ratios = []
+    for _ in range(2):
+        t_f, t_p, t_s = (_time(f, 3) for f in (fwd, plain, split))
+        ratios.append((t_s - t_f) / max(t_p - t_f, 1e-9))
+    return max(1.0, statistics.median(ratios))
+
+
+def measure_attention(batch: int = 8, heads: int = 4, seq: int = 256, head_dim: int = 64) -> float:
+    """Counted FLOP/s of causal ``scaled_dot_product_attention`` forward + backward (fp32, the fused
+    kernel torch picks): FLOPs as the profile counts them (torch's ``sdpa_flop_count``, full (seq x
+    seq) products, backward twice the forward) over the measured time."""
+    from torch.utils.flop_counter import sdpa_flop_count
+    q, k, v = (torch.randn(batch, heads, seq, head_dim, requires_grad=True) for _ in range(3))
+
+    def run():
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    return 3 * sdpa_flop_count(q.shape, k.shape, v.shape) / _time(run, 7, best=True)
+
+
+_CHAIN = 64
+
+
+def _op_chain() -> None:
+    """``_CHAIN`` tiny element-wise ops with autograd on, then their backward: the fixed cost of one
+    eager operator (dispatch, autograd node, allocation) without arithmetic to speak of."""
+    x = torch.ones(16, requires_grad=True)
+    y = x
+    for _ in range(_CHAIN):
+        y = y * 1.0001
+    y.sum().backward()
+
+
+def _fresh_alloc_costs(sizes_mib=FRESH_SIZES_MIB) -> dict[int, float]:
+    """Seconds per byte that a *fresh* tensor costs beyond writing it, by size: ``torch.empty(n)``
+    filled and freed, minus filling a reused buffer of the same size. On CPU, tensors above the C
+    allocator's mmap threshold get new pages from the kernel on every allocation (page faults and
+    zeroing on first touch, unmapping on free); smaller ones are recycled from the heap, so their cost
+    is near 0. Called on every rank at once, as training allocates on every rank at once."""
+    import statistics
+    for mib in sorted(sizes_mib, reverse=True):     # warm-up pass: the allocator's steady state (the
+        torch.empty(mib * 2 ** 20 // 4).fill_(1.0)   # dynamic threshold rises as large blocks are freed)
+    passes: dict[int, list[float]] = {mib * 2 ** 20: [] for mib in sizes_mib}
+    for _ in range(3):                               # the allocator's state drifts: median of 3 passes
+        for mib in sizes_mib:
+            n = mib * 2 ** 20 // 4
+            buf = torch.empty(n)
+            reuse = _time(lambda: buf.fill_(1.0), 5)
+            fresh = _time(lambda: torch.empty(n).fill_(1.0), 5)
+            passes[mib * 2 ** 20].append(max(0.0, fresh - reuse) / (4 * n))
+            del buf
+    return {k: statistics.median(v) for k, v in passes.items()}
+
+
+def fresh_threshold(costs: dict[int, float]) -> tuple[float, float]:
+    """(cost s/byte, smallest fresh size in bytes) from `_fresh_alloc_costs` output: the cost is the
+    largest size's; the threshold is the smallest size of the unbroken run of sizes, from the largest
+    down, that cost at least half of that (a lone costly small size is allocator noise)."""
+    top = costs[max(costs)]
+    if top <= 0:
+        return 0.0, float("inf")
+    thr = max(costs)
+    for k in sorted(costs, reverse=True):       # the contiguous run of costly sizes from the top
+        if costs[k] < 0.5 * top:
+            break
+        thr = k
+    return top, float(thr)
+
+
+def fit_alpha_beta(times: dict[int, float], *, steps: float, volume: float) -> tuple[float, float]:
+    """Least-squares fit of ``t = steps * alpha + volume * B / beta`` over (bytes B, seconds t) pairs
+    (Thakur et al. 2005 forms: all-reduce steps 2(n-1), volume 2(n-1)/n; all-gather and reduce-scatter
+    n-1 and (n-1)/n; send/recv 1 and 1). Returns (alpha s, beta B/s); alpha >= 1e-7."""
+    xs = [volume * b for b in times]
+    ys = list(times.values())
+    k = len(xs)
+    mx, my = sum(xs) / k, sum(ys) / k
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    slope = max(slope, 1e-12)
+    alpha = max((my - slope * mx) / steps, 1e-7)
+    return alpha, 1.0 / slope

@@ -1,0 +1,135 @@
+"""The option groups every command shares: same flag names, same defaults, same meaning.
+
+`TrainConfig` holds the same fields with the same defaults (a test checks it), so ``modelpar train``
+and ``modelpar plan`` answer for the same job when given the same flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+
+BATCH_TERMS = """batch terms (one meaning each, in every command):
+  global batch size  samples per optimizer step (the same on every layout)
+  local batch size   samples in one forward/backward on one data-parallel rank
+  micro-batch size   samples per pipeline micro-batch (= local under no pipeline)
+  accumulation       global / (local x data-parallel degree), derived"""
+
+
+@dataclass
+class ModelOptions:
+    """Which model.
+
+    Args:
+        model: a built-in name (gpt-nano, gpt-1m, gpt-3m, gpt-10m .. gpt-70b, mlp-small, mlp-large,
+            mlp-deep, cnn), or your own as module:factory or path/to/file.py:factory (where the command
+            accepts it; the factory protocol is in modelpar/models/spec.py).
+        model_config: JSON object of GPTConfig fields replacing a GPT preset's, e.g.
+            '{"n_layer": 32, "d_model": 4096, "n_head": 32}'.
+    """
+
+    model: str = "gpt-3m"
+    model_config: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclass
+class LayoutOptions:
+    """How many ranks, and which layout.
+
+    Args:
+        nproc: world size (ranks; local ranks for train and verify).
+        nnodes: nodes (with --gpus-per-node: world size = nnodes x gpus-per-node).
+        gpus_per_node: devices per node, the fast-link domain (0: the hardware profile's).
+        strategy: auto (the planner picks), rules, custom (the degrees given), or a shorthand: single,
+            placement, ddp, fsdp, hsdp, tp, pp, ddp+tp, fsdp+tp.
+        plan: a plan file (plan.json as `plan --explain K --json`, `estimate --json` or a run folder
+            writes it) or its JSON text, instead of --strategy.
+    """
+
+    nproc: int = 2
+    nnodes: int = 1
+    gpus_per_node: int = 0
+    strategy: str = "auto"
+    plan: str = ""
+
+
+@dataclass
+class BatchOptions:
+    """Batch and sequence.
+
+    Args:
+        global_batch_size: samples per optimizer step.
+        seq_len: tokens per sample for GPT models (0: the preset's).
+    """
+
+    global_batch_size: int = 32
+    seq_len: int = 0
+
+
+@dataclass
+class HardwareOptions:
+    """Device profile.
+
+    Args:
+        hardware: a built-in device (A100-40GB, A100-80GB, H100-80GB-SXM, H200), cpu (uncalibrated
+            estimate), a JSON file written by `modelpar calibrate`, or empty: this machine (its
+            calibration if there is one, else the uncalibrated estimate, said in one line).
+    """
+
+    hardware: str = ""
+
+
+SHARED = (ModelOptions, LayoutOptions, BatchOptions, HardwareOptions)
+
+
+def shared_defaults() -> dict:
+    """Field name -> default over every shared group."""
+    out = {}
+    for cls in SHARED:
+        for f in dataclasses.fields(cls):
+            out[f.name] = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    return out
+
+
+def resolve_hardware(name: str, local_ranks: int, *, gpus_per_node: int = 0, say=None):
+    """The profile ``--hardware`` names, or this machine's (never measured here: only ``train
+    --strategy auto`` calibrates by itself); prints the one-line note when it is the uncalibrated
+    estimate. ``gpus_per_node`` > 0 replaces the profile's ``devices_per_node``.
+
+    Raises:
+        ValueError: an unknown name or missing file.
+    """
+    from modelpar.planner.hardware import get_hardware
+
+    if name:
+        hw = get_hardware(name, local_ranks=local_ranks)
+    else:
+        from modelpar.calibrate import machine_hardware
+
+        hw, note = machine_hardware(local_ranks)
+        if "uncalibrated" in note:
+            (say or (lambda m: print(m, file=sys.stderr)))(note)
+    if gpus_per_node:
+        hw = dataclasses.replace(hw, devices_per_node=gpus_per_node)
+    return hw
+
+
+def world_size(ns, given: set[str]) -> int:
+    """``--nproc``, or ``--nnodes x --gpus-per-node`` when both are given (``--nproc`` then must agree).
+
+    Raises:
+        ValueError: the two disagree, or a count < 1.
+    """
+    for k in ("nproc", "nnodes"):
+        if getattr(ns, k) < 1:
+            raise ValueError(f"--{k} must be >= 1, got {getattr(ns, k)}")
+    if ns.nnodes > 1 or ("gpus_per_node" in given and "nnodes" in given):
+        if ns.gpus_per_node < 1:
+            raise ValueError(f"--nnodes {ns.nnodes} needs --gpus-per-node (devices per node)")
+        n = ns.nnodes * ns.gpus_per_node
+        if "nproc" in given and ns.nproc != n:
+            raise ValueError(f"--nproc {ns.nproc} disagrees with --nnodes {ns.nnodes} x --gpus-per-node "
+                             f"{ns.gpus_per_node} = {n}; give one of them")
+        return n
+    return ns.nproc

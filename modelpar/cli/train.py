@@ -1,0 +1,160 @@
+"""``modelpar train``: resolve the plan once, write the run folder, launch the ranks.
+
+The launcher (this process) checks the whole configuration and resolves the plan once
+(`modelpar.train.resolve`), then writes ``config.yaml`` (the effective `TrainConfig`) and
+``plan.json`` (`modelpar.plan_file`) into a new run folder and starts ``--nproc`` local ranks with
+``modelpar train --run-dir DIR`` (`modelpar.launch`). Every rank reads both files and validates the
+plan (the same error on every rank); none plans again. With ``--nnodes`` > 1 it prints the
+torchrun / srun line to run on every node instead (the run folder must be on a filesystem every node
+sees, as checkpoints already require). Started directly under torchrun without ``--run-dir``, every
+rank resolves the configuration itself (deterministic for explicit strategies and for ``auto`` with
+the same calibration file).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+from modelpar.cli.args import add_fields, given_fields, make_parser, normalize_argv, parse
+from modelpar.cli.options import BATCH_TERMS, LayoutOptions, world_size
+
+EXAMPLES = """examples:
+  modelpar train                                         # the main job: gpt-3m, auto plan, 2 local ranks
+  modelpar train --strategy fsdp --nproc 2
+  modelpar train --strategy pp --pp-schedule gpipe --n-microbatches 8
+  modelpar train --strategy fsdp+tp --nproc 4 --precision bf16 --activation-checkpointing full
+  modelpar train --dp-shard 2 --tp 2 --sequence-parallel --nproc 4   # exactly these degrees (custom)
+  modelpar train --plan runs/<run>/plan.json             # the layout a plan file names
+  modelpar train --config my.yaml --steps 100            # a config file plus overrides
+  modelpar train --nnodes 2 --gpus-per-node 8 --dp-shard 4 --tp 4    # prints the per-node launch line
+"""
+
+DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
+
+
+def _plan_only_fields() -> list[str]:
+    from modelpar.plan import ParallelPlan
+    from modelpar.train.config import TrainConfig
+
+    mine = {f.name for f in dataclasses.fields(TrainConfig)}
+    return [f.name for f in dataclasses.fields(ParallelPlan) if f.name not in mine]
+
+
+def build_parser():
+    from modelpar.plan import ParallelPlan
+    from modelpar.train.config import TrainConfig
+
+    p = make_parser("modelpar train", (
+        "Train a built-in model with a parallel plan. With no options: the 3M-parameter GPT on the Python "
+        "standard library's sources, the plan `--strategy auto` picks on 2 local CPU ranks (an uncalibrated "
+        "machine is measured once first, ~40 s)."), epilog=EXAMPLES + "\n" + BATCH_TERMS, config_file=True)
+    add_fields(p, TrainConfig, skip=("plan_options",))
+    add_fields(p, ParallelPlan, only=_plan_only_fields(), dest_prefix="plan_options.", group="further plan options")
+    add_fields(p, LayoutOptions, only=("nnodes", "gpus_per_node"), group="many nodes")
+    p.add_argument("--run-dir", default="", help="run in this run folder (its config.yaml and plan.json, "
+                   "written by the launcher; what each rank is started with)")
+    return p
+
+
+def parse_train_config(argv: list[str]):
+    """``(TrainConfig, parsed namespace, given field names)`` from ``modelpar train`` arguments
+    (old underscore spellings accepted with a deprecation note).
+
+    Raises:
+        ValueError: a bad argument (jsonargparse's message).
+    """
+    from modelpar.train.config import TrainConfig
+
+    p = build_parser()
+    argv = normalize_argv(argv, p, prog="modelpar train", legacy_underscores=True)
+    ns = parse(p, argv)
+    given = given_fields(p, argv)
+    d = ns.as_dict()
+    for k in ("config", "__path__", "nnodes", "gpus_per_node", "run_dir"):
+        d.pop(k, None)
+    if any(k in given for k in DEGREES) and "strategy" not in given and not d.get("plan"):
+        d["strategy"] = "custom"                # degrees without a strategy: exactly these degrees
+    return TrainConfig(**d), ns, given
+
+
+def write_run_folder(cfg, resolved, batches, run_dir: Path) -> None:
+    """``config.yaml`` (the effective config) and ``plan.json`` (plan + batch terms) in ``run_dir``."""
+    import yaml
+
+    from modelpar.plan_file import PlanFile
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    PlanFile(resolved.plan, batches.global_batch_size, batches.local_batch_size, resolved.reason).write(
+        run_dir / "plan.json")
+
+
+def read_run_folder(run_dir: Path):
+    """``(TrainConfig, Resolved)`` from a run folder written by `write_run_folder`.
+
+    Raises:
+        ValueError: a missing file, unknown config keys, or a plan file that does not parse.
+    """
+    import yaml
+
+    from modelpar.plan_file import read_plan_file
+    from modelpar.train.config import TrainConfig
+    from modelpar.train.resolve import Resolved
+
+    cfg_path = run_dir / "config.yaml"
+    if not cfg_path.is_file():
+        raise ValueError(f"--run-dir {str(run_dir)!r} has no config.yaml (written by the launcher)")
+    d = yaml.safe_load(cfg_path.read_text()) or {}
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    if set(d) - known:
+        raise ValueError(f"{cfg_path}: unknown TrainConfig fields {sorted(set(d) - known)}")
+    pf = read_plan_file(run_dir / "plan.json")
+    return TrainConfig(**d), Resolved(pf.plan, pf.local_batch_size or 0, pf.source)
+
+
+def main(argv: list[str]) -> int:
+    from modelpar.launch import multinode_commands, run_local, under_launcher
+    from modelpar.rank_outcome import run_rank_and_exit
+    from modelpar.train.loop import preflight
+    from modelpar.train.resolve import resolve
+    from modelpar.train.runner import make_run_dir, train
+
+    cfg, ns, given = parse_train_config(argv)
+    if ns.run_dir:                              # a rank of a resolved run: read, validate, train
+        cfg, resolved = read_run_folder(Path(ns.run_dir))
+        if not under_launcher():
+            train(cfg, run_dir=Path(ns.run_dir), resolved=resolved)
+            return 0
+        run_rank_and_exit(lambda: (train(cfg, run_dir=Path(ns.run_dir), resolved=resolved), 0)[1],
+                          "modelpar train")     # an error: reported, no teardown
+    if under_launcher():                        # started by the user's own torchrun
+        run_rank_and_exit(lambda: (train(cfg), 0)[1], "modelpar train")
+    if cfg.strategy.lower() in ("single", "placement"):
+        world = 1
+    elif cfg.plan and "nproc" not in given and "nnodes" not in given:
+        from modelpar.plan_file import read_plan_file
+        world = read_plan_file(cfg.plan).plan.world_size      # the plan file's own world size
+    else:
+        world = world_size(ns, given)
+    resolved = resolve(cfg, world)
+    plan, batches = preflight(cfg, world, resolved)
+    print(f"plan: {plan.describe()} on {world} rank(s) -- {resolved.reason}", flush=True)
+    run_dir = make_run_dir(cfg)
+    write_run_folder(cfg, resolved, batches, run_dir)
+    text = (run_dir / "config.yaml").read_text()
+    print("effective config:\n" + "\n".join("  " + l for l in text.strip().splitlines()), flush=True)
+    print(f"run folder: {run_dir} (config.yaml, plan.json)", flush=True)
+    target = ["-m", "modelpar", "train", "--run-dir", str(run_dir)]
+    if ns.nnodes > 1:
+        print(multinode_commands(target, nnodes=ns.nnodes, nproc_per_node=world // ns.nnodes))
+        return 0
+    if world == 1:
+        train(cfg, run_dir=run_dir, resolved=resolved)
+        return 0
+    rc = run_local(target, world)
+    if rc != 0:
+        print(f"modelpar train: a rank failed (exit code {rc}); its error is printed above", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,314 @@
+"""`modelpar verify`: does my model train under this plan exactly as on one process?
+
+Trains N steps of a built-in model, or of the user's own model given as ``module:factory``, under a
+parallel plan on ``plan.world_size`` local ranks, and the same steps on one process from the same
+initial weights; prints the per-step loss differences, the largest parameter difference and
+PASS / FAIL against the project's tolerance (`modelpar.verify.compare`). Exit code 0 on PASS, 1 on
+FAIL, 2 on bad input.
+
+On FAIL the likely reason is printed where the model has one (BatchNorm, dropout). Exit code 0 on
+PASS, 1 on FAIL, 2 on bad input (also an error every rank raised, e.g. rank-divergent parameter use,
+case C12), 1 when a rank crashed (named with its first error line; `modelpar.rank_outcome`).
+
+Your own model is named as ``module:factory`` or ``path/to/file.py:factory``; the factory
+protocol is documented once, in `modelpar.models.spec`. The launcher resolves the plan once and
+writes it (``plan.json``) with the options (``verify.yaml``) into a folder the ranks read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from modelpar.cli.args import add_fields, given_fields, make_parser, normalize_argv, parse
+from modelpar.cli.options import BATCH_TERMS, BatchOptions, HardwareOptions, LayoutOptions, ModelOptions
+
+EXAMPLES = """examples:
+  modelpar verify --model gpt-nano --plan '{"pp": 2, "n_microbatches": 2}'
+  modelpar verify --model gpt-nano --strategy fsdp+tp --nproc 4 --steps 5
+  modelpar verify --model gpt-nano --dp-shard 2 --tp 2 --sequence-parallel --nproc 4
+  modelpar verify --model mypkg.models:make_model --plan plan.json --input-shape 32 --num-classes 10
+"""
+
+
+@dataclass
+class VerifyOptions:
+    """The comparison run.
+
+    Args:
+        steps: optimizer steps under the plan and on one process.
+        local_batch_size: samples per forward/backward per data-parallel rank (0: global / dp).
+        optimizer: adamw or sgd.
+        lr: learning rate.
+        grad_clip: global L2 clip norm (0: off).
+        input_shape: factory models: per-sample input shape, e.g. 32 or 3,8,8.
+        num_classes: factory models: classes of the output.
+        seed: seed of the weights (built-in models) and of the batches.
+        out: write the report as JSON to this file.
+    """
+
+    steps: int = 10
+    local_batch_size: int = 0
+    optimizer: str = "adamw"
+    lr: float = 1e-3
+    grad_clip: float = 0.0
+    input_shape: str = ""
+    num_classes: int = 0
+    seed: int = 0
+    out: str = ""
+
+
+def plan_flag_fields() -> tuple[list[str], list[str]]:
+    """(TrainConfig fields that are plan fields too, ParallelPlan fields TrainConfig lacks)."""
+    from modelpar.plan import ParallelPlan
+    from modelpar.train.config import TrainConfig
+
+    cfg = {f.name for f in dataclasses.fields(TrainConfig)}
+    plan = [f.name for f in dataclasses.fields(ParallelPlan)]
+    return [n for n in plan if n in cfg], [n for n in plan if n not in cfg]
+
+
+def build_parser():
+    from modelpar.plan import ParallelPlan
+    from modelpar.train.config import TrainConfig
+
+    p = make_parser("modelpar verify", __doc__.split("\n\n")[1], epilog=EXAMPLES + "\n" + BATCH_TERMS,
+                    config_file=True)
+    add_fields(p, ModelOptions)
+    add_fields(p, LayoutOptions, only=("nproc", "strategy", "plan"))
+    add_fields(p, BatchOptions)
+    add_fields(p, HardwareOptions)
+    add_fields(p, VerifyOptions)
+    mirrored, only_plan = plan_flag_fields()
+    add_fields(p, TrainConfig, only=("check_unused_params", "sync_batchnorm"))
+    add_fields(p, TrainConfig, only=mirrored, group="plan options")
+    add_fields(p, ParallelPlan, only=only_plan, dest_prefix="plan_options.", group="plan options")
+    p.add_argument("--run-dir", default="", help="a folder with verify.yaml and plan.json written by the "
+                   "launcher (what each rank is started with)")
+    return p
+
+
+def as_train_config(args, given: set[str]):
+    """The `TrainConfig` whose plan fields are verify's options (for `modelpar.train.resolve`)."""
+    from modelpar.train.config import TrainConfig
+
+    mirrored, _ = plan_flag_fields()
+    kw = {k: getattr(args, k) for k in mirrored}
+    if any(k in given for k in ("dp_replicate", "dp_shard", "tp", "pp")) and "strategy" not in given and not args.plan:
+        kw["strategy"] = "custom"
+    else:
+        kw["strategy"] = args.strategy
+    opts = {k: getattr(args.plan_options, k) for k in vars(args.plan_options)} if args.plan_options else {}
+    return TrainConfig(model=args.model if ":" not in args.model else "gpt-nano", plan=args.plan, nproc=args.nproc,
+                       global_batch_size=args.global_batch_size, local_batch_size=args.local_batch_size,
+                       seq_len=args.seq_len, optimizer=args.optimizer, hardware=args.hardware, seed=args.seed,
+                       model_config=args.model_config if ":" not in args.model else {}, plan_options=opts, **kw)
+
+
+def resolve_plan(args, given: set[str] = frozenset()):
+    """``(plan, local batch size)`` of ``--plan`` (JSON text or file), ``--strategy`` / ``--nproc`` or
+    degrees, resolved once (`modelpar.train.resolve`; ``auto`` and ``rules`` need a built-in model).
+
+    Raises:
+        ValueError: contradicting options, bad JSON, unknown fields.
+    """
+    from modelpar.train.resolve import resolve
+
+    if args.strategy.lower() in ("auto", "rules") and ":" in args.model and not args.plan:
+        raise ValueError(f"--strategy {args.strategy} plans built-in models only for now; give --strategy "
+                         f"(ddp, fsdp, tp, pp, ...), degrees or --plan for {args.model!r}")
+    cfg = as_train_config(args, given)
+    world = cfg.nproc
+    if cfg.plan and "nproc" not in given:
+        from modelpar.plan_file import read_plan_file
+        world = read_plan_file(cfg.plan).plan.world_size
+    if cfg.strategy.lower() in ("single", "placement"):
+        world = 1
+    r = resolve(cfg, world, measure_if_missing=False)
+    return r.plan.validate(world), r.local_batch_size
+
+
+def load_task(args):
+    """``(model, batch_fn, loss_fn, loss_reduction, description)`` for ``--model``; the same on every rank.
+
+    Raises:
+        ValueError: unknown built-in model, a factory that cannot be imported or returns something
+            else than documented (`modelpar.models.spec`), or a user model whose input shape cannot be
+            inferred.
+    """
+    import torch
+
+    from modelpar.models import MLP_PRESETS, PRESETS
+    from modelpar.models.spec import build_builtin, build_factory, check_model, infer_classifier_shapes
+    from modelpar.train.task import classification_loss, lm_loss
+
+    gb = args.global_batch_size
+    if check_model(args.model, args.model_config) == "builtin":
+        if args.model in PRESETS:
+            kw = {"seq_len": args.seq_len} if args.seq_len else {}
+            model = build_builtin(args.model, args.model_config, seed=args.seed, dropout=0.0, **kw)
+            seq = model.cfg.seq_len
+
+            def batch_fn(step):
+                g = torch.Generator().manual_seed(args.seed * 100003 + step)
+                w = torch.randint(0, model.cfg.vocab_size, (gb, seq + 1), generator=g)
+                return w[:, :-1], w[:, 1:]
+            return model, batch_fn, lm_loss, "mean", args.model
+        model = build_builtin(args.model, args.model_config, seed=args.seed)
+        shape = (MLP_PRESETS[args.model][0],) if args.model in MLP_PRESETS else (1, 8, 8)
+        classes = MLP_PRESETS[args.model][-1] if args.model in MLP_PRESETS else 10
+        return model, _random_batches(shape, classes, gb, args.seed), classification_loss, "mean", args.model
+    um = build_factory(args.model)
+    batch_fn = um.batch_fn
+    if batch_fn is None:
+        given = tuple(int(s) for s in args.input_shape.split(",")) if args.input_shape else None
+        shapes = infer_classifier_shapes(um.model, given, args.num_classes)
+        if shapes is None:
+            raise ValueError(f"--model {args.model!r}: give --input-shape and --num-classes, or return a "
+                             f"'batch_fn' from the factory (no nn.Linear to infer them from)")
+        batch_fn = _random_batches(shapes[0], shapes[1], gb, args.seed)
+    return (um.model, batch_fn, um.loss_fn or classification_loss, um.loss_reduction,
+            f"{type(um.model).__name__} from {args.model}")
+
+
+def _random_batches(shape, classes: int, gb: int, seed: int):
+    import torch
+
+    def batch_fn(step):
+        g = torch.Generator().manual_seed(seed * 100003 + step)
+        return torch.randn(gb, *shape, generator=g), torch.randint(0, classes, (gb,), generator=g)
+    return batch_fn
+
+
+def format_report(desc: str, plan, world: int, rep, ref, got, hints: list[str] = ()) -> str:
+    lines = [f"modelpar verify: {desc}, plan {plan.describe()} on {world} rank(s) vs 1 process, "
+             f"{len(ref.losses)} steps",
+             f"{'step':>4}  {'loss 1 process':>15}  {'loss plan':>15}  {'rel diff':>9}  {'grad-norm rel diff':>18}"]
+    for i, (a, b) in enumerate(zip(ref.losses, got.losses)):
+        gn = abs(ref.grad_norms[i] - got.grad_norms[i]) / max(abs(ref.grad_norms[i]), 1e-12)
+        lines.append(f"{i:>4}  {a:>15.8f}  {b:>15.8f}  {abs(a - b) / max(abs(a), 1e-12):>9.2e}  {gn:>18.2e}")
+    lines.append(f"largest parameter difference: {rep.max_param_abs_diff:.3e} (abs); "
+                 f"||delta|| / ||theta|| = {rep.param_rel_norm_diff:.3e}")
+    lines.append("tolerance: loss 1e-5 relative per step; parameters |delta| <= 1e-4 + 1e-4 |theta| per element "
+                 "and ||delta||/||theta|| <= 1e-5 (SGD: |delta| <= 1e-5 |theta| + 1e-7); grad norm 1e-5 relative")
+    lines.append("PASS" if rep.passed else "FAIL:\n  " + "\n  ".join(rep.failures))
+    if not rep.passed and hints:
+        lines.append("likely reason:\n  " + "\n  ".join(hints))
+    return "\n".join(lines)
+
+
+def run_rank(args, plan, local: int) -> int:
+    """What every rank runs; rank 0 also runs the one-process reference and prints the report."""
+    import torch
+    import torch.distributed as dist
+
+    from modelpar.parallel.mesh import MeshInfo, init_distributed
+    from modelpar.plan import ParallelPlan
+    from modelpar.verify import compare, run_steps
+
+    rank, world = init_distributed(timeout_s=120)
+    torch.set_num_threads(1 if world > 1 else max(1, os.cpu_count() or 1))
+    model, batch_fn, loss_fn, reduction, desc = load_task(args)
+    kw = dict(loss_fn=loss_fn, batch_fn=batch_fn, steps=args.steps, global_batch_size=args.global_batch_size,
+              optimizer=args.optimizer, lr=args.lr, grad_clip=args.grad_clip, loss_reduction=reduction)
+    got = run_steps(model, plan, local_batch_size=local, check_unused_params=args.check_unused_params,
+                    sync_batchnorm=args.sync_batchnorm, **kw)
+    code = 0
+    if rank == 0:
+        ref = run_steps(model, ParallelPlan(), local_batch_size=args.global_batch_size,
+                        mesh=MeshInfo(mesh=None), **kw)
+        rep = compare(desc, ref, got, optimizer=args.optimizer)
+        from modelpar.parallel.layer_checks import parity_hints
+
+        print(format_report(desc, plan, world, rep, ref, got, parity_hints(model)), flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps({**rep.to_dict(), "plan": plan.to_dict(),
+                                                  "ref_losses": ref.losses, "losses": got.losses}, indent=1))
+        code = 0 if rep.passed else 1
+    if dist.is_initialized():
+        box = [code]
+        dist.broadcast_object_list(box, src=0)
+        code = box[0]
+    return code
+
+
+def _check_before_launch(args, plan, local: int) -> None:
+    """Bad --model / plan fail here, before any process starts (cases C5, C7)."""
+    from modelpar.plan import gradient_accumulation_steps
+
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    gradient_accumulation_steps(args.global_batch_size, local, plan.dp)
+    plan.validate(plan.world_size, local_batch_size=local)
+    model = load_task(args)[0]
+    tp_plan = None
+    if plan.tp > 1:                              # case C7: a split that does not divide (vocabulary too)
+        from modelpar.parallel.tensor import default_tp_plan, validate_tp_plan
+
+        tp_plan = default_tp_plan(model, sequence_parallel=plan.sequence_parallel)[0]
+        validate_tp_plan(model, tp_plan, plan.tp)
+    from modelpar.parallel.parts import ModelParts, get_model_parts
+    from modelpar.parallel.ties import check_ties
+
+    if plan.pp > 1:
+        plan.validate(plan.world_size, num_blocks=get_model_parts(model).num_blocks)
+    try:
+        parts = get_model_parts(model)
+    except ValueError:
+        parts = ModelParts(form="whole")
+    check_ties(model, plan, parts, tp_plan=tp_plan)     # case C13: a layout that breaks a tie
+    from modelpar.parallel.batchnorm import check_sync_batchnorm
+    from modelpar.parallel.mesh import get_device
+
+    check_sync_batchnorm(args.sync_batchnorm, get_device().type, [model])    # case C15
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``modelpar verify``; returns the exit code (0 PASS, 1 FAIL, 2 bad input)."""
+    import tempfile
+
+    import yaml
+
+    from modelpar.launch import under_launcher
+    from modelpar.plan_file import PlanFile, read_plan_file
+    from modelpar.rank_outcome import launch as launch_ranks, run_rank_and_exit
+
+    p = build_parser()
+    argv = normalize_argv(argv, p, prog="modelpar verify")
+    args = parse(p, argv)
+    if args.run_dir:                             # a rank: the launcher's options and plan, nothing re-resolved
+        d = Path(args.run_dir)
+        args = parse(p, ["--config", str(d / "verify.yaml")])
+        pf = read_plan_file(d / "plan.json")
+        plan = pf.plan.validate(pf.plan.world_size)
+        run_rank_and_exit(lambda: run_rank(args, plan, pf.local_batch_size), "modelpar verify")
+    plan, local = resolve_plan(args, given_fields(p, argv))
+    local = local or args.local_batch_size or args.global_batch_size // plan.dp
+    _check_before_launch(args, plan, local)
+    if under_launcher():                         # started by the user's own torchrun
+        run_rank_and_exit(lambda: run_rank(args, plan, local), "modelpar verify")
+    if plan.world_size == 1:
+        return run_rank(args, plan, local)
+    d = Path(tempfile.mkdtemp(prefix="modelpar-verify-"))
+    opts = {k: v for k, v in args.as_dict().items() if k not in ("config", "__path__", "run_dir")}
+    (d / "verify.yaml").write_text(yaml.safe_dump(opts))
+    PlanFile(plan, args.global_batch_size, local, "modelpar verify").write(d / "plan.json")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    code, msg = launch_ranks(["--standalone", f"--nproc-per-node={plan.world_size}", "--max-restarts=0", "-m",
+                              "modelpar", "verify", "--run-dir", str(d)]).report("modelpar verify")
+    if msg:                                      # FAIL: 1; a crash: 1, named; an error on every rank: 2
+        print(msg, file=sys.stderr)
+    return code
+
+
+def verify_main(argv: list[str]) -> int:
+    """``main`` with bad input reported as ``modelpar verify: error: ...`` and exit code 2."""
+    try:
+        return main(argv)
+    except ValueError as e:
+        print(f"modelpar verify: error: {e}", file=sys.stderr)
+        return 2

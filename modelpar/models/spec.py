@@ -1,0 +1,155 @@
+"""One way to name a model in every command (``--model`` with ``--model-config``).
+
+- A built-in name (`modelpar.models.MODEL_NAMES`): ``gpt-3m``, ``mlp-small``, ``cnn``, ...; for GPT
+  presets ``--model-config`` overrides `GPTConfig` fields as a JSON object, e.g.
+  ``--model gpt-1b --model-config '{"n_layer": 32, "d_model": 4096, "n_head": 32}'``.
+- Your own model as ``module:factory`` (a module importable from the current folder or
+  ``PYTHONPATH``) or ``path/to/file.py:factory``.
+- ``hf:<model_type>`` (Hugging Face configs) is not supported yet and is refused by name.
+
+The factory protocol (the one place it is documented). The factory is called with no arguments, on
+every rank and in the launcher, and must build the same initial weights every call (seed inside it).
+It returns either
+
+- an ``nn.Module`` taking a float tensor ``(batch, *input_shape)`` and returning class logits
+  ``(batch, classes)``: inputs are drawn N(0, 1) and labels uniformly (shapes from ``--input-shape`` /
+  ``--num-classes`` where a command has them, or from the first and last ``nn.Linear``), loss =
+  cross entropy; or
+- a dict with ``model`` and optionally ``batch_fn`` (``step -> (inputs, targets)`` of the whole global
+  batch, the same on every rank), ``loss_fn`` (``(output, target) -> scalar``) and ``loss_reduction``
+  (``"mean"`` or ``"sum"``).
+
+Dropout must be 0 where parity is checked (`modelpar verify`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+HF_PREFIX = "hf:"
+
+
+@dataclass
+class UserModel:
+    """What a factory returned, normalised. ``batch_fn`` None: derive random batches."""
+
+    model: nn.Module
+    batch_fn: object = None
+    loss_fn: object = None
+    loss_reduction: str = "mean"
+    extra: dict = field(default_factory=dict)
+
+
+def model_kind(name: str) -> str:
+    """``"builtin"``, ``"factory"`` or ``"hf"`` for a ``--model`` value.
+
+    Raises:
+        ValueError: an unknown built-in name (the valid ones listed).
+    """
+    from modelpar.models import MODEL_NAMES
+
+    if name.startswith(HF_PREFIX):
+        return "hf"
+    if ":" in name:
+        return "factory"
+    if name not in MODEL_NAMES:
+        raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODEL_NAMES)}, or module:factory / "
+                         f"path/to/file.py:factory for your own")
+    return "builtin"
+
+
+def check_model(name: str, model_config: dict | None = None, *, allow_factory: bool = True) -> str:
+    """Validate ``--model`` / ``--model-config`` before any work; returns the kind.
+
+    Raises:
+        ValueError: unknown name, ``hf:`` (not supported yet), a factory where the command takes
+            built-ins only, or ``--model-config`` on a model it cannot apply to (naming the fields).
+    """
+    kind = model_kind(name)
+    if kind == "hf":
+        raise ValueError(f"--model {name!r}: Hugging Face models are not supported yet; use a built-in name "
+                         f"with --model-config, or a module:factory that builds the model")
+    if kind == "factory" and not allow_factory:
+        raise ValueError(f"--model {name!r}: this command runs built-in models only (a factory model can be "
+                         f"checked with `modelpar verify --model {name}`)")
+    if model_config:
+        if not isinstance(model_config, dict):
+            raise ValueError(f"--model-config must be a JSON object, got {model_config!r}")
+        from modelpar.models import PRESETS, GPTConfig
+
+        if name not in PRESETS:
+            raise ValueError(f"--model-config overrides the shape of a GPT preset; {name!r} takes none")
+        import dataclasses
+        valid = [f.name for f in dataclasses.fields(GPTConfig)]
+        bad = sorted(set(model_config) - set(valid))
+        if bad:
+            raise ValueError(f"--model-config has unknown GPT fields {bad}; valid: {', '.join(valid)}")
+    return kind
+
+
+def build_builtin(name: str, model_config: dict | None = None, *, device: str = "cpu", seed: int | None = 0,
+                  **overrides) -> nn.Module:
+    """A built-in model; ``model_config`` (GPT presets) then ``overrides`` replace preset fields."""
+    from modelpar.models import build_model
+
+    check_model(name, model_config, allow_factory=False)
+    return build_model(name, device=device, seed=seed, **{**(model_config or {}), **overrides})
+
+
+def load_factory(name: str):
+    """The callable ``module:factory`` or ``path/to/file.py:factory`` names.
+
+    Raises:
+        ValueError: the module or file cannot be imported, or has no such attribute.
+    """
+    mod_name, fn_name = name.rsplit(":", 1)
+    try:
+        if mod_name.endswith(".py"):
+            if not os.path.isfile(mod_name):
+                raise ImportError(f"no such file {mod_name!r}")
+            mod_id = "modelpar_user_" + os.path.splitext(os.path.basename(mod_name))[0]
+            spec = importlib.util.spec_from_file_location(mod_id, mod_name)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[mod_id] = module
+            spec.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(mod_name)
+        return getattr(module, fn_name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"--model {name!r}: cannot load {fn_name} from module {mod_name}: {e}") from None
+
+
+def build_factory(name: str) -> UserModel:
+    """Call the factory and normalise what it returned (see the module docstring).
+
+    Raises:
+        ValueError: it cannot be loaded, or returned neither an ``nn.Module`` nor a dict with one.
+    """
+    made = load_factory(name)()
+    spec = made if isinstance(made, dict) else {"model": made}
+    model = spec.get("model")
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"--model {name!r}: the factory must return an nn.Module or a dict with 'model', "
+                         f"got {type(made).__name__}")
+    rest = {k: v for k, v in spec.items() if k not in ("model", "batch_fn", "loss_fn", "loss_reduction")}
+    return UserModel(model, spec.get("batch_fn"), spec.get("loss_fn"), spec.get("loss_reduction", "mean"), rest)
+
+
+def infer_classifier_shapes(model: nn.Module, input_shape: tuple[int, ...] | None = None,
+                            num_classes: int = 0) -> tuple[tuple[int, ...], int] | None:
+    """(per-sample input shape, classes) of a classifier: the given values, else the first and last
+    ``nn.Linear``; None when neither exists."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    shape = input_shape or ((linears[0].in_features,) if linears else None)
+    classes = num_classes or (linears[-1].out_features if linears else 0)
+    if shape is None or classes < 1:
+        return None
+    return tuple(shape), classes

@@ -1,0 +1,150 @@
+"""Resolve a `TrainConfig` to one `ParallelPlan` and local batch, once.
+
+`resolve(cfg, world_size)` is called by the launcher (``modelpar train``) before any rank starts; the
+result goes into the run folder as ``plan.json`` (`modelpar.plan_file`), which the ranks read and
+validate instead of resolving again. Sources, exactly one of:
+
+- ``plan`` (``--plan FILE``): a plan file; any other plan option that disagrees with it is an error;
+- ``strategy`` ``auto`` / ``rules``: the planner / the rule-of-thumb baseline choose the degrees
+  (explicit degrees are then an error: the planner would ignore them);
+- ``strategy`` ``custom``: the degrees given (``dp_replicate``, ``dp_shard``, ``tp``, ``pp``) are the
+  layout; they must multiply to the world size;
+- any other shorthand (DESIGN.md): its degrees, with a degree the shorthand does not leave open being
+  an error (``--strategy fsdp --tp 2``), never a silent override.
+
+Every other `ParallelPlan` field comes from the config's mirrored field of the same name or from
+``cfg.plan_options`` (one command-line flag each), so every plan field is reachable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from modelpar.plan import ParallelPlan, plan_for_strategy
+
+DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
+PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(ParallelPlan))
+# degrees a shorthand leaves to the user (the inner axis of the two-axis shorthands, or its own axis)
+_OPEN = {"ddp": ("dp_replicate",), "fsdp": ("dp_shard",), "tp": ("tp",), "pp": ("pp",),
+         "hsdp": ("dp_replicate", "dp_shard"), "ddp+tp": ("dp_replicate", "tp"), "fsdp+tp": ("dp_shard", "tp"),
+         "single": (), "placement": ()}
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A resolved layout: the plan, the local batch (samples per forward/backward per data-parallel
+    rank; 0: global / dp) and who chose it."""
+
+    plan: ParallelPlan
+    local_batch_size: int = 0
+    reason: str = ""
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def plan_fields(cfg) -> dict:
+    """The non-degree `ParallelPlan` fields ``cfg`` sets: mirrored config fields of the same name,
+    then ``cfg.plan_options``; values the runtime reads as tuples converted."""
+    cfg_names = {f.name for f in dataclasses.fields(cfg)}
+    out = {n: getattr(cfg, n) for n in PLAN_FIELDS
+           if n in cfg_names and n not in DEGREES + ("n_microbatches", "stage_boundaries", "placement_devices")}
+    opts = dict(getattr(cfg, "plan_options", None) or {})
+    unknown = sorted(set(opts) - set(PLAN_FIELDS))
+    if unknown:
+        raise ValueError(f"plan_options has unknown ParallelPlan fields {unknown}; valid: {list(PLAN_FIELDS)}")
+    out.update({k: v for k, v in opts.items() if k not in DEGREES})
+    if cfg.stage_boundaries:
+        out["stage_boundaries"] = tuple(cfg.stage_boundaries)
+    return out
+
+
+def _given_degrees(cfg) -> dict:
+    return {k: getattr(cfg, k) for k in DEGREES if getattr(cfg, k)}
+
+
+def resolve(cfg, world_size: int, *, measure_if_missing: bool = True) -> Resolved:
+    """The one plan ``cfg`` names on ``world_size`` ranks (see the module docstring).
+    ``measure_if_missing``: ``auto`` / ``rules`` may calibrate an uncalibrated machine first (only
+    ``modelpar train`` does).
+
+    Raises:
+        ValueError: contradicting sources (naming both flags), unknown names, a strategy that cannot
+            use ``world_size`` ranks, or no feasible plan (``auto``).
+    """
+    strategy = cfg.strategy.lower()
+    degrees = _given_degrees(cfg)
+    if getattr(cfg, "plan", ""):
+        return _from_plan_file(cfg, world_size)
+    if strategy in ("auto", "rules"):
+        if degrees:
+            given = ", ".join(f"{_flag(k)} {v}" for k, v in degrees.items())
+            raise ValueError(f"--strategy {strategy} chooses the degrees itself, but {given} was given: drop "
+                             f"the degrees, or use --strategy custom to run exactly them")
+        from modelpar.train.auto import choose
+
+        c = choose(cfg, world_size, strategy=strategy, measure_if_missing=measure_if_missing)
+        extra = {k: v for k, v in (getattr(cfg, "plan_options", None) or {}).items()
+                 if getattr(ParallelPlan(), k) != v}
+        plan = ParallelPlan.from_dict({**c.plan.to_dict(), **extra}) if extra else c.plan
+        return Resolved(plan, c.local_batch_size, c.reason)
+    fields = plan_fields(cfg)
+    if strategy == "placement":
+        devs = cfg.placement_devices or (["cuda:0", "cuda:1"] if torch.cuda.device_count() >= 2 else ["cpu", "cpu"])
+        plan = plan_for_strategy("placement", 1, placement_devices=tuple(devs), **fields)
+    elif strategy == "custom":
+        if not degrees:
+            raise ValueError("--strategy custom runs the degrees you give: set at least one of --dp-replicate, "
+                             "--dp-shard, --tp, --pp")
+        plan = ParallelPlan(**degrees, **fields)
+    else:
+        _check_degrees_fit(strategy, world_size, degrees)
+        plan = plan_for_strategy(strategy, world_size, **degrees, **fields)
+    if plan.pp > 1:
+        plan = dataclasses.replace(plan, n_microbatches=cfg.n_microbatches or 2 * plan.pp)
+    return Resolved(plan, 0, f"strategy {strategy}")
+
+
+def _check_degrees_fit(strategy: str, world_size: int, degrees: dict) -> None:
+    """Degrees the shorthand fixes (to 1, or to the world size) may not be given otherwise."""
+    if strategy not in _OPEN:
+        return                                  # plan_for_strategy lists the valid names
+    for k, v in degrees.items():
+        if k not in _OPEN[strategy] and v != 1:
+            raise ValueError(f"--strategy {strategy} on {world_size} ranks sets {k}=1, but {_flag(k)} {v} was "
+                             f"given: name a shorthand with that axis (e.g. fsdp+tp, ddp+tp, hsdp) or use "
+                             f"--strategy custom with every degree")
+
+
+def _from_plan_file(cfg, world_size: int) -> Resolved:
+    from modelpar.plan_file import read_plan_file
+
+    pf = read_plan_file(cfg.plan)
+    if cfg.strategy.lower() not in ("auto", "custom"):
+        raise ValueError(f"give --plan or --strategy, not both (--plan {cfg.plan!r}, --strategy {cfg.strategy})")
+    degrees = _given_degrees(cfg)
+    if degrees:
+        raise ValueError(f"--plan {cfg.plan!r} sets the degrees; drop "
+                         f"{', '.join(f'{_flag(k)} {v}' for k, v in degrees.items())}")
+    default = type(cfg)()
+    mine = plan_fields(cfg)
+    base = plan_fields(default)
+    for k, v in mine.items():                   # options set away from their default must agree
+        if v != base.get(k) and getattr(pf.plan, k) != v:
+            raise ValueError(f"{_flag(k)} {v!r} contradicts --plan {cfg.plan!r} ({k}={getattr(pf.plan, k)!r}); "
+                             f"drop one")
+    if pf.global_batch_size is not None and pf.global_batch_size != cfg.global_batch_size:
+        raise ValueError(f"--plan {cfg.plan!r} was made for global_batch_size={pf.global_batch_size}, but "
+                         f"--global-batch-size is {cfg.global_batch_size}; pass --global-batch-size "
+                         f"{pf.global_batch_size}")
+    local = cfg.local_batch_size
+    if pf.local_batch_size is not None:
+        if local and local != pf.local_batch_size:
+            raise ValueError(f"--local-batch-size {local} contradicts --plan {cfg.plan!r} "
+                             f"(local_batch_size={pf.local_batch_size}); drop one")
+        local = pf.local_batch_size
+    return Resolved(pf.plan, local, f"plan file {cfg.plan}")

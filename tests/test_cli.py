@@ -1,0 +1,189 @@
+"""The command line as a whole: one spelling, shared options with the same defaults, every flag a
+message names exists, plan files round-trip, and the planner stays pure (tier 1: no processes
+except the fresh interpreter of the purity check)."""
+
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from modelpar.cli import COMMANDS, parser_for
+from modelpar.cli.args import normalize_argv, option_strings
+from modelpar.cli.options import SHARED, shared_defaults
+
+ROOT = Path(__file__).resolve().parent.parent
+# flags of other tools that modelpar's messages and docstrings quote (torchrun, srun)
+EXTERNAL_FLAGS = {"--nproc-per-node", "--max-restarts", "--standalone", "--rdzv-id", "--rdzv-endpoint",
+                  "--rdzv-backend", "--ntasks-per-node", "--nodes", "--node-rank"}
+
+
+def _all_flags() -> set[str]:
+    return set().union(*(option_strings(parser_for(c)) for c in COMMANDS))
+
+
+def test_every_flag_a_message_names_exists():
+    """Collect ``--flag`` spellings from modelpar's source strings; each must be a flag of some command."""
+    flags = _all_flags()
+    seen: dict[str, list[str]] = {}
+    for path in (ROOT / "modelpar").rglob("*.py"):
+        for m in re.finditer(r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9]", path.read_text()):
+            seen.setdefault(m.group(0), []).append(path.relative_to(ROOT).as_posix())
+    # args.py documents the spelling rules themselves with examples
+    missing = {f: sorted(set(p)) for f, p in seen.items()
+               if f not in flags and f not in EXTERNAL_FLAGS and set(p) != {"modelpar/cli/args.py"}}
+    assert not missing, f"messages name flags no command has: {missing}"
+    assert "--split-points" not in seen and "--cpu_offload" not in seen
+
+
+def test_one_spelling_dashes():
+    for c in COMMANDS:
+        under = sorted(f for f in option_strings(parser_for(c)) if "_" in f)
+        assert not under, (c, under)
+
+
+def test_shared_options_same_defaults_everywhere():
+    from modelpar.train.config import TrainConfig
+
+    defaults = shared_defaults()
+    cfg = TrainConfig()
+    for name in defaults:
+        if hasattr(cfg, name):
+            assert getattr(cfg, name) == defaults[name], name
+    exceptions = {("bench", "global_batch_size")}        # bench: 0 = its per-model rows (docs/bench.md)
+    for c in COMMANDS:
+        p = parser_for(c)
+        for a in p._actions:
+            if a.dest in defaults and (c, a.dest) not in exceptions:
+                assert a.default == defaults[a.dest], (c, a.dest, a.default, defaults[a.dest])
+    shared = {f"--{f.name.replace('_', '-')}" for cls in SHARED for f in dataclasses.fields(cls)}
+    assert shared <= option_strings(parser_for("train")) | {"--nnodes", "--gpus-per-node"}
+    for c in ("plan", "estimate"):
+        assert {"--model", "--model-config", "--nproc", "--nnodes", "--gpus-per-node", "--global-batch-size",
+                "--seq-len", "--hardware"} <= option_strings(parser_for(c)), c
+
+
+def test_booleans_bare_and_negated_and_old_spellings(capsys):
+    from modelpar.cli.train import parse_train_config
+
+    cfg, _, _ = parse_train_config(["--compile", "--no-track-memory"])
+    assert cfg.compile and not cfg.track_memory
+    cfg, _, given = parse_train_config(["--global_batch_size", "8", "--track_memory", "false", "--cpu_offload=true"])
+    assert (cfg.global_batch_size, cfg.track_memory, cfg.cpu_offload) == (8, False, True)
+    err = capsys.readouterr().err
+    assert "deprecated" in err and "--global_batch_size -> --global-batch-size" in err
+    # degrees without a strategy run exactly them
+    cfg, _, _ = parse_train_config(["--dp-shard", "2", "--tp", "2", "--sequence-parallel"])
+    assert cfg.strategy == "custom" and cfg.plan_options["sequence_parallel"] is True
+    p = parser_for("verify")
+    assert normalize_argv(["--global_batch_size", "8"], p, prog="x") == ["--global_batch_size", "8"]  # train only
+
+
+def test_every_plan_field_has_a_train_flag():
+    from modelpar.plan import ParallelPlan
+
+    flags = option_strings(parser_for("train"))
+    for f in dataclasses.fields(ParallelPlan):
+        assert f"--{f.name.replace('_', '-')}" in flags, f.name
+
+
+def test_plan_file_round_trip_and_errors(tmp_path):
+    from modelpar.plan import ParallelPlan
+    from modelpar.plan_file import PlanFile, read_plan_file
+
+    pf = PlanFile(ParallelPlan(dp_shard=2, pp=2, n_microbatches=4, sequence_parallel=False), 64, 8, "test")
+    path = pf.write(tmp_path / "plan.json")
+    back = read_plan_file(path)
+    assert back == pf and back.micro_batch_size == 2 and back.accum_steps == 4
+    assert read_plan_file('{"tp": 2}').plan.tp == 2
+    with pytest.raises(ValueError, match=r"unknown keys \['tp_degree'\]"):
+        read_plan_file('{"tp_degree": 2}')
+    d = json.loads(path.read_text())
+    (tmp_path / "bad.json").write_text(json.dumps({**d, "world_size": 8}))
+    with pytest.raises(ValueError, match="world_size=8 disagrees"):
+        read_plan_file(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match="no such file"):
+        read_plan_file(tmp_path / "none.json")
+
+
+def test_train_plan_file_resolves_and_contradictions_refused(tmp_path):
+    from modelpar.plan import ParallelPlan
+    from modelpar.plan_file import PlanFile
+    from modelpar.train.config import TrainConfig
+    from modelpar.train.resolve import resolve
+
+    f = PlanFile(ParallelPlan(dp_shard=2), 8, 2).write(tmp_path / "plan.json")
+    r = resolve(TrainConfig(model="gpt-nano", plan=str(f), global_batch_size=8), 2)
+    assert r.plan.dp_shard == 2 and r.local_batch_size == 2
+    with pytest.raises(ValueError, match="give --plan or --strategy, not both"):
+        resolve(TrainConfig(model="gpt-nano", plan=str(f), strategy="ddp", global_batch_size=8), 2)
+    with pytest.raises(ValueError, match="--precision 'bf16' contradicts --plan"):
+        resolve(TrainConfig(model="gpt-nano", plan=str(f), precision="bf16", global_batch_size=8), 2)
+    with pytest.raises(ValueError, match="pass --global-batch-size 8"):
+        resolve(TrainConfig(model="gpt-nano", plan=str(f), global_batch_size=16), 2)
+
+
+def test_estimate_exact_layout_json(capsys):
+    from modelpar.cli.estimate import main
+    from modelpar.plan_file import parse_plan_file
+
+    assert main(["--model", "gpt-1m", "--nproc", "2", "--strategy", "fsdp", "--micro-batch-size", "2",
+                 "--global-batch-size", "8", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    pf = parse_plan_file(d)                       # the estimate is a plan file
+    assert pf.plan.dp_shard == 2 and pf.local_batch_size == 2 and pf.accum_steps == 2
+    pr = d["predicted"]
+    assert pr["step_s"] > 0 and 0 < pr["mfu"] <= pr["hfu"] < 1 and pr["fits"] is True
+    assert set(pr["memory_bytes"]) >= {"params", "grads", "optimizer", "activations", "total"}
+    assert main(["--model", "gpt-1m", "--nproc", "2", "--tp", "2", "--micro-batch-size", "2",
+                 "--global-batch-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "tp2 on 2 x cpu" in out and "MFU" in out and "HFU" in out and "tokens/s per device" in out
+    with pytest.raises(ValueError, match="--strategy fsdp on 2 ranks sets tp=1"):
+        main(["--model", "gpt-1m", "--nproc", "2", "--strategy", "fsdp", "--tp", "2"])
+
+
+def test_hf_and_factory_models_named_clearly():
+    from modelpar.models.spec import check_model
+
+    with pytest.raises(ValueError, match="Hugging Face models are not supported yet"):
+        check_model("hf:llama")
+    with pytest.raises(ValueError, match="runs built-in models only"):
+        check_model("mypkg:make", allow_factory=False)
+    with pytest.raises(ValueError, match=r"unknown GPT fields \['layers'\]"):
+        check_model("gpt-nano", {"layers": 3})
+    assert check_model("gpt-nano", {"n_layer": 3}) == "builtin"
+
+
+@pytest.mark.slow
+def test_planner_imports_no_runtime_cli_or_launcher():
+    """`modelpar.planner` in a fresh interpreter loads no training runtime, CLI, launcher, calibration
+    or process-starting module beyond what ``import torch`` itself loads (torch imports subprocess and
+    torch.multiprocessing on its own)."""
+    code = ("import sys, torch; base = set(sys.modules); import modelpar.planner; "
+            "new = set(sys.modules) - base; "
+            "bad = [m for m in new if m.startswith(('modelpar.train', 'modelpar.cli', 'modelpar.launch', "
+            "'modelpar.calibrate', 'modelpar.measure', 'modelpar.bench', 'modelpar.verify', 'torch.distributed.run', "
+            "'torch.distributed.elastic', 'torch.distributed.launch')) or m in ('subprocess', 'multiprocessing')]; "
+            "print(sorted(bad))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]", r.stdout
+
+
+def test_train_many_nodes_resolves_once_and_prints_the_launch_line(tmp_path, capsys):
+    from modelpar.cli.train import main, read_run_folder
+
+    assert main(["--model", "gpt-nano", "--nnodes", "2", "--gpus-per-node", "1", "--strategy", "ddp",
+                 "--global-batch-size", "4", "--seq-len", "16", "--out-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    (run,) = list(tmp_path.iterdir())
+    assert "torchrun --nnodes 2 --nproc-per-node 1" in out and f"--run-dir {run}" in out and "srun" in out
+    cfg, resolved = read_run_folder(run)            # what every rank reads: no re-planning
+    assert cfg.model == "gpt-nano" and resolved.plan.dp_replicate == 2 and resolved.local_batch_size == 2
+    (run / "plan.json").write_text('{"dp_replicate": 2, "world_size": 3}')
+    with pytest.raises(ValueError, match="world_size=3 disagrees"):
+        read_run_folder(run)
