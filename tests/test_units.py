@@ -121,3 +121,16 @@ def test_compile_option_compiles_blocks_and_matches_eager():
     rep = compare("compile", ref, got)
     assert rep.passed, rep.failures
     assert set(got.state) == set(ref.state)
+
+
+def test_guard_keeps_local_errors_and_names_comm_failures():
+    """A local error that every rank hits (a bug, a bad storage) is reported as itself; only errors of
+    a collective or the store become a 'collective failed' diagnosis."""
+    import torch.distributed as dist
+
+    from modelpar.train.health import _looks_like_comm_failure
+
+    assert not _looks_like_comm_failure(RuntimeError("Attempted to access the data pointer on an invalid python storage."))
+    assert not _looks_like_comm_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"))
+    assert _looks_like_comm_failure(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+    assert _looks_like_comm_failure(dist.DistError("anything"))

@@ -149,6 +149,19 @@ def stop_heartbeat() -> None:
         _ACTIVE = None
 
 
+_COMM_WORDS = ("gloo", "nccl", "connection", "connect", "socket", "peer", "timed out", "timeout", "broken pipe",
+               "store", "process group", "collective")
+
+
+def _looks_like_comm_failure(e: BaseException) -> bool:
+    """Whether ``e`` came from a collective or the launcher's store, not from local computation (a
+    local bug that every rank hits must be reported as itself, not as a stalled peer)."""
+    if isinstance(e, dist.DistError):
+        return True
+    text = f"{type(e).__name__}: {e}".lower()
+    return any(w in text for w in _COMM_WORDS)
+
+
 @contextlib.contextmanager
 def guard():
     """Turn a failed collective into one `RankFailureError` naming the rank and step at fault."""
@@ -156,8 +169,8 @@ def guard():
         yield
     except (RuntimeError, dist.DistError) as e:
         hb = _ACTIVE
-        if hb is None or isinstance(e, RankFailureError):
-            raise
+        if hb is None or isinstance(e, RankFailureError) or not _looks_like_comm_failure(e):
+            raise           # a local error (same on every rank, or this rank's own): keep it as it is
         try:
             found = hb.diagnose()
         except Exception:          # the store itself is gone: keep the original error

@@ -149,7 +149,10 @@ class StepMemory:
                 for t in tree_leaves(out):
                     if hasattr(t, "untyped_storage") and t.device.type != "meta":
                         st = t.untyped_storage()
-                        ptr = st.data_ptr()
+                        try:
+                            ptr = st.data_ptr()
+                        except RuntimeError:    # a storage FSDP2 has already freed/resized: not live
+                            continue
                         if ptr and ptr not in live and ptr not in known:
                             live[ptr] = float(st.nbytes())
                             state["cur"] += live[ptr]
