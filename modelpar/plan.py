@@ -25,6 +25,10 @@ PP_SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES
 # activation checkpointing (`modelpar.parallel.checkpointing`): "selective" recomputes only each
 # block's attention core (Korthikanti et al. 2022, Sec. 5), "every-k" checkpoints blocks 0, k, 2k, ...
 AC_MODES = ("none", "full", "selective", "every-k")
+# class attribute that marks a model's attention core (QK^T, softmax, dropout, attention over V) for
+# activation_checkpointing="selective"; read by the runtime (parallel.checkpointing) and the planner's
+# profile, so it lives here, beside the modes, where both can import it without importing the other.
+CORE_ATTR = "modelpar_attention_core"
 PRECISIONS = ("fp32", "bf16")
 
 # Strategy shorthands (DESIGN.md): each names a plan on N ranks; "auto"/"rules" are resolved by the

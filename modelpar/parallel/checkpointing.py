@@ -40,8 +40,8 @@ import functools
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-MODES = ("none", "full", "selective", "every-k")
-CORE_ATTR = "modelpar_attention_core"
+from modelpar.plan import AC_MODES as MODES
+from modelpar.plan import CORE_ATTR     # the attention-core marker (defined beside the modes)
 
 
 def _checkpointed(forward, *args, **kwargs):

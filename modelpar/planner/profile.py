@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.module_tracker import ModuleTracker
 
-from modelpar.parallel.checkpointing import CORE_ATTR
+from modelpar.plan import CORE_ATTR
 
 _VIEW_OPS = {"view", "_unsafe_view", "t", "transpose", "expand", "detach", "permute", "unsqueeze",
              "squeeze", "slice", "select", "alias", "as_strided", "split", "unbind", "lift_fresh",
