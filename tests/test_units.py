@@ -134,3 +134,19 @@ def test_guard_keeps_local_errors_and_names_comm_failures():
     assert not _looks_like_comm_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"))
     assert _looks_like_comm_failure(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
     assert _looks_like_comm_failure(dist.DistError("anything"))
+
+
+def test_only_train_calibrates_by_itself(tmp_path, monkeypatch):
+    """`--strategy auto` outside `modelpar train` (bench's auto row, verify, preflight) plans with the
+    uncalibrated estimate on an uncalibrated machine; it never starts the ~40 s calibration."""
+    import modelpar.calibrate as cal
+    from modelpar.bench.runner import check_row, make_rows
+
+    monkeypatch.setenv("MODELPAR_CALIBRATION", str(tmp_path / "none.json"))
+    monkeypatch.setenv("MODELPAR_AUTO_CALIBRATE", "1")
+    calls = []
+    monkeypatch.setattr(cal, "calibrate", lambda *a, **k: calls.append(a))
+    (spec,) = make_rows("gpt-nano", ["auto"], nproc=2, hybrid_nproc=4, global_batch_size=8, seq_len=0, warmup=1,
+                        steps=1, threads=1, timeout_s=60)
+    plan, _ = check_row(spec)
+    assert plan.world_size == 2 and calls == [] and not (tmp_path / "none.json").exists()

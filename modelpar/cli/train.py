@@ -138,7 +138,7 @@ def main(argv: list[str]) -> int:
         world = read_plan_file(cfg.plan).plan.world_size      # the plan file's own world size
     else:
         world = world_size(ns, given)
-    resolved = resolve(cfg, world)
+    resolved = resolve(cfg, world, measure_if_missing=True)   # only train --strategy auto calibrates by itself
     plan, batches = preflight(cfg, world, resolved)
     print(f"plan: {plan.describe()} on {world} rank(s) -- {resolved.reason}", flush=True)
     run_dir = make_run_dir(cfg)

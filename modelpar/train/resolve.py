@@ -67,7 +67,7 @@ def _given_degrees(cfg) -> dict:
     return {k: getattr(cfg, k) for k in DEGREES if getattr(cfg, k)}
 
 
-def resolve(cfg, world_size: int, *, measure_if_missing: bool = True) -> Resolved:
+def resolve(cfg, world_size: int, *, measure_if_missing: bool = False) -> Resolved:
     """The one plan ``cfg`` names on ``world_size`` ranks (see the module docstring).
     ``measure_if_missing``: ``auto`` / ``rules`` may calibrate an uncalibrated machine first (only
     ``modelpar train`` does).
