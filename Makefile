@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[full,test]"
+	$(PY) -m pip install -q -e ".[full,test,hf]"
 	touch $@
 
 setup: $(VENV)/.installed

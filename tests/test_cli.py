@@ -149,8 +149,8 @@ def test_estimate_exact_layout_json(capsys):
 def test_hf_and_factory_models_named_clearly():
     from modelpar.models.spec import check_model
 
-    with pytest.raises(ValueError, match="Hugging Face models are not supported yet"):
-        check_model("hf:llama")
+    with pytest.raises(ValueError, match="has no model type 'lamma'"):
+        check_model("hf:lamma")
     with pytest.raises(ValueError, match="runs built-in models only"):
         check_model("mypkg:make", allow_factory=False)
     with pytest.raises(ValueError, match=r"unknown GPT fields \['layers'\]"):

@@ -162,6 +162,8 @@ def load_task(args):
         shape = (MLP_PRESETS[args.model][0],) if args.model in MLP_PRESETS else (1, 8, 8)
         classes = MLP_PRESETS[args.model][-1] if args.model in MLP_PRESETS else 10
         return model, _random_batches(shape, classes, gb, args.seed), classification_loss, "mean", args.model
+    if check_model(args.model, args.model_config) == "hf":
+        return _hf_task(args)
     um = build_factory(args.model)
     batch_fn = um.batch_fn
     if batch_fn is None:
@@ -173,6 +175,29 @@ def load_task(args):
         batch_fn = _random_batches(shapes[0], shapes[1], gb, args.seed)
     return (um.model, batch_fn, um.loss_fn or classification_loss, um.loss_reduction,
             f"{type(um.model).__name__} from {args.model}")
+
+
+def _hf_task(args):
+    """A Hugging Face model (dropout forced to 0) with random token ids or pixels and labels."""
+    import torch
+
+    from modelpar.models.hf import build_hf, facts
+    from modelpar.train.task import classification_loss, lm_loss
+
+    model = build_hf(args.model, args.model_config, seed=args.seed, dropout=0.0)
+    f, gb = facts(model.hf.config), args.global_batch_size
+    if f.task == "classify":
+        shape = (f.num_channels or 3, f.image_size, f.image_size)
+        return model, _random_batches(shape, f.num_labels, gb, args.seed), classification_loss, "mean", args.model
+    seq = args.seq_len or min(f.max_positions or 64, 64)
+    if f.max_positions and seq > f.max_positions:
+        raise ValueError(f"--seq-len {seq} exceeds the model's max_position_embeddings={f.max_positions}")
+
+    def batch_fn(step):
+        g = torch.Generator().manual_seed(args.seed * 100003 + step)
+        w = torch.randint(0, f.vocab, (gb, seq + 1), generator=g)
+        return w[:, :-1], w[:, 1:]
+    return model, batch_fn, lm_loss, "mean", args.model
 
 
 def _random_batches(shape, classes: int, gb: int, seed: int):

@@ -5,7 +5,8 @@
   ``--model gpt-1b --model-config '{"n_layer": 32, "d_model": 4096, "n_head": 32}'``.
 - Your own model as ``module:factory`` (a module importable from the current folder or
   ``PYTHONPATH``) or ``path/to/file.py:factory``.
-- ``hf:<model_type>`` (Hugging Face configs) is not supported yet and is refused by name.
+- A Hugging Face config: ``hf:<model_type>`` with ``--model-config`` overrides, a ``config.json`` path,
+  or a local pretrained folder (`modelpar.models.hf`; needs ``pip install 'modelpar[hf]'``).
 
 The factory protocol (the one place it is documented). The factory is called with no arguments, on
 every rank and in the launcher, and must build the same initial weights every call (seed inside it).
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-HF_PREFIX = "hf:"
+from modelpar.models.hf import HF_PREFIX, is_hf_name  # noqa: F401  (HF_PREFIX re-exported)
 
 
 @dataclass
@@ -54,13 +55,14 @@ def model_kind(name: str) -> str:
     """
     from modelpar.models import MODEL_NAMES
 
-    if name.startswith(HF_PREFIX):
+    if is_hf_name(name):
         return "hf"
     if ":" in name:
         return "factory"
     if name not in MODEL_NAMES:
-        raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODEL_NAMES)}, or module:factory / "
-                         f"path/to/file.py:factory for your own")
+        raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODEL_NAMES)}, module:factory / "
+                         f"path/to/file.py:factory for your own, or hf:<model_type> / a config.json path / a "
+                         f"pretrained folder for a Hugging Face model")
     return "builtin"
 
 
@@ -68,13 +70,18 @@ def check_model(name: str, model_config: dict | None = None, *, allow_factory: b
     """Validate ``--model`` / ``--model-config`` before any work; returns the kind.
 
     Raises:
-        ValueError: unknown name, ``hf:`` (not supported yet), a factory where the command takes
-            built-ins only, or ``--model-config`` on a model it cannot apply to (naming the fields).
+        ValueError: unknown name, a Hugging Face config that cannot be built (transformers missing,
+            unknown type or fields, custom code), a factory where the command takes built-ins only,
+            or ``--model-config`` on a model it cannot apply to (naming the fields).
     """
     kind = model_kind(name)
     if kind == "hf":
-        raise ValueError(f"--model {name!r}: Hugging Face models are not supported yet; use a built-in name "
-                         f"with --model-config, or a module:factory that builds the model")
+        from modelpar.models.hf import load_config, task_of
+
+        if model_config is not None and not isinstance(model_config, dict):
+            raise ValueError(f"--model-config must be a JSON object, got {model_config!r}")
+        task_of(load_config(name, model_config))
+        return kind
     if kind == "factory" and not allow_factory:
         raise ValueError(f"--model {name!r}: this command runs built-in models only (a factory model can be "
                          f"checked with `modelpar verify --model {name}`)")

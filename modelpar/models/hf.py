@@ -1,0 +1,223 @@
+"""Hugging Face transformers models as modelpar models (``--model hf:<model_type>`` or a config path).
+
+Three spellings, all built from a config with transformers' ``from_config`` (no download, no network):
+
+- ``hf:<model_type>`` (``hf:llama``, ``hf:gpt2``, ``hf:vit``, ...) with ``--model-config '{...}'`` as
+  overrides of that type's default config (`transformers.AutoConfig.for_model`);
+- a ``config.json`` path (overrides applied on top);
+- a local pretrained folder (``config.json`` next to weights): ``load_weights=True`` loads them with
+  ``from_pretrained(..., local_files_only=True)``.
+
+Models whose config asks for custom code (``auto_map``, ``trust_remote_code``) are refused: modelpar runs
+the model classes that ship with transformers only.
+
+The model is wrapped in `HFModel`, whose forward is ``inputs -> logits`` (a causal LM: token ids
+``(batch, seq)`` int64 -> ``(batch, seq, vocab)``; an image classifier: pixels ``(batch, channels, h, w)``
+-> ``(batch, classes)``), the contract of every modelpar loop. The wrapped model is ``HFModel.hf``, so
+parameter paths gain the prefix ``hf.``; `hf_state_dict` strips it for export.
+
+transformers is an optional extra: ``pip install 'modelpar[hf]'``; `require_transformers` says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+HF_PREFIX = "hf:"
+INSTALL_HINT = "Hugging Face models need transformers: pip install 'modelpar[hf]' (transformers>=5,<6)"
+# config fields that are dropout probabilities in the transformers model families modelpar tests
+_DROPOUT_SUFFIXES = ("dropout", "_pdrop", "dropout_prob", "dropout_rate")
+
+
+def require_transformers():
+    """The transformers module. Raises ValueError with the install line when it is missing."""
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(INSTALL_HINT) from None
+    return transformers
+
+
+def is_hf_name(name: str) -> bool:
+    """True for ``hf:<type>``, a ``*.json`` config path, or a folder holding ``config.json``."""
+    return (name.startswith(HF_PREFIX) or (name.endswith(".json") and ":" not in name)
+            or (os.path.isdir(name) and os.path.isfile(os.path.join(name, "config.json"))))
+
+
+@dataclass(frozen=True)
+class HFFacts:
+    """What legality and the planner need from a config (None where the family has no such field)."""
+
+    model_type: str
+    task: str                        # "lm" | "classify"
+    hidden: int
+    layers: int
+    heads: int | None
+    kv_heads: int | None
+    vocab: int | None                # language models
+    max_positions: int | None        # longest sequence the position embeddings / rotary setup allow
+    num_labels: int | None           # classifiers
+    image_size: int | None
+    num_channels: int | None
+    tied: bool
+
+
+def _cfg_get(cfg, *names):
+    for n in names:
+        v = getattr(cfg, n, None)
+        if v is not None:
+            return v
+    return None
+
+
+def load_config(name: str, overrides: dict | None = None, *, dropout: float | None = None):
+    """The transformers config that ``name`` (see the module docstring) and ``overrides`` give.
+
+    ``dropout`` not None sets every dropout probability of the config to it (0.0 for parity checks).
+
+    Raises:
+        ValueError: transformers missing, an unknown model type (listing similar ones), an override
+            that is not a field of the config, a config path that does not exist, or custom code.
+    """
+    transformers = require_transformers()
+    overrides = dict(overrides or {})
+    if name.startswith(HF_PREFIX):
+        mtype = name[len(HF_PREFIX):]
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+        if mtype not in CONFIG_MAPPING_NAMES:
+            near = [t for t in CONFIG_MAPPING_NAMES if mtype[:3] and t.startswith(mtype[:3])][:8]
+            raise ValueError(f"--model {name!r}: transformers {transformers.__version__} has no model type "
+                             f"{mtype!r}" + (f"; similar: {', '.join(near)}" if near else ""))
+        cfg = transformers.AutoConfig.for_model(mtype)
+    else:
+        path = name if name.endswith(".json") else os.path.join(name, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"--model {name!r}: no such config file {path!r}")
+        with open(path) as f:
+            raw = json.load(f)
+        if raw.get("auto_map") or raw.get("trust_remote_code"):
+            raise ValueError(f"--model {name!r}: the config asks for custom model code (auto_map / "
+                             f"trust_remote_code); modelpar runs only the model classes shipped with transformers")
+        if "model_type" not in raw:
+            raise ValueError(f"--model {name!r}: {path} has no 'model_type' field")
+        cfg = transformers.AutoConfig.for_model(raw.pop("model_type"), **{k: v for k, v in raw.items()
+                                                                         if not k.startswith("_")})
+    valid = set(cfg.to_dict()) | set(getattr(cfg, "attribute_map", {}))
+    bad = sorted(k for k in overrides if k not in valid)
+    if bad:
+        raise ValueError(f"--model-config has fields {bad} that {type(cfg).__name__} does not have; "
+                         f"some valid ones: {', '.join(sorted(cfg.to_dict())[:25])}")
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    if dropout is not None:
+        for k, v in cfg.to_dict().items():
+            if isinstance(v, float) and k.endswith(_DROPOUT_SUFFIXES):
+                setattr(cfg, k, dropout)
+    return cfg
+
+
+def task_of(cfg) -> str:
+    """``"lm"`` when transformers has a causal-LM class for the config, else ``"classify"`` when it has
+    an image-classification one.
+
+    Raises:
+        ValueError: neither (the model type named).
+    """
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES)
+
+    if cfg.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return "lm"
+    if cfg.model_type in MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES:
+        return "classify"
+    raise ValueError(f"model type {cfg.model_type!r}: modelpar trains Hugging Face causal language models "
+                     f"(AutoModelForCausalLM) and image classifiers (AutoModelForImageClassification); "
+                     f"this type is neither")
+
+
+def facts(cfg) -> HFFacts:
+    """`HFFacts` of a transformers config."""
+    task = task_of(cfg)
+    heads = _cfg_get(cfg, "num_attention_heads", "n_head")
+    image = _cfg_get(cfg, "image_size")
+    return HFFacts(
+        model_type=cfg.model_type, task=task,
+        hidden=int(_cfg_get(cfg, "hidden_size", "n_embd", "d_model")),
+        layers=int(_cfg_get(cfg, "num_hidden_layers", "n_layer")),
+        heads=heads, kv_heads=_cfg_get(cfg, "num_key_value_heads") or heads,
+        vocab=_cfg_get(cfg, "vocab_size") if task == "lm" else None,
+        max_positions=_cfg_get(cfg, "max_position_embeddings", "n_positions") if task == "lm" else None,
+        num_labels=cfg.num_labels if task == "classify" else None,
+        image_size=int(image if isinstance(image, int) else image[0]) if image is not None else None,
+        num_channels=_cfg_get(cfg, "num_channels"),
+        tied=bool(getattr(cfg, "tie_word_embeddings", False)) and task == "lm")
+
+
+class HFModel(nn.Module):
+    """A transformers model with modelpar's forward: ``inputs -> logits`` tensor.
+
+    ``task="lm"``: ``input_ids (batch, seq)`` int64 -> logits ``(batch, seq, vocab)``, no KV cache.
+    ``task="classify"``: ``pixel_values (batch, channels, h, w)`` -> logits ``(batch, num_labels)``.
+    """
+
+    def __init__(self, hf: nn.Module, task: str):
+        super().__init__()
+        self.hf = hf
+        self.task = task
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.task == "lm":
+            return self.hf(input_ids=x, use_cache=False).logits
+        return self.hf(pixel_values=x).logits
+
+
+def build_hf(name: str, overrides: dict | None = None, *, device: str | torch.device = "cpu", seed: int | None = 0,
+             dropout: float | None = None, load_weights: bool = False) -> HFModel:
+    """Build the `HFModel` of ``name``.
+
+    ``device="meta"`` allocates nothing (planning). ``seed`` seeds the initialisation, so every rank
+    builds the same weights. ``load_weights``: ``name`` is a local pretrained folder; its weights are
+    loaded (``local_files_only``).
+
+    Raises:
+        ValueError: see `load_config` and `task_of`.
+    """
+    transformers = require_transformers()
+    cfg = load_config(name, overrides, dropout=dropout)
+    task = task_of(cfg)
+    auto = transformers.AutoModelForCausalLM if task == "lm" else transformers.AutoModelForImageClassification
+    if load_weights:
+        if os.path.isfile(name) or name.startswith(HF_PREFIX):
+            raise ValueError(f"--model {name!r}: loading weights needs a local pretrained folder")
+        hf = auto.from_pretrained(name, config=cfg, local_files_only=True, trust_remote_code=False)
+        return HFModel(hf.to(device), task)
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.device(device):
+        hf = auto.from_config(cfg)
+    return HFModel(hf, task)
+
+
+def example_input(model: HFModel, batch: int, seq_len: int = 0, device="cpu") -> torch.Tensor:
+    """A zero input of ``batch`` samples: token ids ``(batch, seq_len)`` or pixels ``(batch, c, h, w)``.
+
+    Raises:
+        ValueError: a language model without ``seq_len``.
+    """
+    f = facts(model.hf.config)
+    if f.task == "lm":
+        if seq_len < 1:
+            raise ValueError("a Hugging Face language model needs --seq-len")
+        return torch.zeros(batch, seq_len, dtype=torch.long, device=device)
+    return torch.zeros(batch, f.num_channels or 3, f.image_size, f.image_size, device=device)
+
+
+def hf_state_dict(model: HFModel | nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A modelpar state dict of an `HFModel` with transformers' own key names (the ``hf.`` prefix off)."""
+    return {k[3:] if k.startswith("hf.") else k: v for k, v in state.items()}
