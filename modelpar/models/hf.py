@@ -109,7 +109,7 @@ def load_config(name: str, overrides: dict | None = None, *, dropout: float | No
         cfg = transformers.AutoConfig.for_model(raw.pop("model_type"), **{k: v for k, v in raw.items()
                                                                          if not k.startswith("_")})
     valid = set(cfg.to_dict()) | set(getattr(cfg, "attribute_map", {}))
-    bad = sorted(k for k in overrides if k not in valid)
+    bad = sorted(k for k in overrides if k not in valid and not hasattr(cfg, k))
     if bad:
         raise ValueError(f"--model-config has fields {bad} that {type(cfg).__name__} does not have; "
                          f"some valid ones: {', '.join(sorted(cfg.to_dict())[:25])}")

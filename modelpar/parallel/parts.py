@@ -75,6 +75,52 @@ def get_model_parts(model: nn.Module, split_points: tuple[str, ...] | list[str] 
                      f"has {found}. {FORMS_HELP}")
 
 
+def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, list[tuple[str, nn.Module]]]:
+    """The repeated blocks of any model: ``(container path, [(block path, block), ...])``.
+
+    The rule: among every ``nn.ModuleList`` / ``nn.Sequential`` anywhere in the tree, take the longest
+    run of consecutive children of one class (ties: the shallower container, then the first met). So
+    ``model.layers`` (Llama), ``transformer.h`` (GPT-2), ``vit.encoder.layer`` (ViT) and a ResNet
+    stage's blocks are found without naming them. ``blocks`` names the container instead (``--blocks
+    PATH``), where the rule picks wrong.
+
+    Raises:
+        ValueError: ``blocks`` names no container of the model, or no container holds two or more
+            modules of one class.
+    """
+    named = dict(model.named_modules())
+    if blocks:
+        c = named.get(blocks)
+        if not isinstance(c, (nn.ModuleList, nn.Sequential)) or len(c) == 0:
+            containers = [n for n, m in named.items() if isinstance(m, (nn.ModuleList, nn.Sequential)) and n]
+            raise ValueError(f"--blocks {blocks!r} is not a non-empty nn.ModuleList / nn.Sequential of "
+                             f"{type(model).__name__}; its containers: {containers[:10]}")
+        pre = f"{blocks}." if blocks else ""
+        return blocks, [(pre + n, m) for n, m in c.named_children()]
+    best = None                                           # (length, -depth, order, path, run)
+    for order, (path, c) in enumerate(named.items()):
+        if not isinstance(c, (nn.ModuleList, nn.Sequential)):
+            continue
+        kids = list(c.named_children())
+        i = 0
+        while i < len(kids):
+            j = i
+            while j + 1 < len(kids) and type(kids[j + 1][1]) is type(kids[i][1]):
+                j += 1
+            run = kids[i:j + 1]
+            key = (len(run), -path.count(".") - bool(path), -order)
+            if len(run) >= 2 and (best is None or key > best[0]):
+                best = (key, path, run)
+            i = j + 1
+    if best is None:
+        raise ValueError(f"cannot find the blocks of {type(model).__name__}: no nn.ModuleList or nn.Sequential "
+                         f"in it holds two or more modules of one class; name them with --blocks PATH, or "
+                         f"give --split-points")
+    _, path, run = best
+    pre = f"{path}." if path else ""
+    return path, [(pre + n, m) for n, m in run]
+
+
 class eval_mode:
     """Context: the given modules in eval mode (dropout off, so dry runs draw no random numbers and
     leave the RNG state as they found it), restored after."""
