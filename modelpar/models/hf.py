@@ -173,8 +173,34 @@ class HFModel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.task == "lm":
+            if _no_values(x):
+                with _unpacked_sequences():
+                    return self.hf(input_ids=x, use_cache=False).logits
             return self.hf(input_ids=x, use_cache=False).logits
         return self.hf(pixel_values=x).logits
+
+
+def _no_values(x: torch.Tensor) -> bool:
+    """A meta or fake tensor (planning, shape inference): its values cannot be read."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    return x.device.type == "meta" or isinstance(x, FakeTensor)
+
+
+class _unpacked_sequences:
+    """Context: transformers' check for packed sequences in the position ids (which reads their
+    values, impossible on meta, and is skipped on fake tensors, so a mask is built) answers "one
+    sequence per sample", which is what modelpar's token batches are; so the model runs as it runs
+    on real tokens (causal attention without a mask tensor)."""
+
+    def __enter__(self):
+        import transformers.masking_utils as mu
+        self.mu, self.orig = mu, getattr(mu, "find_packed_sequence_indices", None)
+        if self.orig is not None:
+            mu.find_packed_sequence_indices = lambda position_ids: None
+
+    def __exit__(self, *exc):
+        if self.orig is not None:
+            self.mu.find_packed_sequence_indices = self.orig
 
 
 def build_hf(name: str, overrides: dict | None = None, *, device: str | torch.device = "cpu", seed: int | None = 0,

@@ -139,18 +139,30 @@ class ModelProfile:
         return cls(**d)
 
 
-def default_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The pipeline-splittable blocks: GPT -> embed, blocks.i, head; Sequential -> its children;
+def default_blocks(model: nn.Module) -> list[tuple[str, nn.Module | None]]:
+    """The pipeline-splittable blocks: GPT -> embed, blocks.i, head; Sequential -> its children; any
+    other model whose repeated blocks `modelpar.parallel.parts.find_blocks` finds (a Hugging Face
+    model's ``model.layers`` / ``transformer.h`` / ...) -> ``("embed", None)``, the blocks,
+    ``("head", None)``, where None stands for the rest of the model that runs before (after) the blocks,
+    the parent's forward code included (embeddings, position ids, rotary tables; final norm, head);
     anything else -> the whole model as one block."""
     if all(hasattr(model, a) for a in ("embed", "blocks", "head")):
         return ([("embed", model.embed)] + [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]
                 + [("head", model.head)])
     if isinstance(model, nn.Sequential):
         return [(n, m) for n, m in model.named_children()]
-    return [("model", model)]
+    from modelpar.parallel.parts import find_blocks
+    try:
+        _, found = find_blocks(model)
+    except ValueError:
+        return [("model", model)]
+    return [("embed", None)] + found + [("head", None)]
 
 
-def _arch_of(model: nn.Module) -> dict[str, int]:
+def _arch_of(model: nn.Module, tokens: int, vocab_parallel: bool | None = None) -> dict[str, int]:
+    from modelpar.planner.hf_facts import hf_arch, is_hf_model
+    if is_hf_model(model):
+        return hf_arch(model, tokens, vocab_parallel)
     cfg = getattr(model, "cfg", None)
     if cfg is None or not hasattr(cfg, "n_head"):
         return {}
@@ -162,7 +174,11 @@ def _tp_styles(model: nn.Module, vocab_parallel: bool | None = None) -> dict[str
     """``{module path: "colwise" | "rowwise"}`` of the TP plan modelpar's runtime derives for ``model``
     ({} if none): `tensor.default_tp_plan`, whose GPT plan splits the token embedding (rowwise over
     the vocabulary: its weight is sharded) and the head (colwise over the vocabulary) unless
-    ``vocab_parallel=False``."""
+    ``vocab_parallel=False``. A Hugging Face model: `hf_facts.hf_tp_styles` (the one hook for the
+    runtime's HF plan)."""
+    from modelpar.planner.hf_facts import hf_tp_styles, is_hf_model
+    if is_hf_model(model):
+        return hf_tp_styles(model, vocab_parallel)
     from modelpar.parallel import tensor
     try:
         plan, _ = tensor.default_tp_plan(model, loss_parallel=vocab_parallel)
@@ -176,7 +192,7 @@ def _tp_styles(model: nn.Module, vocab_parallel: bool | None = None) -> dict[str
 
 def profile_model(model: nn.Module, example_input: torch.Tensor | Sequence[torch.Tensor], *,
                   dtype: torch.dtype = torch.float32,
-                  blocks: Sequence[tuple[str, nn.Module]] | None = None,
+                  blocks: Sequence[tuple[str, nn.Module | None]] | None = None,
                   attention: str = "flash", vocab_parallel: bool | None = None) -> ModelProfile:
     """Profile one training forward + backward of ``model`` on ``example_input`` without weights.
 
@@ -186,7 +202,10 @@ def profile_model(model: nn.Module, example_input: torch.Tensor | Sequence[torch
         example_input: tensor (or tuple of tensors) with the batch in dim 0, e.g. tokens
             ``(batch, seq)`` int64 or features ``(batch, in)``; floating inputs are cast to ``dtype``.
         dtype: ``torch.float32`` or ``torch.bfloat16``: the dtype of parameters and activations.
-        blocks: ``(name, submodule)`` pairs to attribute costs to; default `default_blocks`.
+        blocks: ``(name, submodule)`` pairs to attribute costs to; default `default_blocks`. The first
+            and the last submodule may be None: everything the model runs before the first (after
+            the last) named block, and the parameters of the modules it runs there, belong to it.
+            A parameter reachable from two blocks (tied) is counted in the first only.
         attention: ``"flash"`` (fused kernel, O(seq) saved bytes), ``"math"`` (unfused, the
             (seq, seq) scores saved; see the module docstring) or ``"megatron"`` (Megatron-LM's
             unfused core attention with its fused softmax, `runtimes.MegatronAttention`).
@@ -198,8 +217,8 @@ def profile_model(model: nn.Module, example_input: torch.Tensor | Sequence[torch
         ModelProfile with one BlockProfile per block, for the batch of ``example_input``.
 
     Raises:
-        ValueError: unsupported dtype or attention, an empty input, or a block that is not a
-            submodule of model.
+        ValueError: unsupported dtype or attention, an empty input, a block that is not a
+            submodule of model, or a None block other than the first or the last.
     """
     if attention not in ("flash", "math", "megatron"):
         raise ValueError(f"profile_model attention must be 'flash', 'math' or 'megatron', got {attention!r}")
@@ -211,10 +230,15 @@ def profile_model(model: nn.Module, example_input: torch.Tensor | Sequence[torch
     blocks = list(blocks) if blocks is not None else default_blocks(model)
     root_name = type(model).__name__
     fqn = {m: n for n, m in model.named_modules()}
-    for n, m in blocks:
-        if m not in fqn:
+    for i, (n, m) in enumerate(blocks):
+        if m is None and 0 < i < len(blocks) - 1:
+            raise ValueError(f"block {n!r}: only the first and the last block may be None (the rest of the model)")
+        if m is not None and m not in fqn:
             raise ValueError(f"block {n!r} is not a submodule of the model")
-    names = {(f"{root_name}.{fqn[m]}" if fqn[m] else root_name): i for i, (_, m) in enumerate(blocks)}
+    if all(m is None for _, m in blocks):
+        raise ValueError("profile_model needs at least one block that is a submodule")
+    names = {(f"{root_name}.{fqn[m]}" if fqn[m] else root_name): i for i, (_, m) in enumerate(blocks)
+             if m is not None}
 
     on_meta = all(p.device.type == "meta" for p in model.parameters())
     fake_mode = None
@@ -237,6 +261,59 @@ def profile_model(model: nn.Module, example_input: torch.Tensor | Sequence[torch
             fake_mode.__exit__(None, None, None)
 
 
+class _Outside:
+    """Where an op outside every block module goes, when the first / last block is the rest of the
+    model (None in `profile_model`'s blocks): forward, the first block until a block module ran,
+    then the block that last finished (the last block once the last module block finished);
+    backward, the reverse (the last block until a block module's backward ran, then the block seen
+    last, the first block once the first module block's backward ran). None: dropped, as before."""
+
+    def __init__(self, blocks):
+        n = len(blocks)
+        named = [i for i, (_, m) in enumerate(blocks) if m is not None]
+        self.pre = blocks[0][1] is None
+        self.post = blocks[-1][1] is None and n > 1
+        self.first, self.last, self.n = named[0], named[-1], n
+        self.fwd = 0 if self.pre else None
+        self.bwd = n - 1 if self.post else None
+
+    @property
+    def active(self) -> bool:
+        return self.pre or self.post
+
+    def ended(self, i: int) -> None:                 # forward of block module i finished
+        self.fwd = self.n - 1 if (i == self.last and self.post) else i
+
+    def seen(self, i: int) -> None:                  # backward op in block module i
+        self.bwd = 0 if (i == self.first and self.pre) else i
+
+    def __call__(self, is_bw: bool):
+        return self.bwd if is_bw else self.fwd
+
+
+def _block_params(model, blocks, fqn, owner, block_of):
+    """Per block, ``[(owner module path, leaf name, parameter)]``: a module block's parameters; for a
+    None block, those of the modules outside every block module that ran while it was current
+    (``owner``), modules that never ran joining the last None block (they still take memory)."""
+    inside = {m for _, b in blocks if b is not None for m in b.modules()}
+    out = []
+    rest = len(blocks) - 1 if blocks[-1][1] is None else 0
+    for i, (_, mod) in enumerate(blocks):
+        rows = []
+        if mod is not None:
+            base = fqn[mod]
+            for pn, p in mod.named_parameters():
+                path, _, leaf = (f"{base}.{pn}" if base else pn).rpartition(".")
+                rows.append((path, leaf, p))
+        else:
+            for m in model.modules():
+                if m in inside or owner.get(m, rest) != i:
+                    continue
+                rows += [(fqn[m], pn, p) for pn, p in m.named_parameters(recurse=False)]
+        out.append(rows)
+    return out
+
+
 def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=None) -> ModelProfile:
     dev = "meta" if on_meta else None
 
@@ -246,6 +323,7 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
         return x.requires_grad_(grad and t.is_floating_point())
 
     params = {n: stand_in(p, p.requires_grad) for n, p in model.named_parameters()}
+    stand_of = {id(p): params[n] for n, p in model.named_parameters()}
     buffers = {n: stand_in(b, False) for n, b in model.named_buffers()}
     xs = tuple(stand_in(x, False) if x.is_floating_point() else torch.zeros(
         x.shape, dtype=x.dtype, device=dev or x.device) for x in inputs)
@@ -259,7 +337,10 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
     saved_in = [0] * n
     in_keys: list[set[int]] = [set() for _ in range(n)]
     life = _Lifetimes(n)                      # storage lifetimes; also dedupes saved storages
-    block_of = {m: i for i, (_, m) in enumerate(blocks)}
+    block_of = {m: i for i, (_, m) in enumerate(blocks) if m is not None}
+    outside = _Outside(blocks)
+    has_params = {m for m in model.modules() if next(m.parameters(recurse=False), None) is not None}
+    owner: dict[nn.Module, int] = {}          # modules outside the block modules -> None block running them
     current: list[int] = []                   # stack of active block indices
     sub_stack: list[str] = []                 # fqn of innermost active submodule
     styles = _tp_styles(model, vocab_parallel)
@@ -267,6 +348,9 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
     core_saved = [0] * n
     core_inputs: list[set[int]] = []          # input storages of the active attention cores
     core_keys: dict[int, int] = {}            # storages first saved inside a core -> block
+    if outside.pre:
+        in_bytes[0] = sum(_nbytes(x) for x in xs)
+        in_keys[0] = {x.untyped_storage()._cdata for x in xs}
 
     def pre(mod, args):
         if mod in block_of:
@@ -275,6 +359,10 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
             ins = [a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)]
             in_bytes[i] = sum(_nbytes(a) for a in ins)
             in_keys[i] = {a.untyped_storage()._cdata for a in ins}
+            if i == outside.first and outside.pre:
+                out_bytes[0] = in_bytes[i]
+        elif not current and mod in has_params and outside.fwd is not None:
+            owner.setdefault(mod, outside.fwd)
         if getattr(type(mod), CORE_ATTR, False):
             core_inputs.append({a.untyped_storage()._cdata for a in tree_flatten(args)[0]
                                 if isinstance(a, torch.Tensor)})
@@ -288,12 +376,19 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
         if style is not None:
             sharded_region[0] = style == "colwise"
         if mod in block_of:
+            i = block_of[mod]
             current.pop()
-            out_bytes[block_of[mod]] = sum(_nbytes(o) for o in tree_flatten(out)[0]
-                                           if isinstance(o, torch.Tensor))
+            outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+            out_bytes[i] = sum(_nbytes(o) for o in outs)
+            if outside.active:
+                outside.ended(i)
+            if i == outside.last and outside.post:
+                in_bytes[n - 1] = out_bytes[i]
+                in_keys[n - 1] = {o.untyped_storage()._cdata for o in outs}
 
     def pack(t: torch.Tensor):
-        if not current:
+        i = current[-1] if current else outside.fwd
+        if i is None:
             return t
         key = t.untyped_storage()._cdata
         if key in param_keys:
@@ -303,12 +398,11 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
             # saved inside an attention core and again by the block outside it (e.g. the fused
             # kernel's output, viewed as the output projection's input): recomputing the core frees
             # nothing of it
-            owner = core_keys.pop(key, None) if not core_inputs else None
-            if owner is not None:
-                core_saved[owner] -= _nbytes(t)
+            owner_i = core_keys.pop(key, None) if not core_inputs else None
+            if owner_i is not None:
+                core_saved[owner_i] -= _nbytes(t)
             return t
         life.saved.add(serial)
-        i = current[-1]
         b = _nbytes(t)
         saved[i] += b
         if key in in_keys[i]:
@@ -320,19 +414,22 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
             core_keys[key] = i
         return t
 
+    def hook_grads(bi: int, rows) -> None:      # which storages become parameter gradients, per block
+        for _, _, p in rows:
+            sp = stand_of.get(id(p))
+            if sp is not None and sp.requires_grad:
+                handles.append(sp.register_post_accumulate_grad_hook(lambda q, bi=bi: life.grad(q, bi)))
+
     handles = [m.register_forward_pre_hook(pre) for m in model.modules()]
     handles += [m.register_forward_hook(post) for m in model.modules()]
-    for bi, (_, mod) in enumerate(blocks):    # which storages become parameter gradients, per block
-        base = fqn[mod]
-        for pn, _ in mod.named_parameters():
-            sp = params.get(f"{base}.{pn}" if base else pn)
-            if sp is not None and sp.requires_grad:
-                handles.append(sp.register_post_accumulate_grad_hook(
-                    lambda p, bi=bi: life.grad(p, bi)))
+    for bi, rows in enumerate(_block_params(model, blocks, fqn, {}, block_of)):
+        if blocks[bi][1] is not None:
+            hook_grads(bi, rows)
     tracker = ModuleTracker()
     shapes = {tuple(p.shape) for p in params.values() if p.dim() == 2}
     counter = _OpCounter(tracker, names, n, frozenset(param_keys), frozenset(shapes | {s[::-1] for s in shapes}),
-                         lifetimes=life)
+                         lifetimes=life, outside=outside if outside.active else None,
+                         seen=outside.seen if outside.active else None)
     # FlopCounterMode attributes backward FLOPs to modules only if it saw their forward: one counter
     # spans both passes, a nested one the forward alone; backward = all - forward.
     all_fc = FlopCounterMode(display=False, custom_mapping=_FLOP_FORMULAS)
@@ -342,6 +439,12 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
             with fwd_fc, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = torch.func.functional_call(model, {**params, **buffers}, xs)
             outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+            if outside.post:
+                out_bytes[n - 1] = sum(_nbytes(o) for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor))
+            block_params = _block_params(model, blocks, fqn, owner, block_of)
+            for bi, rows in enumerate(block_params):
+                if blocks[bi][1] is None:
+                    hook_grads(bi, rows)
             # a reduction after the model, so the last block's backward hooks see a gradient arrive
             torch.autograd.backward([o.sum() for o in outs])
     finally:
@@ -351,28 +454,32 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
     del out, outs
     peaks = life.block_peaks()
     fwd_counts, all_counts = fwd_fc.get_flop_counts(), all_fc.get_flop_counts()
+    mod_name = {i: k for k, i in names.items()}
     rows = []
     cum_saved = 0
     esize = torch.empty((), dtype=dtype).element_size()
-    for (name, mod), (mod_name, i) in zip(blocks, names.items()):
-        bp = [p for p in mod.parameters()]
-        base = fqn[mod]
+    counted: set[int] = set()                 # parameters already in an earlier block (ties once)
+    for i, ((name, mod), bparams) in enumerate(zip(blocks, block_params)):
         numels = []
-        for pn, p in mod.named_parameters():
-            owner, _, leaf = (f"{base}.{pn}" if base else pn).rpartition(".")
-            st = styles.get(owner)
+        for path, leaf, p in bparams:
+            if id(p) in counted:
+                continue
+            counted.add(id(p))
+            st = styles.get(path)
             numels.append((p.numel(), p.dim() >= 2, st == "colwise" or (st == "rowwise" and leaf == "weight")))
+        count = sum(k for k, _, _ in numels)
+        if mod is not None:
+            fwd_f = int(sum(fwd_counts.get(mod_name[i], {}).values()))
+            bwd_f = int(sum(all_counts.get(mod_name[i], {}).values())) - fwd_f
+        else:
+            fwd_f, bwd_f = counter.flops[i]
         rows.append(BlockProfile(
-            name=name, num_params=sum(p.numel() for p in bp),
-            param_bytes=sum(p.numel() for p in bp) * torch.empty((), dtype=dtype).element_size(),
-            fwd_flops=int(sum(fwd_counts.get(mod_name, {}).values())),
-            bwd_flops=int(sum(all_counts.get(mod_name, {}).values())
-                          - sum(fwd_counts.get(mod_name, {}).values())),
+            name=name, num_params=count, param_bytes=count * esize, fwd_flops=fwd_f, bwd_flops=bwd_f,
             fwd_mem_bytes=counter.mem[i][0], bwd_mem_bytes=counter.mem[i][1],
             fwd_ops=counter.ops[i][0], bwd_ops=counter.ops[i][1],
             saved_bytes=saved[i], saved_tp_sharded_bytes=saved_tp[i],
             input_bytes=in_bytes[i], output_bytes=out_bytes[i],
-            tp_sharded_params=sum(n for n, _, sh in numels if sh), param_numels=tuple(numels),
+            tp_sharded_params=sum(k for k, _, sh in numels if sh), param_numels=tuple(numels),
             fwd_gemms=counter.gemms[i][0], bwd_gemms=counter.gemms[i][1],
             fwd_gemm_param_bytes=counter.gemm_bytes[i][0], bwd_gemm_param_bytes=counter.gemm_bytes[i][1],
             fwd_gemm_act_bytes=counter.gemm_bytes[i][2], bwd_gemm_act_bytes=counter.gemm_bytes[i][3],
@@ -384,4 +491,5 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
     x0 = inputs[0]
     tokens = x0.shape[1] if (x0.dim() == 2 and not x0.is_floating_point()) else 1
     return ModelProfile(blocks=tuple(rows), dtype="bf16" if dtype == torch.bfloat16 else "fp32",
-                        batch_size=int(x0.shape[0]), tokens_per_sample=int(tokens), arch=_arch_of(model))
+                        batch_size=int(x0.shape[0]), tokens_per_sample=int(tokens),
+                        arch=_arch_of(model, int(tokens), vocab_parallel))

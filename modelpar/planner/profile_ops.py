@@ -129,19 +129,31 @@ class _Lifetimes:
 
 
 class _OpCounter(TorchDispatchMode):
-    """Counts non-view ops and the bytes they read + write, per block and pass."""
+    """Counts non-view ops and the bytes they read + write, per block and pass.
+
+    An op runs in the block among the tracker's active modules; ``outside(is_bw)`` (when given)
+    names the block of an op outside every block module (the rest of the model before / after its
+    repeated blocks, see `modelpar.planner.profile.default_blocks`), or None to drop it; ``seen(i)``
+    is told each block whose backward an op ran in. FLOPs are counted here too (torch's formulas,
+    `FlopCounterMode`'s registry), for the blocks that are not modules."""
 
     def __init__(self, tracker: ModuleTracker, names: dict[str, int], n: int, param_keys=frozenset(),
-                 param_shapes=frozenset(), lifetimes: _Lifetimes | None = None):
+                 param_shapes=frozenset(), lifetimes: _Lifetimes | None = None, outside=None, seen=None):
         super().__init__()
         self.tracker, self.names, self.param_keys = tracker, names, param_keys
         self.lifetimes = lifetimes
+        self.outside, self.seen = outside, seen
         self.param_shapes = param_shapes        # shapes (and transposes) of 2-D parameters
         self.gemm_bytes = [[0, 0, 0, 0] for _ in range(n)]     # param fwd, param bwd, act fwd, act bwd
         self.mem = [[0, 0] for _ in range(n)]
         self.ops = [[0, 0] for _ in range(n)]
         self.gemms = [[0, 0] for _ in range(n)]
         self.attn = [[0, 0, 0] for _ in range(n)]    # fwd FLOPs, bwd FLOPs, forward calls
+        self.flops = [[0, 0] for _ in range(n)]
+        self.registry = None
+        if outside is not None:
+            from torch.utils.flop_counter import FlopCounterMode
+            self.registry = FlopCounterMode(display=False, custom_mapping=_FLOP_FORMULAS).flop_registry
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -149,8 +161,15 @@ class _OpCounter(TorchDispatchMode):
         if name in _VIEW_OPS:
             return out
         idx = next((self.names[p] for p in self.tracker.parents if p in self.names), None)
+        if idx is None and self.outside is not None:
+            idx = self.outside(self.tracker.is_bw)
+        elif idx is not None and self.seen is not None and self.tracker.is_bw:
+            self.seen(idx)
         if idx is None:
             return out
+        if self.registry is not None and func.overloadpacket in self.registry:
+            self.flops[idx][1 if self.tracker.is_bw else 0] += int(
+                self.registry[func.overloadpacket](*args, **(kwargs or {}), out_val=out))
         if self.lifetimes is not None and self.tracker.is_bw:
             self.lifetimes.backward_op(idx, (args, kwargs), out)
         if name in _FLOP_OPS:
