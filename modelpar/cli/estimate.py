@@ -21,6 +21,8 @@ EXAMPLES = """examples:
   modelpar estimate --model gpt-1b --model-config '{"n_layer": 24}' --nnodes 2 --gpus-per-node 8 \\
       --hardware H100-80GB-SXM --dp-shard 8 --tp 2 --global-batch-size 512 --micro-batch-size 8 --json
   modelpar estimate --plan runs/<run>/plan.json --model gpt-3m                  # a run folder's layout
+  modelpar estimate --model hf:gpt2 --model-config '{"n_layer": 24, "n_embd": 1024, "n_head": 16}' \\
+      --seq-len 1024 --nproc 8 --hardware H100-80GB-SXM --strategy fsdp
 """
 
 

@@ -60,7 +60,8 @@ class BatchOptions:
 
     Args:
         global_batch_size: samples per optimizer step.
-        seq_len: tokens per sample for GPT models (0: the preset's).
+        seq_len: tokens per sample for GPT and Hugging Face language models (0: the preset's; for an HF
+            model its max_position_embeddings, at most 2048).
     """
 
     global_batch_size: int = 32

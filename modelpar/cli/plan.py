@@ -14,6 +14,10 @@ EXAMPLES = """examples:
   modelpar plan --model gpt-1b --nproc 8 --hardware H100-80GB-SXM
   modelpar plan --model gpt-70b --nnodes 8 --gpus-per-node 8 --hardware H100-80GB-SXM --top 5
   modelpar plan --model gpt-1m --explain 1 --json > plan.json      # then: modelpar train --plan plan.json
+  modelpar plan --model hf:llama --model-config '{"hidden_size": 4096, "intermediate_size": 14336, \\
+      "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, \\
+      "max_position_embeddings": 8192}' --seq-len 8192 --nproc 64 --hardware H100-80GB-SXM   # Llama 3 8B
+  modelpar plan --model path/to/config.json --seq-len 2048 --nproc 8 --hardware H100-80GB-SXM
 """
 
 
