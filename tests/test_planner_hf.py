@@ -132,3 +132,14 @@ def test_estimate_refuses_tp_not_dividing_kv_heads(capsys):
     assert estimate_main(args + ["--tp", "2", "--dp-shard", "2"]) == 0
     with pytest.raises(ValueError, match="max_position_embeddings=64"):
         estimate_main(cli_args("llama") + ["--seq-len", "65", "--nproc", "4"])
+
+
+def test_real_weights_profile_like_meta():
+    """A model with real weights is profiled under FakeTensorMode; the HF forward then runs as on meta
+    (no packed-sequence mask is built from fake position ids)."""
+    from modelpar.models.hf import build_hf
+    from modelpar.planner.profile import profile_model
+    spec, cfg = LLAMA
+    x = torch.zeros(1, 16, dtype=torch.long)
+    real = profile_model(build_hf(spec, cfg), x)
+    assert real == _profile(LLAMA)[1] and real.blocks[1].attn_calls == 1
