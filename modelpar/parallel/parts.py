@@ -48,6 +48,12 @@ class ModelParts:
         return self.pre + self.blocks + self.post
 
 
+def split_points_of(text: str | None) -> tuple[str, ...] | None:
+    """``--split-points A,B`` as a tuple of block paths (None when empty)."""
+    pts = tuple(p.strip() for p in (text or "").split(",") if p.strip())
+    return pts or None
+
+
 def get_model_parts(model: nn.Module, split_points=None, *, blocks: str | None = None,
                     example_input=None) -> ModelParts:
     """Find the parts of ``model`` (module docstring).

@@ -89,7 +89,7 @@ def preflight(cfg: TrainConfig, world_size: int, resolved=None) -> tuple[Paralle
         resolved = resolve(cfg, world_size)
     plan = resolved.plan
     task = build_task(cfg, device="meta", load_data=False)
-    parts = get_model_parts(task.model)
+    parts = get_model_parts(task.model, blocks=cfg.blocks or None)
     batches = batch_terms(cfg, plan, resolved.local_batch_size)
     plan.validate(1 if plan.is_placement else world_size, num_blocks=parts.num_blocks,
                   local_batch_size=batches.local_batch_size)
