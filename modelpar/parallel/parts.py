@@ -98,8 +98,10 @@ def _find_parts(model, blocks, example_input) -> ModelParts:
     container, found = find_blocks(model, blocks)
     from modelpar.parallel import stages
 
-    ex = example_input if example_input is not None else stages.default_example(model)
-    if ex is not None:
+    if example_input is not None:
+        return stages.trace_parts(model, container, found, example_input)
+    ex = stages.default_example(model)
+    if ex is not None and ex.device.type != "meta":     # transformers' masks read values: not on meta
         return stages.trace_parts(model, container, found, ex)
     return _registration_parts(model, container, found)
 
@@ -118,13 +120,14 @@ def _registration_parts(model, container, found) -> ModelParts:
     pre, post = [], []
     prefix, mod = "", model
     for seg in container.split(".") if container else []:
-        after = False
+        after, level = False, []
         for n, c in mod.named_children():
             if n == seg:
                 after = True
                 continue
             if next(c.parameters(), None) is not None and id(c) not in ids:
-                (post if after else pre).append((prefix + n, c))
+                (level if after else pre).append((prefix + n, c))
+        post = level + post                      # an inner level's output part runs before the outer's
         prefix, mod = f"{prefix}{seg}.", mod._modules[seg]
     return ModelParts(form="forward", pre=pre, blocks=list(found), post=post, container=container, root=model)
 
