@@ -350,11 +350,12 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"loss_reduction={loss_reduction!r} is unknown; valid: mean, sum")
     needs_blocks = plan.pp_enabled or plan.is_placement or plan.activation_checkpointing != "none" or plan.compile
-    ex_parts = example_input.to(next(model.parameters()).device) if example_input is not None else None
+    dev0 = next((p.device for p in model.parameters()), torch.device("cpu"))
+    ex_parts = example_input.to(dev0) if example_input is not None else None
     try:
         parts: ModelParts = get_model_parts(model, split_points, blocks=blocks, example_input=ex_parts)
-    except ValueError:
-        if needs_blocks:
+    except (ValueError, RuntimeError, TypeError):   # a forward the trace cannot follow: DDP / FSDP need no cut
+        if needs_blocks or split_points or blocks:
             raise
         # DDP / FSDP / TP need no block structure: FSDP then shards the whole model as one unit
         parts = ModelParts(form="whole")

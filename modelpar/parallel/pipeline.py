@@ -4,7 +4,10 @@ The model's blocks are cut into ``pp x virtual_stages`` contiguous stages, the s
 the largest stage cost (exact, `parts.balanced_partition`), with costs counted in FLOPs on an
 example micro-batch (or measured time, or parameter counts) unless boundaries are given; the input part goes with the first stage and the output part with
 the last. Each stage module registers the original modules under their original paths, so stage
-state dicts use the same names as the whole model. The local batch is split into ``n_microbatches``
+state dicts use the same names as the whole model. A model whose forward does its own glue (the
+"forward" form of `modelpar.parallel.parts`, e.g. a Hugging Face model) gets stage modules that run
+that forward around their blocks (`modelpar.parallel.stages`); its boundary check is the chained
+stages against the whole forward. The local batch is split into ``n_microbatches``
 micro-batches and run by one of torch's schedules (GPipe: Huang et al. 2019; 1F1B: Narayanan et al.
 2019, PipeDream-Flush; interleaved 1F1B: Narayanan et al. 2021; zero bubble: Qi et al. 2024).
 
