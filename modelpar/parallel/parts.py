@@ -138,8 +138,8 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, list[
     The rule: among every ``nn.ModuleList`` / ``nn.Sequential`` anywhere in the tree, take the longest
     run of consecutive children of one class (ties: the shallower container, then the first met). So
     ``model.layers`` (Llama), ``transformer.h`` (GPT-2), ``vit.encoder.layer`` (ViT) and a ResNet
-    stage's blocks are found without naming them. ``blocks`` names the container instead (``--blocks
-    PATH``), where the rule picks wrong.
+    stage's blocks are found without naming them. ``blocks`` names the container instead, where the
+    rule picks wrong.
 
     Raises:
         ValueError: ``blocks`` names no container of the model, or no container holds two or more
@@ -150,7 +150,7 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, list[
         c = named.get(blocks)
         if not isinstance(c, (nn.ModuleList, nn.Sequential)) or len(c) == 0:
             containers = [n for n, m in named.items() if isinstance(m, (nn.ModuleList, nn.Sequential)) and n]
-            raise ValueError(f"--blocks {blocks!r} is not a non-empty nn.ModuleList / nn.Sequential of "
+            raise ValueError(f"blocks {blocks!r} is not a non-empty nn.ModuleList / nn.Sequential of "
                              f"{type(model).__name__}; its containers: {containers[:10]}")
         pre = f"{blocks}." if blocks else ""
         return blocks, [(pre + n, m) for n, m in c.named_children()]
