@@ -150,7 +150,7 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, list[
         c = named.get(blocks)
         if not isinstance(c, (nn.ModuleList, nn.Sequential)) or len(c) == 0:
             containers = [n for n, m in named.items() if isinstance(m, (nn.ModuleList, nn.Sequential)) and n]
-            raise ValueError(f"blocks {blocks!r} is not a non-empty nn.ModuleList / nn.Sequential of "
+            raise ValueError(f"--blocks {blocks!r} is not a non-empty nn.ModuleList / nn.Sequential of "
                              f"{type(model).__name__}; its containers: {containers[:10]}")
         pre = f"{blocks}." if blocks else ""
         return blocks, [(pre + n, m) for n, m in c.named_children()]
