@@ -175,3 +175,36 @@ def test_a_user_model_with_glue_and_refusals():
     parts = get_model_parts(odd, example_input=x)
     with pytest.raises(ValueError, match="the pipeline stages chained differ from the whole forward by"):
         stages.check_chain(parts, [(0, 2), (2, 4)], x)
+
+
+class TwoLinears(nn.Module):
+    """A plain factory model with no repeated blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(self.a(x).relu())
+
+
+def make_two_linears():
+    return TwoLinears()
+
+
+def test_verify_refuses_bad_cuts_before_launch(capsys):
+    """Exit 2 with one message and no process started: a model without blocks under pp, a split point
+    that is not a block, a wrong number of split points, a --blocks path that is no container."""
+    from hf_tiny import cli_args
+
+    from modelpar.cli.verify import verify_main
+
+    pp = ["--strategy", "pp", "--nproc", "2"]
+    assert verify_main(["--model", f"{__file__}:make_two_linears", "--input-shape", "8", "--num-classes", "4", *pp]) == 2
+    assert ("cannot find the blocks of TwoLinears" in capsys.readouterr().err)
+    assert verify_main([*cli_args("gpt2"), *pp, "--split-points", "hf.transformer.h"]) == 2
+    assert "--split-points ['hf.transformer.h'] name no block" in capsys.readouterr().err
+    assert verify_main([*cli_args("gpt2"), *pp, "--split-points", "hf.transformer.h.1,hf.transformer.h.2"]) == 2
+    assert "2 pipeline stages need 1 increasing block paths" in capsys.readouterr().err
+    assert verify_main([*cli_args("llama"), *pp, "--blocks", "hf.model"]) == 2
+    assert "--blocks 'hf.model' is not a non-empty" in capsys.readouterr().err

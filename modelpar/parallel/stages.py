@@ -293,6 +293,10 @@ def build_stage(parts: ModelParts, a: int, b: int, *, index: int, is_first: bool
     """The shell of the stage holding blocks ``[a, b)`` (module docstring). Its hooks stay on its
     blocks; `release` removes them (for a throw-away stage)."""
     model = parts.root
+    if parts.trace is None or (not is_first and parts.trace["input"] is None):
+        raise ValueError(f"pipeline stages of {type(model).__name__} are cut inside its own forward, which "
+                         f"needs the parts traced on one example input tensor (get_model_parts(..., "
+                         f"example_input=...)); a stage after the first feeds the forward a zero input of that shape")
     root = _shallow(model)
     copied: dict[str, nn.Module] = {"": root}
 
