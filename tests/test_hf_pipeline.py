@@ -208,3 +208,16 @@ def test_verify_refuses_bad_cuts_before_launch(capsys):
     assert "2 pipeline stages need 1 increasing block paths" in capsys.readouterr().err
     assert verify_main([*cli_args("llama"), *pp, "--blocks", "hf.model"]) == 2
     assert "--blocks 'hf.model' is not a non-empty" in capsys.readouterr().err
+
+
+def test_train_preflight_checks_split_points():
+    """``modelpar train --split-points`` is checked before launch, for the built-in GPT too."""
+    from modelpar.train.config import TrainConfig
+    from modelpar.train.loop import preflight
+
+    cfg = dict(model="gpt-nano", strategy="pp", nproc=2)
+    with pytest.raises(ValueError, match=r"--split-points \['blocks.9'\] name no block of GPT"):
+        preflight(TrainConfig(**cfg, split_points="blocks.9"), 2)
+    with pytest.raises(ValueError, match="2 pipeline stages need 1 increasing block paths"):
+        preflight(TrainConfig(**cfg, split_points="blocks.0"), 2)
+    assert preflight(TrainConfig(**cfg, split_points="blocks.1"), 2)[0].pp == 2
