@@ -292,6 +292,8 @@ def run_case(name: str, mesh=None, device=None):
         model, batch_fn = StridedNet(c.task[4:], c.n_layer if c.n_layer != 2 else 4), mlp_task()[1]
     elif c.task == "gpt-tied":
         model, batch_fn = gpt_task(c.n_layer, tie_embeddings=True)
+    elif c.task in HF_PP_TASKS:                 # h-pp block below: Hugging Face models under pipelines
+        model, batch_fn = hf_pp_task(c.task)
     else:
         model, batch_fn = gpt_task(c.n_layer) if c.task == "gpt" else mlp_task()
         if c.task == "plain":                   # no Sequential, no ModuleList: DDP/FSDP need no blocks
@@ -302,7 +304,8 @@ def run_case(name: str, mesh=None, device=None):
         batch_fn = lambda step: tuple(t[:gb] if len(t) >= gb else t.repeat(2, *[1] * (t.dim() - 1))[:gb]
                                       for t in base(step))
     is_gpt = c.task in ("gpt", "gpt-tied")
-    loss_fn = (lm_loss_sum if c.loss == "sum" else lm_loss) if is_gpt else classification_loss
+    is_lm = is_gpt or c.task in ("hf-llama", "hf-gpt2")
+    loss_fn = (lm_loss_sum if c.loss == "sum" else lm_loss) if is_lm else classification_loss
     plan = ParallelPlan(**c.plan).validate(c.world)
     local = c.local or gb // plan.dp
     lr = c.lr or (1e-3 if c.optimizer == "adamw" else 0.05)
@@ -346,6 +349,12 @@ def run_case(name: str, mesh=None, device=None):
         if d != 0.0:
             out["passed"] = False
             out["failures"].append(f"tied copies differ after training by {d:.3g}")
+    if c.task == "hf-gpt2":             # C13 under pp: wte (first stage) and lm_head (last) stay equal
+        d = (got.state["hf.transformer.wte.weight"] - got.state["hf.lm_head.weight"]).abs().max().item()
+        out["tied_max_abs_diff"] = d
+        if d != 0.0:
+            out["passed"] = False
+            out["failures"].append(f"tied copies wte / lm_head differ after training by {d:.3g}")
     return out
 
 
@@ -412,3 +421,39 @@ _case("mlp-fsdp2-every2", 2, "mlp", dict(dp_shard=2, activation_checkpointing="e
 _case("c14-selective-mlp", 2, "mlp", dict(dp_shard=2, activation_checkpointing="selective"), check="error")
 _case("gpt-hsdp2x2-accum2-clip", 4, "gpt", dict(dp_replicate=2, dp_shard=2), local=1, clip=0.05)
 _case("gpt-fsdp2xtp2-selective", 4, "gpt", dict(dp_shard=2, tp=2, activation_checkpointing="selective"))
+
+
+# ---- h-pp (issue 12): Hugging Face models (tests/hf_tiny.py, dropout 0) split into pipeline stages; each
+# stage runs the model's own forward around its blocks (modelpar.parallel.stages)
+HF_PP_TASKS = ("hf-llama", "hf-gpt2", "hf-vit")
+
+
+def hf_pp_task(task: str):
+    """The tiny HF model of ``task`` (4 blocks) and its batches: token ids (vocab 128) or 8x8 images."""
+    from hf_tiny import build
+
+    name = task[3:]
+    model = build(name, seed=0, dropout=0.0)
+
+    def batch_fn(step):
+        g = torch.Generator().manual_seed(3000 + step)
+        if name == "vit":
+            return torch.randn(GLOBAL_BATCH, 3, 8, 8, generator=g), torch.randint(0, 5, (GLOBAL_BATCH,), generator=g)
+        w = torch.randint(0, 128, (GLOBAL_BATCH, SEQ + 1), generator=g)
+        return w[:, :-1], w[:, 1:]
+    return model, batch_fn
+
+
+for _t in ("hf-llama", "hf-gpt2"):
+    _case(f"{_t}-pp2-1f1b", 2, _t, dict(pp=2, pp_schedule="1f1b", n_microbatches=4))
+    _case(f"{_t}-pp2-interleaved1f1b", 2, _t, dict(_V2, pp_schedule="interleaved1f1b"))
+    _case(f"{_t}-pp2-zbvzerobubble", 2, _t, dict(_V2, pp_schedule="zbvzerobubble"), clip=0.05)
+_case("hf-vit-pp2-1f1b", 2, "hf-vit", dict(pp=2, pp_schedule="1f1b", n_microbatches=4))
+# every other schedule on the tiny Llama (the three above too): all seven run an HF causal LM
+_case("hf-llama-pp2-gpipe", 2, "hf-llama", dict(pp=2, pp_schedule="gpipe", n_microbatches=2))
+_case("hf-llama-pp2-loopedbfs", 2, "hf-llama", dict(_V2, pp_schedule="loopedbfs"))
+_case("hf-llama-pp2-interleavedzerobubble", 2, "hf-llama", dict(_V2, pp_schedule="interleavedzerobubble"))
+_case("hf-llama-pp2-dualpipev", 2, "hf-llama", dict(_V2, pp_schedule="dualpipev"))
+# per-block activation checkpointing inside stages; per-block FSDP under a pipeline
+_case("hf-llama-pp2-1f1b-ac", 2, "hf-llama", dict(pp=2, n_microbatches=2, activation_checkpointing="full"))
+_case("hf-gpt2-pp2xfsdp2", 4, "hf-gpt2", dict(pp=2, dp_shard=2, n_microbatches=2), clip=0.05)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from modelpar.cli.args import add_fields, given_fields, make_parser, normalize_argv, parse
-from modelpar.cli.options import BATCH_TERMS, BatchOptions, HardwareOptions, LayoutOptions, ModelOptions
+from modelpar.cli.options import BATCH_TERMS, BatchOptions, HardwareOptions, LayoutOptions, ModelOptions, PartsOptions
 
 EXAMPLES = """examples:
   modelpar verify --model gpt-nano --plan '{"pp": 2, "n_microbatches": 2}'
@@ -79,6 +79,7 @@ def build_parser():
     p = make_parser("modelpar verify", __doc__.split("\n\n")[1], epilog=EXAMPLES + "\n" + BATCH_TERMS,
                     config_file=True)
     add_fields(p, ModelOptions)
+    add_fields(p, PartsOptions)
     add_fields(p, LayoutOptions, only=("nproc", "strategy", "plan"))
     add_fields(p, BatchOptions)
     add_fields(p, HardwareOptions)
@@ -238,9 +239,12 @@ def run_rank(args, plan, local: int) -> int:
     rank, world = init_distributed(timeout_s=120)
     torch.set_num_threads(1 if world > 1 else max(1, os.cpu_count() or 1))
     model, batch_fn, loss_fn, reduction, desc = load_task(args)
+    from modelpar.parallel.parts import split_points_of
+
     kw = dict(loss_fn=loss_fn, batch_fn=batch_fn, steps=args.steps, global_batch_size=args.global_batch_size,
               optimizer=args.optimizer, lr=args.lr, grad_clip=args.grad_clip, loss_reduction=reduction)
     got = run_steps(model, plan, local_batch_size=local, check_unused_params=args.check_unused_params,
+                    split_points=split_points_of(args.split_points), blocks=args.blocks or None,
                     sync_batchnorm=args.sync_batchnorm, **kw)
     code = 0
     if rank == 0:
@@ -269,27 +273,47 @@ def _check_before_launch(args, plan, local: int) -> None:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     gradient_accumulation_steps(args.global_batch_size, local, plan.dp)
     plan.validate(plan.world_size, local_batch_size=local)
-    model = load_task(args)[0]
+    model, batch_fn = load_task(args)[:2]
     tp_plan = None
     if plan.tp > 1:                              # case C7: a split that does not divide (vocabulary too)
         from modelpar.parallel.tensor import default_tp_plan, validate_tp_plan
 
         tp_plan = default_tp_plan(model, sequence_parallel=plan.sequence_parallel)[0]
         validate_tp_plan(model, tp_plan, plan.tp)
-    from modelpar.parallel.parts import ModelParts, get_model_parts
+    from modelpar.parallel.parts import ModelParts, get_model_parts, split_points_of
     from modelpar.parallel.ties import check_ties
 
+    sp, blk = split_points_of(args.split_points), args.blocks or None
+    mb = max(1, local // (plan.n_microbatches if plan.pp > 1 else 1))
+    if plan.pp > 1 or plan.activation_checkpointing != "none" or sp or blk:   # blocks needed: refused here
+        parts = get_model_parts(model, sp, blocks=blk, example_input=batch_fn(0)[0][:mb])
+    else:
+        try:
+            parts = get_model_parts(model)
+        except ValueError:
+            parts = ModelParts(form="whole")
     if plan.pp > 1:
-        plan.validate(plan.world_size, num_blocks=get_model_parts(model).num_blocks)
-    try:
-        parts = get_model_parts(model)
-    except ValueError:
-        parts = ModelParts(form="whole")
+        _check_stages(parts, plan, sp, batch_fn(0)[0][:mb])
     check_ties(model, plan, parts, tp_plan=tp_plan)     # case C13: a layout that breaks a tie
     from modelpar.parallel.batchnorm import check_sync_batchnorm
     from modelpar.parallel.mesh import get_device
 
     check_sync_batchnorm(args.sync_batchnorm, get_device().type, [model])    # case C15
+
+
+def _check_stages(parts, plan, split_points, example) -> None:
+    """The pipeline cut before launch: enough blocks, valid split points, and (a model cut inside its own
+    forward) the chained stages equal the whole forward (`modelpar.parallel.stages.check_chain`)."""
+    from modelpar.parallel import stages
+    from modelpar.parallel.pipeline import split_stages
+
+    plan.validate(plan.world_size, num_blocks=parts.num_blocks)
+    bounds = plan.stage_boundaries
+    if split_points:
+        bounds = stages.boundaries_from_split_points(parts, split_points, plan.num_stages)
+    ranges = split_stages(parts, plan.num_stages, bounds)
+    if parts.form == "forward":
+        stages.check_chain(parts, ranges, example)
 
 
 def main(argv: list[str]) -> int:
@@ -300,7 +324,8 @@ def main(argv: list[str]) -> int:
 
     from modelpar.launch import under_launcher
     from modelpar.plan_file import PlanFile, read_plan_file
-    from modelpar.rank_outcome import launch as launch_ranks, run_rank_and_exit
+    from modelpar.launch import run_command
+    from modelpar.rank_outcome import run_rank_and_exit
 
     p = build_parser()
     argv = normalize_argv(argv, p, prog="modelpar verify")
@@ -322,9 +347,9 @@ def main(argv: list[str]) -> int:
     opts = {k: v for k, v in args.as_dict().items() if k not in ("config", "__path__", "run_dir")}
     (d / "verify.yaml").write_text(yaml.safe_dump(opts))
     PlanFile(plan, args.global_batch_size, local, "modelpar verify").write(d / "plan.json")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    code, msg = launch_ranks(["--standalone", f"--nproc-per-node={plan.world_size}", "--max-restarts=0", "-m",
-                              "modelpar", "verify", "--run-dir", str(d)]).report("modelpar verify")
+    threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
+    code, msg = run_command(["-m", "modelpar", "verify", "--run-dir", str(d)], plan.world_size,
+                            threads=threads).report("modelpar verify")
     if msg:                                      # FAIL: 1; a crash: 1, named; an error on every rank: 2
         print(msg, file=sys.stderr)
     return code

@@ -94,7 +94,7 @@ def load_config(name: str, overrides: dict | None = None, *, dropout: float | No
             near = [t for t in CONFIG_MAPPING_NAMES if mtype[:3] and t.startswith(mtype[:3])][:8]
             raise ValueError(f"--model {name!r}: transformers {transformers.__version__} has no model type "
                              f"{mtype!r}" + (f"; similar: {', '.join(near)}" if near else ""))
-        cfg = transformers.AutoConfig.for_model(mtype)
+        base = {}
     else:
         path = name if name.endswith(".json") else os.path.join(name, "config.json")
         if not os.path.isfile(path):
@@ -106,15 +106,17 @@ def load_config(name: str, overrides: dict | None = None, *, dropout: float | No
                              f"trust_remote_code); modelpar runs only the model classes shipped with transformers")
         if "model_type" not in raw:
             raise ValueError(f"--model {name!r}: {path} has no 'model_type' field")
-        cfg = transformers.AutoConfig.for_model(raw.pop("model_type"), **{k: v for k, v in raw.items()
-                                                                         if not k.startswith("_")})
-    valid = set(cfg.to_dict()) | set(getattr(cfg, "attribute_map", {}))
-    bad = sorted(k for k in overrides if k not in valid and not hasattr(cfg, k))
+        mtype = raw.pop("model_type")
+        base = {k: v for k, v in raw.items() if not k.startswith("_")}
+    default = transformers.AutoConfig.for_model(mtype)
+    valid = set(default.to_dict()) | set(getattr(default, "attribute_map", {}))
+    bad = sorted(k for k in overrides if k not in valid and not hasattr(default, k))
     if bad:
-        raise ValueError(f"--model-config has fields {bad} that {type(cfg).__name__} does not have; "
-                         f"some valid ones: {', '.join(sorted(cfg.to_dict())[:25])}")
-    for k, v in overrides.items():
-        setattr(cfg, k, v)
+        raise ValueError(f"--model-config has fields {bad} that {type(default).__name__} does not have; "
+                         f"some valid ones: {', '.join(sorted(default.to_dict())[:25])}")
+    # overrides go through the constructor, so fields derived from them (Llama's head_dim from
+    # hidden_size / num_attention_heads) follow them
+    cfg = transformers.AutoConfig.for_model(mtype, **{**base, **overrides})
     if dropout is not None:
         for k, v in cfg.to_dict().items():
             if isinstance(v, float) and k.endswith(_DROPOUT_SUFFIXES):

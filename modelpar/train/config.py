@@ -24,6 +24,8 @@ class TrainConfig:
             mlp-small, mlp-large, mlp-deep, cnn (`modelpar.models.spec`).
         model_config: GPT presets: a JSON object of GPTConfig fields replacing the preset's, e.g.
             {"n_layer": 8, "d_model": 512}.
+        blocks: path of the nn.ModuleList / nn.Sequential holding the repeated blocks (empty: found).
+        split_points: comma-separated block paths, each starting a pipeline stage (empty: balanced).
         strategy: auto (the planner picks the fastest plan that fits; the default), rules (the common
             rule-of-thumb advice), custom (exactly the degrees given below), or a shorthand: single,
             placement, ddp, fsdp, hsdp, tp, pp, ddp+tp, fsdp+tp. A degree that contradicts the shorthand
@@ -98,6 +100,8 @@ class TrainConfig:
 
     model: str = "gpt-3m"
     model_config: dict = dataclasses.field(default_factory=dict)
+    blocks: str = ""
+    split_points: str = ""
     strategy: str = "auto"
     plan: str = ""
     nproc: int = 2

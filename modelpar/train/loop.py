@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from modelpar.models import PRESETS
 from modelpar.parallel.compose import ParallelModel
-from modelpar.parallel.parts import get_model_parts
+from modelpar.parallel.parts import get_model_parts, split_points_of
+from modelpar.parallel.stages import boundaries_from_split_points
 from modelpar.parallel.tensor import default_tp_plan, validate_tp_plan
 from modelpar.parallel.ties import check_ties
 from modelpar.plan import ParallelPlan, gradient_accumulation_steps
@@ -89,7 +90,9 @@ def preflight(cfg: TrainConfig, world_size: int, resolved=None) -> tuple[Paralle
         resolved = resolve(cfg, world_size)
     plan = resolved.plan
     task = build_task(cfg, device="meta", load_data=False)
-    parts = get_model_parts(task.model)
+    parts = get_model_parts(task.model, split_points_of(cfg.split_points), blocks=cfg.blocks or None)
+    if plan.pp > 1 and cfg.split_points:        # --split-points: one block path per stage after the first
+        boundaries_from_split_points(parts, split_points_of(cfg.split_points), plan.num_stages)
     batches = batch_terms(cfg, plan, resolved.local_batch_size)
     plan.validate(1 if plan.is_placement else world_size, num_blocks=parts.num_blocks,
                   local_batch_size=batches.local_batch_size)

@@ -20,6 +20,7 @@ from modelpar.train.metrics import PeakTensorMemory, RunRecord, StepMemory, peak
 from modelpar.train.preflight_checks import (check_optimizer_params, check_same_steps, install_first_step_checks,
                                              rebind_replaced_params)
 from modelpar.train.step import train_step
+from modelpar.parallel.parts import split_points_of
 from modelpar.train.task import build_task, example_input
 
 
@@ -89,6 +90,7 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
     mesh = build_mesh(plan, device)
     pm = parallelize(task.model, plan, mesh, loss_fn=task.loss_fn, device=device,
                      example_input=example_input(task, batches.micro_batch_size),
+                     split_points=split_points_of(cfg.split_points), blocks=cfg.blocks or None,
                      check_unused_params=cfg.check_unused_params, sync_batchnorm=cfg.sync_batchnorm)
     note = dropout_note(pm.modules, plan, cfg.dropout)
     if note:
