@@ -143,3 +143,14 @@ def test_real_weights_profile_like_meta():
     x = torch.zeros(1, 16, dtype=torch.long)
     real = profile_model(build_hf(spec, cfg), x)
     assert real == _profile(LLAMA)[1] and real.blocks[1].attn_calls == 1
+
+
+def test_blocks_option_names_the_container():
+    from modelpar.cli.common import profile_for
+    from modelpar.cli.plan import main as plan_main
+    spec, cfg = LLAMA
+    auto, _ = profile_for(spec, cfg, 16, "fp32")
+    named, _ = profile_for(spec, cfg, 16, "fp32", "hf.model.layers")
+    assert named == auto
+    with pytest.raises(ValueError, match="--blocks 'hf.model' is not a non-empty nn.ModuleList"):
+        plan_main(cli_args("llama") + ["--seq-len", "16", "--nproc", "2", "--blocks", "hf.model"])

@@ -24,24 +24,26 @@ class PlannerOptions:
     json: bool = False
 
 
-def profile_for(model: str, model_config: dict, seq_len: int, precision: str):
+def profile_for(model: str, model_config: dict, seq_len: int, precision: str, blocks: str = ""):
     """`profile_model` of ``--model`` (built-ins and Hugging Face models on the meta device; a
     factory's model on CPU with a one-sample input from its ``batch_fn`` or its first Linear).
     Returns ``(profile, description)``. An HF language model is profiled at ``seq_len`` tokens
-    (0: its max_position_embeddings, at most `HF_DEFAULT_SEQ`).
+    (0: its max_position_embeddings, at most `HF_DEFAULT_SEQ`). ``blocks`` (``--blocks``): the path of
+    the container of the repeated blocks (empty: `profile.default_blocks`' rule).
 
     Raises:
         ValueError: unknown model, bad ``--model-config``, an HF ``seq_len`` beyond the model's
-            max_position_embeddings, or a factory model whose input shape cannot be found.
+            max_position_embeddings, ``blocks`` naming no container, or a factory model whose input
+            shape cannot be found.
     """
     from modelpar.models import MLP_PRESETS, PRESETS
     from modelpar.models.spec import build_builtin, build_factory, check_model, infer_classifier_shapes
-    from modelpar.planner.profile import profile_model
+    from modelpar.planner.profile import default_blocks, profile_model
 
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     kind = check_model(model, model_config)
     if kind == "hf":
-        return _hf_profile(model, model_config, seq_len, dtype)
+        return _hf_profile(model, model_config, seq_len, dtype, blocks)
     if kind == "factory":
         um = build_factory(model)
         if um.batch_fn is not None:
@@ -52,7 +54,8 @@ def profile_for(model: str, model_config: dict, seq_len: int, precision: str):
                 raise ValueError(f"--model {model!r}: cannot tell its input shape (no nn.Linear); return a "
                                  f"'batch_fn' from the factory")
             x = torch.zeros(1, *shapes[0])
-        return profile_model(um.model, x, dtype=dtype), f"{type(um.model).__name__} from {model}"
+        return (profile_model(um.model, x, dtype=dtype, blocks=default_blocks(um.model, blocks or None)),
+                f"{type(um.model).__name__} from {model}")
     kw = {"seq_len": seq_len} if (seq_len and model in PRESETS) else {}
     if model == "cnn":
         m = build_builtin(model)                     # tiny: profiled under FakeTensorMode
@@ -63,7 +66,7 @@ def profile_for(model: str, model_config: dict, seq_len: int, precision: str):
             x = torch.zeros(1, MLP_PRESETS[model][0], device="meta")
         else:
             x = torch.zeros(1, m.cfg.seq_len, dtype=torch.long, device="meta")
-    return profile_model(m, x, dtype=dtype), model
+    return profile_model(m, x, dtype=dtype, blocks=default_blocks(m, blocks or None)), model
 
 
 HF_DEFAULT_SEQ = 2048
@@ -92,25 +95,25 @@ def hf_seq_len(name: str, cfg, seq_len: int) -> int:
 HF_PROFILE_LAYERS = 4
 
 
-def _hf_profile(model: str, model_config: dict, seq_len: int, dtype):
+def _hf_profile(model: str, model_config: dict, seq_len: int, dtype, blocks: str = ""):
     """(profile, description) of a Hugging Face model built from its config on the meta device.
 
     The layers of one family and config are one class with one shape, so a model deeper than
     `HF_PROFILE_LAYERS` is profiled with that many layers and its third layer's row stands for every
     layer between the second and the last (the first differs: it first saves the rotary tables the
     others share; the last feeds the head); a test checks this equals profiling every layer. Configs
-    with per-layer settings (``layer_types`` that differ, e.g. sliding-window layers) are profiled
-    whole."""
+    with per-layer settings (``layer_types`` that differ, e.g. sliding-window layers), and models
+    whose blocks ``--blocks`` names, are profiled whole."""
     import dataclasses
 
     from modelpar.models.hf import build_hf, example_input, facts, load_config
-    from modelpar.planner.profile import profile_model
+    from modelpar.planner.profile import default_blocks, profile_model
 
     cfg = load_config(model, model_config)
     f = facts(cfg)
     seq = hf_seq_len(model, cfg, seq_len) if f.task == "lm" else 0
     layers = f.layers
-    short = layers > HF_PROFILE_LAYERS and _uniform_layers(cfg, layers)
+    short = not blocks and layers > HF_PROFILE_LAYERS and _uniform_layers(cfg, layers)
     over = dict(model_config or {})
     if short:
         over["num_hidden_layers"] = HF_PROFILE_LAYERS
@@ -118,7 +121,7 @@ def _hf_profile(model: str, model_config: dict, seq_len: int, dtype):
             over["layer_types"] = list(cfg.layer_types)[:HF_PROFILE_LAYERS]
     m = build_hf(model, over, device="meta", seed=None)
     x = example_input(m, 1, seq, device="meta")
-    prof = profile_model(m, x, dtype=dtype)
+    prof = profile_model(m, x, dtype=dtype, blocks=default_blocks(m, blocks or None))
     if short:
         b = list(prof.blocks)
         first, mid, last = b[1], b[3], b[-2]

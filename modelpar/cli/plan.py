@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from modelpar.cli.args import add_fields, given_fields, make_parser, normalize_argv, parse
 from modelpar.cli.common import GIB, PlannerOptions, precision_for, profile_for
-from modelpar.cli.options import BATCH_TERMS, BatchOptions, HardwareOptions, LayoutOptions, ModelOptions, world_size
+from modelpar.cli.options import BATCH_TERMS, BatchOptions, HardwareOptions, LayoutOptions, ModelOptions, PartsOptions, world_size
 
 EXAMPLES = """examples:
   modelpar plan --model gpt-1b --nproc 8 --hardware H100-80GB-SXM
@@ -74,6 +74,7 @@ def build_parser():
         "schedules, micro-batches, checkpointing) and print the fastest that fit."),
         epilog=EXAMPLES + "\n" + BATCH_TERMS)
     add_fields(p, ModelOptions)
+    add_fields(p, PartsOptions, only=("blocks",))
     add_fields(p, LayoutOptions, only=("nproc", "nnodes", "gpus_per_node"))
     add_fields(p, BatchOptions)
     add_fields(p, HardwareOptions)
@@ -107,7 +108,7 @@ def main(argv: list[str]) -> int:
     check_model(a.model, a.model_config)          # bad names fail first, before any note
     hw = resolve_hardware(a.hardware, n, gpus_per_node=a.gpus_per_node)
     prec = precision_for(a.precision, hw)
-    prof, desc = profile_for(a.model, a.model_config, a.seq_len, prec)
+    prof, desc = profile_for(a.model, a.model_config, a.seq_len, prec, a.blocks)
     t = time.perf_counter()
     rep = search_plans(prof, n, hw, global_batch_size=a.global_batch_size, optimizer=a.optimizer, precision=prec,
                        **search_kwargs(a.activation_checkpointing, a.ac_every))

@@ -139,19 +139,22 @@ class ModelProfile:
         return cls(**d)
 
 
-def default_blocks(model: nn.Module) -> list[tuple[str, nn.Module | None]]:
+def default_blocks(model: nn.Module, container: str | None = None) -> list[tuple[str, nn.Module | None]]:
     """The pipeline-splittable blocks: GPT -> embed, blocks.i, head; Sequential -> its children; any
     other model whose repeated blocks `modelpar.parallel.parts.find_blocks` finds (a Hugging Face
     model's ``model.layers`` / ``transformer.h`` / ...) -> ``("embed", None)``, the blocks,
     ``("head", None)``, where None stands for the rest of the model that runs before (after) the blocks,
     the parent's forward code included (embeddings, position ids, rotary tables; final norm, head);
-    anything else -> the whole model as one block."""
+    anything else -> the whole model as one block. ``container`` (``--blocks PATH``) names the
+    ModuleList / Sequential of the blocks instead (any model; raises ValueError if it is none)."""
+    from modelpar.parallel.parts import find_blocks
+    if container:
+        return [("embed", None)] + find_blocks(model, container)[1] + [("head", None)]
     if all(hasattr(model, a) for a in ("embed", "blocks", "head")):
         return ([("embed", model.embed)] + [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]
                 + [("head", model.head)])
     if isinstance(model, nn.Sequential):
         return [(n, m) for n, m in model.named_children()]
-    from modelpar.parallel.parts import find_blocks
     try:
         _, found = find_blocks(model)
     except ValueError:
