@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from modelpar.models import PRESETS
 from modelpar.parallel.compose import parallelize
 from modelpar.parallel.layer_checks import dropout_note
 from modelpar.parallel.mesh import build_mesh, get_device, init_distributed
@@ -41,7 +42,21 @@ def _fmt_bytes(n: float) -> str:
 
 def make_run_dir(cfg: TrainConfig) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path(cfg.out_dir) / f"{cfg.model}-{cfg.strategy.replace('+', '_')}-{stamp}"
+    return Path(cfg.out_dir) / f"{run_name(cfg.model)}-{cfg.strategy.replace('+', '_')}-{stamp}"
+
+
+def run_name(model: str) -> str:
+    """A file-name-safe short name of ``--model``: ``hf:gpt2`` -> ``hf-gpt2``, a path -> its last
+    part, ``file.py:factory`` -> ``file-factory``."""
+    import re
+
+    base = model.rstrip("/")
+    if ":" in base and not base.startswith("hf:"):            # module:factory / path/file.py:factory
+        mod, fn = base.rsplit(":", 1)
+        base = f"{Path(mod).stem}-{fn}"
+    elif not base.startswith("hf:"):
+        base = Path(base).stem if base.endswith(".json") else Path(base).name
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", base).strip("-") or "model"
 
 
 def train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False, resolved=None) -> dict:
@@ -77,8 +92,7 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
         f"{batches.accum_steps}, micro-batch {batches.micro_batch_size}")
     if task.kind == "lm":
         di = task.data_info
-        say(f"  data: {di['num_files']} files, {di['num_bytes']:,} bytes from {di['source']} "
-            f"(file list sha256 {di['files_sha256'][:16]}...)")
+        say(f"  data: {di['description']}")
     nparams = sum(p.numel() for p in task.model.parameters())
     say(f"  model: {nparams / 1e6:.2f}M parameters")
     record.write_json("config.json", cfg.to_dict())
@@ -171,11 +185,12 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
 
         save_file({k: v.contiguous() for k, v in state.items()}, str(run_dir / "model.safetensors"))
         record.write_json("summary.json", {k: v for k, v in summary.items() if k != "losses"})
-        if task.kind == "lm" and cfg.sample_bytes > 0:
+        byte_gpt = cfg.model in PRESETS and not (cfg.tokenizer or cfg.token_dtype)    # what sample_text decodes
+        if task.kind == "lm" and cfg.sample_bytes > 0 and byte_gpt:
             summary["sample"] = sample_text(cfg, run_dir / "model.safetensors", cfg.sample_bytes)
             say("\n--- sample from the trained model (prompt 'def ') ---\n" + summary["sample"] + "\n---")
     record.close()
-    unit, rate = ("nats/byte", "tokens/s") if task.kind == "lm" else ("nats", "samples/s")
+    unit, rate = ("nats/" + ("byte" if not (cfg.tokenizer or cfg.token_dtype) else "token"), "tokens/s") if task.kind == "lm" else ("nats", "samples/s")
     say(f"wall time {time.time() - t_start:.1f} s (training {train_time:.1f} s) | validation loss "
         f"{val_before:.4f} -> {val_after:.4f} {unit} | {summary['tokens_per_s']:,.0f} {rate} | "
         f"peak per rank: {_fmt_bytes(peak_tensor)} tensors, {_fmt_bytes(peak_rss_bytes())} RSS")
