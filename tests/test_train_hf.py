@@ -130,7 +130,7 @@ def test_export_loads_in_transformers_with_the_trained_logits(runs, tmp_path, ca
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
     assert hf.lm_head.weight is hf.transformer.wte.weight
     task = build_task(cfg_of(strategy="single"))           # the trained model: the run's own final weights
-    task.model.load_state_dict(load_file(str(Path(runs["res"]["ddp"]["run_dir"]) / "model.safetensors")))
+    task.model.load_state_dict(load_file(str(runs["work"] / "runs" / "ddp" / "model.safetensors")))
     x = task.val[0]
     with torch.no_grad():
         want, got = task.model.eval()(x), hf(input_ids=x).logits
