@@ -94,7 +94,8 @@ def preflight(cfg: TrainConfig, world_size: int, resolved=None) -> tuple[Paralle
             raise
         parts = ModelParts(form="whole")
     batches = batch_terms(cfg, plan, resolved.local_batch_size)
-    plan.validate(1 if plan.is_placement else world_size, num_blocks=parts.num_blocks if parts.form != "whole" else None,
+    plan.validate(1 if plan.is_placement else world_size,
+                  num_blocks=parts.num_blocks if parts.form != "whole" else None,
                   local_batch_size=batches.local_batch_size)
     tp_plan = default_tp_plan(task.model, sequence_parallel=plan.sequence_parallel)[0] if plan.tp > 1 else None
     if tp_plan is not None:

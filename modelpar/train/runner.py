@@ -190,7 +190,8 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
             summary["sample"] = sample_text(cfg, run_dir / "model.safetensors", cfg.sample_bytes)
             say("\n--- sample from the trained model (prompt 'def ') ---\n" + summary["sample"] + "\n---")
     record.close()
-    unit, rate = ("nats/" + ("byte" if not (cfg.tokenizer or cfg.token_dtype) else "token"), "tokens/s") if task.kind == "lm" else ("nats", "samples/s")
+    per = "byte" if not (cfg.tokenizer or cfg.token_dtype) else "token"
+    unit, rate = (f"nats/{per}", "tokens/s") if task.kind == "lm" else ("nats", "samples/s")
     say(f"wall time {time.time() - t_start:.1f} s (training {train_time:.1f} s) | validation loss "
         f"{val_before:.4f} -> {val_after:.4f} {unit} | {summary['tokens_per_s']:,.0f} {rate} | "
         f"peak per rank: {_fmt_bytes(peak_tensor)} tensors, {_fmt_bytes(peak_rss_bytes())} RSS")
