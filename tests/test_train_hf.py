@@ -290,3 +290,16 @@ def test_cli_refusal_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("modelpar train: error: byte-level tokens") and err.count("\n") == 1
     assert not (tmp_path / "runs").exists()
+
+
+def test_verify_takes_the_factory_language_model_form():
+    """`modelpar verify` draws token ids for a factory that declares "task": "lm" (not float inputs)."""
+    from modelpar.cli.args import parse
+    from modelpar.cli.verify import build_parser, load_task
+    from modelpar.train.task import lm_loss
+
+    args = parse(build_parser(), ["--model", "lm_factory:lm", "--strategy", "ddp", "--global-batch-size", "4"])
+    model, batch_fn, loss_fn, reduction, _ = load_task(args)
+    x, y = batch_fn(0)
+    assert x.dtype == torch.long and x.shape == (4, 32) and int(x.max()) < 256 and torch.equal(x[:, 1:], y[:, :-1])
+    assert loss_fn is lm_loss and model(x).shape == (4, 32, 256)
