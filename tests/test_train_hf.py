@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ckpt_worker import data_dir  # noqa: E402
+from helpers.workers import launch  # noqa: E402
 from hf_tiny import TINY  # noqa: E402
 
 pytest.importorskip("transformers")
@@ -53,8 +54,6 @@ def max_rel(a, b) -> float:
 # ---- launched: DDP x2, same-plan resume, resume under FSDP, export ----------------------------------
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from test_checkpoint_reshard import launch
-
     w = tmp_path_factory.mktemp("train_hf")
     ck = w / "ckpt-ddp"
 
