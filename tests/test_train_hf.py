@@ -302,3 +302,31 @@ def test_verify_takes_the_factory_language_model_form():
     x, y = batch_fn(0)
     assert x.dtype == torch.long and x.shape == (4, 32) and int(x.max()) < 256 and torch.equal(x[:, 1:], y[:, :-1])
     assert loss_fn is lm_loss and model(x).shape == (4, 32, 256)
+
+
+def test_llama_trains_checkpoints_and_exports_untied(tmp_path):
+    """A tiny GQA Llama (untied head, RoPE) on one process: trains, exports without --model, and
+    from_pretrained gives its logits; a resume with other --model-config is refused by name."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from modelpar.cli import main
+    from modelpar.train.task import build_task
+
+    llama = {**TINY["llama"][1], "vocab_size": 256}
+    kw = dict(model="hf:llama", model_config=llama, strategy="single", steps=2, ckpt_every=2,
+              ckpt_dir=str(tmp_path / "ck"))
+    s = train_here(tmp_path, "llama", **kw)
+    assert len(s["losses"]) == 2 and all(np.isfinite(s["losses"]))
+    assert main(["export", str(tmp_path / "ck"), "--out", str(tmp_path / "exp")]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exp")).eval()
+    assert isinstance(hf, transformers.LlamaForCausalLM) and hf.config.num_key_value_heads == 2
+    task = build_task(cfg_of(**kw))
+    task.model.load_state_dict(load_file(str(tmp_path / "runs" / "llama" / "model.safetensors")))
+    with torch.no_grad():
+        assert (task.model.eval()(task.val[0]) - hf(input_ids=task.val[0]).logits).abs().max().item() <= 1e-6
+    from modelpar.train.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="model_config: checkpoint"):
+        train_here(tmp_path, "llama2", **{**kw, "model_config": {**llama, "rms_norm_eps": 1e-5},
+                                          "resume": str(tmp_path / "ck"), "steps": 3, "ckpt_every": 0})
