@@ -61,13 +61,23 @@ def runs(tmp_path_factory):
         return {"name": name, "kind": "train", "cfg": {**BASE, "data": data_dir(), "out_dir": str(w / "out"), **kw},
                 "run_dir": str(w / "runs" / name)}
 
+    from modelpar.models.hf import build_hf
+
+    pre = w / "pretrained"
+    build_hf("hf:gpt2", GPT2, seed=5).hf.save_pretrained(str(pre))      # a local pretrained folder
     ref = train_here(w, "ref", strategy="single")
+    meta_ref = train_here(w, "meta_ref", strategy="single", meta_init=True)
+    pre_ref = train_here(w, "pre_ref", strategy="single", model=str(pre), model_config={})
     res = launch(2, [spec("ddp", strategy="ddp", ckpt_every=2, ckpt_dir=str(ck), keep_last=0),
                      spec("ddp_resume4", strategy="ddp", resume=str(ck / "step-00000004")),
-                     spec("fsdp_resume2", strategy="fsdp", resume=str(ck / "step-00000002"))], w, "hf2")
+                     spec("fsdp_resume2", strategy="fsdp", resume=str(ck / "step-00000002")),
+                     spec("fsdp_meta", strategy="fsdp", meta_init=True),
+                     spec("fsdp_meta_pre", strategy="fsdp", meta_init=True, model=str(pre), model_config={})],
+                 w, "hf2")
     for name, r in res.items():
         assert not r["errors"], f"{name} failed: {r['errors']}"
-    return {"ref": ref, "res": {k: v["result"] for k, v in res.items()}, "ckpt": ck, "work": w}
+    return {"ref": ref, "meta_ref": meta_ref, "pre_ref": pre_ref, "res": {k: v["result"] for k, v in res.items()},
+            "ckpt": ck, "work": w}
 
 
 @pytest.mark.slow
@@ -92,6 +102,18 @@ def test_resume_under_fsdp_matches_uninterrupted(runs):
     got = runs["res"]["fsdp_resume2"]
     assert got["start_step"] == 2 and got["plan"]["dp_shard"] == 2
     assert max_rel(runs["ref"]["losses"][2:], got["losses"]) <= LOSS_RTOL
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_meta_init_under_fsdp_matches_one_process(runs):
+    """meta_init: built on meta, each rank materialises its FSDP shards. From a config the values come
+    from (seed, name), so FSDP x2 matches one process with meta_init; from a pretrained folder the
+    shards are read from its safetensors file, so FSDP x2 matches the plain one-process load."""
+    assert max_rel(runs["meta_ref"]["losses"], runs["res"]["fsdp_meta"]["losses"]) <= LOSS_RTOL
+    assert runs["meta_ref"]["losses"] != runs["ref"]["losses"]          # not transformers' own init
+    assert max_rel(runs["pre_ref"]["losses"], runs["res"]["fsdp_meta_pre"]["losses"]) <= LOSS_RTOL
+    assert runs["pre_ref"]["losses"] != runs["ref"]["losses"]           # the folder's weights (seed 5)
 
 
 @pytest.mark.slow
@@ -330,3 +352,38 @@ def test_llama_trains_checkpoints_and_exports_untied(tmp_path):
     with pytest.raises(CheckpointError, match="model_config: checkpoint"):
         train_here(tmp_path, "llama2", **{**kw, "model_config": {**llama, "rms_norm_eps": 1e-5},
                                           "resume": str(tmp_path / "ck"), "steps": 3, "ckpt_every": 0})
+
+
+def test_meta_init_refusals():
+    from modelpar.train.loop import preflight
+
+    with pytest.raises(ValueError, match="meta_init=True builds Hugging Face models on the meta device; --model "
+                                         "gpt-nano is not one"):
+        preflight(cfg_of(model="gpt-nano", model_config={}, strategy="single", meta_init=True), 1)
+    with pytest.raises(ValueError, match=r"meta_init=True materialises FSDP shards; the plan .* has tensor / "
+                                         r"pipeline parallelism, placement or DDP"):
+        preflight(cfg_of(strategy="ddp", meta_init=True), 2)
+
+
+def test_meta_init_one_process_reads_the_pretrained_folder(tmp_path):
+    """Built on meta and materialised from the folder's safetensors: the same weights as from_pretrained
+    (the tie kept), buffers real."""
+    from modelpar.models.hf import build_hf
+    from modelpar.parallel.compose import parallelize
+    from modelpar.parallel.mesh import MeshInfo
+    from modelpar.plan import ParallelPlan
+    from modelpar.train.materialise import materialise
+    from modelpar.train.task import build_model_for, lm_loss
+
+    build_hf("hf:llama", {**TINY["llama"][1], "vocab_size": 256}, seed=7).hf.save_pretrained(str(tmp_path / "pre"))
+    cfg = cfg_of(model=str(tmp_path / "pre"), model_config={}, meta_init=True)
+    model = build_model_for(cfg)
+    assert all(p.is_meta for p in model.parameters()) and not any(b.is_meta for b in model.buffers())
+    pm = parallelize(model, ParallelPlan(), MeshInfo(mesh=None), loss_fn=lm_loss, device=torch.device("cpu"))
+    materialise(pm.modules, cfg, torch.device("cpu"))
+    want = build_model_for(cfg_of(model=str(tmp_path / "pre"), model_config={}))
+    for (n, a), (_, b) in zip(want.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), n
+    ids = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(want(ids), model(ids))

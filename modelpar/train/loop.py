@@ -22,6 +22,7 @@ from modelpar.train.config import TrainConfig
 from modelpar.train.data import eval_shard
 from modelpar.train.step import adamw
 from modelpar.train.task import Task, build_task
+from modelpar.train.materialise import check_meta_init
 from modelpar.train.tokens import check_lm_data
 
 
@@ -93,6 +94,7 @@ def preflight(cfg: TrainConfig, world_size: int, resolved=None) -> tuple[Paralle
         if plan.pp_enabled or plan.is_placement or plan.activation_checkpointing != "none" or plan.compile:
             raise
         parts = ModelParts(form="whole")
+    check_meta_init(cfg, plan)
     batches = batch_terms(cfg, plan, resolved.local_batch_size)
     plan.validate(1 if plan.is_placement else world_size,
                   num_blocks=parts.num_blocks if parts.form != "whole" else None,

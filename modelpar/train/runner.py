@@ -105,6 +105,10 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
         pm = parallelize(task.model, plan, mesh, loss_fn=task.loss_fn, device=device,
                          example_input=example_input(task, batches.micro_batch_size),
                          check_unused_params=cfg.check_unused_params, sync_batchnorm=cfg.sync_batchnorm)
+        if cfg.meta_init:           # built on meta: this rank's shards get memory and values now
+            from modelpar.train.materialise import materialise
+
+            materialise(pm.modules, cfg, device)
         note = dropout_note(pm.modules, plan, cfg.dropout)
         if note:
             say(note)

@@ -128,6 +128,12 @@ def build_model_for(cfg, device: str = "cpu") -> nn.Module:
         if task_of(load_config(cfg.model, cfg.model_config or None)) != "lm":
             raise ValueError(f"--model {cfg.model!r}: modelpar train runs Hugging Face causal language models; "
                              f"an image classifier can be checked with `modelpar verify`")
+        if getattr(cfg, "meta_init", False) and str(device) != "meta":     # materialised per shard later
+            from modelpar.train.materialise import params_on_meta
+
+            with params_on_meta():
+                return build_hf(cfg.model, cfg.model_config or None, device=device, seed=cfg.seed,
+                                dropout=cfg.dropout)
         load = has_weights(cfg.model) and str(device) != "meta"
         return build_hf(cfg.model, cfg.model_config or None, device=device, seed=cfg.seed, dropout=cfg.dropout,
                         load_weights=load)
