@@ -29,7 +29,7 @@ EXAMPLES = """examples:
   modelpar train --plan runs/<run>/plan.json             # the layout a plan file names
   modelpar train --config my.yaml --steps 100            # a config file plus overrides
   modelpar train --nnodes 2 --gpus-per-node 8 --dp-shard 4 --tp 4    # prints the per-node launch line
-  modelpar train --model hf:gpt2 --model-config '{"n_layer": 4, "n_embd": 256, "n_head": 4, "vocab_size": 256}' --strategy ddp
+  modelpar train --model hf:gpt2 --model-config '{"n_layer": 4, "n_embd": 256, "vocab_size": 256}' --strategy ddp
   modelpar train --model hf:llama --model-config '{...}' --tokenizer tokenizer.json --strategy fsdp
   modelpar train --model mymodels:lm --data tokens/ --token-dtype uint16 --strategy fsdp   # factory LM, nanoGPT tokens
 """
