@@ -167,6 +167,8 @@ def load_task(args):
         return _hf_task(args)
     um = build_factory(args.model)
     batch_fn = um.batch_fn
+    if batch_fn is None and um.extra.get("task") == "lm":     # the language-model form (models/spec.py)
+        return _factory_lm_task(args, um)
     if batch_fn is None:
         given = tuple(int(s) for s in args.input_shape.split(",")) if args.input_shape else None
         shapes = infer_classifier_shapes(um.model, given, args.num_classes)
@@ -199,6 +201,27 @@ def _hf_task(args):
         w = torch.randint(0, f.vocab, (gb, seq + 1), generator=g)
         return w[:, :-1], w[:, 1:]
     return model, batch_fn, lm_loss, "mean", args.model
+
+
+def _factory_lm_task(args, um):
+    """A factory language model ({"model", "task": "lm", "vocab_size", "max_positions"}): random ids."""
+    import torch
+
+    from modelpar.train.task import lm_loss
+
+    vocab, maxpos, gb = um.extra.get("vocab_size"), um.extra.get("max_positions"), args.global_batch_size
+    if not isinstance(vocab, int) or vocab < 1:
+        raise ValueError(f"--model {args.model!r}: a factory language model must declare 'vocab_size' as a "
+                         f"positive int, got {vocab!r}")
+    seq = args.seq_len or min(maxpos or 64, 64)
+    if maxpos and seq > maxpos:
+        raise ValueError(f"--seq-len {seq} exceeds the factory's max_positions={maxpos}")
+
+    def batch_fn(step):
+        g = torch.Generator().manual_seed(args.seed * 100003 + step)
+        w = torch.randint(0, vocab, (gb, seq + 1), generator=g)
+        return w[:, :-1], w[:, 1:]
+    return um.model, batch_fn, um.loss_fn or lm_loss, um.loss_reduction, f"{type(um.model).__name__} from {args.model}"
 
 
 def _random_batches(shape, classes: int, gb: int, seed: int):

@@ -385,7 +385,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
         return ParallelModel(plan, mesh, [model], model, loss_fn, first, layout=layout,
                              loss_reduction=loss_reduction)
 
-    model.to(device)
+    if not any(p.is_meta for p in model.parameters()):    # a meta-built model: materialised per shard later
+        model.to(device)                                   # (modelpar.train.materialise)
     model = layer_checks.prepare_batchnorm(model, plan, mesh, device, sync=sync_batchnorm)
     # 1. pipeline split (first: every later step sees only this rank's stages)
     indices, ranges = [], []
