@@ -286,6 +286,8 @@ def run_case(name: str, mesh=None, device=None):
     from modelpar.verify import compare, compare_low_precision, run_steps
 
     c = CASES[name]
+    if c.task.startswith("hf-"):        # issue 12 (h-tp block below)
+        return run_hf_case(name)
     if c.task in ("dict", "dict-int"):
         model, batch_fn = dict_task(c.n_layer if c.n_layer != 2 else 4, with_int=c.task == "dict-int")
     elif c.task.startswith("c14-"):
@@ -412,3 +414,104 @@ _case("mlp-fsdp2-every2", 2, "mlp", dict(dp_shard=2, activation_checkpointing="e
 _case("c14-selective-mlp", 2, "mlp", dict(dp_shard=2, activation_checkpointing="selective"), check="error")
 _case("gpt-hsdp2x2-accum2-clip", 4, "gpt", dict(dp_replicate=2, dp_shard=2), local=1, clip=0.05)
 _case("gpt-fsdp2xtp2-selective", 4, "gpt", dict(dp_shard=2, tp=2, activation_checkpointing="selective"))
+
+
+# ---- issue 12 (h-tp): Hugging Face models (tests/hf_tiny.py, dropout 0) under ddp, fsdp, tp, tp + SP.
+# Llama: its own _tp_plan translated (GQA: 4 query / 2 key-value heads, RoPE); GPT-2: the derived plan
+# (Conv1D, fused c_attn permuted per rank, tied wte / lm_head vocab-parallel); ViT under ddp / fsdp.
+HF_TASKS = ("hf-llama", "hf-gpt2", "hf-vit")
+for _fam in ("llama", "gpt2"):
+    _case(f"hf-{_fam}-ddp2", 2, f"hf-{_fam}", dict(dp_replicate=2))
+    _case(f"hf-{_fam}-fsdp2", 2, f"hf-{_fam}", dict(dp_shard=2))
+    _case(f"hf-{_fam}-tp2", 2, f"hf-{_fam}", dict(tp=2))
+    _case(f"hf-{_fam}-tp2-sp", 2, f"hf-{_fam}", dict(tp=2, sequence_parallel=True))
+_case("hf-gpt2-tp2-clip", 2, "hf-gpt2", dict(tp=2), clip=0.05)
+_case("hf-vit-ddp2", 2, "hf-vit", dict(dp_replicate=2))
+_case("hf-vit-fsdp2", 2, "hf-vit", dict(dp_shard=2))
+_case("hf-gpt2-fsdp2xtp2-sp", 4, "hf-gpt2", dict(dp_shard=2, tp=2, sequence_parallel=True))
+_case("hf-llama-ddp2xtp2", 4, "hf-llama", dict(dp_replicate=2, tp=2))
+
+
+def hf_task(family: str):
+    """A tiny HF model (`tests/hf_tiny.py`, dropout 0) and its batches: token ids (vocab 128) or pixels."""
+    import hf_tiny
+
+    model = hf_tiny.build(family, seed=0, dropout=0.0)
+    if family == "vit":
+        def batch_fn(step):
+            g = torch.Generator().manual_seed(3000 + step)
+            return torch.randn(GLOBAL_BATCH, 3, 8, 8, generator=g), torch.randint(0, 5, (GLOBAL_BATCH,), generator=g)
+        return model, batch_fn
+
+    def batch_fn(step):
+        g = torch.Generator().manual_seed(4000 + step)
+        w = torch.randint(0, 128, (GLOBAL_BATCH, SEQ + 1), generator=g)
+        return w[:, :-1], w[:, 1:]
+    return model, batch_fn
+
+
+def run_hf_case(name: str) -> dict | None:
+    """`run_case` for the HF rows: parity against one process, and the layout the plan says (blocks on
+    sequence shards under SP, vocab-sharded logits and embedding under TP, GPT-2's tie one tensor)."""
+    import torch.distributed as dist
+
+    from modelpar.parallel.mesh import MeshInfo
+    from modelpar.parallel.parts import find_blocks
+    from modelpar.verify import compare, run_steps
+
+    c = CASES[name]
+    family = c.task[3:]
+    model, batch_fn = hf_task(family)
+    loss_fn = classification_loss if family == "vit" else lm_loss
+    plan = ParallelPlan(**c.plan).validate(c.world)
+    kw = dict(loss_fn=loss_fn, batch_fn=batch_fn, steps=c.steps, global_batch_size=GLOBAL_BATCH,
+              optimizer=c.optimizer, lr=c.lr or 1e-3, grad_clip=c.clip)
+    block_paths = {p for p, _ in find_blocks(model)[1]}
+    head = "hf.lm_head" if family != "vit" else None
+    emb = {"llama": "hf.model.embed_tokens", "gpt2": "hf.transformer.wte"}.get(family)
+    seen: dict = {"block_seq": set()}
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    def probe(pm):
+        for mod in pm.modules:
+            for n, m in mod.named_modules():
+                if n in block_paths:
+                    m.register_forward_pre_hook(lambda _m, a: seen["block_seq"].add(local(a[0]).shape[1]))
+                elif n == head:
+                    m.register_forward_hook(lambda _m, a, o: seen.__setitem__("logits_local_vocab", local(o).shape[-1]))
+                elif n == emb:
+                    seen["embed_local_vocab"] = local(m.weight).shape[0]
+            if family == "gpt2":
+                ps = dict(mod.named_parameters(remove_duplicate=False))
+                seen["tie_identity"] = ps.get("hf.transformer.wte.weight") is ps.get("hf.lm_head.weight")
+
+    got = run_steps(model, plan, local_batch_size=GLOBAL_BATCH // plan.dp, probe=probe, **kw)
+    if dist.get_rank() != 0:
+        return None
+    ref = run_steps(model, ParallelPlan(), local_batch_size=GLOBAL_BATCH, mesh=MeshInfo(mesh=None), **kw)
+    out = compare(name, ref, got, optimizer=c.optimizer).to_dict()
+    out["local_shapes"] = {k: sorted(v) if isinstance(v, set) else v for k, v in seen.items()}
+
+    def fail(msg):
+        out["passed"] = False
+        out["failures"].append(msg)
+    if plan.sequence_parallel and seen["block_seq"] != {SEQ // plan.tp}:
+        fail(f"sequence parallel: blocks saw {sorted(seen['block_seq'])} positions, expected {SEQ // plan.tp}")
+    if not plan.sequence_parallel and family != "vit" and seen["block_seq"] != {SEQ}:
+        fail(f"blocks saw {sorted(seen['block_seq'])} positions, expected {SEQ}")
+    vocab = 128 // plan.tp
+    if family != "vit" and seen.get("logits_local_vocab") != vocab:
+        fail(f"vocab parallel: local logits width {seen.get('logits_local_vocab')}, expected {vocab}")
+    if family != "vit" and plan.dp_shard == 1 and seen.get("embed_local_vocab") != vocab:
+        fail(f"vocab parallel: local embedding rows {seen.get('embed_local_vocab')}, expected {vocab}")
+    if family == "gpt2":            # C13: the tie is one tensor on a rank and bit-identical after training
+        if seen.get("tie_identity") is not True:
+            fail("GPT-2's wte / lm_head are different tensors on rank 0")
+        if "hf.lm_head.weight" in got.state:
+            d = (got.state["hf.transformer.wte.weight"] - got.state["hf.lm_head.weight"]).abs().max().item()
+            out["tied_max_abs_diff"] = d
+            if d != 0.0:
+                fail(f"tied copies differ after training by {d:.3g}")
+    return out
