@@ -11,10 +11,13 @@ Two sources of a plan, in this order:
    ``embedding_rowwise`` + ``colwise_gather_output`` become the vocab-parallel embedding and the
    colwise head whose logits stay vocab-sharded (loss parallel, as the built-in GPT), when the
    vocabulary divides the TP degree; otherwise both stay replicated.
-2. **A derived plan** (`derive_hf_plan`) for GPT-2 style blocks: in every repeated block
-   (`modelpar.parallel.parts.find_blocks`), a module holding exactly two projections (``nn.Linear`` or
-   transformers' ``Conv1D``, whose weight is stored ``(in, out)``, transposed against ``nn.Linear``)
-   where the first feeds the second becomes (colwise, rowwise). A fused query|key|value projection
+2. **A derived plan** (`derive_hf_plan`) for models without one (GPT-2, ViT): in every repeated block
+   (`modelpar.parallel.parts.find_blocks`), a module whose direct children are projections (all
+   ``nn.Linear`` or all transformers ``Conv1D``, whose weight is stored ``(in, out)``, transposed
+   against ``nn.Linear``), the leading ones reading the same input width and the last one reading
+   the first one's output width (an MLP's up / down, an attention's q, k, v / o, a gated MLP's
+   gate, up / down), gets the leading ones colwise and the last rowwise. The attention must view its
+   heads as ``(..., -1, head_dim)`` (transformers 5's convention), so local heads follow. A fused query|key|value projection
    (GPT-2's ``c_attn``: ``out = 3 x`` the next projection's ``in``, on a module with ``split_size``)
    becomes ``conv1d_colwise_qkv``: its columns are permuted so that each TP rank's contiguous shard
    holds the query, key and value columns of its own heads (`qkv_permutation`), and the attention's
@@ -140,24 +143,25 @@ def derive_hf_plan(model: nn.Module, *, tp_degree: int | None = None) -> dict[st
     for bpath, block in blocks:
         for name, parent in block.named_modules():
             projs = [(n, c) for n, c in parent.named_children() if _dims(c) is not None]
-            if len(projs) != 2:
+            if len(projs) < 2:
                 continue
-            (n1, a), (n2, b) = projs
-            (_, out_a), (in_b, _) = _dims(a), _dims(b)
+            *firsts, (n2, b) = projs
+            (in_a, out_a), (in_b, _) = _dims(firsts[0][1]), _dims(b)
             base = f"{bpath}.{name}." if name else f"{bpath}."
-            conv = _is_conv1d(a) and _is_conv1d(b)
-            lin = isinstance(a, nn.Linear) and isinstance(b, nn.Linear)
-            if not (conv or lin):
+            conv = all(_is_conv1d(c) for _, c in projs)
+            lin = all(isinstance(c, nn.Linear) for _, c in projs)
+            same_in = all(_dims(c)[0] == in_a for _, c in firsts)
+            if not (conv or lin) or not same_in:
                 continue
-            if out_a == in_b:
-                plan[base + n1] = CONV1D_COLWISE if conv else T.COLWISE
+            if out_a == in_b:           # (up | q, k, v | gate, up) colwise -> (down | o) rowwise
+                plan.update({base + n: CONV1D_COLWISE if conv else T.COLWISE for n, _ in firsts})
                 plan[base + n2] = CONV1D_ROWWISE if conv else T.ROWWISE
-            elif conv and out_a == 3 * in_b and getattr(parent, "split_size", None) == in_b:
-                plan[base + n1], plan[base + n2] = CONV1D_COLWISE_QKV, CONV1D_ROWWISE
+            elif (conv and len(firsts) == 1 and out_a == 3 * in_b
+                  and getattr(parent, "split_size", None) == in_b):
+                plan[base + firsts[0][0]], plan[base + n2] = CONV1D_COLWISE_QKV, CONV1D_ROWWISE
     if not plan:
-        raise ValueError(f"tensor parallel: {typ} declares no TP plan (_tp_plan) and modelpar derives plans for "
-                         f"blocks of (colwise, rowwise) projection pairs only (GPT-2 style); none found in its "
-                         f"blocks. Pass your own plan (parallelize(..., tp_plan={{module path: style}}) from Python)")
+        raise ValueError(f"tensor parallel: {typ} declares no TP plan (_tp_plan) and modelpar found no "
+                         f"(colwise ..., rowwise) group of projections in its blocks to derive one from. Pass your own plan (parallelize(..., tp_plan={{module path: style}}) from Python)")
     plan.update(_vocab_entries(model, tp_degree))
     return plan
 

@@ -142,6 +142,15 @@ def tp_plan_for(model: nn.Module, *, sequence_parallel: bool = False, tp_degree:
     return default_tp_plan(model, sequence_parallel=sequence_parallel, tp_degree=tp_degree)[0]
 
 
+def tp_kinds(tp_plan: dict[str, str]) -> dict[str, str]:
+    """``{module path: "colwise" | "rowwise"}`` of the entries of ``tp_plan`` that split parameters
+    (colwise: output features / vocabulary rows split; rowwise: input features or, for an embedding,
+    its rows), for the planner (`modelpar.planner.profile`); Conv1D styles included."""
+    col = (*COLWISE_STYLES, "conv1d_colwise", "conv1d_colwise_qkv")
+    row = (*ROWWISE_STYLES, ROWWISE_VOCAB, "conv1d_rowwise", "conv1d_rowwise_seq")
+    return {p: "colwise" if s in col else "rowwise" for p, s in tp_plan.items() if s in col or s in row}
+
+
 def validate_tp_plan(model: nn.Module, tp_plan: dict[str, str], tp_degree: int, *, seq_len: int | None = None) -> None:
     """Check every split divides evenly (case C7), and the GPT's / a Hugging Face model's heads (query and
     key/value), vocabulary and (sequence parallel, ``seq_len`` given or the GPT's) sequence.
