@@ -187,3 +187,19 @@ def test_planner_sees_the_hf_plans():
     assert kinds["hf.transformer.wte"] == "rowwise" and kinds["hf.lm_head"] == "colwise"
     kinds = _tp_styles(build("llama"))
     assert kinds["hf.model.layers.0.self_attn.k_proj"] == "colwise" and len(kinds) == 30
+
+
+def test_phi3_gathered_and_split_styles_translate():
+    """Phi-3 declares colwise_gather_output on its fused qkv / gate_up projections (gathered output) and
+    rowwise_split_input on o / down (replicated input sliced): translated, the head still vocab-parallel.
+    (A 2-rank forward of this plan equals one process: checked by hand, see the h-tp report.)"""
+    from modelpar.models.hf import build_hf
+
+    m = build_hf("hf:phi3", {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
+                             "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}, device="meta")
+    plan = tp_plan_for(m, tp_degree=2)
+    assert plan["hf.model.layers.1.mlp.gate_up_proj"] == hf_tp.COLWISE_GATHER
+    assert plan["hf.model.layers.1.mlp.down_proj"] == hf_tp.ROWWISE_SPLIT
+    assert plan["hf.lm_head"] == COLWISE_VOCAB and plan["hf.model.embed_tokens"] == ROWWISE_VOCAB
+    validate_tp_plan(m, plan, 2)

@@ -7,8 +7,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from modelpar.parallel.hf_tp import (CONV1D_COLWISE, CONV1D_COLWISE_QKV, CONV1D_ROWWISE, CONV1D_ROWWISE_SEQ,
-                                     GATHER_SEQ_HIDDEN, SHARD_SEQ_INPUT)
+from modelpar.parallel.hf_tp import (COLWISE_GATHER, CONV1D_COLWISE, CONV1D_COLWISE_QKV, CONV1D_ROWWISE,
+                                     CONV1D_ROWWISE_SEQ, GATHER_SEQ_HIDDEN, ROWWISE_SPLIT, SHARD_SEQ_INPUT)
 
 
 def make_hf_style(style: str):
@@ -21,6 +21,14 @@ def make_hf_style(style: str):
         return Conv1DParallel(colwise=False, output_layout=Replicate())
     if style == CONV1D_ROWWISE_SEQ:
         return Conv1DParallel(colwise=False, output_layout=Shard(1))
+    if style == COLWISE_GATHER:
+        from torch.distributed.tensor.parallel import ColwiseParallel
+
+        return ColwiseParallel(output_layouts=Replicate())
+    if style == ROWWISE_SPLIT:
+        from torch.distributed.tensor.parallel import RowwiseParallel
+
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if style == SHARD_SEQ_INPUT:
         return HiddenInput(Replicate(), Shard(1))
     if style == GATHER_SEQ_HIDDEN:

@@ -8,9 +8,11 @@ Two sources of a plan, in this order:
    ``*`` matches one path component; paths gain the ``hf.`` prefix of `HFModel`. Style names translate
    to modelpar's (`modelpar.parallel.tensor.STYLES`) by `HF_STYLES`; any other style name (MoE experts,
    packed projections, ...) is refused by name (`translate_hf_plan`), before any process starts.
-   ``embedding_rowwise`` + ``colwise_gather_output`` become the vocab-parallel embedding and the
-   colwise head whose logits stay vocab-sharded (loss parallel, as the built-in GPT), when the
-   vocabulary divides the TP degree; otherwise both stay replicated.
+   ``embedding_rowwise`` + ``colwise_gather_output`` on the output head become the vocab-parallel
+   embedding and the colwise head whose logits stay vocab-sharded (loss parallel, as the built-in
+   GPT), when the vocabulary divides the TP degree; otherwise both stay replicated.
+   ``colwise_gather_output`` elsewhere (Phi-3's fused ``gate_up_proj``) gathers its output, and
+   ``rowwise_split_input`` slices a replicated input.
 2. **A derived plan** (`derive_hf_plan`) for models without one (GPT-2, ViT): in every repeated block
    (`modelpar.parallel.parts.find_blocks`), a module whose direct children are projections (all
    ``nn.Linear`` or all transformers ``Conv1D``, whose weight is stored ``(in, out)``, transposed
@@ -41,8 +43,10 @@ from modelpar.parallel import tensor as T
 HF_STYLES = {
     "colwise": T.COLWISE,
     "rowwise": T.ROWWISE,
-    "colwise_gather_output": T.COLWISE_VOCAB,     # the output head: vocab-sharded logits, loss parallel
-    "colwise_rep": T.COLWISE_VOCAB,
+    "colwise_gather_output": "colwise_gather",    # the output head: COLWISE_VOCAB (vocab-sharded logits)
+    "colwise_rep": "colwise_gather",
+    "rowwise_split_input": "rowwise_split",       # replicated input cut into this rank's features
+    "rowwise_rep": "rowwise_split",
     "embedding_rowwise": T.ROWWISE_VOCAB,
     "sequence_parallel": T.SEQ_NORM,
     "replicate": None,
@@ -51,10 +55,12 @@ HF_STYLES = {
 # derived-plan styles for transformers' Conv1D (weight (in, out))
 CONV1D_COLWISE, CONV1D_ROWWISE, CONV1D_ROWWISE_SEQ = "conv1d_colwise", "conv1d_rowwise", "conv1d_rowwise_seq"
 CONV1D_COLWISE_QKV = "conv1d_colwise_qkv"      # colwise of a fused q|k|v projection, columns permuted per rank
+COLWISE_GATHER = "colwise_gather"              # nn.Linear colwise, output all-gathered (replicated)
+ROWWISE_SPLIT = "rowwise_split"                # nn.Linear rowwise from a replicated input (sliced locally)
 SHARD_SEQ_INPUT = "shard_seq_input"            # a block's hidden states: replicated -> sequence shards
 GATHER_SEQ_HIDDEN = "gather_seq_hidden"        # attention / MLP input (positional or hidden_states=): gathered
 STYLES = (CONV1D_COLWISE, CONV1D_ROWWISE, CONV1D_ROWWISE_SEQ, CONV1D_COLWISE_QKV, SHARD_SEQ_INPUT,
-          GATHER_SEQ_HIDDEN)
+          GATHER_SEQ_HIDDEN, COLWISE_GATHER, ROWWISE_SPLIT)
 CONV1D_STYLES = {CONV1D_COLWISE: "nf", CONV1D_COLWISE_QKV: "nf", CONV1D_ROWWISE: "nx", CONV1D_ROWWISE_SEQ: "nx"}
 # model families whose blocks modelpar can put on sequence shards (norms inside the blocks, hidden states
 # passed positionally or as hidden_states=)
@@ -113,16 +119,19 @@ def translate_hf_plan(model: nn.Module, hf_plan: dict[str, str], *, tp_degree: i
                              f"(parallelize(..., tp_plan={{module path: style}}) from Python)")
     vocab = getattr(model.hf.config, "vocab_size", None)
     vocab_ok = tp_degree is None or (vocab is not None and vocab % tp_degree == 0)
+    head = model.hf.get_output_embeddings() if model.task == "lm" else None
+    head_path = next((n for n, m in model.named_modules() if head is not None and m is head), None)
     out: dict[str, str] = {}
     for pat, style in hf_plan.items():
         paths = _expand("hf." + pat, names)
         if not paths:
             raise ValueError(f"{typ}'s TP plan names {pat!r}, which matches no module of the model")
-        ours = HF_STYLES[style]
-        if ours in (T.COLWISE_VOCAB, T.ROWWISE_VOCAB) and not vocab_ok:
-            continue                    # the vocabulary does not divide: embedding and head replicated
-        if ours is not None:
-            out.update({p: ours for p in paths})
+        for p in paths:
+            ours = T.COLWISE_VOCAB if HF_STYLES[style] == COLWISE_GATHER and p == head_path else HF_STYLES[style]
+            if ours in (T.COLWISE_VOCAB, T.ROWWISE_VOCAB) and not vocab_ok:
+                continue                # the vocabulary does not divide: embedding and head replicated
+            if ours is not None:
+                out[p] = ours
     return out
 
 

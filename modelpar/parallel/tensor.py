@@ -6,6 +6,10 @@ forward and one in backward. The plan is derived automatically:
 
 - the built-in GPT: per block ``attn.q/k/v`` colwise, ``attn.o`` rowwise, ``mlp.up`` colwise,
   ``mlp.down`` rowwise; the token embedding and the output head split over the vocabulary (below);
+- a Hugging Face model (`modelpar.models.hf.HFModel`): its own ``_tp_plan`` translated, else a plan
+  derived from its blocks' projection groups (GPT-2's ``Conv1D`` and fused ``c_attn`` included), with
+  vocab-parallel embedding and head and, for the llama / gpt2 families, sequence parallel
+  (`modelpar.parallel.hf_tp`);
 - any chain of ``nn.Linear`` layers (with element-wise ops between them): consecutive pairs become
   (colwise, rowwise); an unpaired last Linear stays replicated.
 
@@ -43,14 +47,15 @@ COLWISE_VOCAB = "colwise_vocab"        # head Linear: logits stay a DTensor shar
 COLWISE_VOCAB_SEQ = "colwise_vocab_seq"  # the same, from sequence-sharded input
 ROWWISE_VOCAB = "rowwise_vocab"        # nn.Embedding split over its rows (the vocabulary), output replicated
 _HF_STYLES = ("conv1d_colwise", "conv1d_rowwise", "conv1d_rowwise_seq", "conv1d_colwise_qkv",
-              "shard_seq_input", "gather_seq_hidden")    # Hugging Face models: `modelpar.parallel.hf_tp`
+              "shard_seq_input", "gather_seq_hidden", "colwise_gather", "rowwise_split")    # Hugging Face models: `modelpar.parallel.hf_tp`
 STYLES = (COLWISE, ROWWISE, ROWWISE_SEQ, SEQ_NORM, GATHER_SEQ_INPUT, SHARD_SEQ_OUTPUT, COLWISE_VOCAB,
           COLWISE_VOCAB_SEQ, ROWWISE_VOCAB) + _HF_STYLES
 INPUT_ONLY_STYLES = (GATHER_SEQ_INPUT, SHARD_SEQ_OUTPUT, "shard_seq_input", "gather_seq_hidden")  # no parameter split
 COLWISE_STYLES = (COLWISE, COLWISE_VOCAB, COLWISE_VOCAB_SEQ)   # weight split on dim 0
 ROWWISE_STYLES = (ROWWISE, ROWWISE_SEQ)                        # weight split on dim 1
 _LINEAR_STYLES = {COLWISE: "out_features", COLWISE_VOCAB: "out_features", COLWISE_VOCAB_SEQ: "out_features",
-                  ROWWISE: "in_features", ROWWISE_SEQ: "in_features"}
+                  ROWWISE: "in_features", ROWWISE_SEQ: "in_features", "colwise_gather": "out_features",
+                  "rowwise_split": "in_features"}
 
 
 def derive_tp_plan(model: nn.Module, *, sequence_parallel: bool = False, shard_head: bool = False,
@@ -146,8 +151,8 @@ def tp_kinds(tp_plan: dict[str, str]) -> dict[str, str]:
     """``{module path: "colwise" | "rowwise"}`` of the entries of ``tp_plan`` that split parameters
     (colwise: output features / vocabulary rows split; rowwise: input features or, for an embedding,
     its rows), for the planner (`modelpar.planner.profile`); Conv1D styles included."""
-    col = (*COLWISE_STYLES, "conv1d_colwise", "conv1d_colwise_qkv")
-    row = (*ROWWISE_STYLES, ROWWISE_VOCAB, "conv1d_rowwise", "conv1d_rowwise_seq")
+    col = (*COLWISE_STYLES, "conv1d_colwise", "conv1d_colwise_qkv", "colwise_gather")
+    row = (*ROWWISE_STYLES, ROWWISE_VOCAB, "conv1d_rowwise", "conv1d_rowwise_seq", "rowwise_split")
     return {p: "colwise" if s in col else "rowwise" for p, s in tp_plan.items() if s in col or s in row}
 
 
