@@ -108,7 +108,8 @@ def translate_hf_plan(model: nn.Module, hf_plan: dict[str, str], *, tp_degree: i
 
     Raises:
         ValueError: a style name modelpar does not translate (named with its pattern and the supported
-            names), or a pattern that matches no module.
+            names), or an output head given another style than colwise_gather_output. A pattern that
+            matches no module (one the config leaves out) adds nothing, as in transformers.
     """
     names = [n for n, _ in model.named_modules()]
     typ = type(model.hf).__name__
@@ -123,10 +124,10 @@ def translate_hf_plan(model: nn.Module, hf_plan: dict[str, str], *, tp_degree: i
     head_path = next((n for n, m in model.named_modules() if head is not None and m is head), None)
     out: dict[str, str] = {}
     for pat, style in hf_plan.items():
-        paths = _expand("hf." + pat, names)
-        if not paths:
-            raise ValueError(f"{typ}'s TP plan names {pat!r}, which matches no module of the model")
-        for p in paths:
+        for p in _expand("hf." + pat, names):       # a pattern of a module this config lacks: nothing
+            if p == head_path and model.task == "lm" and HF_STYLES[style] not in (COLWISE_GATHER, None):
+                raise ValueError(f"{typ}'s TP plan gives its output head {pat!r} the style {style!r}; modelpar "
+                                 f"splits the head colwise over the vocabulary (colwise_gather_output) only")
             ours = T.COLWISE_VOCAB if HF_STYLES[style] == COLWISE_GATHER and p == head_path else HF_STYLES[style]
             if ours in (T.COLWISE_VOCAB, T.ROWWISE_VOCAB) and not vocab_ok:
                 continue                # the vocabulary does not divide: embedding and head replicated
