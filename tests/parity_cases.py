@@ -571,11 +571,8 @@ def run_hf_ckpt_case(name: str) -> dict | None:
         sd = get_model_state_dict(pm.modules[0], options=StateDictOptions(full_state_dict=True, cpu_offload=False))
         return {k: v.detach().clone() for k, v in sd.items()}
 
-    def step(pm, opt, s):
-        xg, yg = batch_fn(s)
-        lo = pm.mesh.dp_rank * (GLOBAL_BATCH // pm.plan.dp)
-        train_step(pm, opt, xg[lo:lo + GLOBAL_BATCH // pm.plan.dp], yg[lo:lo + GLOBAL_BATCH // pm.plan.dp],
-                   accum_steps=1)
+    def step(pm, opt, s):            # the global batch: each data-parallel rank takes its slice
+        train_step(pm, opt, *batch_fn(s), accum_steps=1)
 
     pm, opt, holder = laid_out(plan)
     for s in range(c.steps):

@@ -169,10 +169,12 @@ def test_verify_refuses_tp4_on_two_kv_heads_before_launch(capsys):
 
 
 @pytest.mark.slow
-def test_gpt2_checkpoint_under_tp2_holds_the_original_layout(dist_results):
-    """Save under tp2 (GPT-2's c_attn permuted per rank) -> one-process export equals one-process
-    training; resume under tp2 restores the layout (parameters and optimizer state)."""
-    res = dist_results(2).get("hf-gpt2-tp2-ckpt")
+@pytest.mark.parametrize("world,name", [(2, "hf-gpt2-tp2-ckpt"), (4, "hf-gpt2-ddp2xtp2-ckpt-tp4")])
+def test_gpt2_checkpoint_under_tp_holds_the_original_layout(dist_results, world, name):
+    """Save under tp2 / ddp2 x tp2 (GPT-2's c_attn permuted per rank) -> one-process export equals
+    one-process training; resume under tp2 restores the layout (parameters and optimizer state: the
+    next step is bit-identical), under tp4 (another permutation) the same original-order weights."""
+    res = dist_results(world).get(name)
     assert res is not None, "the case produced no result (the launch died before it)"
     assert "error" not in res, res.get("trace", res.get("error"))
     assert res["passed"], "\n".join(res["failures"])
