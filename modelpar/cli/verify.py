@@ -301,8 +301,9 @@ def _check_before_launch(args, plan, local: int) -> None:
     if plan.tp > 1:                              # case C7: a split that does not divide (vocabulary too)
         from modelpar.parallel.tensor import default_tp_plan, validate_tp_plan
 
-        tp_plan = default_tp_plan(model, sequence_parallel=plan.sequence_parallel)[0]
-        validate_tp_plan(model, tp_plan, plan.tp)
+        tp_plan = default_tp_plan(model, sequence_parallel=plan.sequence_parallel, tp_degree=plan.tp)[0]
+        x0 = batch_fn(0)[0]                                              # the sequence, for sequence parallel
+        validate_tp_plan(model, tp_plan, plan.tp, seq_len=x0.shape[1] if x0.dim() == 2 else None)
     from modelpar.parallel.parts import ModelParts, get_model_parts, split_points_of
     from modelpar.parallel.ties import check_ties
 

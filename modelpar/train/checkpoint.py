@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from modelpar.parallel.hf_tp import canonical_state, permuted_params, restore_layout
 from modelpar.train.dcp_quiet import single_process_dcp
 
 FORMAT = "modelpar-checkpoint"
@@ -167,6 +168,7 @@ def checkpoint_module(modules: list[nn.Module], ties: list[tuple[str, ...]] | No
                 if b_name not in mod._non_persistent_buffers_set:
                     o, leaf = owner_of(f"{mod_name}.{b_name}" if mod_name else b_name)
                     o.register_buffer(leaf, buf)
+    holder._modelpar_perms = permuted_params(modules)    # GPT-2's fused q|k|v under TP: stored in original order
     return holder
 
 
@@ -321,7 +323,8 @@ class Checkpointer:
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
         torch.save(rng, tmp / "rng" / f"rank-{rank}.pt")
-        state = _as_dtensors(get_train_state(holder, opt), _tp_specs(holder))
+        state = canonical_state(_as_dtensors(get_train_state(holder, opt), _tp_specs(holder)),
+                                getattr(holder, "_modelpar_perms", {}))
         info = {"format": FORMAT, "version": VERSION, "step": step, "world_size": _world(),
                 "params": _param_shapes(holder), "optimizer_state": "optim" in state,
                 "optimizer": type(opt).__name__ if opt is not None else None,
@@ -420,6 +423,7 @@ def load_checkpoint(holder: nn.Module, opt: torch.optim.Optimizer | None, path: 
     wrapped = _as_dtensors(plain, _tp_specs(holder))
     with single_process_dcp():
         dcp.load(wrapped, checkpoint_id=p, no_dist=not dist.is_initialized())
+    restore_layout(wrapped, getattr(holder, "_modelpar_perms", {}))    # original order -> this layout's
     _as_local(wrapped, plain)
     if with_optim:
         set_state_dict(holder, opt, model_state_dict=plain["model"], optim_state_dict=plain["optim"],

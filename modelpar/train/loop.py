@@ -103,9 +103,10 @@ def preflight(cfg: TrainConfig, world_size: int, resolved=None) -> tuple[Paralle
     plan.validate(1 if plan.is_placement else world_size,
                   num_blocks=parts.num_blocks if parts.form != "whole" else None,
                   local_batch_size=batches.local_batch_size)
-    tp_plan = default_tp_plan(task.model, sequence_parallel=plan.sequence_parallel)[0] if plan.tp > 1 else None
+    tp_plan = (default_tp_plan(task.model, sequence_parallel=plan.sequence_parallel, tp_degree=plan.tp)[0]
+               if plan.tp > 1 else None)
     if tp_plan is not None:
-        validate_tp_plan(task.model, tp_plan, plan.tp)
+        validate_tp_plan(task.model, tp_plan, plan.tp, seq_len=cfg.seq_len or None)
     check_ties(task.model, plan, parts, tp_plan=tp_plan)        # case C13: a layout that breaks a tie
     if plan.cpu_offload and not torch.cuda.is_available():
         raise ValueError("cpu_offload=True needs CUDA: on a CPU-only run the shards already live in CPU memory")
