@@ -167,6 +167,8 @@ def load_task(args):
         return _hf_task(args)
     um = build_factory(args.model)
     batch_fn = um.batch_fn
+    if batch_fn is None and um.extra.get("task") == "lm":     # the language-model form (models/spec.py)
+        return _factory_lm_task(args, um)
     if batch_fn is None:
         given = tuple(int(s) for s in args.input_shape.split(",")) if args.input_shape else None
         shapes = infer_classifier_shapes(um.model, given, args.num_classes)
@@ -199,6 +201,27 @@ def _hf_task(args):
         w = torch.randint(0, f.vocab, (gb, seq + 1), generator=g)
         return w[:, :-1], w[:, 1:]
     return model, batch_fn, lm_loss, "mean", args.model
+
+
+def _factory_lm_task(args, um):
+    """A factory language model ({"model", "task": "lm", "vocab_size", "max_positions"}): random ids."""
+    import torch
+
+    from modelpar.train.task import lm_loss
+
+    vocab, maxpos, gb = um.extra.get("vocab_size"), um.extra.get("max_positions"), args.global_batch_size
+    if not isinstance(vocab, int) or vocab < 1:
+        raise ValueError(f"--model {args.model!r}: a factory language model must declare 'vocab_size' as a "
+                         f"positive int, got {vocab!r}")
+    seq = args.seq_len or min(maxpos or 64, 64)
+    if maxpos and seq > maxpos:
+        raise ValueError(f"--seq-len {seq} exceeds the factory's max_positions={maxpos}")
+
+    def batch_fn(step):
+        g = torch.Generator().manual_seed(args.seed * 100003 + step)
+        w = torch.randint(0, vocab, (gb, seq + 1), generator=g)
+        return w[:, :-1], w[:, 1:]
+    return um.model, batch_fn, um.loss_fn or lm_loss, um.loss_reduction, f"{type(um.model).__name__} from {args.model}"
 
 
 def _random_batches(shape, classes: int, gb: int, seed: int):
@@ -278,8 +301,9 @@ def _check_before_launch(args, plan, local: int) -> None:
     if plan.tp > 1:                              # case C7: a split that does not divide (vocabulary too)
         from modelpar.parallel.tensor import default_tp_plan, validate_tp_plan
 
-        tp_plan = default_tp_plan(model, sequence_parallel=plan.sequence_parallel)[0]
-        validate_tp_plan(model, tp_plan, plan.tp)
+        tp_plan = default_tp_plan(model, sequence_parallel=plan.sequence_parallel, tp_degree=plan.tp)[0]
+        x0 = batch_fn(0)[0]                                              # the sequence, for sequence parallel
+        validate_tp_plan(model, tp_plan, plan.tp, seq_len=x0.shape[1] if x0.dim() == 2 else None)
     from modelpar.parallel.parts import ModelParts, get_model_parts, split_points_of
     from modelpar.parallel.ties import check_ties
 

@@ -368,8 +368,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
     if plan.tp_enabled:
         if tp_plan is None:
             tp_plan, _ = tensor.default_tp_plan(model, sequence_parallel=plan.sequence_parallel,
-                                                loss_parallel=loss_parallel)
-        tensor.validate_tp_plan(model, tp_plan, plan.tp)
+                                                loss_parallel=loss_parallel, tp_degree=plan.tp)
+        seq = example_input.shape[1] if example_input is not None and example_input.dim() == 2 else None
+        tensor.validate_tp_plan(model, tp_plan, plan.tp, seq_len=seq)
         shard_head = tensor.head_is_vocab_sharded(tp_plan)
     if not plan.pp_enabled:
         ties.check_ties(model, plan, parts, tp_plan=tp_plan, ties=tied)
@@ -385,7 +386,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
         return ParallelModel(plan, mesh, [model], model, loss_fn, first, layout=layout,
                              loss_reduction=loss_reduction)
 
-    model.to(device)
+    if not any(p.is_meta for p in model.parameters()):    # a meta-built model: materialised per shard later
+        model.to(device)                                   # (modelpar.train.materialise)
     model = layer_checks.prepare_batchnorm(model, plan, mesh, device, sync=sync_batchnorm)
     # 1. pipeline split (first: every later step sees only this rank's stages)
     indices, ranges = [], []

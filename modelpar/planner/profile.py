@@ -187,9 +187,7 @@ def _tp_styles(model: nn.Module, vocab_parallel: bool | None = None) -> dict[str
         plan, _ = tensor.default_tp_plan(model, loss_parallel=vocab_parallel)
     except ValueError:
         return {}
-    kind = {s: "colwise" for s in tensor.COLWISE_STYLES}
-    kind.update({s: "rowwise" for s in (*tensor.ROWWISE_STYLES, tensor.ROWWISE_VOCAB)})
-    return {k: kind[v] for k, v in plan.items() if v in kind}
+    return tensor.tp_kinds(plan)      # Conv1D styles of HF models too (h-tp hook)
 
 
 
