@@ -177,11 +177,9 @@ def _tp_styles(model: nn.Module, vocab_parallel: bool | None = None) -> dict[str
     """``{module path: "colwise" | "rowwise"}`` of the TP plan modelpar's runtime derives for ``model``
     ({} if none): `tensor.default_tp_plan`, whose GPT plan splits the token embedding (rowwise over
     the vocabulary: its weight is sharded) and the head (colwise over the vocabulary) unless
-    ``vocab_parallel=False``. A Hugging Face model: `hf_facts.hf_tp_styles` (the one hook for the
-    runtime's HF plan)."""
-    from modelpar.planner.hf_facts import hf_tp_styles, is_hf_model
-    if is_hf_model(model):
-        return hf_tp_styles(model, vocab_parallel)
+    ``vocab_parallel=False``; for a Hugging Face model the plan `modelpar.parallel.hf_tp` builds (its
+    declared ``_tp_plan`` translated, or the derived one: GPT-2's Conv1D and fused c_attn), with a
+    vocabulary-parallel embedding and head for language models."""
     from modelpar.parallel import tensor
     try:
         plan, _ = tensor.default_tp_plan(model, loss_parallel=vocab_parallel)
