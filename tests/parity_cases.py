@@ -460,6 +460,11 @@ _case("hf-llama-pp2-dualpipev", 2, "hf-llama", dict(_V2, pp_schedule="dualpipev"
 # per-block activation checkpointing inside stages; per-block FSDP under a pipeline
 _case("hf-llama-pp2-1f1b-ac", 2, "hf-llama", dict(pp=2, n_microbatches=2, activation_checkpointing="full"), steps=HF_PP_STEPS)
 _case("hf-gpt2-pp2xfsdp2", 4, "hf-gpt2", dict(pp=2, dp_shard=2, n_microbatches=2), clip=0.05)
+# the three at once on 8 ranks (issue 12 item 6): stages run the model's own forward, TP splits each
+# stage's blocks (Llama: its declared plan; GPT-2: Conv1D / per-head c_attn, the tie across stages)
+_case("hf-llama-pp2xfsdp2xtp2", 8, "hf-llama", dict(pp=2, dp_shard=2, tp=2, n_microbatches=2), steps=HF_PP_STEPS)
+_case("hf-gpt2-pp2xfsdp2xtp2", 8, "hf-gpt2", dict(pp=2, dp_shard=2, tp=2, n_microbatches=2), steps=HF_PP_STEPS)
+_case("hf-llama-pp2xtp2", 4, "hf-llama", dict(pp=2, tp=2, n_microbatches=2), steps=HF_PP_STEPS)
 
 
 # ---- issue 12 (h-tp): Hugging Face models (tests/hf_tiny.py, dropout 0) under ddp, fsdp, tp, tp + SP.
