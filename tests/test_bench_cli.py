@@ -62,3 +62,24 @@ def test_bad_arguments_exit_2(capsys):
     assert cli.bench_main(["--strategies", "warp"]) == 2
     assert "unknown strategies ['warp']" in capsys.readouterr().err
     assert cli.bench_main(["--models", "gpt-huge"]) == 2
+
+
+def test_bench_runs_a_hugging_face_model(tmp_path, capsys):
+    """`--models hf:<type> --model-config` (issue 12): the rows train the HF model, the planner predicts
+    them, and the chart files get a file-safe name."""
+    pytest.importorskip("transformers")
+    import hf_tiny
+
+    spec, cfg = hf_tiny.TINY["llama"]
+    cfg = {**cfg, "vocab_size": 256}          # bench trains on bytes: ids 0..255
+    out = tmp_path / "h"
+    rc = cli.bench_main(["--models", spec, "--model-config", json.dumps(cfg), "--seq-len", "16", "--warmup", "0",
+                         "--steps", "1", "--no-fit", "--timeout", "180", "--strategies", "single",
+                         "--out-dir", str(out)])
+    assert rc == 0, capsys.readouterr().err[-2000:]
+    (r,) = rows(out)
+    assert r["model"] == "hf:llama" and r["status"] == "ok" and float(r["samples_per_s"]) > 0
+    assert float(r["pred_samples_per_s"]) > 0 and float(r["pred_mem_mib"]) > 0
+    assert (out / "img" / "throughput-hf_llama.png").stat().st_size > 0
+    assert cli.bench_main(["--models", "hf:llama,gpt-nano", "--model-config", json.dumps(cfg)]) == 2
+    assert "--model-config applies to one model" in capsys.readouterr().err

@@ -67,10 +67,14 @@ class RowSpec:
     track_memory: bool = True        # run the MemTracker step
     seed: int = 0
     note: str = ""
+    model_config: dict = field(default_factory=dict)   # --model-config overrides (GPT preset or HF config)
 
     @property
     def row_id(self) -> str:
-        return f"{self.model}__{self.key}__{self.nproc}"
+        """A file name: the model (``hf:gpt2``, ``path/config.json``) with other characters as ``_``."""
+        import re
+
+        return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', self.model)}__{self.key}__{self.nproc}"
 
     def train_config(self):
         from modelpar.train.config import TrainConfig
@@ -78,12 +82,13 @@ class RowSpec:
         return TrainConfig(model=self.model, strategy=self.strategy, nproc=self.nproc,
                            global_batch_size=self.global_batch_size, seq_len=self.seq_len, steps=max(1, self.steps),
                            threads=self.threads, seed=self.seed, timeout_s=min(self.timeout_s, 120.0),
-                           dropout=0.0, sample_bytes=0, eval_every=0, **self.overrides)
+                           dropout=0.0, sample_bytes=0, eval_every=0, model_config=dict(self.model_config),
+                           **self.overrides)
 
 
 def make_rows(model: str, keys, *, nproc: int, hybrid_nproc: int, global_batch_size: int, seq_len: int = 0,
               warmup: int = 2, steps: int = 5, threads: int = 1, timeout_s: float = 300.0,
-              cores: int | None = None) -> list[RowSpec]:
+              cores: int | None = None, model_config: dict | None = None) -> list[RowSpec]:
     """The rows of one model. Raises ValueError for an unknown row key (listing the valid ones)."""
     cores = cores or os.cpu_count() or 1
     rows = []
@@ -96,7 +101,7 @@ def make_rows(model: str, keys, *, nproc: int, hybrid_nproc: int, global_batch_s
         if n * threads > cores:
             note = f"{n} ranks x {threads} thread(s) share {cores} cores"
         rows.append(RowSpec(key, label, model, strategy, n, global_batch_size, dict(ov), seq_len, warmup, steps,
-                            threads, timeout_s, note=note))
+                            threads, timeout_s, note=note, model_config=dict(model_config or {})))
     return rows
 
 

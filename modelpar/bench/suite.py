@@ -62,7 +62,7 @@ def run_bench(args, out: Path, argv: list[str]) -> int:
         gbs = args.global_batch_size or DEFAULT_BATCH.get(model, 8)
         specs += make_rows(model, keys, nproc=args.nproc, hybrid_nproc=args.hybrid_nproc, global_batch_size=gbs,
                            seq_len=args.seq_len, warmup=args.warmup, steps=args.steps, threads=args.threads,
-                           timeout_s=args.timeout)
+                           timeout_s=args.timeout, model_config=args.model_config)
     rows_dir = out / "rows"
     rows_dir.mkdir(parents=True, exist_ok=True)
     csv_path, comm_path = out / "bench.csv", out / "comm.csv"
@@ -117,11 +117,12 @@ def run_bench(args, out: Path, argv: list[str]) -> int:
                    pred_samples_per_s=float(r["pred_samples_per_s"]) if r["pred_samples_per_s"] else None)
               for r in mrows if r["status"] == "ok"]
         if ok:
-            plots.plot_throughput(ok, img / f"throughput-{model}.png", title=f"{model}: throughput per strategy")
+            stem = re.sub(r"[^A-Za-z0-9_.-]", "_", model)       # hf:llama, path/config.json -> a file name
+            plots.plot_throughput(ok, img / f"throughput-{stem}.png", title=f"{model}: throughput per strategy")
             memrows = [dict(r, memory={k: float(r[f"mem_{k}_mib"] or 0) * report.MIB
                                        for k in ("params", "grads", "optimizer", "activations")}) for r in ok]
-            plots.plot_memory(memrows, img / f"memory-{model}.png", title=f"{model}: peak memory per device by part")
-            md.append(f"![throughput](img/throughput-{model}.png)\n![memory](img/memory-{model}.png)\n")
+            plots.plot_memory(memrows, img / f"memory-{stem}.png", title=f"{model}: peak memory per device by part")
+            md.append(f"![throughput](img/throughput-{stem}.png)\n![memory](img/memory-{stem}.png)\n")
         mcomm = [c for c in comm if c["model"] == model]
         if mcomm:
             md.append(f"### Communication (one profiled step)\n\n{report.comm_markdown(mcomm, labels)}\n")

@@ -13,12 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from modelpar.cli.args import add_fields, make_parser, normalize_argv, parse
-from modelpar.cli.options import BATCH_TERMS, BatchOptions, HardwareOptions, LayoutOptions
+from modelpar.cli.options import BATCH_TERMS, BatchOptions, HardwareOptions, LayoutOptions, ModelOptions
 
 EXAMPLES = """examples:
   modelpar bench                                  # gpt-3m and mlp-large, 2 ranks (4 for the hybrid rows)
   modelpar bench --models gpt-3m --strategies ddp,fsdp,pp --steps 10
   modelpar bench --docs docs                      # also refresh docs/bench.md and docs/img/
+  modelpar bench --models hf:llama --model-config '{"hidden_size": 256, "num_hidden_layers": 4,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}' --seq-len 128 --strategies ddp,fsdp,tp,pp
 """
 
 
@@ -27,7 +29,8 @@ class BenchOptions:
     """The rows and how they are measured.
 
     Args:
-        models: comma-separated built-in models, one table each.
+        models: comma-separated models, one table each: built-in names, module:factory language models,
+            or Hugging Face models (hf:<model_type>, a config.json path; docs/your-model.md).
         strategies: comma-separated rows (single, placement, ddp, fsdp, tp, pp, pp-gpipe, pp-interleaved,
             hybrid, hsdp, auto).
         hybrid_nproc: ranks of the hybrid rows (--nproc: ranks of the other multi-rank rows).
@@ -61,6 +64,7 @@ def build_parser():
 
     p = make_parser("modelpar bench", __doc__.split("\n\n")[0].split(": ", 1)[1], epilog=EXAMPLES + "\n" + BATCH_TERMS)
     add_fields(p, BenchOptions, defaults={"strategies": ",".join(DEFAULT_ROWS)})
+    add_fields(p, ModelOptions, only=("model_config",))
     add_fields(p, LayoutOptions, only=("nproc",))
     add_fields(p, BatchOptions, defaults={"global_batch_size": 0},
                docs={"global_batch_size": "samples per optimizer step (0: 8; 32 for the MLPs: the rows of "
@@ -73,7 +77,6 @@ def main(argv: list[str]) -> int:
     """``modelpar bench`` entry point; returns the exit code (0 ok, 2 bad arguments, 130 interrupted)."""
     from modelpar.bench.runner import ROWS
     from modelpar.bench.suite import run_bench
-    from modelpar.models import MODEL_NAMES
 
     p = build_parser()
     argv = normalize_argv(argv, p, prog="modelpar bench")
@@ -81,9 +84,13 @@ def main(argv: list[str]) -> int:
     bad = [k for k in args.strategies.split(",") if k and k not in ROWS]
     if bad:
         raise ValueError(f"unknown strategies {bad}; valid: {', '.join(ROWS)}")
-    bad = [m for m in args.models.split(",") if m and m not in MODEL_NAMES]
-    if bad:
-        raise ValueError(f"unknown models {bad}; valid: {', '.join(MODEL_NAMES)}")
+    from modelpar.models.spec import check_model
+
+    models = [m for m in args.models.split(",") if m]
+    if args.model_config and len(models) != 1:
+        raise ValueError(f"--model-config applies to one model; --models names {len(models)}: {models}")
+    for m in models:                            # unknown names and bad --model-config fail here
+        check_model(m, args.model_config or None)
     for name in ("nproc", "hybrid_nproc", "steps", "threads"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -23,10 +23,12 @@ class ModelOptions:
 
     Args:
         model: a built-in name (gpt-nano, gpt-1m, gpt-3m, gpt-10m .. gpt-70b, mlp-small, mlp-large,
-            mlp-deep, cnn), or your own as module:factory or path/to/file.py:factory (where the command
-            accepts it; the factory protocol is in modelpar/models/spec.py).
-        model_config: JSON object of GPTConfig fields replacing a GPT preset's, e.g.
-            '{"n_layer": 32, "d_model": 4096, "n_head": 32}'.
+            mlp-deep, cnn), your own as module:factory or path/to/file.py:factory (the factory protocol
+            is in modelpar/models/spec.py), or a Hugging Face model: hf:<model_type> (hf:llama, hf:gpt2,
+            hf:vit, ...), a config.json path or a local pretrained folder (docs/your-model.md).
+        model_config: JSON object of overrides: GPTConfig fields of a GPT preset, e.g.
+            '{"n_layer": 32, "d_model": 4096, "n_head": 32}', or fields of a Hugging Face config, e.g.
+            '{"num_hidden_layers": 4}'.
     """
 
     model: str = "gpt-3m"
