@@ -20,8 +20,12 @@ Sources:
   FLOPs include the recomputed forward.
 
 Overlap: DDP overlaps the gradient all-reduce with the last backward except its final 25 MiB bucket
-(``bucket_cap_mb`` default); FSDP prefetches, hiding its gathers and reduce-scatters behind each
-micro-batch's compute except the first unit's gather; TP and pipeline p2p are not overlapped.
+(``bucket_cap_mb`` default); FSDP prefetches, hiding its gathers behind the forward and its re-gathers
+and reduce-scatters behind the backward, except what precedes or follows all compute (the root's and
+the first block's gather, the first block's and the root's reduce-scatter) and what exceeds each
+window (`_fsdp_exposed`); under a pipeline FSDP reduces once after the schedule, exposed. On built-in
+GPUs the hidden collectives of groups inside a node hold NCCL's share of the SMs
+(`gpu.GpuPhysics.nccl_sm_share`), slowing the compute they overlap by that share of their time. TP and pipeline p2p are not overlapped.
 Where ``Hardware.comm_overlap`` is False (CPU ranks that own every core: gloo copies and reduces with
 those cores) nothing overlaps: DDP adds its bucketed all-reduces and its bucket copies, FSDP its
 gathers, reduce-scatters and the copies into and out of its flat buffers.
@@ -260,6 +264,9 @@ def _comm_terms(ld: RankLoad, plan: ParallelPlan, hw: Hardware, b: int, wb: int,
         c["rs"] = (_coll_sum(plan, "dp_shard", hw, "reduce_scatter", units, n, rb, cx)
                    + _coll(plan, "dp_shard", hw, "reduce_scatter", rb * ld.root_params, n, cx))
         c["first"] = _coll(plan, "dp_shard", hw, "all_gather", wb * ld.max_unit_params, n)
+        # the pieces FSDP2 cannot hide (`_fsdp_exposed`): one block's reduce-scatter, the root's
+        c["rs_unit"] = _coll(plan, "dp_shard", hw, "reduce_scatter", rb * ld.max_unit_params, n)
+        c["rs_root"] = _coll(plan, "dp_shard", hw, "reduce_scatter", rb * ld.root_params, n)
         c["rep"] = (_coll(plan, "dp_replicate", hw, "all_reduce", grad_bytes / n, plan.dp_replicate, cx)
                     if plan.dp_replicate > 1 else 0.0)
     elif plan.dp_replicate > 1:
@@ -404,13 +411,17 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
         root = ld.root_params
         ag, ag_root, rs = cm["ag"], cm["ag_root"], cm["rs"]
         if overlap:
-            comm = gathers * ag + ag_root + rs
-            fsdp_per_mb = max(0.0, comm - (t_f + t_b + t_rc)) + cm["first"]
-            if plan.defer_grad_sync and mbs > 1:
-                # deferred sync: only the last local batch reduce-scatters
-                no_rs = max(0.0, gathers * ag + ag_root - (t_f + t_b + t_rc)) + cm["first"]
-                dp_exposed = fsdp_per_mb - no_rs
-                fsdp_per_mb = no_rs
+            share = _nccl_share(plan, "dp_shard", hw, phys)
+            # a micro-batch reduce-scatters where FSDP accumulates sharded gradients; a deferred
+            # sync only in the last local batch; under a pipeline torch's runtime reduces once
+            # after the schedule's last backward (`PipelineStage.perform_reduce_grad`), exposed
+            deferred = plan.defer_grad_sync and mbs > 1
+            fsdp_per_mb = _fsdp_exposed(cm, gathers, t_f, t_b + t_rc, share,
+                                        reduce=p == 1 and not deferred)
+            if deferred:
+                dp_exposed = _fsdp_exposed(cm, gathers, t_f, t_b + t_rc, share, reduce=True) - fsdp_per_mb
+            elif p > 1:
+                dp_exposed = rs
         else:
             # FSDP2's buffers: each gather fills a new flat all-gather output and copies it out into
             # new unsharded parameters (read + write); reduce-scatter copies the unsharded gradients
@@ -431,7 +442,8 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     elif plan.dp_replicate > 1:
         t_ar, last = cm["t_ar"], cm["last"]
         if overlap:
-            dp_exposed = max(t_ar - t_b, last)
+            # the hidden part slows the backward it overlaps by NCCL's share of the SMs (gpu.py)
+            dp_exposed = max(t_ar - t_b, last) + _nccl_share(plan, "dp_replicate", hw, phys) * min(t_ar, t_b)
         elif not dp_overlap:         # one all-reduce of a contiguous gradient buffer after backward
             dp_exposed = t_ar
         elif p == 1 and plan.tp == 1:
@@ -458,6 +470,52 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
             "tp_comm": mbs * t_tp, "pp_comm": mbs * t_p2p,
             "dp_comm": dp_exposed + mbs * fsdp_per_mb, "bubble": accumulation * bub,
             "optimizer": opt}
+
+
+def _nccl_share(plan: ParallelPlan, axis: str, hw: Hardware, phys) -> float:
+    """NCCL's share of the SMs while a collective of mesh axis ``axis`` runs beside compute
+    (`gpu.GpuPhysics.nccl_sm_share`), for groups inside one node (where its channel count is
+    published); 0 across nodes (NCCL builds fewer channels per NIC there; not modelled) and on
+    devices without built-in physics."""
+    if phys is None:
+        return 0.0
+    span = {"dp_shard": plan.tp * plan.dp_shard, "dp_replicate": plan.tp * plan.dp}[axis]
+    return phys.nccl_sm_share if span <= hw.devices_per_node else 0.0
+
+
+def _fsdp_exposed(cm: dict, gathers: int, t_fwd: float, t_bwd: float, sm_share: float, *,
+                  reduce: bool) -> float:
+    """Seconds of FSDP2 communication one micro-batch does not hide, on a device that overlaps
+    (``cm``: `_comm_terms`; ``gathers``: 2 with ``reshard_after_forward``; ``t_fwd`` / ``t_bwd``:
+    forward and backward compute seconds, the backward's recompute included; ``reduce``: this
+    micro-batch reduce-scatters its gradients).
+
+    FSDP2 (`fully_shard` per block, then the root: `parallel.data_parallel`; Zhao et al., VLDB 2023,
+    Sec. 3.3-4) issues every all-gather on its own stream once the previous one is done, so block
+    i+1's gather runs under block i's compute; in backward the previous block's gather and the
+    next block's reduce-scatter run under a block's backward. What it cannot hide:
+
+    - the root's gather (embedding, head) and the first block's gather, issued before any compute
+      (the embedding lookup between them is a gather of a few rows);
+    - forward gathers beyond the forward's compute, backward gathers + reduce-scatters beyond the
+      backward's (the two directions are separate windows: a forward gather cannot wait for backward);
+    - the first block's reduce-scatter and the root's, issued after the last compute of the
+      backward (the embedding's scatter-add); FSDP2's final callback waits for them;
+    - contention: NCCL runs its collectives as kernels, one CTA per channel, each holding an SM for
+      the collective's duration, so compute under a hidden collective runs on the other SMs
+      (``sm_share`` = NCCL's CTAs / SMs, `gpu.GpuPhysics.nccl_sm_share`): it takes
+      ``sm_share`` x (hidden time) longer."""
+    ag, ag_u = cm["ag"], min(cm["first"], cm["ag"])
+    head = cm["ag_root"] + ag_u
+    fwd = ag - ag_u
+    bwd = (gathers - 1) * ag
+    tail = 0.0
+    if reduce:
+        rs_u = min(cm["rs_unit"], cm["rs"] - cm["rs_root"])
+        bwd += cm["rs"] - cm["rs_root"] - rs_u
+        tail = rs_u + cm["rs_root"]
+    ex_f, ex_b = max(0.0, fwd - t_fwd), max(0.0, bwd - t_bwd)
+    return head + ex_f + ex_b + tail + sm_share * ((fwd - ex_f) + (bwd - ex_b))
 
 
 def fsdp_sharded_accumulation(plan: ParallelPlan) -> bool:
