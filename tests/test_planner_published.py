@@ -191,3 +191,20 @@ def test_fsdp_on_h100_exposes_root_gather_and_last_reduce_scatter(bench, monkeyp
     monkeypatch.setitem(gpu.GPU_PHYSICS, "H100-80GB-SXM", dataclasses.replace(H100, nccl_sm_share=0.0))
     quiet = estimate_step(prof, plan, batch, hw)
     assert quiet.dp_comm < st.dp_comm and quiet.compute == st.compute
+
+
+def test_replicate_under_pipeline_reduces_after_the_schedule(bench):
+    # modelpar runs dp_replicate under PP through FSDP2's replicate, which torch's pipelining
+    # reduces once after the schedule (perform_reduce_grad): the all-reduce is exposed, where torch
+    # DDP's buckets would hide behind the backward; plain DDP is priced as before
+    hw = BUILTIN["H100-80GB-SXM"]
+    prof = bench.gpt_profile(50368, 2048, 24, 16, 2048, attention="flash", dropout=0.0)
+    plan = ParallelPlan(dp_replicate=2, pp=4, n_microbatches=8, pp_schedule="1f1b", precision="bf16")
+    rep = estimate_step(prof, plan, Batch(32, 16), hw)
+    ddp = estimate_step(prof, plan, Batch(32, 16), hw, replicate=False)
+    ld = max(rank_loads(prof, plan, act_bytes=2), key=lambda x: x.params)
+    # ring all-reduce of the fp32 gradients over 2 ranks inside the node: 2 (n-1)/n = 1 x bytes
+    assert rep.dp_comm >= 4 * ld.params / H100.intra_allreduce_busbw > ddp.dp_comm
+    plain = ParallelPlan(dp_replicate=8, precision="bf16")
+    assert estimate_step(prof, plain, Batch(32, 4), hw) == estimate_step(prof, plain, Batch(32, 4), hw,
+                                                                             replicate=False)

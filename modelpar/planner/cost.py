@@ -234,13 +234,15 @@ _COMMS: dict[tuple, tuple] = {}
 
 
 def _comm_terms(ld: RankLoad, plan: ParallelPlan, hw: Hardware, b: int, wb: int, dp_overlap: bool,
-                rb: float = 4, sg: bool = False) -> dict:
+                rb: float = 4, sg: bool = False, groups: bool = False) -> dict:
     """The collective times of one rank's step that do not depend on the schedule, micro-batch count
     or checkpointing (memoized: the search evaluates many such variants of each layout). ``wb``:
     bytes per gathered parameter (FSDP all-gather), ``rb``: per reduced gradient element; ``sg``:
     pipeline transfers use Megatron-LM's scatter / gather (each TP rank sends 1/tp of the tensor,
-    the receivers all-gather it over the TP group; Narayanan et al. SC'21, Sec. 4.1)."""
-    key = (id(ld), id(hw), plan.tp, plan.dp_shard, plan.dp_replicate, plan.pp, b, wb, dp_overlap, rb, sg)
+    the receivers all-gather it over the TP group; Narayanan et al. SC'21, Sec. 4.1); ``groups``:
+    data-parallel all-reduces per FSDP2 replicate group (each block, then the root) instead of DDP
+    buckets, ``last`` the first block's and the root's."""
+    key = (id(ld), id(hw), plan.tp, plan.dp_shard, plan.dp_replicate, plan.pp, b, wb, dp_overlap, rb, sg, groups)
     hit = _COMMS.get(key)
     if hit is not None and hit[0] is ld and hit[1] is hw:
         return hit[2]
@@ -280,6 +282,11 @@ def _comm_terms(ld: RankLoad, plan: ParallelPlan, hw: Hardware, b: int, wb: int,
                           - _coll(plan, "dp_replicate", hw, "all_reduce", buckets[-1], n))
         c["n_buckets"] = len(buckets)
         c["last"] = _coll(plan, "dp_replicate", hw, "all_reduce", min(DDP_BUCKET_BYTES, grad_bytes), n)
+        if groups:
+            units = (ld.unit_sizes or (ld.params - ld.root_params,)) + (ld.root_params,)
+            c["t_ar"] = _coll_sum(plan, "dp_replicate", hw, "all_reduce", units, n, rb)
+            c["last"] = (_coll(plan, "dp_replicate", hw, "all_reduce", rb * ld.max_unit_params, n)
+                         + _coll(plan, "dp_replicate", hw, "all_reduce", rb * ld.root_params, n))
     if len(_COMMS) > 65536:
         _COMMS.clear()
     _COMMS[key] = (ld, hw, c)
@@ -322,7 +329,7 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
               accumulation: int, optimizer: str, tp_bytes: float, dp_overlap: bool = True,
               fused_tp_optimizer: bool = False, reduce_bytes: float = 4,
               gather_bytes: float | None = None, attention_kernel: str | None = None,
-              p2p_scatter_gather: bool = False) -> dict:
+              p2p_scatter_gather: bool = False, replicate: bool | None = None) -> dict:
     """Seconds of one step on the slowest pipeline rank; ``tp_bytes`` = block output per sample.
 
     CPU-specific terms (zero where the hardware profile lacks them): fresh allocations
@@ -334,6 +341,9 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     (Megatron-LM fp16 reduces fp16 gradients; Composer's FSDP mixed-precision modes).
     ``attention_kernel``: fused-attention table on built-in GPUs (`gpu.GpuPhysics`; None: its default).
     ``p2p_scatter_gather``: Megatron-LM's scatter / gather of pipeline transfers (`_comm_terms`).
+    ``replicate``: dp_replicate runs FSDP2's replicate (per-group reductions; under a pipeline once
+    after the schedule) rather than torch DDP's buckets; None: modelpar's runtime (replicate under
+    PP or TP, DDP otherwise); False for other runtimes' DDP (Megatron-LM rows).
     """
     prec = plan.precision
     flops_s = hw.achievable_flops(prec)
@@ -401,7 +411,12 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     t_acc = (mbs - 1) * 12 * ld.params / (plan.dp_shard if sharded_acc else 1) / mem_s
     # data parallel
     wb = gather_bytes or (2 if prec == "bf16" else 4)
-    cm = _comm_terms(ld, plan, hw, b, wb, dp_overlap, reduce_bytes, p2p_scatter_gather)
+    # modelpar runs dp_replicate under PP or TP through FSDP2's replicate (`parallel.compose`):
+    # per-group all-reduces (on devices that overlap; CPU keeps its calibrated bucket terms)
+    rep_rt = (plan.dp_shard == 1 and plan.dp_replicate > 1
+              and (replicate if replicate is not None else (p > 1 or plan.tp > 1)))
+    cm = _comm_terms(ld, plan, hw, b, wb, dp_overlap, reduce_bytes, p2p_scatter_gather,
+                     rep_rt and overlap)
     t_p2p = 2 * v * cm["p2p"] if p > 1 else 0.0
     dp_exposed, fsdp_per_mb = 0.0, 0.0
     if plan.dp_shard > 1:
@@ -441,8 +456,15 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
         dp_exposed += cm["rep"]
     elif plan.dp_replicate > 1:
         t_ar, last = cm["t_ar"], cm["last"]
-        if overlap:
-            # the hidden part slows the backward it overlaps by NCCL's share of the SMs (gpu.py)
+        if overlap and rep_rt and p > 1:
+            # FSDP2 replicate under torch.distributed.pipelining: the runtime reduces once after the
+            # schedule's last backward (`PipelineStage.perform_reduce_grad`), nothing left to hide
+            # it; each group's gradients copied into the flat fp32 buffer and back (read + write)
+            dp_exposed = t_ar + 16 * ld.params / mem_s
+        elif overlap:
+            # torch DDP's buckets, or replicate's groups (under TP), behind the backward, except the
+            # last bucket (replicate: the first block's and the root's group, reduced after the last
+            # compute); the hidden part slows the backward it overlaps by NCCL's share of the SMs
             dp_exposed = max(t_ar - t_b, last) + _nccl_share(plan, "dp_replicate", hw, phys) * min(t_ar, t_b)
         elif not dp_overlap:         # one all-reduce of a contiguous gradient buffer after backward
             dp_exposed = t_ar
@@ -528,7 +550,7 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
                   optimizer: str = "adamw", dp_overlap: bool = True,
                   fused_tp_optimizer: bool = False, reduce_bytes: float = 4,
                   gather_bytes: float | None = None, attention_kernel: str | None = None,
-                  p2p_scatter_gather: bool = False) -> StepEstimate:
+                  p2p_scatter_gather: bool = False, replicate: bool | None = None) -> StepEstimate:
     """Predict one optimizer step of ``plan`` on ``hw`` (see module docstring for the formulas).
 
     Args:
@@ -541,7 +563,7 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
         fused_tp_optimizer: tensor-parallel plans step with a fused AdamW too (Megatron-LM's fused
             Adam); by default they pay the single-tensor loop modelpar's TP runs (see
             `modelpar.train.step.adamw`).
-        reduce_bytes, gather_bytes, attention_kernel, p2p_scatter_gather: see `rank_step`.
+        reduce_bytes, gather_bytes, attention_kernel, p2p_scatter_gather, replicate: see `rank_step`.
 
     Raises:
         ValueError: batch sizes that do not divide, unknown optimizer or precision.
@@ -555,7 +577,7 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
                       tp_bytes=tp_bytes_per_sample(profile, plan), dp_overlap=dp_overlap,
                       fused_tp_optimizer=fused_tp_optimizer, reduce_bytes=reduce_bytes,
                       gather_bytes=gather_bytes, attention_kernel=attention_kernel,
-                      p2p_scatter_gather=p2p_scatter_gather)
+                      p2p_scatter_gather=p2p_scatter_gather, replicate=replicate)
     return _finish(parts, profile, plan, batch.global_batch_size)
 
 
