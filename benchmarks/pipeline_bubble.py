@@ -84,7 +84,7 @@ def worker(args) -> None:
 
 
 def render(res: dict, m: int, batch: int, load) -> str:
-    from modelpar.parallel.pipeline import bubble_formula
+    from modelpar.planner.formulas import bubble_share_of_step
 
     lines = [f"## Pipeline bubble per schedule (MLP 8 x 1024, batch {batch}, m = {m}, 2 processes, 1 thread each)",
              "", f"Load average before the run: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} "
@@ -94,7 +94,7 @@ def render(res: dict, m: int, batch: int, load) -> str:
     for s, r in res.items():
         note = " (reported only)" if s in ("interleavedzerobubble", "zbvzerobubble", "dualpipev") else ""
         lines.append(f"| {s}{note} | {r['v']} | {r['median_s'] * 1e3:.0f} | {r['min_s'] * 1e3:.0f}..{r['max_s'] * 1e3:.0f}"
-                     f" | {r['bubble'][0]:.2f} / {r['bubble'][1]:.2f} | {bubble_formula(2, m, r['v']):.2f} |")
+                     f" | {r['bubble'][0]:.2f} / {r['bubble'][1]:.2f} | {bubble_share_of_step(s, 2, m, r['v']):.2f} |")
     lines += ["", f"Regenerate: `{CMD}`"]
     return "\n".join(lines) + "\n"
 

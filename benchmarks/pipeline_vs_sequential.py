@@ -161,14 +161,14 @@ def worker(args) -> None:
 
 
 def render(res: dict, load: tuple) -> str:
-    from modelpar.parallel.pipeline import bubble_formula
+    from modelpar.planner.formulas import bubble_share_of_step
 
     base = res["sweep"]["baseline (gpipe, m=1)"]["median_s"]
 
     def line(k, r, base_s):
         m = int(k.split("m=")[1].rstrip(")")) if "m=" in k else 0
         v = 2 if "interleaved" in k else 1
-        formula = f"{bubble_formula(2, m, v):.2f}" if m else "-"
+        formula = f"{bubble_share_of_step('interleaved1f1b' if v > 1 else '1f1b', 2, m, v):.2f}" if m else "-"
         bub = "/".join(f"{b:.2f}" for b in r["bubble_per_rank"]) if "process" not in k else "-"
         return (f"| {k} | {r['median_s'] * 1e3:.0f} | {r['min_s'] * 1e3:.0f}..{r['max_s'] * 1e3:.0f} | "
                 f"{base_s / r['median_s']:.2f}x | {bub} | {formula} |")

@@ -7,6 +7,9 @@ test that starts ranks goes through here.
   (printed for the user; nothing is started).
 - `run_local(target, nproc)`: run ``target`` on ``nproc`` local ranks with this terminal's output;
   returns the exit code.
+- `run_command(target, nproc)`: the same for a modelpar command whose ranks report their own verdict
+  (`modelpar.rank_outcome`): torchrun's own failure report is silenced and the ranks' outcome is
+  returned as a `LaunchOutcome`.
 - `run_workers(target, nproc, result_path)`: run ranks with a hard timeout, output to a log or
   captured, and read the JSON result the workers wrote; never raises for a failed or hung launch.
 - `exit_rank(code)`: end a launched rank after its work (barrier, flush, no gloo teardown).
@@ -95,6 +98,48 @@ def run_local(target: list[str], nproc: int, *, threads: int = 1, env: dict | No
     except BaseException:
         _kill_group(proc)
         raise
+
+
+def run_command(target: list[str], nproc: int, *, threads: int = 1, env: dict | None = None):
+    """Run a modelpar command's ranks (``target``, ending in `rank_outcome.run_rank_and_exit`) on
+    ``nproc`` local ranks with this terminal's output, and return their `rank_outcome.LaunchOutcome`.
+
+    torchrun runs in a child process (`_quiet_torchrun`) whose own logging and ``ChildFailedError``
+    report are silenced: the ranks' first error line, written into ``$MODELPAR_OUTCOME_DIR``, is what
+    the command reports. Ctrl-C stops the launch's whole process group and re-raises."""
+    import tempfile
+
+    from modelpar.rank_outcome import OUTCOME_ENV, LaunchOutcome
+
+    with tempfile.TemporaryDirectory(prefix="modelpar-outcome-") as d:
+        cmd = [sys.executable, "-m", "modelpar.launch", *torchrun_cmd(nproc, target)[3:]]
+        proc = subprocess.Popen(cmd, env=worker_env(threads, {**(env or {}), OUTCOME_ENV: d}), start_new_session=True)
+        try:
+            rc = proc.wait()
+        except BaseException:
+            _kill_group(proc)
+            raise
+        code_file = Path(d, "code")
+        code = int(code_file.read_text()) if code_file.exists() else None
+        errors = {int(p.stem[4:]): json.loads(p.read_text()) for p in Path(d).glob("rank*.err")}
+    return LaunchOutcome(code, errors, None if rc == 0 else f"torchrun exit code {rc}")
+
+
+def _quiet_torchrun(argv: list[str]) -> int:
+    """``torch.distributed.run.main(argv)`` with torch.distributed's logging at CRITICAL; a failed child
+    gives exit code 1 without torchrun's report (the ranks reported their own errors)."""
+    import logging
+
+    from torch.distributed.run import main as torchrun
+
+    for name in [n for n in list(logging.root.manager.loggerDict) if n.startswith("torch.distributed")] + [
+            "torch.distributed.elastic"]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        torchrun(argv)
+    except Exception:  # noqa: BLE001 - ChildFailedError: the outcome files say what happened
+        return 1
+    return 0
 
 
 @dataclass
@@ -199,3 +244,7 @@ def exit_rank(code: int = 0):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+if __name__ == "__main__":        # `python -m modelpar.launch TORCHRUN_ARGS...`: see `run_command`
+    sys.exit(_quiet_torchrun(sys.argv[1:]))

@@ -13,18 +13,16 @@ be named with its first error line.
   may never reach one) and no interpreter teardown, which is where "terminate called without an
   active exception" came from (gloo's process group and c10d's threads destroyed while a thread
   still runs, in Python's finalisation after an uncaught error).
-- The launching process calls `launch` with torchrun's arguments: the launcher's own logging is
-  silenced for the call, and the outcome is read back from the files.
+- The launching process starts the ranks with `modelpar.launch.run_command`, which silences
+  torchrun's own report and reads the outcome back from the files (`LaunchOutcome`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -106,41 +104,3 @@ class LaunchOutcome:
             lines += [f"{prog}: then rank {r} failed: {e['line']}" for _, r, e in events[1:] if e["kind"] == "crash"]
             return code, "\n".join(lines)
         return 1, f"{prog}: a rank ended without a result ({self.launcher_error or 'no error was recorded'})"
-
-
-@contextlib.contextmanager
-def _quiet_launcher():
-    names = [n for n in list(logging.root.manager.loggerDict) if n.startswith("torch.distributed")]
-    saved = {n: logging.getLogger(n).level for n in names}
-    for n in names:
-        logging.getLogger(n).setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        for n, lvl in saved.items():
-            logging.getLogger(n).setLevel(lvl)
-
-
-def launch(torchrun_args: list[str]) -> LaunchOutcome:
-    """Run ``torch.distributed.run.main(torchrun_args)`` with its logging silenced and read the ranks'
-    outcome (module docstring)."""
-    from torch.distributed.run import main as torchrun
-
-    with tempfile.TemporaryDirectory(prefix="modelpar-outcome-") as d:
-        saved = os.environ.get(OUTCOME_ENV)
-        os.environ[OUTCOME_ENV] = d
-        err = None
-        try:
-            with _quiet_launcher():
-                torchrun(torchrun_args)
-        except Exception as e:  # noqa: BLE001 - ChildFailedError: the files say what happened
-            err = type(e).__name__
-        finally:
-            if saved is None:
-                os.environ.pop(OUTCOME_ENV, None)
-            else:
-                os.environ[OUTCOME_ENV] = saved
-        code_file = Path(d, "code")
-        code = int(code_file.read_text()) if code_file.exists() else None
-        errors = {int(p.stem[4:]): json.loads(p.read_text()) for p in Path(d).glob("rank*.err")}
-    return LaunchOutcome(code, errors, err)

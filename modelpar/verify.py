@@ -31,7 +31,7 @@ from modelpar.parallel.mesh import MeshInfo, build_mesh
 from modelpar.plan import ParallelPlan, gradient_accumulation_steps
 from modelpar.train.data import global_batch_slice
 from modelpar.train.loop import gather_full_state_dict, reduce_loss
-from modelpar.train.step import adamw, train_step
+from modelpar.train.step import make_optimizer as _make_optimizer, train_step
 
 
 @dataclass
@@ -44,12 +44,8 @@ class RunResult:
 
 
 def make_optimizer(params, name: str, lr: float) -> torch.optim.Optimizer:
-    params = list(params)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    if name == "adamw":
-        return adamw(params, lr=lr, weight_decay=0.01)
-    raise ValueError(f"optimizer={name!r} is unknown; valid: adamw, sgd")
+    """`modelpar.train.step.make_optimizer` with verify's weight decay (0.01 on matrices)."""
+    return _make_optimizer(params, name, lr=lr, weight_decay=0.01)
 
 
 def run_steps(model: nn.Module, plan: ParallelPlan, *, loss_fn: Callable, batch_fn: Callable[[int], tuple],

@@ -3,7 +3,8 @@
 - ``dist_results(world)``: one launch (`modelpar.launch`) per world size runs every parity case of that size
   (process groups are shared across cases; an 8-rank launch costs ~15 s here), with a hard timeout
   so a hang fails instead of blocking CI.
-- An autouse fixture restores environment variables and checks no process group leaks from a test.
+- An autouse fixture restores environment variables and fails a test that leaks a process group or a
+  thread.
 - The parity report (largest differences of every case) is written to ``parity-report.md`` and shown
   in the terminal summary.
 """
@@ -62,11 +63,34 @@ def dist_results(tmp_path_factory):
     return get
 
 
+# threads that libraries keep for the whole process by design (tqdm's monitor is started once and
+# reused by every later bar); anything else a test starts must be gone when it ends
+SHARED_THREADS = ("TMonitor", "tqdm_monitor")
+
+
+def _leaked_threads(before: set[int], grace_s: float = 2.0) -> list[str]:
+    import threading
+    import time
+
+    deadline = time.monotonic() + grace_s
+    while True:
+        new = [t for t in threading.enumerate() if t.ident not in before and t.is_alive()
+               and not any(s in (t.name + type(t).__name__) for s in SHARED_THREADS)]
+        if not new or time.monotonic() > deadline:
+            return [f"{t.name} ({type(t).__name__}, daemon={t.daemon})" for t in new]
+        time.sleep(0.05)
+
+
 @pytest.fixture(autouse=True)
 def _clean_env():
+    """Restore the environment; fail a test that leaves a process group initialised or a thread running
+    (the session's shared launches run in their own processes, so nothing here is shared)."""
+    import threading
+
     import torch.distributed as dist
 
     saved = dict(os.environ)
+    threads = {t.ident for t in threading.enumerate()}
     yield
     leaked = dist.is_available() and dist.is_initialized()
     if leaked:
@@ -74,6 +98,8 @@ def _clean_env():
     os.environ.clear()
     os.environ.update(saved)
     assert not leaked, "the test left a process group initialised"
+    stray = _leaked_threads(threads)
+    assert not stray, f"the test left thread(s) running: {', '.join(stray)}"
 
 
 def record_parity(report: dict) -> None:

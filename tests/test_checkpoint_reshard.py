@@ -14,9 +14,6 @@ their largest loss difference are printed in the terminal summary.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,10 +21,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ckpt_worker import base_cfg  # noqa: E402
+from helpers.workers import launch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LOSS_RTOL = 1e-5
-LAUNCH_TIMEOUT_S = 300
 
 
 class _ReshardReport:
@@ -47,20 +44,6 @@ class _ReshardReport:
 
 
 REPORT = _ReshardReport()
-
-
-def launch(nproc: int, specs: list[dict], work: Path, tag: str) -> dict:
-    spec_file, out = work / f"{tag}.spec.json", work / f"{tag}.out.json"
-    spec_file.write_text(json.dumps(specs))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    from modelpar.launch import torchrun_cmd
-
-    cmd = ["timeout", "-k", "10", str(LAUNCH_TIMEOUT_S),
-           *torchrun_cmd(nproc, [str(ROOT / "tests" / "ckpt_worker.py"), str(out), str(spec_file)])]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=LAUNCH_TIMEOUT_S + 30)
-    if proc.returncode != 0 or not out.exists():
-        pytest.fail(f"launch {tag} ({nproc} ranks) failed, rc {proc.returncode}:\n{proc.stderr[-4000:]}")
-    return json.loads(out.read_text())
 
 
 def run_local(spec: dict) -> dict:

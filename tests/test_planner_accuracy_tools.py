@@ -19,6 +19,7 @@ from modelpar.models import build_model
 from modelpar.calibrate import default_calibration_path
 from modelpar.calibrate.micro import fit_alpha_beta
 from modelpar.cli.calibrate import main as calibrate_main
+from modelpar.planner.calibration import Calibration
 from modelpar.planner.hardware import cpu_profile, load_profile
 from modelpar.planner.profile import profile_model
 
@@ -45,7 +46,7 @@ def test_calibrate_writes_default_path(tmp_path, monkeypatch, capsys):
     assert default_calibration_path() == target
     assert calibrate_main(["--no-collectives", "--nproc", "2"]) == 0
     hw = load_profile(target)
-    curve = {k: v for k, v in hw.extra.items() if k.startswith("matmul_flops_")}
+    curve = hw.calibration.matmul_flops
     assert len(curve) >= 5 and all(v > 1e7 for v in curve.values())
     assert 0 < hw.op_overhead_s < 1e-3
 
@@ -66,7 +67,7 @@ def test_auto_calibrates_once_and_uses_it(tmp_path, monkeypatch, capsys):
     mtime = target.stat().st_mtime_ns
     hw = auto.hardware_for(TrainConfig(model="gpt-nano"), 1)
     assert hw.source == "calibrated by modelpar calibrate" and target.stat().st_mtime_ns == mtime
-    assert "matmul_flops_512" in hw.extra and "attention_flops" in hw.extra
+    assert 512 in hw.calibration.matmul_flops and hw.calibration.attention_flops > 0
 
 
 def test_calibrate_scales_compute_when_ranks_outnumber_cores(tmp_path, monkeypatch):
@@ -84,16 +85,16 @@ def test_calibrate_scales_compute_when_ranks_outnumber_cores(tmp_path, monkeypat
     assert calibrate_main(["--no-collectives", "--nproc", str(ranks), "--out", str(out)]) == 0
     hw = load_profile(out)
     share = (os.cpu_count() or 1) / ranks
-    assert math.isclose(hw.extra["core_share"], share)
-    assert math.isclose(hw.extra["matmul_flops_512"], 1.2e11 * share)
+    assert math.isclose(hw.calibration.core_share, share)
+    assert math.isclose(hw.calibration.matmul_flops[512], 1.2e11 * share)
     assert math.isclose(hw.peak_flops["fp32"], 1.3e11 * share)
-    assert math.isclose(hw.extra["attention_flops"], 7e10 * share)
+    assert math.isclose(hw.calibration.attention_flops, 7e10 * share)
     assert math.isclose(hw.op_overhead_s, 2e-6 / share)
 
 
 def test_gemm_flops_curve_interpolates_and_clamps():
     import dataclasses
-    hw = dataclasses.replace(cpu_profile(1), extra={"matmul_flops_64": 1e10, "matmul_flops_256": 4e10})
+    hw = dataclasses.replace(cpu_profile(1), calibration=Calibration(matmul_flops={64: 1e10, 256: 4e10}))
     assert hw.gemm_flops("fp32", 2 * 32 ** 3) == 1e10                 # below the sweep: clamped
     assert hw.gemm_flops("fp32", 2 * 1024 ** 3) == 4e10               # above: clamped
     mid = hw.gemm_flops("fp32", 2 * 128 ** 3)                         # halfway in log size
@@ -107,7 +108,7 @@ def test_in_context_collective_table_and_fallback():
     import dataclasses
     extra = {"collective_ranks": 2, "all_reduce_t_1024": 1e-4, "all_reduce_t_4096": 4e-4,
              "all_reduce_ctx_1024": 2e-3, "all_reduce_ctx_4096": 8e-3, "all_gather_t_1024": 3e-4}
-    hw = dataclasses.replace(cpu_profile(2), extra=extra)
+    hw = dataclasses.replace(cpu_profile(2), calibration=Calibration.from_legacy_extra(extra))   # schema-1 keys
     assert hw.collective_seconds("all_reduce", 1024, 2) == 1e-4
     assert hw.collective_seconds("all_reduce", 1024, 2, in_context=True) == 2e-3
     assert math.isclose(hw.collective_seconds("all_reduce", 2048, 2, in_context=True), 4e-3, rel_tol=1e-9)

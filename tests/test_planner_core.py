@@ -160,6 +160,9 @@ def test_collective_and_bubble_formulas():
     assert bubble_fraction("1f1b", 4, 8) == bubble_fraction("gpipe", 4, 8) == 3 / 8
     assert bubble_fraction("interleaved1f1b", 4, 8, 2) == 3 / 16
     assert bubble_fraction("1f1b", 1, 8) == 0.0
+    from modelpar.planner.formulas import bubble_share_of_step
+    assert math.isclose(bubble_share_of_step("1f1b", 4, 8), 3 / (8 + 3))            # (p-1)/(m+p-1) of the step
+    assert math.isclose(bubble_share_of_step("interleaved1f1b", 2, 4, 2), 1 / (8 + 1))
     with pytest.raises(ValueError, match="schedule"):
         bubble_fraction("nope", 2, 2)
 

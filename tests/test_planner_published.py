@@ -17,6 +17,7 @@ from modelpar.models.gpt import GPT, GPTConfig
 from modelpar.plan import ParallelPlan
 from modelpar.planner.cost import estimate_step
 from modelpar.planner.gpu import A100, GPU_PHYSICS, H100, physics_for
+from modelpar.planner.calibration import Calibration
 from modelpar.planner.hardware import BUILTIN, cpu_profile
 from modelpar.planner.memory import Batch, estimate_memory, rank_loads
 from modelpar.planner.profile import profile_model
@@ -137,7 +138,7 @@ def test_gpu_tables_cited_values_and_interpolation():
 
 def test_cpu_and_calibrated_profiles_never_read_gpu_tables():
     assert physics_for(cpu_profile(2)) is None
-    assert physics_for(dataclasses.replace(BUILTIN["A100-80GB"], extra={"matmul_flops_64": 1e9})) is None
+    assert physics_for(dataclasses.replace(BUILTIN["A100-80GB"], calibration=Calibration(matmul_flops={64: 1e9}))) is None
     assert physics_for(BUILTIN["H100-80GB-SXM"]) is H100
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_checkpoint_reshard import launch  # noqa: E402
+from helpers.workers import launch  # noqa: E402
 
 
 @pytest.fixture(scope="module")

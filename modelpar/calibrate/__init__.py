@@ -3,7 +3,8 @@ only place outside tests that times anything for the planner). Beside the planne
 it starts processes (`modelpar.calibrate.collectives`).
 
 - `default_calibration_path()`: where this machine's profile lives.
-- `calibrate(out, ranks)`: run the micro-benchmarks and save the profile (JSON, `save_profile`).
+- `calibrate(out, ranks)`: run the micro-benchmarks and save the profile (JSON, `save_profile`; what
+  was measured is a typed `modelpar.planner.calibration.Calibration`).
 - `machine_hardware(local_ranks)`: the profile every command uses by default (``--hardware`` empty).
 """
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from modelpar.planner.calibration import Calibration, CollectiveTable
 from modelpar.planner.hardware import Hardware, cpu_profile, get_hardware, save_profile
 
 AUTO_CALIBRATE_ENV = "MODELPAR_AUTO_CALIBRATE"   # "0": `train --strategy auto` never measures on the fly
@@ -85,40 +87,37 @@ def calibrate(out: str | os.PathLike | None = None, ranks: int = 2, *, collectiv
     best = c["matmul_peak"]
     base = cpu_profile(ranks)
     lat, bw = base.intra_latency, base.intra_bw
-    extra = {f"matmul_flops_{n}": f for n, f in c["matmul_flops"].items()}
-    extra["attention_flops"] = c["attention_flops"]
-    extra["elementwise_bw"] = c["elementwise_bw"]
-    extra["core_share"] = share
-    extra["zero_bubble_backward_factor"] = c["zero_bubble_backward_factor"]
+    cal = dict(matmul_flops=dict(c["matmul_flops"]), attention_flops=c["attention_flops"],
+               elementwise_bw=c["elementwise_bw"], core_share=share,
+               zero_bubble_backward_factor=c["zero_bubble_backward_factor"])
     coll = {}
     if collectives and ranks > 1:
         coll = measure_collectives(ranks)
         # one rank alone (this process, the others not started) and every rank at once: ranks in
         # lockstep (data / tensor parallel) share the memory bus, pipeline stages mostly do not
-        extra["mem_bandwidth_alone"] = c["mem_bandwidth"]
-        extra["fresh_alloc_s_per_byte_alone"] = fresh_threshold(c["fresh"])[0]
+        cal["mem_bandwidth_alone"] = c["mem_bandwidth"]
+        cal["fresh_alloc_s_per_byte_alone"] = fresh_threshold(c["fresh"])[0]
         c["mem_bandwidth"] = coll.pop("mem_bandwidth")
         fresh = coll.pop("fresh")
-        extra.update(coll.pop("framework"))
+        cal.update(coll.pop("framework"))
         times = coll.pop("times")
         in_ctx = coll.pop("in_context")
         lat, bw = coll["all_reduce"]
-        for op, (a, b) in coll.items():
-            extra[f"{op}_latency"], extra[f"{op}_bw"] = a, b
-            for nbytes, t in times[op].items():      # the measured table; the cost model interpolates it
-                extra[f"{op}_t_{nbytes}"] = t
-            for nbytes, t in in_ctx[op].items():     # the same, issued between compute segments
-                extra[f"{op}_ctx_{nbytes}"] = t
-        extra["fresh_alloc_s_per_byte"], extra["fresh_alloc_min_bytes"] = fresh_threshold(fresh)
-        if platform.libc_ver()[0] == "glibc" and extra["fresh_alloc_s_per_byte"] > 0:
+        # the measured tables (the cost model interpolates them): back-to-back, and issued between
+        # compute segments
+        cal["collectives"] = {op: CollectiveTable(a, b, dict(times[op]), dict(in_ctx.get(op, {})))
+                              for op, (a, b) in coll.items()}
+        cal["fresh_alloc_s_per_byte"], cal["fresh_alloc_min_bytes"] = fresh_threshold(fresh)
+        if platform.libc_ver()[0] == "glibc" and cal["fresh_alloc_s_per_byte"] > 0:
             # glibc maps every block above its largest dynamic mmap threshold (32 MiB on 64-bit,
             # DEFAULT_MMAP_THRESHOLD_MAX) anew when no free heap chunk fits it; which free chunks
             # exist depends on the heap's history, so the sweep's boundary moves between runs
-            extra["fresh_alloc_min_bytes"] = 32 * 2 ** 20
-        extra["collective_ranks"] = ranks
+            cal["fresh_alloc_min_bytes"] = 32 * 2 ** 20
+        cal["collective_ranks"] = ranks
+    calibration = Calibration(**cal)
     hw = Hardware("cpu", {"fp32": best, "bf16": best / 2}, base.memory_bytes, c["mem_bandwidth"], bw, lat,
                   bw, lat, ranks, 1.0, mem_bw_fraction=1.0, op_overhead_s=c["op_overhead_s"], comm_overlap=False,
-                  source="calibrated by modelpar calibrate", extra=extra)
+                  source="calibrated by modelpar calibrate", calibration=calibration)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     save_profile(hw, out)
     say(f"  matmul peak {best / 1e9:.1f} GFLOP/s (same operands repeated); a Linear's three products "
@@ -133,16 +132,16 @@ def calibrate(out: str | os.PathLike | None = None, ranks: int = 2, *, collectiv
         say(f"  {op:<15} latency {a * 1e6:8.1f} us, bandwidth {b / 1e9:6.2f} GB/s ({ranks} ranks); "
               + ", ".join(f"{k / 2 ** 20:g} MiB {v * 1e3:.2f} ms" for k, v in times[op].items()))
     if coll:
-        say(f"  framework per call (fwd + bwd): TP Linear {extra['tp_linear_overhead_s'] * 1e6:.0f} us + "
-              f"{extra['tp_linear_overhead_s_per_byte'] * 1e9:.2f} ns per input byte, "
-              f"FSDP2 unit {extra['fsdp_unit_overhead_s'] * 1e6:.0f} us + {extra['fsdp_tensor_overhead_s'] * 1e6:.0f} us "
-              f"per parameter tensor")
+        say(f"  framework per call (fwd + bwd): TP Linear {calibration.tp_linear_overhead_s * 1e6:.0f} us + "
+              f"{calibration.tp_linear_overhead_s_per_byte * 1e9:.2f} ns per input byte, "
+              f"FSDP2 unit {calibration.fsdp_unit_overhead_s * 1e6:.0f} us + "
+              f"{calibration.fsdp_tensor_overhead_s * 1e6:.0f} us per parameter tensor")
         for op in coll:
             say(f"  {op:<15} between compute segments: "
                   + ", ".join(f"{k / 2 ** 20:g} MiB {v * 1e3:.2f} ms" for k, v in in_ctx[op].items()))
-        fb, fmin = extra["fresh_alloc_s_per_byte"], extra["fresh_alloc_min_bytes"]
-        say(f"  alone (one rank): memory bandwidth {extra['mem_bandwidth_alone'] / 1e9:.1f} GB/s, fresh allocation "
-              f"{extra['fresh_alloc_s_per_byte_alone'] * 1e9:.3f} ns/byte")
+        fb, fmin = calibration.fresh_alloc_s_per_byte, calibration.fresh_alloc_min_bytes
+        say(f"  alone (one rank): memory bandwidth {calibration.mem_bandwidth_alone / 1e9:.1f} GB/s, fresh "
+              f"allocation {calibration.fresh_alloc_s_per_byte_alone * 1e9:.3f} ns/byte")
         say(f"  fresh allocation: {fb * 1e9:.3f} ns/byte from {fmin / 2 ** 20:g} MiB "
               f"({', '.join(f'{k / 2 ** 20:g} MiB {v * 1e9:.3f}' for k, v in fresh.items())} ns/byte)")
     say(f"saved {out}")

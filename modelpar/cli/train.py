@@ -115,7 +115,7 @@ def read_run_folder(run_dir: Path):
 
 
 def main(argv: list[str]) -> int:
-    from modelpar.launch import multinode_commands, run_local, under_launcher
+    from modelpar.launch import multinode_commands, run_command, under_launcher
     from modelpar.rank_outcome import run_rank_and_exit
     from modelpar.train.loop import preflight
     from modelpar.train.resolve import resolve
@@ -153,8 +153,7 @@ def main(argv: list[str]) -> int:
     if world == 1:
         train(cfg, run_dir=run_dir, resolved=resolved)
         return 0
-    rc = run_local(target, world)
-    if rc != 0:
-        print(f"modelpar train: a rank failed (exit code {rc}); its error is printed above", file=sys.stderr)
-        return 1
-    return 0
+    code, msg = run_command(target, world).report("modelpar train")
+    if msg:                                     # a rank's error is printed above; this names the first
+        print(msg, file=sys.stderr)
+    return code

@@ -300,7 +300,8 @@ def main(argv: list[str]) -> int:
 
     from modelpar.launch import under_launcher
     from modelpar.plan_file import PlanFile, read_plan_file
-    from modelpar.rank_outcome import launch as launch_ranks, run_rank_and_exit
+    from modelpar.launch import run_command
+    from modelpar.rank_outcome import run_rank_and_exit
 
     p = build_parser()
     argv = normalize_argv(argv, p, prog="modelpar verify")
@@ -322,9 +323,9 @@ def main(argv: list[str]) -> int:
     opts = {k: v for k, v in args.as_dict().items() if k not in ("config", "__path__", "run_dir")}
     (d / "verify.yaml").write_text(yaml.safe_dump(opts))
     PlanFile(plan, args.global_batch_size, local, "modelpar verify").write(d / "plan.json")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    code, msg = launch_ranks(["--standalone", f"--nproc-per-node={plan.world_size}", "--max-restarts=0", "-m",
-                              "modelpar", "verify", "--run-dir", str(d)]).report("modelpar verify")
+    threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
+    code, msg = run_command(["-m", "modelpar", "verify", "--run-dir", str(d)], plan.world_size,
+                            threads=threads).report("modelpar verify")
     if msg:                                      # FAIL: 1; a crash: 1, named; an error on every rank: 2
         print(msg, file=sys.stderr)
     return code

@@ -81,8 +81,8 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, list[
     The rule: among every ``nn.ModuleList`` / ``nn.Sequential`` anywhere in the tree, take the longest
     run of consecutive children of one class (ties: the shallower container, then the first met). So
     ``model.layers`` (Llama), ``transformer.h`` (GPT-2), ``vit.encoder.layer`` (ViT) and a ResNet
-    stage's blocks are found without naming them. ``blocks`` names the container instead (``--blocks
-    PATH``), where the rule picks wrong.
+    stage's blocks are found without naming them. ``blocks`` names the container instead, where the
+    rule picks wrong.
 
     Raises:
         ValueError: ``blocks`` names no container of the model, or no container holds two or more
@@ -93,7 +93,7 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, list[
         c = named.get(blocks)
         if not isinstance(c, (nn.ModuleList, nn.Sequential)) or len(c) == 0:
             containers = [n for n, m in named.items() if isinstance(m, (nn.ModuleList, nn.Sequential)) and n]
-            raise ValueError(f"--blocks {blocks!r} is not a non-empty nn.ModuleList / nn.Sequential of "
+            raise ValueError(f"blocks {blocks!r} is not a non-empty nn.ModuleList / nn.Sequential of "
                              f"{type(model).__name__}; its containers: {containers[:10]}")
         pre = f"{blocks}." if blocks else ""
         return blocks, [(pre + n, m) for n, m in c.named_children()]
@@ -114,8 +114,8 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, list[
             i = j + 1
     if best is None:
         raise ValueError(f"cannot find the blocks of {type(model).__name__}: no nn.ModuleList or nn.Sequential "
-                         f"in it holds two or more modules of one class; name them with --blocks PATH, or "
-                         f"give --split-points")
+                         f"in it holds two or more modules of one class; name the container (find_blocks(model, "
+                         f"blocks=PATH)) or give split points")
     _, path, run = best
     pre = f"{path}." if path else ""
     return path, [(pre + n, m) for n, m in run]

@@ -296,12 +296,3 @@ class ActionTimer:
             out[s] = out.get(s, 0.0) + (t1 - t0)
         return out
 
-
-def bubble_formula(pp: int, n_microbatches: int, virtual_stages: int = 1) -> float:
-    """Idle fraction of a synchronous pipeline step: (p - 1) / (v m + p - 1).
-
-    From Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters Using
-    Megatron-LM", Sec. 2.2: bubble time fraction (p - 1) / m of the ideal time, interleaved (p - 1) /
-    (v m)), written as a fraction of the whole step. v = 1 for GPipe / 1F1B.
-    """
-    return (pp - 1) / (virtual_stages * n_microbatches + pp - 1)

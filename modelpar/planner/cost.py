@@ -54,6 +54,7 @@ from modelpar.plan import ParallelPlan
 from modelpar.planner.formulas import (all_gather_time, all_reduce_time, alpha_beta_form,  # noqa: F401
                                        bubble_fraction, p2p_time)
 from modelpar.planner.gpu import gpu_link, gpu_load_times, physics_for
+from modelpar.planner.calibration import NO_CALIBRATION
 from modelpar.planner.hardware import Hardware
 from modelpar.planner.memory import Batch, RankLoad, rank_loads
 from modelpar.planner.profile import ModelProfile
@@ -172,7 +173,7 @@ def _coll_sum(plan: ParallelPlan, axis: str, hw: Hardware, op: str, sizes, n: in
     if link is None or link[0] is not hw:
         if len(_LINKS) > 65536:
             _LINKS.clear()
-        table = (bool(hw.extra) and hw.devices_per_node % (plan.tp * plan.dp * plan.pp) == 0
+        table = (hw.calibration is not None and hw.devices_per_node % (plan.tp * plan.dp * plan.pp) == 0
                  and hw.collective_seconds(op, 1.0, n, in_context=ctx) is not None)
         bw, lat = _axis_link(plan, axis, hw, op)
         steps, volume = alpha_beta_form(op, n)
@@ -351,7 +352,9 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     # the same moments and share the bus; a pure pipeline's stages run different work at any moment,
     # so each streams at the one-rank rate (both calibrated on CPU; the same number elsewhere)
     alone = plan.dp * plan.tp == 1 and plan.pp > 1
-    mem_s = (hw.extra.get("mem_bandwidth_alone", hw.mem_bandwidth) if alone else hw.mem_bandwidth) * hw.mem_bw_fraction
+    cal = hw.calibration or NO_CALIBRATION
+    mem_s = ((cal.mem_bandwidth_alone if alone and cal.mem_bandwidth_alone is not None else hw.mem_bandwidth)
+             * hw.mem_bw_fraction)
     phys = physics_for(hw)
     if phys is not None:            # built-in GPU: measured HBM fraction and MAMF (gpu.py)
         mem_s = hw.mem_bandwidth * phys.hbm_fraction
@@ -361,18 +364,17 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     overlap = dp_overlap and hw.comm_overlap
     ar_tp = _coll(plan, "tp", hw, "all_reduce", tp_bytes * b, plan.tp, not hw.comm_overlap) if plan.tp > 1 else 0.0
     # DTensor's cost per sharded Linear (forward + backward): fixed + per byte of its input activation
-    tp_linear = (hw.extra.get("tp_linear_overhead_s", 0.0)
-                 + hw.extra.get("tp_linear_overhead_s_per_byte", 0.0) * tp_bytes * b) if plan.tp > 1 else 0.0
+    tp_linear = (cal.tp_linear_overhead_s + cal.tp_linear_overhead_s_per_byte * tp_bytes * b) if plan.tp > 1 else 0.0
     best = None
     curve = bool(hw.matmul_curve())
     # the non-matmul operators' traffic moves at their calibrated rate (arithmetic-heavy: GELU's erf,
     # norms' reductions), never above the streaming bandwidth
-    ew_s = min(mem_s, hw.extra.get("elementwise_bw", mem_s))
-    attn_rate = hw.extra.get("attention_flops", 0.0) * hw.peak_flops[prec] / hw.peak_flops.get("fp32", hw.peak_flops[prec])
+    ew_s = min(mem_s, cal.elementwise_bw if cal.elementwise_bw is not None else mem_s)
+    attn_rate = cal.attention_flops * hw.peak_flops[prec] / hw.peak_flops.get("fp32", hw.peak_flops[prec])
     # zero-bubble schedules split each backward into an input-gradient and a weight-gradient pass
     # (Qi et al. ICLR'24; torch's stage_backward_input / stage_backward_weight): the weight pass
     # re-reads activations and output gradients the cache has lost; calibrated on CPU, 1 elsewhere
-    zb = (hw.extra.get("zero_bubble_backward_factor", 1.0)
+    zb = (cal.zero_bubble_backward_factor
           if p > 1 and plan.pp_schedule in ZERO_BUBBLE_SCHEDULES else 1.0)
     for ld in loads:
         key = (id(ld), id(hw), b, prec, alone, attention_kernel)
@@ -447,8 +449,8 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
                       + 8 * (ld.params - root) / mem_s)
             # + FSDP2's per-unit cost (hooks, copy-in/out bookkeeping; forward + backward), calibrated
             fsdp_per_mb = (gathers * (ag + ag_mem) + ag_root
-                           + (len(units) + 1) * hw.extra.get("fsdp_unit_overhead_s", 0.0)
-                           + ld.num_tensors * hw.extra.get("fsdp_tensor_overhead_s", 0.0))
+                           + (len(units) + 1) * cal.fsdp_unit_overhead_s
+                           + ld.num_tensors * cal.fsdp_tensor_overhead_s)
             # the reduce-scatter: once per step where the last micro-batch syncs (deferred sync, and
             # torch.distributed.pipelining's runtime, which reduces at the end of each schedule step:
             # modelled once per step), every local batch where FSDP accumulates sharded gradients

@@ -56,3 +56,16 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
         # ZB-V reaches ~0 only once m >= 2p micro-batches fill the V; below that, ZB-H1's bound
         return 0.0 if m >= 2 * p else (p - 1) / (3 * m)
     raise ValueError(f"unknown pp_schedule {schedule!r}")
+
+
+def bubble_share_of_step(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """The bubble as a fraction of the whole pipeline step, ``f / (1 + f)`` with ``f`` =
+    `bubble_fraction` (bubble over ideal time); for GPipe / 1F1B this is (p - 1) / (v m + p - 1)
+    (Narayanan et al. 2021, Sec. 2.2). The one bubble definition: benchmarks that print a measured
+    idle share next to the formula use this.
+
+    Raises:
+        ValueError: see `bubble_fraction`.
+    """
+    f = bubble_fraction(schedule, p, m, v)
+    return f / (1 + f)

@@ -213,8 +213,8 @@ GPU_PHYSICS: dict[str, GpuPhysics] = {"A100-40GB": A100, "A100-80GB": A100, "H10
 
 def physics_for(hw) -> GpuPhysics | None:
     """The physics table of a built-in GPU profile (by name), None for the CPU and calibrated
-    profiles (a calibrated JSON profile carries its own measured tables in ``extra``)."""
-    if hw.extra:
+    profiles (a calibrated JSON profile carries its own measured tables, ``hw.calibration``)."""
+    if hw.calibration is not None:
         return None
     return GPU_PHYSICS.get(hw.name)
 

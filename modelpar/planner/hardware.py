@@ -28,8 +28,10 @@ import dataclasses
 import json
 import os
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+
+from modelpar.planner.calibration import SCHEMA_VERSION, Calibration
 
 GIB = 2 ** 30
 
@@ -54,8 +56,8 @@ class Hardware:
         comm_overlap: whether communication can proceed while the rank computes. False on CPU
             ranks that own all their cores: gloo moves and reduces data with the same cores (and the
             kernel's loopback TCP), so a collective adds its time even when issued asynchronously.
-        extra: calibrated tables: ``matmul_flops_N``, ``{op}_t_{bytes}`` (measured collective
-            seconds), ``collective_ranks``, ``fresh_alloc_s_per_byte`` / ``fresh_alloc_min_bytes``.
+        calibration: what `modelpar calibrate` measured (`modelpar.planner.calibration.Calibration`);
+            None for built-in and estimated profiles.
     """
 
     name: str
@@ -73,8 +75,7 @@ class Hardware:
     framework_overhead_bytes: float = 0.0
     comm_overlap: bool = True          # collectives run beside compute (GPU copy engines / NCCL SMs)
     source: str = ""
-    extra: dict[str, float] = field(default_factory=dict)
-    _tables: dict = field(default_factory=dict, init=False, repr=False, compare=False)   # parsed extra, cached
+    calibration: Calibration | None = None
 
     def achievable_flops(self, precision: str) -> float:
         """``peak_flops[precision] * gemm_fraction``, FLOP/s. Raises ValueError for an unknown precision."""
@@ -86,7 +87,7 @@ class Hardware:
     def gemm_flops(self, precision: str, call_flops: float) -> float:
         """Achievable FLOP/s of a matrix product of ``call_flops`` FLOPs.
 
-        With a calibrated curve (``extra["matmul_flops_N"]``: FLOP/s of an N x N x N product, from
+        With a calibrated curve (``calibration.matmul_flops``: FLOP/s of an N x N x N product, from
         `modelpar calibrate`) the rate is interpolated log-linearly in the equivalent square size
         ``(call_flops / 2) ** (1/3)`` and clamped at the ends; otherwise `achievable_flops`. The
         curve is measured in fp32; bf16 scales it by ``peak[bf16] / peak[fp32]``.
@@ -108,38 +109,27 @@ class Hardware:
         return self.achievable_flops(precision)
 
     def matmul_curve(self) -> list[tuple[int, float]]:
-        """The calibrated ``(N, FLOP/s)`` points of N x N x N products, sorted by N ([] if none);
-        parsed from ``extra`` once."""
-        pts = self._tables.get("matmul")
-        if pts is None:
-            pts = self._tables["matmul"] = sorted((int(k.rsplit("_", 1)[1]), v) for k, v in self.extra.items()
-                                                  if k.startswith("matmul_flops_"))
-        return pts
+        """The calibrated ``(N, FLOP/s)`` points of N x N x N products, sorted by N ([] if none)."""
+        return self.calibration.matmul_points if self.calibration is not None else []
 
     def collective(self, op: str) -> tuple[float, float] | None:
         """Calibrated (bandwidth bytes/s, latency s) of ``op`` (``all_reduce``, ``all_gather``,
         ``reduce_scatter``, ``send_recv``) between local ranks, or None if not calibrated."""
-        bw, lat = self.extra.get(f"{op}_bw"), self.extra.get(f"{op}_latency")
-        return (bw, lat) if bw and lat is not None else None
+        t = self.calibration.collectives.get(op) if self.calibration is not None else None
+        return (t.bandwidth, t.latency_s) if t is not None and t.bandwidth else None
 
     def collective_seconds(self, op: str, nbytes: float, n: int, *, in_context: bool = False) -> float | None:
         """Measured seconds of ``op`` on ``nbytes`` between ``n`` local ranks, interpolated in the
         calibrated table (log-log between measured sizes; the smallest size's time below it; linear
         in bytes above the largest), or None when ``op`` was not measured with ``n`` ranks.
         ``nbytes``: the full (gathered / reduced) size, as in the alpha-beta forms of cost.py.
-        ``in_context``: the table of calls issued between compute segments (``{op}_ctx_{bytes}``,
-        the wait for the slowest rank included) where calibrated, else the back-to-back one."""
-        if n != int(self.extra.get("collective_ranks", self.devices_per_node)):
+        ``in_context``: the table of calls issued between compute segments (the wait for the slowest
+        rank included) where calibrated, else the back-to-back one."""
+        cal = self.calibration
+        if cal is None or n != (cal.collective_ranks or self.devices_per_node):
             return None
-        tab = (op, in_context)
-        pts = self._tables.get(tab)
-        if pts is None:
-            pts = []
-            for key in ((f"{op}_ctx_", f"{op}_t_") if in_context else (f"{op}_t_",)):
-                pts = sorted((float(k[len(key):]), v) for k, v in self.extra.items() if k.startswith(key))
-                if pts:
-                    break
-            self._tables[tab] = pts
+        t = cal.collectives.get(op)
+        pts = t.points(in_context) if t is not None else []
         if not pts:
             return None
         return interpolate_sizes(pts, nbytes)
@@ -150,12 +140,15 @@ class Hardware:
         (page faults on first touch + unmapping on free; measured by calibrate; 0 elsewhere, e.g. on
         GPUs, whose caching allocator reuses blocks). ``alone``: the rate of one rank allocating while
         the others do not (pipeline stages), where calibrated."""
-        c = self.extra.get("fresh_alloc_s_per_byte", 0.0)
-        if alone:
-            c = self.extra.get("fresh_alloc_s_per_byte_alone", c)
+        cal = self.calibration
+        if cal is None:
+            return 0.0
+        c = cal.fresh_alloc_s_per_byte
+        if alone and cal.fresh_alloc_s_per_byte_alone is not None:
+            c = cal.fresh_alloc_s_per_byte_alone
         if not c:
             return 0.0
-        thr = self.extra.get("fresh_alloc_min_bytes", float("inf"))
+        thr = cal.fresh_alloc_min_bytes
         return c * sum(k * elem_bytes for k in sizes if k * elem_bytes >= thr)
 
     def link(self, n: int, span: int) -> tuple[float, float]:
@@ -167,7 +160,11 @@ class Hardware:
         return self.inter_bw, self.inter_latency
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in dataclasses.asdict(self).items() if not k.startswith("_")}
+        """The profile as saved (`save_profile`): its fields, the calibration as its JSON form."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "calibration"}
+        d["peak_flops"] = dict(self.peak_flops)
+        d["calibration"] = self.calibration.to_json() if self.calibration is not None else None
+        return d
 
 
 _MAMF_A100 = 267.9e12 / 312e12    # MAMF A100 SXM bf16 (see module docstring)
@@ -268,17 +265,29 @@ def get_hardware(name_or_path: str, *, local_ranks: int = 1) -> Hardware:
 
 
 def save_profile(hw: Hardware, path: str | os.PathLike) -> None:
-    """Write ``hw`` as JSON to ``path``."""
-    Path(path).write_text(json.dumps(hw.to_dict(), indent=2, sort_keys=True))
+    """Write ``hw`` as JSON to ``path`` (schema `modelpar.planner.calibration.SCHEMA_VERSION`)."""
+    Path(path).write_text(json.dumps({"schema_version": SCHEMA_VERSION, **hw.to_dict()}, indent=2, sort_keys=True))
 
 
 def load_profile(path: str | os.PathLike) -> Hardware:
-    """Read a JSON profile written by `save_profile`.
+    """Read a JSON profile written by `save_profile`, or by a modelpar from before the schema (version 1:
+    the measured tables as string keys of ``extra``; converted).
 
     Raises:
-        ValueError: missing or unknown fields (named).
+        ValueError: a newer schema, missing or unknown fields (named).
     """
     d = json.loads(Path(path).read_text())
+    version = d.pop("schema_version", 1)
+    if not isinstance(version, int) or version > SCHEMA_VERSION:
+        raise ValueError(f"hardware profile {path}: schema version {version!r} is newer than this modelpar "
+                         f"reads ({SCHEMA_VERSION}); re-run `modelpar calibrate` or upgrade modelpar")
+    try:
+        if version == 1:
+            d["calibration"] = Calibration.from_legacy_extra(d.pop("extra", {}) or {})
+        elif d.get("calibration") is not None:
+            d["calibration"] = Calibration.from_json(d["calibration"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"hardware profile {path}: {e}") from None
     names = {f.name for f in dataclasses.fields(Hardware)}
     unknown = sorted(set(d) - names)
     if unknown:

@@ -21,7 +21,7 @@ from modelpar.parallel.ties import check_ties
 from modelpar.plan import ParallelPlan, gradient_accumulation_steps
 from modelpar.train.config import TrainConfig
 from modelpar.train.data import eval_shard
-from modelpar.train.step import adamw
+from modelpar.train.step import OPTIMIZERS
 from modelpar.train.task import Task, build_task
 
 
@@ -74,8 +74,8 @@ def preflight(cfg: TrainConfig, world_size: int, resolved=None) -> tuple[Paralle
     for name in ("steps", "global_batch_size"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
-    if cfg.optimizer not in ("adamw", "sgd"):
-        raise ValueError(f"optimizer={cfg.optimizer!r} is unknown; valid: adamw, sgd")
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={cfg.optimizer!r} is unknown; valid: {', '.join(OPTIMIZERS)}")
     if cfg.data is not None and cfg.model in PRESETS:
         from modelpar.train.data import load_text_corpus
 
@@ -116,15 +116,10 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def build_optimizer(pm: ParallelModel, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW (decay on >= 2-D weights only; fused kernel, see `adamw`) or plain SGD, over this rank's
-    parameters."""
-    params = [p for p in pm.parameters() if p.requires_grad]
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr)
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    return adamw([{"params": decay, "weight_decay": cfg.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    """`modelpar.train.step.make_optimizer` over this rank's parameters with the config's settings."""
+    from modelpar.train.step import make_optimizer
+
+    return make_optimizer(pm.parameters(), cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
 def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,31 @@ def adamw(param_groups, **kw) -> torch.optim.AdamW:
     return torch.optim.AdamW(param_groups, foreach=False, **kw)
 
 
+OPTIMIZERS = ("adamw", "sgd")
+
+
+def make_optimizer(params, name: str = "adamw", *, lr: float, weight_decay: float = 0.0,
+                   betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.Optimizer:
+    """The one optimizer builder (`modelpar train`, `modelpar verify`, bench and measurement runs).
+
+    ``"adamw"``: `adamw` with decoupled weight decay on parameters of >= 2 dimensions only (matrices
+    and embeddings; biases and norm gains take none, as GPT-2 / Megatron-LM train), in two groups,
+    matrices first. ``"sgd"``: plain SGD. Only parameters that require gradients are given to it.
+
+    Raises:
+        ValueError: an unknown ``name``.
+    """
+    params = [p for p in params if p.requires_grad]
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name != "adamw":
+        raise ValueError(f"optimizer={name!r} is unknown; valid: {', '.join(OPTIMIZERS)}")
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return adamw([{"params": decay, "weight_decay": weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas)
+
+
 def train_step(pm: ParallelModel, opt: torch.optim.Optimizer, xg: torch.Tensor, yg: torch.Tensor, *,
                accum_steps: int, grad_clip: float = 0.0) -> tuple[float, int, torch.Tensor]:
     """Forward/backward this rank's slices of the global batch ``(xg, yg)``, clip, and step.

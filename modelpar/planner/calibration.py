@@ -1,0 +1,173 @@
+"""What `modelpar calibrate` measured on a machine: a typed, versioned record the cost model reads.
+
+A calibration file is JSON with ``schema_version`` (`SCHEMA_VERSION`), the device description
+(`Hardware` fields) and a ``calibration`` object holding this dataclass. Files written before the
+schema existed (version 1: a flat `Hardware` dict whose measured tables were string keys of an
+``extra`` dict, e.g. ``all_reduce_ctx_1048576``) are read and converted by `from_legacy_extra`, so
+old caches keep working.
+
+Units: FLOP/s, bytes, bytes/s, seconds. Message sizes in the collective tables are the full
+(gathered / reduced) size in bytes, as in the alpha-beta forms of `modelpar.planner.cost`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+
+SCHEMA_VERSION = 2
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+
+
+@dataclass(frozen=True)
+class CollectiveTable:
+    """One collective between the calibrated local ranks.
+
+    Attributes:
+        latency_s / bandwidth: the alpha-beta fit (seconds, bytes/s).
+        seconds: measured back-to-back times, ``{bytes: s}``.
+        in_context: measured times of calls issued between compute segments (the wait for the
+            slowest rank included), ``{bytes: s}``; empty where not measured.
+    """
+
+    latency_s: float
+    bandwidth: float
+    seconds: dict[int, float] = field(default_factory=dict)
+    in_context: dict[int, float] = field(default_factory=dict)
+
+    def points(self, in_context: bool) -> list[tuple[float, float]]:
+        """Sorted ``(bytes, seconds)``: the in-context table where asked and measured, else back-to-back."""
+        return self._ctx_points if in_context and self.in_context else self._points
+
+    @cached_property
+    def _points(self) -> list[tuple[float, float]]:
+        return sorted((float(b), t) for b, t in self.seconds.items())
+
+    @cached_property
+    def _ctx_points(self) -> list[tuple[float, float]]:
+        return sorted((float(b), t) for b, t in self.in_context.items())
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured rates of one machine (`modelpar.calibrate.calibrate`).
+
+    Attributes:
+        matmul_flops: ``{N: FLOP/s}`` of a Linear's three N x N x N products on operands from memory.
+        attention_flops: fused causal attention, counted FLOP/s.
+        elementwise_bw: element-wise operators, counted bytes/s (None: not measured; the memory
+            bandwidth applies).
+        zero_bubble_backward_factor: a split (input / weight) backward's time over a plain one.
+        core_share: the share of a core each rank had (< 1 when ranks outnumber cores).
+        collective_ranks: ranks the collectives were measured with (0: not measured).
+        collectives: op name (`COLLECTIVE_OPS`) -> `CollectiveTable`.
+        mem_bandwidth_alone: one rank's memory bandwidth while the others idle (None: not measured).
+        fresh_alloc_s_per_byte / fresh_alloc_min_bytes: allocator cost of fresh tensors at or above
+            the threshold (page faults + unmapping), every rank at once; ``..._alone``: one rank alone.
+        tp_linear_overhead_s / tp_linear_overhead_s_per_byte: framework time per TP Linear call
+            (forward + backward) and per input byte.
+        fsdp_unit_overhead_s / fsdp_tensor_overhead_s: framework time per FSDP2 unit and per
+            parameter tensor.
+    """
+
+    matmul_flops: dict[int, float] = field(default_factory=dict)
+    attention_flops: float = 0.0
+    elementwise_bw: float | None = None
+    zero_bubble_backward_factor: float = 1.0
+    core_share: float = 1.0
+    collective_ranks: int = 0
+    collectives: dict[str, CollectiveTable] = field(default_factory=dict)
+    mem_bandwidth_alone: float | None = None
+    fresh_alloc_s_per_byte: float = 0.0
+    fresh_alloc_min_bytes: float = float("inf")
+    fresh_alloc_s_per_byte_alone: float | None = None
+    tp_linear_overhead_s: float = 0.0
+    tp_linear_overhead_s_per_byte: float = 0.0
+    fsdp_unit_overhead_s: float = 0.0
+    fsdp_tensor_overhead_s: float = 0.0
+
+    @cached_property
+    def matmul_points(self) -> list[tuple[int, float]]:
+        """``matmul_flops`` as sorted ``(N, FLOP/s)`` points."""
+        return sorted(self.matmul_flops.items())
+
+    def to_json(self) -> dict:
+        """A JSON-ready dict (integer table keys become strings; inf becomes null)."""
+        d = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+        d["matmul_flops"] = {str(k): v for k, v in self.matmul_flops.items()}
+        d["collectives"] = {op: {"latency_s": t.latency_s, "bandwidth": t.bandwidth, "seconds": {str(k): v for k, v in t.seconds.items()},
+                                 "in_context": {str(k): v for k, v in t.in_context.items()}}
+                            for op, t in self.collectives.items()}
+        if d["fresh_alloc_min_bytes"] == float("inf"):
+            d["fresh_alloc_min_bytes"] = None
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Calibration":
+        """Inverse of `to_json`.
+
+        Raises:
+            ValueError: unknown fields or collective ops (named).
+        """
+        import dataclasses
+
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"calibration has unknown fields {unknown}")
+        d = dict(d)
+        d["matmul_flops"] = {int(k): float(v) for k, v in d.get("matmul_flops", {}).items()}
+        colls = {}
+        for op, t in d.get("collectives", {}).items():
+            if op not in COLLECTIVE_OPS:
+                raise ValueError(f"calibration has an unknown collective {op!r}; known: {', '.join(COLLECTIVE_OPS)}")
+            colls[op] = CollectiveTable(t["latency_s"], t["bandwidth"],
+                                        {int(k): float(v) for k, v in t.get("seconds", {}).items()},
+                                        {int(k): float(v) for k, v in t.get("in_context", {}).items()})
+        d["collectives"] = colls
+        if d.get("fresh_alloc_min_bytes") is None:
+            d["fresh_alloc_min_bytes"] = float("inf")
+        return cls(**d)
+
+    @classmethod
+    def from_legacy_extra(cls, extra: dict[str, float]) -> "Calibration | None":
+        """The calibration a version-1 file kept as string keys in ``extra`` (None for an empty dict).
+
+        Raises:
+            ValueError: a key this reader does not know (named), so nothing measured is dropped silently.
+        """
+        if not extra:
+            return None
+        plain = {f for f in ("attention_flops", "elementwise_bw", "zero_bubble_backward_factor", "core_share",
+                             "mem_bandwidth_alone", "fresh_alloc_s_per_byte", "fresh_alloc_min_bytes",
+                             "fresh_alloc_s_per_byte_alone", "tp_linear_overhead_s",
+                             "tp_linear_overhead_s_per_byte", "fsdp_unit_overhead_s", "fsdp_tensor_overhead_s")}
+        kw: dict = {"matmul_flops": {}}
+        tabs: dict[str, dict] = {}
+        for k, v in extra.items():
+            if k in plain:
+                kw[k] = v
+            elif k == "collective_ranks":
+                kw[k] = int(v)
+            elif k.startswith("matmul_flops_"):
+                kw["matmul_flops"][int(k.rsplit("_", 1)[1])] = v
+            else:
+                op = next((o for o in COLLECTIVE_OPS if k.startswith(o + "_")), None)
+                rest = k[len(op) + 1:] if op else ""
+                t = tabs.setdefault(op, {"seconds": {}, "in_context": {}}) if op else None
+                if rest == "latency":
+                    t["latency_s"] = v
+                elif rest == "bw":
+                    t["bandwidth"] = v
+                elif rest.startswith("t_"):
+                    t["seconds"][int(float(rest[2:]))] = v
+                elif rest.startswith("ctx_"):
+                    t["in_context"][int(float(rest[4:]))] = v
+                else:
+                    raise ValueError(f"calibration (schema 1) has an unknown entry {k!r}")
+        kw["collectives"] = {op: CollectiveTable(t.get("latency_s", 0.0), t.get("bandwidth", 0.0), t["seconds"],
+                                                 t["in_context"]) for op, t in tabs.items()}
+        return cls(**kw)
+
+
+NO_CALIBRATION = Calibration()      # what an uncalibrated profile (built-in GPUs, the CPU estimate) reads
