@@ -63,7 +63,7 @@ FSDP (PyTorch FSDP, Zhao et al., VLDB 2023, Sec. 3.3 and 4): the next unit's all
 during the current unit's compute and the reduce-scatter runs on its own stream, so per micro-batch
 only communication beyond compute is exposed (forward and backward windows apart), plus the root's
 and first block's gathers before any compute and the first block's and root's reduce-scatters after
-the last (cost._fsdp_exposed).
+the last (comms._fsdp_exposed).
 
 Compute / communication contention: NCCL runs a collective as a kernel of one CTA per channel, each
 CTA holding one SM while the collective runs, so overlapped compute gets the remaining SMs
