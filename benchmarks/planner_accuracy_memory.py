@@ -18,7 +18,9 @@ MemTracker reference types -> predicted parts):
 each the value *at the moment of the peak* (the model's `MemoryEstimate` is that moment). Goal:
 |error| <= max(5%, 1 MiB) for each.
 
-Run: ``.venv/bin/python benchmarks/planner_accuracy_memory.py [--models gpt-nano,gpt-1m,...] [--worlds 1,2,4]``
+Hugging Face models from config (``hf-llama``, ``hf-gpt2``, `HF_MODELS`) run single, ddp and fsdp.
+
+Run: ``.venv/bin/python benchmarks/planner_accuracy_memory.py [--models gpt-nano,gpt-1m,hf-llama,...] [--worlds 1,2,4]``
 ``--save FILE`` writes the measurements (JSON, per case); ``--measured FILE`` skips the runs and
 re-predicts against a saved file (measurements are deterministic tensor bytes, so a model change can
 be checked in seconds).
@@ -39,11 +41,23 @@ from modelpar.measure import Case, launch
 MIB = 2 ** 20
 # per model: (activation-dominated global batch, model-state-dominated global batch)
 BATCHES = {"gpt-nano": (32, 4), "gpt-1m": (16, 4), "gpt-3m": (16, 4), "gpt-10m": (8, 4),
-           "mlp-small": (512, 8), "mlp-large": (512, 8)}
+           "mlp-small": (512, 8), "mlp-large": (512, 8), "hf-llama": (16, 4), "hf-gpt2": (16, 4)}
+# Hugging Face models from config (issue 12): name -> (--model, --model-config, seq_len). Sized so every
+# part exceeds 1 MiB at both batches; Llama with grouped-query attention (4 query, 2 key/value heads)
+# and an explicit head_dim; GPT-2 with its tied head, Conv1D and fused QKV. Dropout is forced to 0.
+HF_MODELS = {
+    "hf-llama": ("hf:llama", {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+                              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+                              "vocab_size": 512, "max_position_embeddings": 128}, 64),
+    "hf-gpt2": ("hf:gpt2", {"n_embd": 128, "n_layer": 2, "n_head": 4, "vocab_size": 512, "n_positions": 128,
+                            "bos_token_id": 0, "eos_token_id": 0}, 64),
+}
 STRATEGIES_2 = {"ddp": dict(dp_replicate=2), "fsdp": dict(dp_shard=2), "tp": dict(tp=2),
                 "pp_gpipe": dict(pp=2, pp_schedule="gpipe", n_microbatches=4),
                 "pp_1f1b": dict(pp=2, pp_schedule="1f1b", n_microbatches=4)}
 STRATEGIES_4 = {"fsdp_tp": dict(dp_shard=2, tp=2)}
+# what the runtime runs on HF models so far (TP and pipelines of HF models are other items of issue 12)
+HF_STRATEGIES_2 = ("ddp", "fsdp")
 PARTS = ("params", "grads", "optimizer", "activations", "total")
 
 
@@ -76,15 +90,17 @@ def make_cases(models, worlds, *, optimizer: str = "adamw") -> dict[int, list[Ca
             def add(world, name, plan):
                 p = ParallelPlan(**plan)
                 local = gb // p.dp
-                out.setdefault(world, []).append(Case(f"{m}/{name}/{tag}", m, p.to_dict(), gb, local,
-                                                      optimizer=optimizer))
+                spec, cfg, seq = HF_MODELS.get(m, (m, {}, 0))
+                out.setdefault(world, []).append(Case(f"{m}/{name}/{tag}", spec, p.to_dict(), gb, local,
+                                                      optimizer=optimizer, model_config=cfg, seq_len=seq))
             launch_world = 2 if 2 in worlds else min(worlds)
             if 1 in worlds:
                 add(launch_world, "single", {})
             if 2 in worlds:
                 for n, plan in STRATEGIES_2.items():
-                    add(2, n, plan)
-            if 4 in worlds:
+                    if m not in HF_MODELS or n in HF_STRATEGIES_2:
+                        add(2, n, plan)
+            if 4 in worlds and m not in HF_MODELS:
                 for n, plan in STRATEGIES_4.items():
                     add(4, n, plan)
     return {w: c for w, c in out.items() if c and w != 1}
@@ -93,16 +109,25 @@ def make_cases(models, worlds, *, optimizer: str = "adamw") -> dict[int, list[Ca
 _PROFILES: dict[str, object] = {}
 
 
-def profile_for(model: str):
-    """fp32 profile of a built-in model at batch 1 (meta device, fused attention as torch runs it)."""
+def profile_for(model: str, model_config: dict | None = None, seq_len: int = 0):
+    """fp32 profile at batch 1 (meta device, fused attention as torch runs it) of a built-in model, or
+    of a Hugging Face one (``model_config`` overrides, dropout 0 as the measured runs, ``seq_len``)."""
+    import json as _json
+
     from modelpar.models import MLP_PRESETS, build_model
+    from modelpar.models.hf import build_hf, is_hf_name
     from modelpar.planner.profile import profile_model
-    if model not in _PROFILES:
-        mod = build_model(model, device="meta")
-        x = (torch.zeros(1, MLP_PRESETS[model][0], device="meta") if model in MLP_PRESETS
-             else torch.zeros(1, mod.cfg.seq_len, dtype=torch.long, device="meta"))
-        _PROFILES[model] = profile_model(mod, x)
-    return _PROFILES[model]
+    key = f"{model} {_json.dumps(model_config or {}, sort_keys=True)} {seq_len}"
+    if key not in _PROFILES:
+        if is_hf_name(model):
+            mod = build_hf(model, model_config, device="meta", seed=None, dropout=0.0)
+            x = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+        else:
+            mod = build_model(model, device="meta")
+            x = (torch.zeros(1, MLP_PRESETS[model][0], device="meta") if model in MLP_PRESETS
+                 else torch.zeros(1, mod.cfg.seq_len, dtype=torch.long, device="meta"))
+        _PROFILES[key] = profile_model(mod, x)
+    return _PROFILES[key]
 
 
 def predict(case: Case, *, fused: bool = True):
@@ -111,7 +136,8 @@ def predict(case: Case, *, fused: bool = True):
     it and ran the single-tensor loop)."""
     from modelpar.planner.memory import Batch, estimate_memory
     plan = ParallelPlan.from_dict(case.plan)
-    return estimate_memory(profile_for(case.model), plan, Batch(case.global_batch_size, case.local_batch_size),
+    return estimate_memory(profile_for(case.model, case.model_config, case.seq_len), plan,
+                           Batch(case.global_batch_size, case.local_batch_size),
                            optimizer=case.optimizer, gloo=True, fused=fused)
 
 
@@ -168,7 +194,7 @@ def summary(rows: list[dict]) -> str:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="gpt-nano,gpt-1m,gpt-3m,gpt-10m,mlp-large")
+    ap.add_argument("--models", default="gpt-nano,gpt-1m,gpt-3m,gpt-10m,mlp-large,hf-llama,hf-gpt2")
     ap.add_argument("--worlds", default="1,2,4")
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--save", metavar="FILE", help="write the measurements (JSON) to FILE")

@@ -8,7 +8,10 @@ load changes on the shared machine hit all plans alike, and compared with
 only; never fitted to these runs). Only steps of 200 ms or more count towards the goal (median
 |error| <= 10%, largest <= 20%); shorter ones are printed for information.
 
-Run: ``.venv/bin/python benchmarks/planner_accuracy_time.py [--models gpt-3m,gpt-10m,mlp-large] [--rounds 3]``
+Hugging Face models from config (``hf-llama``: GQA, ``hf-gpt2``: tied head; `HF_TIME_MODELS`) have ddp
+and fsdp rows.
+
+Run: ``.venv/bin/python benchmarks/planner_accuracy_time.py [--models gpt-3m,gpt-10m,mlp-large,hf-llama] [--rounds 3]``
 (run ``modelpar calibrate`` first; ``$MODELPAR_CALIBRATION`` picks the file)
 """
 
@@ -30,6 +33,17 @@ PLANS = {"ddp": dict(dp_replicate=2), "fsdp": dict(dp_shard=2), "tp": dict(tp=2)
          "pp_gpipe": dict(pp=2, pp_schedule="gpipe", n_microbatches=4),
          "pp_1f1b": dict(pp=2, pp_schedule="1f1b", n_microbatches=4)}
 GLOBAL_BATCH = 32          # TrainConfig's default
+# Hugging Face models from config (issue 12): name -> (--model, --model-config, seq_len), sized for
+# steps of 200 ms or more on one CPU thread per rank; dropout forced to 0. Their rows are the plans
+# the runtime runs on HF models so far (`HF_PLANS`; TP and pipelines of HF models are other items).
+HF_TIME_MODELS = {
+    "hf-llama": ("hf:llama", {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
+                              "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,
+                              "vocab_size": 512, "max_position_embeddings": 256}, 128),
+    "hf-gpt2": ("hf:gpt2", {"n_embd": 256, "n_layer": 4, "n_head": 8, "vocab_size": 512, "n_positions": 256,
+                            "bos_token_id": 0, "eos_token_id": 0}, 128),
+}
+HF_PLANS = ("ddp", "fsdp")
 
 
 def load_hardware(path: str | None = None):
@@ -43,9 +57,13 @@ def load_hardware(path: str | None = None):
 
 def cases_for(model: str, plans=PLANS) -> list[Case]:
     out = []
+    spec, cfg, seq = HF_TIME_MODELS.get(model, (model, {}, 0))
     for name, kw in plans.items():
+        if model in HF_TIME_MODELS and name not in HF_PLANS:
+            continue
         p = ParallelPlan(**kw)
-        out.append(Case(f"{model}/{name}", model, p.to_dict(), GLOBAL_BATCH, GLOBAL_BATCH // p.dp))
+        out.append(Case(f"{model}/{name}", spec, p.to_dict(), GLOBAL_BATCH, GLOBAL_BATCH // p.dp,
+                        model_config=cfg, seq_len=seq))
     return out
 
 
@@ -54,13 +72,13 @@ def predict_seconds(case: Case, hw) -> float:
 
     from modelpar.planner.cost import estimate_step
     from modelpar.planner.memory import Batch
-    return estimate_step(profile_for(case.model), ParallelPlan.from_dict(case.plan),
+    return estimate_step(profile_for(case.model, case.model_config, case.seq_len), ParallelPlan.from_dict(case.plan),
                          Batch(case.global_batch_size, case.local_batch_size), hw, optimizer=case.optimizer).total
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="gpt-1m,gpt-3m,gpt-10m,mlp-large")
+    ap.add_argument("--models", default="gpt-1m,gpt-3m,gpt-10m,mlp-large,hf-llama,hf-gpt2")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--hardware", default=None, help="calibration JSON (default: the calibrate default path)")
     ap.add_argument("--timeout", type=float, default=1500)

@@ -52,7 +52,7 @@ def run_steps(model: nn.Module, plan: ParallelPlan, *, loss_fn: Callable, batch_
               steps: int, global_batch_size: int, local_batch_size: int, optimizer: str = "adamw",
               lr: float = 1e-3, grad_clip: float = 0.0, device: torch.device | None = None,
               mesh: MeshInfo | None = None, tp_plan=None, loss_reduction: str = "mean",
-              loss_parallel: bool | None = None, split_points=None, probe: Callable | None = None,
+              loss_parallel: bool | None = None, split_points=None, blocks=None, probe: Callable | None = None,
               check_unused_params: bool = True, sync_batchnorm: bool = False) -> RunResult:
     """Train a deep copy of ``model`` for ``steps`` steps under ``plan``.
 
@@ -77,7 +77,7 @@ def run_steps(model: nn.Module, plan: ParallelPlan, *, loss_fn: Callable, batch_
     x0, _ = batch_fn(0)
     mb = local_batch_size // (plan.n_microbatches if plan.pp > 1 else 1)
     pm = parallelize(model, plan, mesh, loss_fn=loss_fn, device=device, example_input=x0[:mb], tp_plan=tp_plan,
-                     loss_reduction=loss_reduction, loss_parallel=loss_parallel, split_points=split_points,
+                     loss_reduction=loss_reduction, loss_parallel=loss_parallel, split_points=split_points, blocks=blocks,
                      check_unused_params=check_unused_params, sync_batchnorm=sync_batchnorm)
     if probe is not None:
         probe(pm)

@@ -36,7 +36,9 @@ def test_every_flag_a_message_names_exists():
     missing = {f: sorted(set(p)) for f, p in seen.items()
                if f not in flags and f not in EXTERNAL_FLAGS and set(p) != {"modelpar/cli/args.py"}}
     assert not missing, f"messages name flags no command has: {missing}"
-    assert "--split-points" not in seen and "--cpu_offload" not in seen
+    assert "--cpu_offload" not in seen
+    for c in ("train", "verify"):                 # where the cut of a model is named (issue 12)
+        assert {"--blocks", "--split-points"} <= option_strings(parser_for(c)), c
 
 
 def test_one_spelling_dashes():

@@ -4,7 +4,8 @@ import pytest
 from conftest import record_parity
 from parity_cases import CASES
 
-PARITY = [n for n, c in CASES.items() if c.check != "error"]     # error cases: test_pipeline_boundaries.py
+PARITY = [n for n, c in CASES.items() if c.check not in ("error", "ckpt")]   # error: test_pipeline_boundaries.py,
+# ckpt: tests/test_hf_tp.py
 
 
 @pytest.mark.slow

@@ -24,20 +24,27 @@ class PlannerOptions:
     json: bool = False
 
 
-def profile_for(model: str, model_config: dict, seq_len: int, precision: str):
-    """`profile_model` of ``--model`` (built-ins on the meta device; a factory's model on CPU with a
-    one-sample input from its ``batch_fn`` or its first Linear). Returns ``(profile, description)``.
+def profile_for(model: str, model_config: dict, seq_len: int, precision: str, blocks: str = ""):
+    """`profile_model` of ``--model`` (built-ins and Hugging Face models on the meta device; a
+    factory's model on CPU with a one-sample input from its ``batch_fn`` or its first Linear).
+    Returns ``(profile, description)``. An HF language model is profiled at ``seq_len`` tokens
+    (0: its max_position_embeddings, at most `HF_DEFAULT_SEQ`). ``blocks`` (``--blocks``): the path of
+    the container of the repeated blocks (empty: `profile.default_blocks`' rule).
 
     Raises:
-        ValueError: unknown model, ``hf:``, bad ``--model-config``, or a factory model whose input
+        ValueError: unknown model, bad ``--model-config``, an HF ``seq_len`` beyond the model's
+            max_position_embeddings, ``blocks`` naming no container, or a factory model whose input
             shape cannot be found.
     """
     from modelpar.models import MLP_PRESETS, PRESETS
     from modelpar.models.spec import build_builtin, build_factory, check_model, infer_classifier_shapes
-    from modelpar.planner.profile import profile_model
+    from modelpar.planner.profile import default_blocks, profile_model
 
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    if check_model(model, model_config) == "factory":
+    kind = check_model(model, model_config)
+    if kind == "hf":
+        return _hf_profile(model, model_config, seq_len, dtype, blocks)
+    if kind == "factory":
         um = build_factory(model)
         if um.batch_fn is not None:
             x = um.batch_fn(0)[0][:1]
@@ -47,7 +54,8 @@ def profile_for(model: str, model_config: dict, seq_len: int, precision: str):
                 raise ValueError(f"--model {model!r}: cannot tell its input shape (no nn.Linear); return a "
                                  f"'batch_fn' from the factory")
             x = torch.zeros(1, *shapes[0])
-        return profile_model(um.model, x, dtype=dtype), f"{type(um.model).__name__} from {model}"
+        return (profile_model(um.model, x, dtype=dtype, blocks=default_blocks(um.model, blocks or None)),
+                f"{type(um.model).__name__} from {model}")
     kw = {"seq_len": seq_len} if (seq_len and model in PRESETS) else {}
     if model == "cnn":
         m = build_builtin(model)                     # tiny: profiled under FakeTensorMode
@@ -58,7 +66,79 @@ def profile_for(model: str, model_config: dict, seq_len: int, precision: str):
             x = torch.zeros(1, MLP_PRESETS[model][0], device="meta")
         else:
             x = torch.zeros(1, m.cfg.seq_len, dtype=torch.long, device="meta")
-    return profile_model(m, x, dtype=dtype), model
+    return profile_model(m, x, dtype=dtype, blocks=default_blocks(m, blocks or None)), model
+
+
+HF_DEFAULT_SEQ = 2048
+
+
+def hf_seq_len(name: str, cfg, seq_len: int) -> int:
+    """The tokens per sample an HF language model runs at: ``seq_len``, or (0) its position limit
+    capped at `HF_DEFAULT_SEQ`.
+
+    Raises:
+        ValueError: ``seq_len`` beyond the config's max_position_embeddings (naming both).
+    """
+    from modelpar.models.hf import facts
+
+    limit = facts(cfg).max_positions
+    if seq_len < 0:
+        raise ValueError(f"--seq-len must be >= 0, got {seq_len}")
+    if seq_len and limit and seq_len > limit:
+        raise ValueError(f"--seq-len {seq_len} is longer than {name}'s max_position_embeddings={limit} (the "
+                         f"positions its embeddings / rotary setup are configured for); give --seq-len <= {limit}, "
+                         f"or raise max_position_embeddings in --model-config")
+    return seq_len or min(limit or HF_DEFAULT_SEQ, HF_DEFAULT_SEQ)
+
+
+# a model deeper than this is profiled at this depth and its steady layers repeated (`_hf_profile`)
+HF_PROFILE_LAYERS = 4
+
+
+def _hf_profile(model: str, model_config: dict, seq_len: int, dtype, blocks: str = ""):
+    """(profile, description) of a Hugging Face model built from its config on the meta device.
+
+    The layers of one family and config are one class with one shape, so a model deeper than
+    `HF_PROFILE_LAYERS` is profiled with that many layers and its third layer's row stands for every
+    layer between the second and the last (the first differs: it first saves the rotary tables the
+    others share; the last feeds the head); a test checks this equals profiling every layer. Configs
+    with per-layer settings (``layer_types`` that differ, e.g. sliding-window layers), and models
+    whose blocks ``--blocks`` names, are profiled whole."""
+    import dataclasses
+
+    from modelpar.models.hf import build_hf, example_input, facts, load_config
+    from modelpar.planner.profile import default_blocks, profile_model
+
+    cfg = load_config(model, model_config)
+    f = facts(cfg)
+    seq = hf_seq_len(model, cfg, seq_len) if f.task == "lm" else 0
+    layers = f.layers
+    short = not blocks and layers > HF_PROFILE_LAYERS and _uniform_layers(cfg, layers)
+    over = dict(model_config or {})
+    if short:
+        over["num_hidden_layers"] = HF_PROFILE_LAYERS
+        if isinstance(getattr(cfg, "layer_types", None), (list, tuple)):
+            over["layer_types"] = list(cfg.layer_types)[:HF_PROFILE_LAYERS]
+    m = build_hf(model, over, device="meta", seed=None)
+    x = example_input(m, 1, seq, device="meta")
+    prof = profile_model(m, x, dtype=dtype, blocks=default_blocks(m, blocks or None))
+    if short:
+        b = list(prof.blocks)
+        first, mid, last = b[1], b[3], b[-2]
+        stem = first.name.rsplit(".", 1)[0]
+        rows = [first] + [dataclasses.replace(mid, name=f"{stem}.{k}") for k in range(1, layers - 1)]
+        rows.append(dataclasses.replace(last, name=f"{stem}.{layers - 1}"))
+        prof = dataclasses.replace(prof, blocks=(b[0], *rows, b[-1]), arch={**prof.arch, "n_layer": layers})
+    what = f"seq {seq}" if f.task == "lm" else f"image {f.image_size}"
+    return prof, f"{model} ({type(m.hf).__name__}, {what})"
+
+
+def _uniform_layers(cfg, layers: int) -> bool:
+    """True when no config field is a per-layer list with differing entries."""
+    for v in cfg.to_dict().values():
+        if isinstance(v, (list, tuple)) and len(v) == layers and len({str(e) for e in v}) > 1:
+            return False
+    return True
 
 
 def precision_for(requested: str, hw) -> str:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from modelpar.cli.args import add_fields, given_fields, make_parser, normalize_argv, parse
 from modelpar.cli.common import GIB, PlannerOptions, precision_for, profile_for
-from modelpar.cli.options import BATCH_TERMS, BatchOptions, HardwareOptions, LayoutOptions, ModelOptions, world_size
+from modelpar.cli.options import BATCH_TERMS, BatchOptions, HardwareOptions, LayoutOptions, ModelOptions, PartsOptions, world_size
 
 EXAMPLES = """examples:
   modelpar estimate --model gpt-70b --nproc 64 --hardware H200                  # does it fit, and how?
@@ -21,6 +21,8 @@ EXAMPLES = """examples:
   modelpar estimate --model gpt-1b --model-config '{"n_layer": 24}' --nnodes 2 --gpus-per-node 8 \\
       --hardware H100-80GB-SXM --dp-shard 8 --tp 2 --global-batch-size 512 --micro-batch-size 8 --json
   modelpar estimate --plan runs/<run>/plan.json --model gpt-3m                  # a run folder's layout
+  modelpar estimate --model hf:gpt2 --model-config '{"n_layer": 24, "n_embd": 1024, "n_head": 16}' \\
+      --seq-len 1024 --nproc 8 --hardware H100-80GB-SXM --strategy fsdp
 """
 
 
@@ -53,6 +55,7 @@ def build_parser():
         "tokens/s per device and peak memory per rank by part, and whether it fits."),
         epilog=EXAMPLES + "\n" + BATCH_TERMS)
     add_fields(p, ModelOptions)
+    add_fields(p, PartsOptions, only=("blocks",))
     add_fields(p, LayoutOptions)
     add_fields(p, BatchOptions)
     add_fields(p, HardwareOptions)
@@ -113,7 +116,7 @@ def main(argv: list[str]) -> int:
     pf = _exact_plan(a, given, n, prec)
     if pf is not None and "nproc" not in given and "nnodes" not in given:
         n = pf.plan.world_size                     # a plan file brings its own world size
-    prof, desc = profile_for(a.model, a.model_config, a.seq_len, pf.plan.precision if pf else prec)
+    prof, desc = profile_for(a.model, a.model_config, a.seq_len, pf.plan.precision if pf else prec, a.blocks)
     if pf is None:
         if a.json:
             raise ValueError("--json describes one exact layout: give --plan FILE, a --strategy or degrees")
@@ -127,6 +130,8 @@ def _exact_answer(a, given, pf, prof, desc, n: int, hw) -> int:
     from modelpar.planner.memory import Batch, estimate_memory
 
     plan = pf.plan.validate(n, num_blocks=None)
+    from modelpar.planner.legality import check_tp_degree
+    check_tp_degree(prof.arch, plan.tp)           # heads / key-value heads / widths / vocabulary
     m = plan.n_microbatches if plan.pp > 1 else 1
     if a.micro_batch_size:
         local = a.micro_batch_size * m

@@ -1,5 +1,8 @@
-"""``modelpar export CHECKPOINT [--out FILE]``: one consolidated safetensors file of a checkpoint
-saved under any plan and world size (`modelpar.train.checkpoint.export_checkpoint`)."""
+"""``modelpar export CHECKPOINT [--out PATH] [--format auto|safetensors|hf]``: the model of a
+checkpoint saved under any plan and world size, as one consolidated safetensors file
+(`modelpar.train.export.export_checkpoint`) or, for a Hugging Face model, as a transformers folder
+(`modelpar.train.export.export_hf_folder`; the checkpoint records the model's config, so no
+``--model`` is needed)."""
 
 from __future__ import annotations
 
@@ -8,29 +11,49 @@ from pathlib import Path
 
 from modelpar.cli.args import make_parser, normalize_argv, parse
 
+FORMATS = ("auto", "safetensors", "hf")
+
 
 def build_parser():
     p = make_parser("modelpar export", (
         "Write the model weights of a modelpar checkpoint (saved under any plan and world size) as one "
-        "safetensors file with the plain model's parameter names."),
-        epilog="examples:\n  modelpar export runs/checkpoints --out model.safetensors   # the latest checkpoint\n")
+        "safetensors file with the plain model's parameter names, or, for a Hugging Face model, as a folder "
+        "(config.json + model.safetensors) that transformers' from_pretrained loads."),
+        epilog="examples:\n  modelpar export runs/checkpoints --out model.safetensors   # the latest checkpoint\n"
+               "  modelpar export runs/checkpoints --out my-gpt2                 # an HF model: a folder\n")
     p.add_argument("checkpoint", help="a checkpoint folder (step-NNNNNNNN) or a folder of them (the latest)")
-    p.add_argument("--out", default="", help="output file (default: CHECKPOINT.safetensors next to it)")
+    p.add_argument("--out", default="", help="output file or folder (default: next to the checkpoint, "
+                   "CHECKPOINT.safetensors or CHECKPOINT-hf/)")
+    p.add_argument("--format", default="auto", help="auto (hf for a Hugging Face model, else safetensors), "
+                   "safetensors (one file, modelpar's parameter names) or hf (a transformers folder)")
     return p
 
 
 def main(argv: list[str]) -> int:
-    from modelpar.train.checkpoint import CheckpointError, export_checkpoint, resolve_checkpoint
+    from modelpar.train.checkpoint import CheckpointError, read_checkpoint_meta, resolve_checkpoint
+    from modelpar.train.export import checkpoint_model_spec, export_checkpoint, export_hf_folder
 
     p = build_parser()
     a = parse(p, normalize_argv(argv, p, prog="modelpar export"))
+    if a.format not in FORMATS:
+        print(f"modelpar export: error: --format {a.format!r} is unknown; valid: {', '.join(FORMATS)}",
+              file=sys.stderr)
+        return 2
     try:
         src = resolve_checkpoint(a.checkpoint)
-        out = Path(a.out) if a.out else src.parent / f"{src.name}.safetensors"
-        sd = export_checkpoint(src, out)
-    except CheckpointError as e:
+        fmt = a.format
+        if fmt == "auto":
+            fmt = "hf" if checkpoint_model_spec(read_checkpoint_meta(src)).get("kind") == "hf" else "safetensors"
+        if fmt == "hf":
+            out = Path(a.out) if a.out else src.parent / f"{src.name}-hf"
+            out, sd = export_hf_folder(src, out)
+        else:
+            out = Path(a.out) if a.out else src.parent / f"{src.name}.safetensors"
+            sd = export_checkpoint(src, out)
+    except (CheckpointError, ValueError) as e:
         print(f"modelpar export: error: {e}", file=sys.stderr)
         return 2
     n = sum(v.numel() for v in sd.values())
-    print(f"wrote {out}: {len(sd)} tensors, {n:,} parameters (from {src})")
+    what = "a transformers folder (config.json, model.safetensors)" if fmt == "hf" else "one safetensors file"
+    print(f"wrote {out}: {what}, {len(sd)} tensors, {n:,} parameters (from {src})")
     return 0

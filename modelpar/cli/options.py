@@ -34,6 +34,21 @@ class ModelOptions:
 
 
 @dataclass
+class PartsOptions:
+    """Where the model is cut (pipelines, layer placement, per-block FSDP and checkpointing).
+
+    Args:
+        blocks: path of the nn.ModuleList / nn.Sequential holding the repeated blocks, e.g.
+            hf.model.layers (empty: the longest run of one class in any such container).
+        split_points: comma-separated block paths, each starting a pipeline stage, e.g.
+            hf.model.layers.2 for 2 stages (empty: stages balanced by profiled cost).
+    """
+
+    blocks: str = ""
+    split_points: str = ""
+
+
+@dataclass
 class LayoutOptions:
     """How many ranks, and which layout.
 
@@ -60,7 +75,8 @@ class BatchOptions:
 
     Args:
         global_batch_size: samples per optimizer step.
-        seq_len: tokens per sample for GPT models (0: the preset's).
+        seq_len: tokens per sample for GPT and Hugging Face language models (0: the preset's; for an HF
+            model its max_position_embeddings, at most 2048).
     """
 
     global_batch_size: int = 32
@@ -80,7 +96,7 @@ class HardwareOptions:
     hardware: str = ""
 
 
-SHARED = (ModelOptions, LayoutOptions, BatchOptions, HardwareOptions)
+SHARED = (ModelOptions, PartsOptions, LayoutOptions, BatchOptions, HardwareOptions)
 
 
 def shared_defaults() -> dict:

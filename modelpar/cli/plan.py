@@ -8,12 +8,16 @@ from dataclasses import dataclass
 
 from modelpar.cli.args import add_fields, given_fields, make_parser, normalize_argv, parse
 from modelpar.cli.common import GIB, PlannerOptions, precision_for, profile_for
-from modelpar.cli.options import BATCH_TERMS, BatchOptions, HardwareOptions, LayoutOptions, ModelOptions, world_size
+from modelpar.cli.options import BATCH_TERMS, BatchOptions, HardwareOptions, LayoutOptions, ModelOptions, PartsOptions, world_size
 
 EXAMPLES = """examples:
   modelpar plan --model gpt-1b --nproc 8 --hardware H100-80GB-SXM
   modelpar plan --model gpt-70b --nnodes 8 --gpus-per-node 8 --hardware H100-80GB-SXM --top 5
   modelpar plan --model gpt-1m --explain 1 --json > plan.json      # then: modelpar train --plan plan.json
+  modelpar plan --model hf:llama --model-config '{"hidden_size": 4096, "intermediate_size": 14336, \\
+      "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, \\
+      "max_position_embeddings": 8192}' --seq-len 8192 --nproc 64 --hardware H100-80GB-SXM   # Llama 3 8B
+  modelpar plan --model path/to/config.json --seq-len 2048 --nproc 8 --hardware H100-80GB-SXM
 """
 
 
@@ -70,6 +74,7 @@ def build_parser():
         "schedules, micro-batches, checkpointing) and print the fastest that fit."),
         epilog=EXAMPLES + "\n" + BATCH_TERMS)
     add_fields(p, ModelOptions)
+    add_fields(p, PartsOptions, only=("blocks",))
     add_fields(p, LayoutOptions, only=("nproc", "nnodes", "gpus_per_node"))
     add_fields(p, BatchOptions)
     add_fields(p, HardwareOptions)
@@ -103,7 +108,7 @@ def main(argv: list[str]) -> int:
     check_model(a.model, a.model_config)          # bad names fail first, before any note
     hw = resolve_hardware(a.hardware, n, gpus_per_node=a.gpus_per_node)
     prec = precision_for(a.precision, hw)
-    prof, desc = profile_for(a.model, a.model_config, a.seq_len, prec)
+    prof, desc = profile_for(a.model, a.model_config, a.seq_len, prec, a.blocks)
     t = time.perf_counter()
     rep = search_plans(prof, n, hw, global_batch_size=a.global_batch_size, optimizer=a.optimizer, precision=prec,
                        **search_kwargs(a.activation_checkpointing, a.ac_every))

@@ -29,6 +29,9 @@ EXAMPLES = """examples:
   modelpar train --plan runs/<run>/plan.json             # the layout a plan file names
   modelpar train --config my.yaml --steps 100            # a config file plus overrides
   modelpar train --nnodes 2 --gpus-per-node 8 --dp-shard 4 --tp 4    # prints the per-node launch line
+  modelpar train --model hf:gpt2 --model-config '{"n_layer": 4, "n_embd": 256, "vocab_size": 256}' --strategy ddp
+  modelpar train --model hf:llama --model-config '{...}' --tokenizer tokenizer.json --strategy fsdp
+  modelpar train --model mymodels:lm --data tokens/ --token-dtype uint16 --strategy fsdp   # factory LM, nanoGPT tokens
 """
 
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
@@ -47,7 +50,8 @@ def build_parser():
     from modelpar.train.config import TrainConfig
 
     p = make_parser("modelpar train", (
-        "Train a built-in model with a parallel plan. With no options: the 3M-parameter GPT on the Python "
+        "Train a model (built-in, a Hugging Face causal LM, or a factory language model; docs/your-model.md) "
+        "with a parallel plan. With no options: the 3M-parameter GPT on the Python "
         "standard library's sources, the plan `--strategy auto` picks on 2 local CPU ranks (an uncalibrated "
         "machine is measured once first, ~40 s)."), epilog=EXAMPLES + "\n" + BATCH_TERMS, config_file=True)
     add_fields(p, TrainConfig, skip=("plan_options",))

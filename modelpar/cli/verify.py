@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from modelpar.cli.args import add_fields, given_fields, make_parser, normalize_argv, parse
-from modelpar.cli.options import BATCH_TERMS, BatchOptions, HardwareOptions, LayoutOptions, ModelOptions
+from modelpar.cli.options import BATCH_TERMS, BatchOptions, HardwareOptions, LayoutOptions, ModelOptions, PartsOptions
 
 EXAMPLES = """examples:
   modelpar verify --model gpt-nano --plan '{"pp": 2, "n_microbatches": 2}'
@@ -79,6 +79,7 @@ def build_parser():
     p = make_parser("modelpar verify", __doc__.split("\n\n")[1], epilog=EXAMPLES + "\n" + BATCH_TERMS,
                     config_file=True)
     add_fields(p, ModelOptions)
+    add_fields(p, PartsOptions)
     add_fields(p, LayoutOptions, only=("nproc", "strategy", "plan"))
     add_fields(p, BatchOptions)
     add_fields(p, HardwareOptions)
@@ -166,6 +167,8 @@ def load_task(args):
         return _hf_task(args)
     um = build_factory(args.model)
     batch_fn = um.batch_fn
+    if batch_fn is None and um.extra.get("task") == "lm":     # the language-model form (models/spec.py)
+        return _factory_lm_task(args, um)
     if batch_fn is None:
         given = tuple(int(s) for s in args.input_shape.split(",")) if args.input_shape else None
         shapes = infer_classifier_shapes(um.model, given, args.num_classes)
@@ -198,6 +201,27 @@ def _hf_task(args):
         w = torch.randint(0, f.vocab, (gb, seq + 1), generator=g)
         return w[:, :-1], w[:, 1:]
     return model, batch_fn, lm_loss, "mean", args.model
+
+
+def _factory_lm_task(args, um):
+    """A factory language model ({"model", "task": "lm", "vocab_size", "max_positions"}): random ids."""
+    import torch
+
+    from modelpar.train.task import lm_loss
+
+    vocab, maxpos, gb = um.extra.get("vocab_size"), um.extra.get("max_positions"), args.global_batch_size
+    if not isinstance(vocab, int) or vocab < 1:
+        raise ValueError(f"--model {args.model!r}: a factory language model must declare 'vocab_size' as a "
+                         f"positive int, got {vocab!r}")
+    seq = args.seq_len or min(maxpos or 64, 64)
+    if maxpos and seq > maxpos:
+        raise ValueError(f"--seq-len {seq} exceeds the factory's max_positions={maxpos}")
+
+    def batch_fn(step):
+        g = torch.Generator().manual_seed(args.seed * 100003 + step)
+        w = torch.randint(0, vocab, (gb, seq + 1), generator=g)
+        return w[:, :-1], w[:, 1:]
+    return um.model, batch_fn, um.loss_fn or lm_loss, um.loss_reduction, f"{type(um.model).__name__} from {args.model}"
 
 
 def _random_batches(shape, classes: int, gb: int, seed: int):
@@ -238,9 +262,12 @@ def run_rank(args, plan, local: int) -> int:
     rank, world = init_distributed(timeout_s=120)
     torch.set_num_threads(1 if world > 1 else max(1, os.cpu_count() or 1))
     model, batch_fn, loss_fn, reduction, desc = load_task(args)
+    from modelpar.parallel.parts import split_points_of
+
     kw = dict(loss_fn=loss_fn, batch_fn=batch_fn, steps=args.steps, global_batch_size=args.global_batch_size,
               optimizer=args.optimizer, lr=args.lr, grad_clip=args.grad_clip, loss_reduction=reduction)
     got = run_steps(model, plan, local_batch_size=local, check_unused_params=args.check_unused_params,
+                    split_points=split_points_of(args.split_points), blocks=args.blocks or None,
                     sync_batchnorm=args.sync_batchnorm, **kw)
     code = 0
     if rank == 0:
@@ -269,27 +296,48 @@ def _check_before_launch(args, plan, local: int) -> None:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     gradient_accumulation_steps(args.global_batch_size, local, plan.dp)
     plan.validate(plan.world_size, local_batch_size=local)
-    model = load_task(args)[0]
+    model, batch_fn = load_task(args)[:2]
     tp_plan = None
     if plan.tp > 1:                              # case C7: a split that does not divide (vocabulary too)
         from modelpar.parallel.tensor import default_tp_plan, validate_tp_plan
 
-        tp_plan = default_tp_plan(model, sequence_parallel=plan.sequence_parallel)[0]
-        validate_tp_plan(model, tp_plan, plan.tp)
-    from modelpar.parallel.parts import ModelParts, get_model_parts
+        tp_plan = default_tp_plan(model, sequence_parallel=plan.sequence_parallel, tp_degree=plan.tp)[0]
+        x0 = batch_fn(0)[0]                                              # the sequence, for sequence parallel
+        validate_tp_plan(model, tp_plan, plan.tp, seq_len=x0.shape[1] if x0.dim() == 2 else None)
+    from modelpar.parallel.parts import ModelParts, get_model_parts, split_points_of
     from modelpar.parallel.ties import check_ties
 
+    sp, blk = split_points_of(args.split_points), args.blocks or None
+    mb = max(1, local // (plan.n_microbatches if plan.pp > 1 else 1))
+    if plan.pp > 1 or plan.activation_checkpointing != "none" or sp or blk:   # blocks needed: refused here
+        parts = get_model_parts(model, sp, blocks=blk, example_input=batch_fn(0)[0][:mb])
+    else:
+        try:
+            parts = get_model_parts(model)
+        except ValueError:
+            parts = ModelParts(form="whole")
     if plan.pp > 1:
-        plan.validate(plan.world_size, num_blocks=get_model_parts(model).num_blocks)
-    try:
-        parts = get_model_parts(model)
-    except ValueError:
-        parts = ModelParts(form="whole")
+        _check_stages(parts, plan, sp, batch_fn(0)[0][:mb])
     check_ties(model, plan, parts, tp_plan=tp_plan)     # case C13: a layout that breaks a tie
     from modelpar.parallel.batchnorm import check_sync_batchnorm
     from modelpar.parallel.mesh import get_device
 
     check_sync_batchnorm(args.sync_batchnorm, get_device().type, [model])    # case C15
+
+
+def _check_stages(parts, plan, split_points, example) -> None:
+    """The pipeline cut before launch: enough blocks, valid split points, and (a model cut inside its own
+    forward) the chained stages equal the whole forward (`modelpar.parallel.stages.check_chain`)."""
+    from modelpar.parallel import stages
+    from modelpar.parallel.pipeline import split_stages
+
+    plan.validate(plan.world_size, num_blocks=parts.num_blocks)
+    bounds = plan.stage_boundaries
+    if split_points:
+        bounds = stages.boundaries_from_split_points(parts, split_points, plan.num_stages)
+    ranges = split_stages(parts, plan.num_stages, bounds)
+    if parts.form == "forward":
+        stages.check_chain(parts, ranges, example)
 
 
 def main(argv: list[str]) -> int:

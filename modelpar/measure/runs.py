@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from modelpar.models.hf import is_hf_name
 from modelpar.plan import ParallelPlan
 
 MEM_PARTS = ("Parameter", "Gradient", "Optstate", "Activation", "Temp", "Buffer", "Other")
@@ -47,9 +48,10 @@ class Case:
     local_batch_size: int
     optimizer: str = "adamw"
     steps: int = 3                 # memory: the peak of the last step (>= 3: steady state)
-    seq_len: int = 0               # 0: the preset's
+    seq_len: int = 0               # 0: the preset's (a Hugging Face model needs it)
     grad_clip: float = 1.0
     extra: dict = field(default_factory=dict)
+    model_config: dict = field(default_factory=dict)   # --model-config of a Hugging Face model
 
     def to_dict(self) -> dict:
         return self.__dict__.copy()
@@ -81,12 +83,12 @@ def _config(case: Case):
                        grad_clip=case.grad_clip, seq_len=case.seq_len, dropout=0.0)
 
 
-def _batch(task, n: int, seed: int):
+def _batch(task, n: int, seed: int, vocab: int = 256):
     g = torch.Generator().manual_seed(seed)
     from modelpar.models import MLP_PRESETS
     if task.kind == "lm":
-        x = torch.randint(0, 256, (n, task.tokens_per_sample), generator=g)
-        return x, torch.randint(0, 256, (n, task.tokens_per_sample), generator=g)
+        x = torch.randint(0, vocab, (n, task.tokens_per_sample), generator=g)
+        return x, torch.randint(0, vocab, (n, task.tokens_per_sample), generator=g)
     w = MLP_PRESETS[task.name]
     return torch.randn(n, w[0], generator=g), torch.randint(0, w[-1], (n,), generator=g)
 
@@ -116,7 +118,7 @@ def build_case(case: Case, *, active: bool = True) -> Built | None:
     if plan.pp > 1 and plan.stage_boundaries is None:
         plan = ParallelPlan.from_dict({**plan.to_dict(), "stage_boundaries": planner_boundaries(case.model, plan)})
     cfg = _config(case)
-    task = build_task(cfg, load_data=False)
+    task = _hf_task(case) if is_hf_name(case.model) else build_task(cfg, load_data=False)
     dev = get_device()
     mesh = build_mesh(plan, dev)
     mb = case.local_batch_size // (plan.n_microbatches if plan.pp > 1 else 1)
@@ -124,8 +126,21 @@ def build_case(case: Case, *, active: bool = True) -> Built | None:
                      example_input=example_input(task, mb) if plan.pp > 1 else None)
     opt = build_optimizer(pm, cfg)
     accum = gradient_accumulation_steps(case.global_batch_size, case.local_batch_size, plan.dp)
-    xg, yg = _batch(task, case.global_batch_size, seed=1)
+    vocab = min(256, task.data_info.get("vocab", 256))
+    xg, yg = _batch(task, case.global_batch_size, seed=1, vocab=vocab)
     return Built(pm, opt, accum, xg, yg, case.grad_clip)
+
+
+def _hf_task(case: Case):
+    """The `Task` of a Hugging Face causal LM case (``case.model_config`` overrides, dropout 0, seed 0,
+    ``case.seq_len`` tokens per sample), without data."""
+    from modelpar.models.hf import build_hf, facts
+    from modelpar.train.task import Task, lm_loss
+
+    if case.seq_len < 1:
+        raise ValueError(f"case {case.name}: a Hugging Face model needs Case.seq_len")
+    model = build_hf(case.model, case.model_config, dropout=0.0, seed=0)
+    return Task(case.model, "lm", model, None, None, lm_loss, case.seq_len, {"vocab": facts(model.hf.config).vocab})
 
 
 def step(b: Built) -> None:

@@ -94,7 +94,7 @@ def load_config(name: str, overrides: dict | None = None, *, dropout: float | No
             near = [t for t in CONFIG_MAPPING_NAMES if mtype[:3] and t.startswith(mtype[:3])][:8]
             raise ValueError(f"--model {name!r}: transformers {transformers.__version__} has no model type "
                              f"{mtype!r}" + (f"; similar: {', '.join(near)}" if near else ""))
-        cfg = transformers.AutoConfig.for_model(mtype)
+        base = {}
     else:
         path = name if name.endswith(".json") else os.path.join(name, "config.json")
         if not os.path.isfile(path):
@@ -106,15 +106,17 @@ def load_config(name: str, overrides: dict | None = None, *, dropout: float | No
                              f"trust_remote_code); modelpar runs only the model classes shipped with transformers")
         if "model_type" not in raw:
             raise ValueError(f"--model {name!r}: {path} has no 'model_type' field")
-        cfg = transformers.AutoConfig.for_model(raw.pop("model_type"), **{k: v for k, v in raw.items()
-                                                                         if not k.startswith("_")})
-    valid = set(cfg.to_dict()) | set(getattr(cfg, "attribute_map", {}))
-    bad = sorted(k for k in overrides if k not in valid and not hasattr(cfg, k))
+        mtype = raw.pop("model_type")
+        base = {k: v for k, v in raw.items() if not k.startswith("_")}
+    default = transformers.AutoConfig.for_model(mtype)
+    valid = set(default.to_dict()) | set(getattr(default, "attribute_map", {}))
+    bad = sorted(k for k in overrides if k not in valid and not hasattr(default, k))
     if bad:
-        raise ValueError(f"--model-config has fields {bad} that {type(cfg).__name__} does not have; "
-                         f"some valid ones: {', '.join(sorted(cfg.to_dict())[:25])}")
-    for k, v in overrides.items():
-        setattr(cfg, k, v)
+        raise ValueError(f"--model-config has fields {bad} that {type(default).__name__} does not have; "
+                         f"some valid ones: {', '.join(sorted(default.to_dict())[:25])}")
+    # overrides go through the constructor, so fields derived from them (Llama's head_dim from
+    # hidden_size / num_attention_heads) follow them
+    cfg = transformers.AutoConfig.for_model(mtype, **{**base, **overrides})
     if dropout is not None:
         for k, v in cfg.to_dict().items():
             if isinstance(v, float) and k.endswith(_DROPOUT_SUFFIXES):
@@ -173,8 +175,34 @@ class HFModel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.task == "lm":
+            if _no_values(x):
+                with _unpacked_sequences():
+                    return self.hf(input_ids=x, use_cache=False).logits
             return self.hf(input_ids=x, use_cache=False).logits
         return self.hf(pixel_values=x).logits
+
+
+def _no_values(x: torch.Tensor) -> bool:
+    """A meta or fake tensor (planning, shape inference): its values cannot be read."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    return x.device.type == "meta" or isinstance(x, FakeTensor)
+
+
+class _unpacked_sequences:
+    """Context: transformers' check for packed sequences in the position ids (which reads their
+    values, impossible on meta, and is skipped on fake tensors, so a mask is built) answers "one
+    sequence per sample", which is what modelpar's token batches are; so the model runs as it runs
+    on real tokens (causal attention without a mask tensor)."""
+
+    def __enter__(self):
+        import transformers.masking_utils as mu
+        self.mu, self.orig = mu, getattr(mu, "find_packed_sequence_indices", None)
+        if self.orig is not None:
+            mu.find_packed_sequence_indices = lambda position_ids: None
+
+    def __exit__(self, *exc):
+        if self.orig is not None:
+            self.mu.find_packed_sequence_indices = self.orig
 
 
 def build_hf(name: str, overrides: dict | None = None, *, device: str | torch.device = "cpu", seed: int | None = 0,

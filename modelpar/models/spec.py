@@ -18,7 +18,13 @@ It returns either
   cross entropy; or
 - a dict with ``model`` and optionally ``batch_fn`` (``step -> (inputs, targets)`` of the whole global
   batch, the same on every rank), ``loss_fn`` (``(output, target) -> scalar``) and ``loss_reduction``
-  (``"mean"`` or ``"sum"``).
+  (``"mean"`` or ``"sum"``); or
+- a language model: a dict ``{"model": m, "task": "lm", "vocab_size": V}``, optionally with
+  ``"max_positions": P`` (the longest sequence ``m`` takes), where ``m`` maps token ids
+  ``(batch, seq)`` int64 to logits ``(batch, seq, V)``. ``modelpar train`` trains it on text like the
+  built-in GPT (loss = mean next-token cross entropy, `modelpar.train.task`; tokens: bytes, a
+  tokenizer file or a token file, `modelpar.train.tokens`); ``--seq-len`` 0 means ``P``, and a
+  sequence longer than ``P`` or a token id >= ``V`` is refused before launch.
 
 Dropout must be 0 where parity is checked (`modelpar verify`).
 """

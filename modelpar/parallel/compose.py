@@ -311,6 +311,7 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn: Callable,
                 device: torch.device, example_input: torch.Tensor | None = None,
                 tp_plan: dict[str, str] | None = None, split_points: tuple[str, ...] | None = None,
+                blocks: str | None = None,
                 find_unused_parameters: bool = False, loss_reduction: str = "mean",
                 loss_parallel: bool | None = None, block_costs: list[float] | str | None = None,
                 check_unused_params: bool = True, sync_batchnorm: bool = False) -> ParallelModel:
@@ -327,6 +328,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
         loss_parallel: GPT under TP: split the token embedding and the output head over the vocabulary
             and compute the cross entropy on the vocab-sharded logits (``loss_fn`` must be a cross
             entropy); None: on for the built-in GPT with the derived TP plan (`tensor.default_tp_plan`).
+        split_points: block paths that start a pipeline stage (``--split-points``), instead of balancing.
+        blocks: path of the block container (``--blocks``) where `parts.find_blocks`' rule picks wrong.
         block_costs: pipeline stage balancing: per-block costs, or ``"flops"`` (counted on
             ``example_input``), ``"time"`` (measured), ``"params"``; None: ``"flops"`` when an example
             input is given, else ``"params"`` (`modelpar.parallel.parts.block_costs`).
@@ -347,10 +350,12 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"loss_reduction={loss_reduction!r} is unknown; valid: mean, sum")
     needs_blocks = plan.pp_enabled or plan.is_placement or plan.activation_checkpointing != "none" or plan.compile
+    dev0 = next((p.device for p in model.parameters()), torch.device("cpu"))
+    ex_parts = example_input.to(dev0) if example_input is not None else None
     try:
-        parts: ModelParts = get_model_parts(model, split_points)
-    except ValueError:
-        if needs_blocks:
+        parts: ModelParts = get_model_parts(model, split_points, blocks=blocks, example_input=ex_parts)
+    except (ValueError, RuntimeError, TypeError):   # a forward the trace cannot follow: DDP / FSDP need no cut
+        if needs_blocks or split_points or blocks:
             raise
         # DDP / FSDP / TP need no block structure: FSDP then shards the whole model as one unit
         parts = ModelParts(form="whole")
@@ -363,8 +368,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
     if plan.tp_enabled:
         if tp_plan is None:
             tp_plan, _ = tensor.default_tp_plan(model, sequence_parallel=plan.sequence_parallel,
-                                                loss_parallel=loss_parallel)
-        tensor.validate_tp_plan(model, tp_plan, plan.tp)
+                                                loss_parallel=loss_parallel, tp_degree=plan.tp)
+        seq = example_input.shape[1] if example_input is not None and example_input.dim() == 2 else None
+        tensor.validate_tp_plan(model, tp_plan, plan.tp, seq_len=seq)
         shard_head = tensor.head_is_vocab_sharded(tp_plan)
     if not plan.pp_enabled:
         ties.check_ties(model, plan, parts, tp_plan=tp_plan, ties=tied)
@@ -380,20 +386,25 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
         return ParallelModel(plan, mesh, [model], model, loss_fn, first, layout=layout,
                              loss_reduction=loss_reduction)
 
-    model.to(device)
+    if not any(p.is_meta for p in model.parameters()):    # a meta-built model: materialised per shard later
+        model.to(device)                                   # (modelpar.train.materialise)
     model = layer_checks.prepare_batchnorm(model, plan, mesh, device, sync=sync_batchnorm)
     # 1. pipeline split (first: every later step sees only this rank's stages)
     indices, ranges = [], []
     if plan.pp_enabled:
-        if parts.form == "split_points":
-            raise ValueError("pipelines over split points of an arbitrary module are not supported yet; "
-                             "use an nn.Sequential or the ModuleList form (see modelpar.parallel.parts)")
         specs = None
         ex = example_input.to(device) if example_input is not None else None
+        if ex is None and parts.form == "forward":
+            raise ValueError(f"pipelines of {type(model).__name__} need an example micro-batch "
+                             f"(parallelize(..., example_input=...)) to find where its forward can be cut")
         if ex is not None:
             check_parts_order(model, parts, ex)
-        costs = pipeline.stage_costs(parts, block_costs, ex) if plan.stage_boundaries is None else None
-        ranges = pipeline.split_stages(parts, plan.num_stages, plan.stage_boundaries, block_costs=costs)
+        bounds = plan.stage_boundaries
+        if split_points:
+            from modelpar.parallel.stages import boundaries_from_split_points
+            bounds = boundaries_from_split_points(parts, split_points, plan.num_stages)
+        costs = pipeline.stage_costs(parts, block_costs, ex) if bounds is None else None
+        ranges = pipeline.split_stages(parts, plan.num_stages, bounds, block_costs=costs)
         if ex is not None:
             specs = pipeline.check_stage_boundaries(parts, ranges, ex)
         ties.check_ties(model, plan, parts, tp_plan=tp_plan, ranges=ranges, ties=tied)
@@ -409,7 +420,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
     # 2. tensor parallel (before FSDP, which shards the TP DTensors further over the data axes)
     if plan.tp_enabled:
         for mod in modules:
-            present = {n for n, _ in mod.named_modules()}
+            present = {n for n, m in mod.named_modules() if not getattr(m, "_modelpar_stub", False)}
             tensor.apply_tp(mod, mesh.sub("tp"), tp_plan, present=present)
         ties.retie(modules, tied)              # TP gave each copy its own DTensor: one again (C13)
     # 3. activation checkpointing (after TP, so recompute replays the TP collectives)

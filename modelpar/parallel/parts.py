@@ -1,10 +1,14 @@
 """Which models modelpar can split, and how: the three "any model" forms.
 
-1. ``nn.Sequential``: every child is a block.
+1. ``nn.Sequential``: every child is a block ("sequential").
 2. A module whose direct children are an input part, one ``nn.ModuleList`` of blocks, and an output
-   part, called in registration order (like the built-in GPT: ``embed``, ``blocks``, ``head``).
-3. Any other module, given split points as module paths (pipelines then use torch's tracing
-   frontend, `torch.distributed.pipelining.pipeline`).
+   part, whose forward is those children run in order (like the built-in GPT: ``embed``, ``blocks``,
+   ``head``; "modulelist").
+3. Any other module ("forward"): the blocks are found anywhere in the tree (`find_blocks`, or
+   ``--blocks PATH``), the input and output parts by tracing one forward, and every pipeline stage
+   runs the model's own forward around its blocks (`modelpar.parallel.stages`), so glue in the
+   parent's forward (position embeddings, rotary tables, masks, pooling) is kept. Hugging Face
+   models take this form. ``--split-points`` names the blocks that start a stage.
 
 Everything that cuts a model (pipeline stages, layer placement, per-block FSDP and activation
 checkpointing, stage balancing) works on the `ModelParts` of a model, so the forms are handled here
@@ -18,22 +22,23 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-FORMS_HELP = ("modelpar splits three forms of model: (1) an nn.Sequential; (2) a module whose direct "
-              "children are an input part, one nn.ModuleList of blocks and an output part, called in "
-              "that order (like modelpar.models.GPT); (3) any other module with split points given as "
-              "module paths (get_model_parts(model, split_points=['encoder.layer.4']) from Python; no "
-              "command takes split points yet)")
+FORMS_HELP = ("modelpar splits a model at its repeated blocks: the longest run of modules of one class in "
+              "an nn.ModuleList or nn.Sequential anywhere in the model (an nn.Sequential model: its children), "
+              "or the container named by --blocks PATH; --split-points A,B names the blocks that start a "
+              "pipeline stage")
 
 
 @dataclass
 class ModelParts:
     """A model seen as ``pre`` -> ``blocks`` -> ``post``; each entry is (module path, module)."""
 
-    form: str                                    # "sequential" | "modulelist" | "split_points" | "whole"
+    form: str                                    # "sequential" | "modulelist" | "forward" | "whole"
     pre: list[tuple[str, nn.Module]] = field(default_factory=list)
     blocks: list[tuple[str, nn.Module]] = field(default_factory=list)
     post: list[tuple[str, nn.Module]] = field(default_factory=list)
-    split_points: tuple[str, ...] = ()
+    container: str = ""                          # "forward": path of the block container
+    root: nn.Module | None = field(default=None, repr=False)   # "forward": the model
+    trace: dict | None = field(default=None, repr=False)       # "forward": shapes seen when traced
 
     @property
     def num_blocks(self) -> int:
@@ -43,36 +48,88 @@ class ModelParts:
         return self.pre + self.blocks + self.post
 
 
-def get_model_parts(model: nn.Module, split_points: tuple[str, ...] | list[str] | None = None) -> ModelParts:
-    """Find the blocks of ``model``.
+def split_points_of(text: str | None) -> tuple[str, ...] | None:
+    """``--split-points A,B`` as a tuple of block paths (None when empty)."""
+    pts = tuple(p.strip() for p in (text or "").split(",") if p.strip())
+    return pts or None
+
+
+def get_model_parts(model: nn.Module, split_points=None, *, blocks: str | None = None,
+                    example_input=None) -> ModelParts:
+    """Find the parts of ``model`` (module docstring).
+
+    Args:
+        split_points: block paths that start a pipeline stage; checked here against the blocks (the
+            boundaries themselves are `stages.boundaries_from_split_points`).
+        blocks: the block container's path (``--blocks``); None: `find_blocks`' rule.
+        example_input: one micro-batch; the "forward" form traces it to find the input and output parts
+            (a Hugging Face model makes its own). Without one, modules registered before the blocks'
+            branch count as the input part and after it as the output part (enough for counting blocks
+            and checking ties before launch; pipelines always trace).
 
     Raises:
-        ValueError: the model has none of the three forms, or a split point names no module. The
-            message says which forms are accepted.
+        ValueError: no blocks (naming --blocks / --split-points), a split point that names no block, or a
+            model whose forward cannot be cut (see `stages.trace_parts`).
     """
+    parts = _find_parts(model, blocks, example_input)
     if split_points:
-        names = dict(model.named_modules())
-        missing = [p for p in split_points if p not in names]
-        if missing:
-            raise ValueError(f"split points {missing} name no module of {type(model).__name__}; "
-                             f"examples of valid paths: {list(names)[1:8]}")
-        # each split point starts a new block; the whole model is traced into those pieces
-        return ModelParts(form="split_points", blocks=[(p, names[p]) for p in split_points],
-                          split_points=tuple(split_points))
-    if isinstance(model, nn.Sequential):
+        paths = {p for p, _ in parts.blocks}
+        bad = [p for p in split_points if p not in paths]
+        if bad:
+            raise ValueError(f"--split-points {bad} name no block of {type(model).__name__}; its blocks are "
+                             f"{parts.blocks[0][0]} .. {parts.blocks[-1][0]}")
+    return parts
+
+
+def _find_parts(model, blocks, example_input) -> ModelParts:
+    if blocks is None and isinstance(model, nn.Sequential):
         return ModelParts(form="sequential", blocks=list(model.named_children()))
     children = list(model.named_children())
     lists = [i for i, (_, m) in enumerate(children) if isinstance(m, nn.ModuleList)]
-    if len(lists) == 1:
+    if blocks in (None, children[lists[0]][0] if len(lists) == 1 else None) and len(lists) == 1:
         i = lists[0]
         name, ml = children[i]
         if len(ml) == 0:
             raise ValueError(f"{type(model).__name__}.{name} is an empty nn.ModuleList. {FORMS_HELP}")
-        return ModelParts(form="modulelist", pre=children[:i],
-                          blocks=[(f"{name}.{j}", b) for j, b in enumerate(ml)], post=children[i + 1:])
-    found = f"{len(lists)} nn.ModuleList children" if lists else "no nn.ModuleList child"
-    raise ValueError(f"cannot find the blocks of {type(model).__name__}: it is not an nn.Sequential and "
-                     f"has {found}. {FORMS_HELP}")
+        parts = ModelParts(form="modulelist", pre=children[:i],
+                           blocks=[(f"{name}.{j}", b) for j, b in enumerate(ml)], post=children[i + 1:])
+        if example_input is None or _chain_matches(model, parts, example_input):
+            return parts
+    container, found = find_blocks(model, blocks)
+    from modelpar.parallel import stages
+
+    if example_input is not None:
+        return stages.trace_parts(model, container, found, example_input)
+    ex = stages.default_example(model)
+    if ex is not None and ex.device.type != "meta":     # transformers' masks read values: not on meta
+        return stages.trace_parts(model, container, found, ex)
+    return _registration_parts(model, container, found)
+
+
+def _chain_matches(model, parts, example_input) -> bool:
+    try:
+        check_parts_order(model, parts, example_input)
+    except (ValueError, RuntimeError, TypeError):
+        return False
+    return True
+
+
+def _registration_parts(model, container, found) -> ModelParts:
+    """Input / output parts by registration order around the blocks' branch (no trace)."""
+    ids = {id(m) for _, m in found}
+    pre, post = [], []
+    prefix, mod = "", model
+    for seg in container.split(".") if container else []:
+        after, level = False, []
+        for n, c in mod.named_children():
+            if n == seg:
+                after = True
+                continue
+            if next(c.parameters(), None) is not None and id(c) not in ids:
+                (level if after else pre).append((prefix + n, c))
+        post = level + post                      # an inner level's output part runs before the outer's
+        prefix, mod = f"{prefix}{seg}.", mod._modules[seg]
+    return ModelParts(form="forward", pre=pre, blocks=list(found), post=post, container=container, root=model)
 
 
 def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, list[tuple[str, nn.Module]]]:
@@ -93,7 +150,7 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, list[
         c = named.get(blocks)
         if not isinstance(c, (nn.ModuleList, nn.Sequential)) or len(c) == 0:
             containers = [n for n, m in named.items() if isinstance(m, (nn.ModuleList, nn.Sequential)) and n]
-            raise ValueError(f"blocks {blocks!r} is not a non-empty nn.ModuleList / nn.Sequential of "
+            raise ValueError(f"--blocks {blocks!r} is not a non-empty nn.ModuleList / nn.Sequential of "
                              f"{type(model).__name__}; its containers: {containers[:10]}")
         pre = f"{blocks}." if blocks else ""
         return blocks, [(pre + n, m) for n, m in c.named_children()]
@@ -114,8 +171,10 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, list[
             i = j + 1
     if best is None:
         raise ValueError(f"cannot find the blocks of {type(model).__name__}: no nn.ModuleList or nn.Sequential "
-                         f"in it holds two or more modules of one class; name the container (find_blocks(model, "
-                         f"blocks=PATH)) or give split points")
+                         f"in it holds two or more modules of one class. Pipelines, layer placement, activation "
+                         f"checkpointing and per-block FSDP cut a model at its blocks: put the layers in an "
+                         f"nn.ModuleList (or nn.Sequential) and name it with --blocks PATH if the rule picks "
+                         f"another one; --split-points A,B then names the blocks that start each stage")
     _, path, run = best
     pre = f"{path}." if path else ""
     return path, [(pre + n, m) for n, m in run]
@@ -155,8 +214,8 @@ def check_parts_order(model: nn.Module, parts: ModelParts, example_input: torch.
     Raises:
         ValueError: the outputs differ (with the largest difference) or have different shapes.
     """
-    if parts.form == "split_points":
-        return
+    if parts.form not in ("sequential", "modulelist"):
+        return                                   # the forward form: `stages.check_chain`
     was_training = model.training
     model.eval()
     try:
@@ -282,7 +341,14 @@ def block_costs(parts: ModelParts, kind: str = "params", example_input: torch.Te
         return block_param_costs(parts)
     if example_input is None:
         raise ValueError(f"block costs of kind {kind!r} need an example input (one micro-batch)")
-    pre, blocks, post = measure_part_costs(parts, example_input, kind=kind)
+    if parts.form == "forward":
+        from modelpar.parallel.stages import part_costs
+
+        if kind not in ("flops", "time"):
+            raise ValueError(f"block cost kind {kind!r} is unknown; valid: flops, time, params")
+        pre, blocks, post = part_costs(parts, example_input, kind=kind)
+    else:
+        pre, blocks, post = measure_part_costs(parts, example_input, kind=kind)
     blocks[0] += sum(pre)
     blocks[-1] += sum(post)
     return [max(c, 1e-12) for c in blocks]

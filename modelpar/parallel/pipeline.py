@@ -4,7 +4,10 @@ The model's blocks are cut into ``pp x virtual_stages`` contiguous stages, the s
 the largest stage cost (exact, `parts.balanced_partition`), with costs counted in FLOPs on an
 example micro-batch (or measured time, or parameter counts) unless boundaries are given; the input part goes with the first stage and the output part with
 the last. Each stage module registers the original modules under their original paths, so stage
-state dicts use the same names as the whole model. The local batch is split into ``n_microbatches``
+state dicts use the same names as the whole model. A model whose forward does its own glue (the
+"forward" form of `modelpar.parallel.parts`, e.g. a Hugging Face model) gets stage modules that run
+that forward around their blocks (`modelpar.parallel.stages`); its boundary check is the chained
+stages against the whole forward. The local batch is split into ``n_microbatches``
 micro-batches and run by one of torch's schedules (GPipe: Huang et al. 2019; 1F1B: Narayanan et al.
 2019, PipeDream-Flush; interleaved 1F1B: Narayanan et al. 2021; zero bubble: Qi et al. 2024).
 
@@ -140,6 +143,10 @@ def check_stage_boundaries(parts: ModelParts, ranges: list[tuple[int, int]], exa
             the stage, its blocks, the field path and the type (case C6). Every rank runs the same dry
             run on the same model, so every rank raises the same error before training.
     """
+    if parts.form == "forward":                 # the model's own forward on every stage
+        from modelpar.parallel.stages import check_chain
+
+        return check_chain(parts, ranges, example_input)
     with eval_mode(parts.all()):
         return _check_boundaries(parts, ranges, example_input)
 
@@ -218,9 +225,14 @@ def stage_costs(parts: ModelParts, kind, example_input) -> list[float]:
 
 
 def build_stage_modules(parts: ModelParts, ranges: list[tuple[int, int]], indices: list[int],
-                        boundary_specs: list | None = None) -> list[StageModule]:
-    """The stage modules with the given ``indices``; ``boundary_specs`` from `check_stage_boundaries`."""
+                        boundary_specs: list | None = None) -> list[nn.Module]:
+    """The stage modules with the given ``indices``; ``boundary_specs`` from `check_stage_boundaries`.
+    The "forward" form's stages are shells of the whole model (`modelpar.parallel.stages.build_stage`)."""
     n = len(ranges)
+    if parts.form == "forward":
+        from modelpar.parallel.stages import build_stage
+
+        return [build_stage(parts, *ranges[i], index=i, is_first=i == 0, is_last=i == n - 1) for i in indices]
     specs = boundary_specs or [None] * (n - 1)
     return [StageModule(parts, *ranges[i], is_first=(i == 0), is_last=(i == n - 1),
                         in_spec=specs[i - 1] if i > 0 else None, out_spec=specs[i] if i < n - 1 else None)

@@ -13,9 +13,13 @@ from modelpar.parallel.parts import ModelParts, balanced_partition, block_param_
 
 
 def _to_device_hook(device: torch.device):
+    """Move every tensor argument (nested in tuples / lists / dicts too: a Hugging Face block gets its
+    rotary tables as a tuple keyword) to ``device``."""
+    from torch.utils import _pytree as pytree
+
     def hook(module, args, kwargs):
         move = lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t
-        return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
+        return pytree.tree_map(move, args), pytree.tree_map(move, kwargs)
     return hook
 
 
@@ -38,6 +42,8 @@ def apply_placement(parts: ModelParts, devices: tuple[str, ...] | list[str], *,
         ValueError: more devices than blocks, bad boundaries, or an unknown device.
     """
     devs = [torch.device(d) for d in devices]
+    if parts.form == "forward" and parts.root is not None:
+        parts.root.to(devs[0])               # the glue of the model's own forward (rotary tables) runs there
     if boundaries is None:
         boundaries = balanced_partition(block_costs or block_param_costs(parts), len(devs))
     ranges = stage_ranges(parts.num_blocks, boundaries)

@@ -6,6 +6,10 @@ forward and one in backward. The plan is derived automatically:
 
 - the built-in GPT: per block ``attn.q/k/v`` colwise, ``attn.o`` rowwise, ``mlp.up`` colwise,
   ``mlp.down`` rowwise; the token embedding and the output head split over the vocabulary (below);
+- a Hugging Face model (`modelpar.models.hf.HFModel`): its own ``_tp_plan`` translated, else a plan
+  derived from its blocks' projection groups (GPT-2's ``Conv1D`` and fused ``c_attn`` included), with
+  vocab-parallel embedding and head and, for the llama / gpt2 families, sequence parallel
+  (`modelpar.parallel.hf_tp`);
 - any chain of ``nn.Linear`` layers (with element-wise ops between them): consecutive pairs become
   (colwise, rowwise); an unpaired last Linear stays replicated.
 
@@ -42,16 +46,24 @@ SHARD_SEQ_OUTPUT = "shard_seq_output"  # module output: replicated -> sequence s
 COLWISE_VOCAB = "colwise_vocab"        # head Linear: logits stay a DTensor sharded on the vocab dim
 COLWISE_VOCAB_SEQ = "colwise_vocab_seq"  # the same, from sequence-sharded input
 ROWWISE_VOCAB = "rowwise_vocab"        # nn.Embedding split over its rows (the vocabulary), output replicated
+_HF_STYLES = ("conv1d_colwise", "conv1d_rowwise", "conv1d_rowwise_seq", "conv1d_colwise_qkv",
+              "shard_seq_input", "gather_seq_hidden", "colwise_gather", "rowwise_split")    # Hugging Face models: `modelpar.parallel.hf_tp`
 STYLES = (COLWISE, ROWWISE, ROWWISE_SEQ, SEQ_NORM, GATHER_SEQ_INPUT, SHARD_SEQ_OUTPUT, COLWISE_VOCAB,
-          COLWISE_VOCAB_SEQ, ROWWISE_VOCAB)
+          COLWISE_VOCAB_SEQ, ROWWISE_VOCAB) + _HF_STYLES
+INPUT_ONLY_STYLES = (GATHER_SEQ_INPUT, SHARD_SEQ_OUTPUT, "shard_seq_input", "gather_seq_hidden")  # no parameter split
 COLWISE_STYLES = (COLWISE, COLWISE_VOCAB, COLWISE_VOCAB_SEQ)   # weight split on dim 0
 ROWWISE_STYLES = (ROWWISE, ROWWISE_SEQ)                        # weight split on dim 1
 _LINEAR_STYLES = {COLWISE: "out_features", COLWISE_VOCAB: "out_features", COLWISE_VOCAB_SEQ: "out_features",
-                  ROWWISE: "in_features", ROWWISE_SEQ: "in_features"}
+                  ROWWISE: "in_features", ROWWISE_SEQ: "in_features", "colwise_gather": "out_features",
+                  "rowwise_split": "in_features"}
 
 
-def derive_tp_plan(model: nn.Module, *, sequence_parallel: bool = False, shard_head: bool = False) -> dict[str, str]:
-    """``{module path: style}`` for the GPT or a chain of Linears.
+def derive_tp_plan(model: nn.Module, *, sequence_parallel: bool = False, shard_head: bool = False,
+                   tp_degree: int | None = None) -> dict[str, str]:
+    """``{module path: style}`` for the GPT, a Hugging Face model (`modelpar.parallel.hf_tp.hf_tp_plan`:
+    its own ``_tp_plan`` translated, or a GPT-2 style plan derived; ``shard_head`` there means the
+    vocab-parallel embedding and head, dropped when ``tp_degree`` does not divide the vocabulary), or a
+    chain of Linears.
 
     Args:
         sequence_parallel: GPT only: shard LayerNorm/dropout regions along the sequence.
@@ -63,7 +75,11 @@ def derive_tp_plan(model: nn.Module, *, sequence_parallel: bool = False, shard_h
             shard_head asked of a model other than the built-in GPT.
     """
     from modelpar.models.gpt import GPT
+    from modelpar.parallel import hf_tp
 
+    if hf_tp.is_hf(model):
+        return hf_tp.hf_tp_plan(model, sequence_parallel=sequence_parallel, tp_degree=tp_degree,
+                                loss_parallel=shard_head)
     if isinstance(model, GPT):
         sp = sequence_parallel
         row = ROWWISE_SEQ if sp else ROWWISE
@@ -98,33 +114,66 @@ def derive_tp_plan(model: nn.Module, *, sequence_parallel: bool = False, shard_h
     return plan
 
 
-def default_tp_plan(model: nn.Module, *, sequence_parallel: bool = False,
-                    loss_parallel: bool | None = None) -> tuple[dict[str, str], bool]:
+def default_tp_plan(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool | None = None,
+                    tp_degree: int | None = None) -> tuple[dict[str, str], bool]:
     """The derived TP plan `parallelize` uses, and whether it splits the vocabulary.
 
     ``loss_parallel`` None: vocabulary parallel (embedding and head split over the vocabulary, the loss
-    on vocab-sharded logits) for the built-in GPT, off for other models (their plans are derived from
-    Linear chains); True / False force it (True only for the GPT).
+    on vocab-sharded logits) for the built-in GPT and Hugging Face causal LMs (when ``tp_degree``, if
+    given, divides their vocabulary), off for other models (their plans are derived from Linear
+    chains); True / False force it (True only for the GPT and HF models).
 
     Raises:
         ValueError: see `derive_tp_plan`.
     """
     from modelpar.models.gpt import GPT
 
+    from modelpar.parallel import hf_tp
+
+    if hf_tp.is_hf(model):
+        plan = derive_tp_plan(model, sequence_parallel=sequence_parallel, shard_head=loss_parallel is not False,
+                              tp_degree=tp_degree)
+        return plan, head_is_vocab_sharded(plan)
     shard = isinstance(model, GPT) if loss_parallel is None else bool(loss_parallel)
     return derive_tp_plan(model, sequence_parallel=sequence_parallel, shard_head=shard), shard
 
 
-def validate_tp_plan(model: nn.Module, tp_plan: dict[str, str], tp_degree: int) -> None:
-    """Check every split divides evenly (case C7), and the GPT's heads and vocabulary.
+def tp_plan_for(model: nn.Module, *, sequence_parallel: bool = False, tp_degree: int | None = None) -> dict[str, str]:
+    """The derived ``{module path: style}`` plan of any model (the planner's hook; `default_tp_plan`).
 
     Raises:
-        ValueError: naming the module, the dimension and the degree (for the GPT's vocabulary split:
-            ``vocab_size`` and the degree).
+        ValueError: see `derive_tp_plan`.
+    """
+    return default_tp_plan(model, sequence_parallel=sequence_parallel, tp_degree=tp_degree)[0]
+
+
+def tp_kinds(tp_plan: dict[str, str]) -> dict[str, str]:
+    """``{module path: "colwise" | "rowwise"}`` of the entries of ``tp_plan`` that split parameters
+    (colwise: output features / vocabulary rows split; rowwise: input features or, for an embedding,
+    its rows), for the planner (`modelpar.planner.profile`); Conv1D styles included."""
+    col = (*COLWISE_STYLES, "conv1d_colwise", "conv1d_colwise_qkv", "colwise_gather")
+    row = (*ROWWISE_STYLES, ROWWISE_VOCAB, "conv1d_rowwise", "conv1d_rowwise_seq", "rowwise_split")
+    return {p: "colwise" if s in col else "rowwise" for p, s in tp_plan.items() if s in col or s in row}
+
+
+def validate_tp_plan(model: nn.Module, tp_plan: dict[str, str], tp_degree: int, *, seq_len: int | None = None) -> None:
+    """Check every split divides evenly (case C7), and the GPT's / a Hugging Face model's heads (query and
+    key/value), vocabulary and (sequence parallel, ``seq_len`` given or the GPT's) sequence.
+
+    Raises:
+        ValueError: naming the module or config field, the dimension and the degree (for the GPT's
+            vocabulary split: ``vocab_size`` and the degree).
     """
     if tp_degree == 1:
         return
     from modelpar.models.gpt import GPT
+    from modelpar.parallel import hf_tp
+
+    for path, style in tp_plan.items():
+        if style not in STYLES:
+            raise ValueError(f"TP plan entry {path!r} has style {style!r}; valid: {', '.join(STYLES)}")
+    if hf_tp.is_hf(model):
+        hf_tp.check_hf_tp(model, tp_plan, tp_degree, seq_len=seq_len)
 
     if isinstance(model, GPT) and model.cfg.n_head % tp_degree:
         raise ValueError(f"tensor parallel degree {tp_degree} does not divide the number of attention "
@@ -145,6 +194,7 @@ def validate_tp_plan(model: nn.Module, tp_plan: dict[str, str], tp_degree: int) 
                                  f"nn.Embedding over its rows")
             if m.num_embeddings % tp_degree:
                 what = ("GPTConfig.vocab_size" if isinstance(model, GPT) and path == "embed.tok"
+                        else f"{type(model.hf.config).__name__}.vocab_size" if hf_tp.is_hf(model)
                         else f"{path}.num_embeddings")
                 raise ValueError(f"tensor parallel degree {tp_degree} does not divide {what}="
                                  f"{m.num_embeddings}: the token embedding and output head are split over "
@@ -168,6 +218,9 @@ def apply_tp(model: nn.Module, tp_mesh, tp_plan: dict[str, str], *, present: set
     ``present`` restricts to module paths that exist on this rank (pipeline stages hold only some).
     """
     plan = {p: make_style(s) for p, s in tp_plan.items() if present is None or p in present}
+    from modelpar.parallel import hf_tp
+
+    hf_tp.prepare_modules(model, tp_plan, tp_mesh.size(), set(plan))   # GPT-2's fused q|k|v: per-rank heads
     if plan:
         from torch.distributed.tensor.parallel import parallelize_module
 
@@ -213,6 +266,10 @@ def make_style(style: str):
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if style == COLWISE_VOCAB_SEQ:
         return ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+    if style in _HF_STYLES:
+        from modelpar.parallel.hf_styles import make_hf_style
+
+        return make_hf_style(style)
     raise ValueError(f"TP style {style!r} is unknown; valid: {', '.join(STYLES)}")
 
 

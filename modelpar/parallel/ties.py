@@ -91,7 +91,7 @@ def _tp_placement(model: nn.Module, name: str, tp_plan: dict[str, str]) -> str:
 
     path, leaf = name.rsplit(".", 1) if "." in name else ("", name)
     style = tp_plan.get(path)
-    if style is None:
+    if style is None or style in tensor.INPUT_ONLY_STYLES:
         return "replicated"
     if style in tensor.COLWISE_STYLES:
         return "Shard(0)"

@@ -447,7 +447,7 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float) -
     # under TP unless the head is vocab-sharded (sequence parallel turns loss parallel on; a head
     # whose projection the profile marks TP-sharded, `vocab_parallel_profile`, computes the loss
     # on sharded logits: Megatron-LM's parallel cross entropy, torch's loss_parallel)
-    head_sharded = profile.blocks[-1].tp_sharded_params > 0
+    head_sharded = profile.blocks[-1].tp_sharded_params > 0 or bool(profile.arch.get("vocab_parallel"))
     last.logits = 2 * profile.blocks[-1].output_bytes * scale / bs / (t if (sp or head_sharded) else 1)
     last.out = last.logits / 2
     return loads

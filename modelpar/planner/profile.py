@@ -37,19 +37,15 @@ from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.module_tracker import ModuleTracker
 
 from modelpar.plan import CORE_ATTR
+from modelpar.planner.profile_ops import (_FLOP_FORMULAS, _FlashAttention, _Lifetimes, _nbytes, _OpCounter,
+                                          count_elementwise_bytes)
 
-_VIEW_OPS = {"view", "_unsafe_view", "t", "transpose", "expand", "detach", "permute", "unsqueeze",
-             "squeeze", "slice", "select", "alias", "as_strided", "split", "unbind", "lift_fresh",
-             "_reshape_alias", "reshape", "split_with_sizes", "chunk", "expand_as",
-             "device", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "dim", "is_contiguous"}
-
+__all__ = ["BlockProfile", "ModelProfile", "count_elementwise_bytes", "default_blocks", "profile_model"]
 
 @dataclass(frozen=True)
 class BlockProfile:
@@ -143,18 +139,33 @@ class ModelProfile:
         return cls(**d)
 
 
-def default_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The pipeline-splittable blocks: GPT -> embed, blocks.i, head; Sequential -> its children;
-    anything else -> the whole model as one block."""
+def default_blocks(model: nn.Module, container: str | None = None) -> list[tuple[str, nn.Module | None]]:
+    """The pipeline-splittable blocks: GPT -> embed, blocks.i, head; Sequential -> its children; any
+    other model whose repeated blocks `modelpar.parallel.parts.find_blocks` finds (a Hugging Face
+    model's ``model.layers`` / ``transformer.h`` / ...) -> ``("embed", None)``, the blocks,
+    ``("head", None)``, where None stands for the rest of the model that runs before (after) the blocks,
+    the parent's forward code included (embeddings, position ids, rotary tables; final norm, head);
+    anything else -> the whole model as one block. ``container`` (``--blocks PATH``) names the
+    ModuleList / Sequential of the blocks instead (any model; raises ValueError if it is none)."""
+    from modelpar.parallel.parts import find_blocks
+    if container:
+        return [("embed", None)] + find_blocks(model, container)[1] + [("head", None)]
     if all(hasattr(model, a) for a in ("embed", "blocks", "head")):
         return ([("embed", model.embed)] + [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]
                 + [("head", model.head)])
     if isinstance(model, nn.Sequential):
         return [(n, m) for n, m in model.named_children()]
-    return [("model", model)]
+    try:
+        _, found = find_blocks(model)
+    except ValueError:
+        return [("model", model)]
+    return [("embed", None)] + found + [("head", None)]
 
 
-def _arch_of(model: nn.Module) -> dict[str, int]:
+def _arch_of(model: nn.Module, tokens: int, vocab_parallel: bool | None = None) -> dict[str, int]:
+    from modelpar.planner.hf_facts import hf_arch, is_hf_model
+    if is_hf_model(model):
+        return hf_arch(model, tokens, vocab_parallel)
     cfg = getattr(model, "cfg", None)
     if cfg is None or not hasattr(cfg, "n_head"):
         return {}
@@ -166,254 +177,21 @@ def _tp_styles(model: nn.Module, vocab_parallel: bool | None = None) -> dict[str
     """``{module path: "colwise" | "rowwise"}`` of the TP plan modelpar's runtime derives for ``model``
     ({} if none): `tensor.default_tp_plan`, whose GPT plan splits the token embedding (rowwise over
     the vocabulary: its weight is sharded) and the head (colwise over the vocabulary) unless
-    ``vocab_parallel=False``."""
+    ``vocab_parallel=False``; for a Hugging Face model the plan `modelpar.parallel.hf_tp` builds (its
+    declared ``_tp_plan`` translated, or the derived one: GPT-2's Conv1D and fused c_attn), with a
+    vocabulary-parallel embedding and head for language models."""
     from modelpar.parallel import tensor
     try:
         plan, _ = tensor.default_tp_plan(model, loss_parallel=vocab_parallel)
     except ValueError:
         return {}
-    kind = {s: "colwise" for s in tensor.COLWISE_STYLES}
-    kind.update({s: "rowwise" for s in (*tensor.ROWWISE_STYLES, tensor.ROWWISE_VOCAB)})
-    return {k: kind[v] for k, v in plan.items() if v in kind}
+    return tensor.tp_kinds(plan)      # Conv1D styles of HF models too (h-tp hook)
 
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.untyped_storage().nbytes()
-
-
-class _Lifetimes:
-    """Storage lifetimes over the profiled forward + backward, to find each block's in-backward peak.
-
-    Storages are registered when first saved for backward (forward) or when a backward op creates
-    them; a weak reference on the storage (meta and fake storages are freed like real ones) records
-    when autograd drops it. Backward ops are recorded with their block. After the backward, the
-    storages that became parameter gradients are known (post-accumulate-grad hooks) and the timeline
-    is replayed: at each backward op of block i the live activation bytes are the saved storages
-    still alive plus the non-gradient storages made in backward, split into those made by block i
-    ("own") and by later blocks ("in": the gradient flowing into block i); the op with the most live
-    bytes is block i's peak.
-    """
-
-    def __init__(self, n: int):
-        self.n = n
-        self.live: dict[int, int] = {}        # storage key -> serial, while alive
-        self.size: list[int] = []             # serial -> bytes
-        self.creator: list[int] = []          # serial -> block whose backward made it (-1: forward / none)
-        self.events: list[tuple[int, int]] = []   # (+1 new / -1 free / 0 op, serial or block)
-        self.saved: set[int] = set()          # serials saved for backward
-        self.grad_block: dict[int, int] = {}  # serial -> block, for storages that became parameter grads
-
-    def add(self, t: torch.Tensor, creator: int) -> int:
-        import weakref
-        st = t.untyped_storage()
-        key = st._cdata
-        s = self.live.get(key)
-        if s is not None:
-            return s
-        s = len(self.size)
-        self.size.append(st.nbytes())
-        self.creator.append(creator)
-        self.live[key] = s
-        self.events.append((1, s))
-        weakref.finalize(st, self._free, key, s)
-        return s
-
-    def _free(self, key: int, s: int) -> None:
-        if self.live.get(key) == s:
-            del self.live[key]
-        self.events.append((-1, s))
-
-    def backward_op(self, block: int, args, out) -> None:
-        ins = {t.untyped_storage()._cdata for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in ins:   # not in-place
-                self.add(t, block)
-        self.events.append((0, block))
-
-    def grad(self, p: torch.Tensor, block: int) -> None:
-        # a weight gradient is a temporary of its matmul until AccumulateGrad stores it as .grad
-        if p.grad is not None:
-            s = self.add(p.grad, -1)
-            if s not in self.grad_block:
-                self.grad_block[s] = block
-                self.events.append((2, s))
-
-    def block_peaks(self) -> list[list[tuple[int, int, int, int]]]:
-        """Per block, the backward ops no other op of the block beats on both live activation bytes
-        and live gradient bytes of the block's parameters: (own live bytes, incoming-gradient live
-        bytes, stored gradient bytes, computed-not-yet-stored gradient bytes), by increasing gradient
-        bytes."""
-        saved, grad_block, size, creator = self.saved, self.grad_block, self.size, self.creator
-        cur_saved = 0
-        bw_total = 0
-        bw_by = [0] * self.n
-        grads_by = [0] * self.n
-        pending_by = [0] * self.n
-        fronts: list[list[tuple]] = [[] for _ in range(self.n)]   # (total, grads, own, in, stored, pending)
-        alive: set[int] = set()
-        stored: set[int] = set()              # gradients AccumulateGrad has stored
-
-        def count(s: int, nb: int) -> None:
-            nonlocal cur_saved, bw_total
-            if s in stored:
-                grads_by[grad_block[s]] += nb
-            elif s in grad_block:
-                pending_by[grad_block[s]] += nb
-            elif s in saved:
-                cur_saved += nb
-            elif creator[s] >= 0:
-                bw_total += nb
-                bw_by[creator[s]] += nb
-
-        for kind, x in self.events:
-            if kind == 0:
-                own = cur_saved + bw_by[x]
-                tot = cur_saved + bw_total
-                g = grads_by[x] + pending_by[x]
-                f = fronts[x]
-                if not any(e[0] >= tot and e[1] >= g for e in f):
-                    f[:] = [e for e in f if not (tot >= e[0] and g >= e[1])] + [
-                        (tot, g, own, tot - own, grads_by[x], pending_by[x])]
-            elif kind == 2:                   # became a parameter's .grad
-                if x in alive:
-                    count(x, -size[x])
-                    stored.add(x)
-                    count(x, size[x])
-                else:
-                    stored.add(x)
-            elif kind > 0:
-                alive.add(x)
-                count(x, size[x])
-            elif x in alive:
-                alive.discard(x)
-                count(x, -size[x])
-        return [[e[2:] for e in sorted(f, key=lambda e: e[1])] for f in fronts]
-
-
-class _OpCounter(TorchDispatchMode):
-    """Counts non-view ops and the bytes they read + write, per block and pass."""
-
-    def __init__(self, tracker: ModuleTracker, names: dict[str, int], n: int, param_keys=frozenset(),
-                 param_shapes=frozenset(), lifetimes: _Lifetimes | None = None):
-        super().__init__()
-        self.tracker, self.names, self.param_keys = tracker, names, param_keys
-        self.lifetimes = lifetimes
-        self.param_shapes = param_shapes        # shapes (and transposes) of 2-D parameters
-        self.gemm_bytes = [[0, 0, 0, 0] for _ in range(n)]     # param fwd, param bwd, act fwd, act bwd
-        self.mem = [[0, 0] for _ in range(n)]
-        self.ops = [[0, 0] for _ in range(n)]
-        self.gemms = [[0, 0] for _ in range(n)]
-        self.attn = [[0, 0, 0] for _ in range(n)]    # fwd FLOPs, bwd FLOPs, forward calls
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = func.overloadpacket.__name__
-        if name in _VIEW_OPS:
-            return out
-        idx = next((self.names[p] for p in self.tracker.parents if p in self.names), None)
-        if idx is None:
-            return out
-        if self.lifetimes is not None and self.tracker.is_bw:
-            self.lifetimes.backward_op(idx, (args, kwargs), out)
-        if name in _FLOP_OPS:
-            ph = 1 if self.tracker.is_bw else 0
-            self.gemms[idx][ph] += 1
-            if "scaled_dot_product" in name:
-                from torch.utils.flop_counter import sdpa_flop_count
-                q, k, v = args[ph:ph + 3]          # backward ops take grad_out first
-                self.attn[idx][ph] += sdpa_flop_count(q.shape, k.shape, v.shape) * (2 if ph else 1)
-                self.attn[idx][2] += 1 - ph
-            ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-            reads_param = any(t.untyped_storage()._cdata in self.param_keys for t in ins)
-            for t in ins + outs:
-                nb = t.numel() * t.element_size()
-                # a parameter (or its transposed view) reads the same storage; a weight gradient
-                # (a parameter-shaped product of two activations) is written once per micro-batch,
-                # not once per sample, so it counts with the parameter bytes too
-                param_like = (t.untyped_storage()._cdata in self.param_keys
-                              or (not reads_param and any(t is o for o in outs)
-                                  and tuple(t.shape) in self.param_shapes))
-                self.gemm_bytes[idx][ph if param_like else 2 + ph] += nb
-            return out
-        flat = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
-        phase = 1 if self.tracker.is_bw else 0
-        self.mem[idx][phase] += sum(t.numel() * t.element_size() for t in flat)
-        self.ops[idx][phase] += 1
-        return out
-
-
-class _ElementwiseBytes(TorchDispatchMode):
-    """Sums inputs + outputs of non-view, non-matmul operators, the rule `_OpCounter` applies."""
-
-    def __init__(self):
-        super().__init__()
-        self.nbytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = func.overloadpacket.__name__
-        if name not in _VIEW_OPS and name not in _FLOP_OPS:
-            flat = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
-            self.nbytes += sum(t.numel() * t.element_size() for t in flat)
-        return out
-
-
-def count_elementwise_bytes(fn) -> int:
-    """Bytes ``fn()`` moves through non-view, non-matmul operators, counted as the profile counts them
-    (for calibrating the rate of that traffic against the same rule)."""
-    mode = _ElementwiseBytes()
-    with mode:
-        fn()
-    return mode.nbytes
-
-
-class _FlashAttention(TorchFunctionMode):
-    """Routes ``F.scaled_dot_product_attention`` (no mask, no dropout) to the fused CPU flash kernel,
-    whose meta/fake implementation and saved tensors match a fused GPU kernel's (see module docstring)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention:
-            q, k, v = args[:3]
-            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
-            drop = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
-            causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
-            if mask is None and not drop and q.shape[-1] == v.shape[-1] and q.dim() == 4:
-                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    q, k, v, 0.0, bool(causal), scale=kwargs.get("scale"))[0]
-        return func(*args, **kwargs)
-
-
-_FLOP_OPS = {"mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward", "_convolution",
-             "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_backward",
-             "_scaled_dot_product_efficient_attention_backward",
-             "_scaled_dot_product_cudnn_attention_backward",
-             "_scaled_dot_product_flash_attention_for_cpu",
-             "_scaled_dot_product_flash_attention_for_cpu_backward"}
-
-
-def _cpu_flash_fwd(q, k, v, *args, out_shape=None, **kwargs) -> int:
-    from torch.utils.flop_counter import sdpa_flop_count
-    return sdpa_flop_count(q, k, v)
-
-
-def _cpu_flash_bwd(grad_out, q, k, v, *args, out_shape=None, **kwargs) -> int:
-    # model FLOPs: the 4 products of an unfused backward (the fused kernel's recomputed scores are
-    # not counted, as PaLM App. B counts no recomputation)
-    from torch.utils.flop_counter import sdpa_flop_count
-    return 2 * sdpa_flop_count(q, k, v)
-
-
-# torch's counter has no formula for the CPU flash kernel (used on CPU and by attention="flash")
-_FLOP_FORMULAS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_fwd,
-                  torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_bwd}
 
 
 def profile_model(model: nn.Module, example_input: torch.Tensor | Sequence[torch.Tensor], *,
                   dtype: torch.dtype = torch.float32,
-                  blocks: Sequence[tuple[str, nn.Module]] | None = None,
+                  blocks: Sequence[tuple[str, nn.Module | None]] | None = None,
                   attention: str = "flash", vocab_parallel: bool | None = None) -> ModelProfile:
     """Profile one training forward + backward of ``model`` on ``example_input`` without weights.
 
@@ -423,7 +201,10 @@ def profile_model(model: nn.Module, example_input: torch.Tensor | Sequence[torch
         example_input: tensor (or tuple of tensors) with the batch in dim 0, e.g. tokens
             ``(batch, seq)`` int64 or features ``(batch, in)``; floating inputs are cast to ``dtype``.
         dtype: ``torch.float32`` or ``torch.bfloat16``: the dtype of parameters and activations.
-        blocks: ``(name, submodule)`` pairs to attribute costs to; default `default_blocks`.
+        blocks: ``(name, submodule)`` pairs to attribute costs to; default `default_blocks`. The first
+            and the last submodule may be None: everything the model runs before the first (after
+            the last) named block, and the parameters of the modules it runs there, belong to it.
+            A parameter reachable from two blocks (tied) is counted in the first only.
         attention: ``"flash"`` (fused kernel, O(seq) saved bytes), ``"math"`` (unfused, the
             (seq, seq) scores saved; see the module docstring) or ``"megatron"`` (Megatron-LM's
             unfused core attention with its fused softmax, `runtimes.MegatronAttention`).
@@ -435,8 +216,8 @@ def profile_model(model: nn.Module, example_input: torch.Tensor | Sequence[torch
         ModelProfile with one BlockProfile per block, for the batch of ``example_input``.
 
     Raises:
-        ValueError: unsupported dtype or attention, an empty input, or a block that is not a
-            submodule of model.
+        ValueError: unsupported dtype or attention, an empty input, a block that is not a
+            submodule of model, or a None block other than the first or the last.
     """
     if attention not in ("flash", "math", "megatron"):
         raise ValueError(f"profile_model attention must be 'flash', 'math' or 'megatron', got {attention!r}")
@@ -448,10 +229,15 @@ def profile_model(model: nn.Module, example_input: torch.Tensor | Sequence[torch
     blocks = list(blocks) if blocks is not None else default_blocks(model)
     root_name = type(model).__name__
     fqn = {m: n for n, m in model.named_modules()}
-    for n, m in blocks:
-        if m not in fqn:
+    for i, (n, m) in enumerate(blocks):
+        if m is None and 0 < i < len(blocks) - 1:
+            raise ValueError(f"block {n!r}: only the first and the last block may be None (the rest of the model)")
+        if m is not None and m not in fqn:
             raise ValueError(f"block {n!r} is not a submodule of the model")
-    names = {(f"{root_name}.{fqn[m]}" if fqn[m] else root_name): i for i, (_, m) in enumerate(blocks)}
+    if all(m is None for _, m in blocks):
+        raise ValueError("profile_model needs at least one block that is a submodule")
+    names = {(f"{root_name}.{fqn[m]}" if fqn[m] else root_name): i for i, (_, m) in enumerate(blocks)
+             if m is not None}
 
     on_meta = all(p.device.type == "meta" for p in model.parameters())
     fake_mode = None
@@ -474,6 +260,59 @@ def profile_model(model: nn.Module, example_input: torch.Tensor | Sequence[torch
             fake_mode.__exit__(None, None, None)
 
 
+class _Outside:
+    """Where an op outside every block module goes, when the first / last block is the rest of the
+    model (None in `profile_model`'s blocks): forward, the first block until a block module ran,
+    then the block that last finished (the last block once the last module block finished);
+    backward, the reverse (the last block until a block module's backward ran, then the block seen
+    last, the first block once the first module block's backward ran). None: dropped, as before."""
+
+    def __init__(self, blocks):
+        n = len(blocks)
+        named = [i for i, (_, m) in enumerate(blocks) if m is not None]
+        self.pre = blocks[0][1] is None
+        self.post = blocks[-1][1] is None and n > 1
+        self.first, self.last, self.n = named[0], named[-1], n
+        self.fwd = 0 if self.pre else None
+        self.bwd = n - 1 if self.post else None
+
+    @property
+    def active(self) -> bool:
+        return self.pre or self.post
+
+    def ended(self, i: int) -> None:                 # forward of block module i finished
+        self.fwd = self.n - 1 if (i == self.last and self.post) else i
+
+    def seen(self, i: int) -> None:                  # backward op in block module i
+        self.bwd = 0 if (i == self.first and self.pre) else i
+
+    def __call__(self, is_bw: bool):
+        return self.bwd if is_bw else self.fwd
+
+
+def _block_params(model, blocks, fqn, owner, block_of):
+    """Per block, ``[(owner module path, leaf name, parameter)]``: a module block's parameters; for a
+    None block, those of the modules outside every block module that ran while it was current
+    (``owner``), modules that never ran joining the last None block (they still take memory)."""
+    inside = {m for _, b in blocks if b is not None for m in b.modules()}
+    out = []
+    rest = len(blocks) - 1 if blocks[-1][1] is None else 0
+    for i, (_, mod) in enumerate(blocks):
+        rows = []
+        if mod is not None:
+            base = fqn[mod]
+            for pn, p in mod.named_parameters():
+                path, _, leaf = (f"{base}.{pn}" if base else pn).rpartition(".")
+                rows.append((path, leaf, p))
+        else:
+            for m in model.modules():
+                if m in inside or owner.get(m, rest) != i:
+                    continue
+                rows += [(fqn[m], pn, p) for pn, p in m.named_parameters(recurse=False)]
+        out.append(rows)
+    return out
+
+
 def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=None) -> ModelProfile:
     dev = "meta" if on_meta else None
 
@@ -483,6 +322,7 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
         return x.requires_grad_(grad and t.is_floating_point())
 
     params = {n: stand_in(p, p.requires_grad) for n, p in model.named_parameters()}
+    stand_of = {id(p): params[n] for n, p in model.named_parameters()}
     buffers = {n: stand_in(b, False) for n, b in model.named_buffers()}
     xs = tuple(stand_in(x, False) if x.is_floating_point() else torch.zeros(
         x.shape, dtype=x.dtype, device=dev or x.device) for x in inputs)
@@ -496,7 +336,10 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
     saved_in = [0] * n
     in_keys: list[set[int]] = [set() for _ in range(n)]
     life = _Lifetimes(n)                      # storage lifetimes; also dedupes saved storages
-    block_of = {m: i for i, (_, m) in enumerate(blocks)}
+    block_of = {m: i for i, (_, m) in enumerate(blocks) if m is not None}
+    outside = _Outside(blocks)
+    has_params = {m for m in model.modules() if next(m.parameters(recurse=False), None) is not None}
+    owner: dict[nn.Module, int] = {}          # modules outside the block modules -> None block running them
     current: list[int] = []                   # stack of active block indices
     sub_stack: list[str] = []                 # fqn of innermost active submodule
     styles = _tp_styles(model, vocab_parallel)
@@ -504,6 +347,9 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
     core_saved = [0] * n
     core_inputs: list[set[int]] = []          # input storages of the active attention cores
     core_keys: dict[int, int] = {}            # storages first saved inside a core -> block
+    if outside.pre:
+        in_bytes[0] = sum(_nbytes(x) for x in xs)
+        in_keys[0] = {x.untyped_storage()._cdata for x in xs}
 
     def pre(mod, args):
         if mod in block_of:
@@ -512,6 +358,10 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
             ins = [a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)]
             in_bytes[i] = sum(_nbytes(a) for a in ins)
             in_keys[i] = {a.untyped_storage()._cdata for a in ins}
+            if i == outside.first and outside.pre:
+                out_bytes[0] = in_bytes[i]
+        elif not current and mod in has_params and outside.fwd is not None:
+            owner.setdefault(mod, outside.fwd)
         if getattr(type(mod), CORE_ATTR, False):
             core_inputs.append({a.untyped_storage()._cdata for a in tree_flatten(args)[0]
                                 if isinstance(a, torch.Tensor)})
@@ -525,12 +375,19 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
         if style is not None:
             sharded_region[0] = style == "colwise"
         if mod in block_of:
+            i = block_of[mod]
             current.pop()
-            out_bytes[block_of[mod]] = sum(_nbytes(o) for o in tree_flatten(out)[0]
-                                           if isinstance(o, torch.Tensor))
+            outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+            out_bytes[i] = sum(_nbytes(o) for o in outs)
+            if outside.active:
+                outside.ended(i)
+            if i == outside.last and outside.post:
+                in_bytes[n - 1] = out_bytes[i]
+                in_keys[n - 1] = {o.untyped_storage()._cdata for o in outs}
 
     def pack(t: torch.Tensor):
-        if not current:
+        i = current[-1] if current else outside.fwd
+        if i is None:
             return t
         key = t.untyped_storage()._cdata
         if key in param_keys:
@@ -540,12 +397,11 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
             # saved inside an attention core and again by the block outside it (e.g. the fused
             # kernel's output, viewed as the output projection's input): recomputing the core frees
             # nothing of it
-            owner = core_keys.pop(key, None) if not core_inputs else None
-            if owner is not None:
-                core_saved[owner] -= _nbytes(t)
+            owner_i = core_keys.pop(key, None) if not core_inputs else None
+            if owner_i is not None:
+                core_saved[owner_i] -= _nbytes(t)
             return t
         life.saved.add(serial)
-        i = current[-1]
         b = _nbytes(t)
         saved[i] += b
         if key in in_keys[i]:
@@ -557,19 +413,22 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
             core_keys[key] = i
         return t
 
+    def hook_grads(bi: int, rows) -> None:      # which storages become parameter gradients, per block
+        for _, _, p in rows:
+            sp = stand_of.get(id(p))
+            if sp is not None and sp.requires_grad:
+                handles.append(sp.register_post_accumulate_grad_hook(lambda q, bi=bi: life.grad(q, bi)))
+
     handles = [m.register_forward_pre_hook(pre) for m in model.modules()]
     handles += [m.register_forward_hook(post) for m in model.modules()]
-    for bi, (_, mod) in enumerate(blocks):    # which storages become parameter gradients, per block
-        base = fqn[mod]
-        for pn, _ in mod.named_parameters():
-            sp = params.get(f"{base}.{pn}" if base else pn)
-            if sp is not None and sp.requires_grad:
-                handles.append(sp.register_post_accumulate_grad_hook(
-                    lambda p, bi=bi: life.grad(p, bi)))
+    for bi, rows in enumerate(_block_params(model, blocks, fqn, {}, block_of)):
+        if blocks[bi][1] is not None:
+            hook_grads(bi, rows)
     tracker = ModuleTracker()
     shapes = {tuple(p.shape) for p in params.values() if p.dim() == 2}
     counter = _OpCounter(tracker, names, n, frozenset(param_keys), frozenset(shapes | {s[::-1] for s in shapes}),
-                         lifetimes=life)
+                         lifetimes=life, outside=outside if outside.active else None,
+                         seen=outside.seen if outside.active else None)
     # FlopCounterMode attributes backward FLOPs to modules only if it saw their forward: one counter
     # spans both passes, a nested one the forward alone; backward = all - forward.
     all_fc = FlopCounterMode(display=False, custom_mapping=_FLOP_FORMULAS)
@@ -579,6 +438,12 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
             with fwd_fc, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = torch.func.functional_call(model, {**params, **buffers}, xs)
             outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+            if outside.post:
+                out_bytes[n - 1] = sum(_nbytes(o) for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor))
+            block_params = _block_params(model, blocks, fqn, owner, block_of)
+            for bi, rows in enumerate(block_params):
+                if blocks[bi][1] is None:
+                    hook_grads(bi, rows)
             # a reduction after the model, so the last block's backward hooks see a gradient arrive
             torch.autograd.backward([o.sum() for o in outs])
     finally:
@@ -588,28 +453,32 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
     del out, outs
     peaks = life.block_peaks()
     fwd_counts, all_counts = fwd_fc.get_flop_counts(), all_fc.get_flop_counts()
+    mod_name = {i: k for k, i in names.items()}
     rows = []
     cum_saved = 0
     esize = torch.empty((), dtype=dtype).element_size()
-    for (name, mod), (mod_name, i) in zip(blocks, names.items()):
-        bp = [p for p in mod.parameters()]
-        base = fqn[mod]
+    counted: set[int] = set()                 # parameters already in an earlier block (ties once)
+    for i, ((name, mod), bparams) in enumerate(zip(blocks, block_params)):
         numels = []
-        for pn, p in mod.named_parameters():
-            owner, _, leaf = (f"{base}.{pn}" if base else pn).rpartition(".")
-            st = styles.get(owner)
+        for path, leaf, p in bparams:
+            if id(p) in counted:
+                continue
+            counted.add(id(p))
+            st = styles.get(path)
             numels.append((p.numel(), p.dim() >= 2, st == "colwise" or (st == "rowwise" and leaf == "weight")))
+        count = sum(k for k, _, _ in numels)
+        if mod is not None:
+            fwd_f = int(sum(fwd_counts.get(mod_name[i], {}).values()))
+            bwd_f = int(sum(all_counts.get(mod_name[i], {}).values())) - fwd_f
+        else:
+            fwd_f, bwd_f = counter.flops[i]
         rows.append(BlockProfile(
-            name=name, num_params=sum(p.numel() for p in bp),
-            param_bytes=sum(p.numel() for p in bp) * torch.empty((), dtype=dtype).element_size(),
-            fwd_flops=int(sum(fwd_counts.get(mod_name, {}).values())),
-            bwd_flops=int(sum(all_counts.get(mod_name, {}).values())
-                          - sum(fwd_counts.get(mod_name, {}).values())),
+            name=name, num_params=count, param_bytes=count * esize, fwd_flops=fwd_f, bwd_flops=bwd_f,
             fwd_mem_bytes=counter.mem[i][0], bwd_mem_bytes=counter.mem[i][1],
             fwd_ops=counter.ops[i][0], bwd_ops=counter.ops[i][1],
             saved_bytes=saved[i], saved_tp_sharded_bytes=saved_tp[i],
             input_bytes=in_bytes[i], output_bytes=out_bytes[i],
-            tp_sharded_params=sum(n for n, _, sh in numels if sh), param_numels=tuple(numels),
+            tp_sharded_params=sum(k for k, _, sh in numels if sh), param_numels=tuple(numels),
             fwd_gemms=counter.gemms[i][0], bwd_gemms=counter.gemms[i][1],
             fwd_gemm_param_bytes=counter.gemm_bytes[i][0], bwd_gemm_param_bytes=counter.gemm_bytes[i][1],
             fwd_gemm_act_bytes=counter.gemm_bytes[i][2], bwd_gemm_act_bytes=counter.gemm_bytes[i][3],
@@ -621,4 +490,5 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
     x0 = inputs[0]
     tokens = x0.shape[1] if (x0.dim() == 2 and not x0.is_floating_point()) else 1
     return ModelProfile(blocks=tuple(rows), dtype="bf16" if dtype == torch.bfloat16 else "fp32",
-                        batch_size=int(x0.shape[0]), tokens_per_sample=int(tokens), arch=_arch_of(model))
+                        batch_size=int(x0.shape[0]), tokens_per_sample=int(tokens),
+                        arch=_arch_of(model, int(tokens), vocab_parallel))

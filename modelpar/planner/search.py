@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from modelpar.plan import AC_MODES, PP_SCHEDULES, ParallelPlan
 from modelpar.planner.cost import StepEstimate, _finish, rank_step, tp_bytes_per_sample
 from modelpar.planner.hardware import Hardware
+from modelpar.planner.legality import tp_violations
 from modelpar.planner.memory import OPTIMIZER_BYTES, Batch, MemoryEstimate, in_flight, rank_loads, rank_memory
 from modelpar.planner.profile import ModelProfile
 
@@ -299,8 +300,8 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                 pruned["global batch not divisible by dp"] += layout_total
                 continue
             # the GPT's embedding and head split over the vocabulary under TP (runtime vocab parallel)
-            if arch and tp > 1 and any(arch.get(k, 0) % tp for k in ("n_head", "d_model", "ffn", "vocab_size")):
-                pruned["tp does not divide heads/hidden/ffn/vocab"] += layout_total
+            if arch and tp > 1 and tp_violations(arch, tp):      # heads, kv heads, widths, vocab (legality.py)
+                pruned["tp does not divide heads/kv heads/hidden/ffn/vocab"] += layout_total
                 continue
             if not arch and tp > 1 and any(b.num_params and b.num_params < tp for b in profile.blocks):
                 pruned["tp larger than a layer"] += layout_total

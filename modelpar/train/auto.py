@@ -68,7 +68,16 @@ def _choose(cfg, world_size: int, *, strategy: str = "auto", measure_if_missing:
     task = build_task(cfg, device="meta", load_data=False)
     x = example_input(task, 1).to("meta")
     dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-    prof = profile_model(task.model, x, dtype=dtype)
+    try:
+        prof = profile_model(task.model, x, dtype=dtype)
+    except Exception as e:      # noqa: BLE001 - a model the planner cannot profile: one message, a way out
+        from modelpar.models.spec import model_kind
+
+        if model_kind(cfg.model) == "builtin":
+            raise
+        raise ValueError(f"--strategy {strategy} needs the planner's profile of --model {cfg.model}, which failed "
+                         f"({type(e).__name__}: {str(e)[:200]}); name a strategy instead (--strategy ddp, fsdp, "
+                         f"...)") from e
     hw = hardware_for(cfg, world_size, measure_if_missing=measure_if_missing)
     if strategy == "rules":
         plan, why = rule_plan(prof, world_size, hw, global_batch_size=cfg.global_batch_size,

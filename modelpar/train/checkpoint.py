@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from modelpar.parallel.hf_tp import canonical_state, permuted_params, restore_layout
 from modelpar.train.dcp_quiet import single_process_dcp
 
 FORMAT = "modelpar-checkpoint"
@@ -167,6 +168,7 @@ def checkpoint_module(modules: list[nn.Module], ties: list[tuple[str, ...]] | No
                 if b_name not in mod._non_persistent_buffers_set:
                     o, leaf = owner_of(f"{mod_name}.{b_name}" if mod_name else b_name)
                     o.register_buffer(leaf, buf)
+    holder._modelpar_perms = permuted_params(modules)    # GPT-2's fused q|k|v under TP: stored in original order
     return holder
 
 
@@ -321,7 +323,8 @@ class Checkpointer:
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
         torch.save(rng, tmp / "rng" / f"rank-{rank}.pt")
-        state = _as_dtensors(get_train_state(holder, opt), _tp_specs(holder))
+        state = canonical_state(_as_dtensors(get_train_state(holder, opt), _tp_specs(holder)),
+                                getattr(holder, "_modelpar_perms", {}))
         info = {"format": FORMAT, "version": VERSION, "step": step, "world_size": _world(),
                 "params": _param_shapes(holder), "optimizer_state": "optim" in state,
                 "optimizer": type(opt).__name__ if opt is not None else None,
@@ -420,6 +423,7 @@ def load_checkpoint(holder: nn.Module, opt: torch.optim.Optimizer | None, path: 
     wrapped = _as_dtensors(plain, _tp_specs(holder))
     with single_process_dcp():
         dcp.load(wrapped, checkpoint_id=p, no_dist=not dist.is_initialized())
+    restore_layout(wrapped, getattr(holder, "_modelpar_perms", {}))    # original order -> this layout's
     _as_local(wrapped, plain)
     if with_optim:
         set_state_dict(holder, opt, model_state_dict=plain["model"], optim_state_dict=plain["optim"],
@@ -438,143 +442,6 @@ def load_checkpoint(holder: nn.Module, opt: torch.optim.Optimizer | None, path: 
     return meta
 
 
-# ---- the hooks of `modelpar train` ---------------------------------------------------------------
-_MUST_MATCH = ("model", "seed", "global_batch_size", "seq_len", "optimizer", "data")
-
-
-class TrainCheckpoints:
-    """Checkpointing of one `modelpar.train.runner.train` run: resume, periodic saves, close.
-
-    Resume carries the step (= data position, since the samples of step s come from (seed, s)), the
-    model and optimizer state on any layout, and the learning-rate position (lr_at(step)). On the
-    saving layout each rank's RNG state is restored too; on another layout the per-rank RNG streams
-    cannot be mapped, so each rank is reseeded from (seed, step, rank) and a note says so (this only
-    matters with dropout > 0).
-    """
-
-    def __init__(self, cfg, pm, opt, *, say=print):
-        self.cfg, self.pm, self.opt, self.say = cfg, pm, opt, say
-        self.every = cfg.ckpt_every
-        self.ckpt_dir = Path(cfg.ckpt_dir or Path(cfg.out_dir) / "checkpoints")
-        self.start_step = 0
-        self.loaded_step: int | None = None
-        self.saver: Checkpointer | None = None
-        self.holder = checkpoint_module(pm.modules, getattr(pm, "ties", None))   # before the first forward
-        source = self._resume_source()
-        if source is not None:
-            self._resume(source)
-        elif self.every > 0:
-            found = list_checkpoints(self.ckpt_dir)
-            if found:
-                raise ValueError(f"ckpt_dir {str(self.ckpt_dir)!r} already holds checkpoints "
-                                 f"({found[-1][1].name} and {len(found) - 1} older); pass --resume auto to "
-                                 f"continue them, or another --ckpt-dir (nothing was overwritten)")
-        if self.every > 0:
-            self.saver = Checkpointer(self.ckpt_dir, keep_last=cfg.keep_last, async_save=cfg.async_ckpt)
-
-    def _resume_source(self) -> Path | None:
-        r = self.cfg.resume
-        if not r:
-            return None
-        if r == "auto":
-            return latest_checkpoint(self.ckpt_dir)     # None: a fresh start (first attempt)
-        return resolve_checkpoint(r)
-
-    def _resume(self, source: Path) -> None:
-        cfg, pm = self.cfg, self.pm
-        meta = read_checkpoint_meta(source) if _rank() == 0 else None
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            box = [meta]
-            dist.broadcast_object_list(box, src=0)
-            meta = box[0]
-        saved_cfg = meta.get("train_config", {})
-        diffs = [f"{k}: checkpoint {saved_cfg[k]!r} vs now {getattr(cfg, k)!r}" for k in _MUST_MATCH
-                 if k in saved_cfg and saved_cfg[k] != getattr(cfg, k)]
-        if diffs:
-            raise CheckpointError(f"checkpoint {meta['path']!r} was written by a run that differs in what "
-                                  f"fixes the model and the sample order: {'; '.join(diffs)}")
-        same_layout = meta.get("plan") == pm.plan.to_dict() and meta.get("world_size") == _world()
-        meta = load_checkpoint(self.holder, self.opt, meta["path"], restore_rng=same_layout)
-        self.start_step = self.loaded_step = int(meta["step"])
-        if self.start_step > cfg.steps:
-            raise ValueError(f"checkpoint {meta['path']!r} is at step {self.start_step}, past steps={cfg.steps}")
-        old = f"{meta.get('plan_description', '?')} on {meta.get('world_size')} rank(s)"
-        new = f"{pm.plan.describe()} on {_world()} rank(s)"
-        self.say(f"  resumed from {meta['path']} at step {self.start_step} (saved under {old}; now {new})")
-        if not same_layout:
-            torch.manual_seed((cfg.seed * 1_000_003 + self.start_step * 7919 + _rank()) % (2**63 - 1))
-            if cfg.dropout > 0:
-                self.say("  note: new layout, so per-rank dropout RNG streams were reseeded from (seed, step, rank)")
-
-    def after_step(self, steps_done: int) -> None:
-        """Save if ``steps_done`` is a multiple of ckpt_every (0 included) or the last step."""
-        if self.saver is None or steps_done == self.loaded_step:
-            return
-        if steps_done % self.every == 0 or steps_done == self.cfg.steps:
-            cfg = self.cfg
-            meta = {"plan": self.pm.plan.to_dict(), "plan_description": self.pm.plan.describe(),
-                    "train_config": cfg.to_dict(), "model": cfg.model,
-                    "data_position": {"seed": cfg.seed, "next_step": steps_done,
-                                      "global_batch_size": cfg.global_batch_size},
-                    "lr_schedule": {k: getattr(cfg, k) for k in ("lr", "min_lr", "warmup_steps", "steps")},
-                    "tied_parameters": [list(t) for t in getattr(self.pm, "ties", [])]}
-            gpt_cfg = getattr(self._full_model_cfg(), "__dict__", None)
-            if gpt_cfg:
-                meta["model_config"] = {k: v for k, v in gpt_cfg.items() if isinstance(v, (int, float, str, bool))}
-            self.saver.save(self.holder, self.opt, steps_done, meta=meta)
-
-    def _full_model_cfg(self):
-        for m in self.pm.modules:
-            if hasattr(m, "cfg"):
-                return m.cfg
-        return None
-
-    def close(self) -> None:
-        if self.saver is not None:
-            self.saver.close()
-
-
-# ---- modelpar export ------------------------------------------------------------------------------
-def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Write the model of a checkpoint (any layout) as one consolidated safetensors file, loadable by
-    ``model.load_state_dict(safetensors.torch.load_file(out))`` on the plain model. One process.
-
-    Tied parameters (case C13, listed in the checkpoint's ``tied_parameters``) are written once, under
-    their first name, and the aliases recorded in the file's metadata (``modelpar_tied``, JSON
-    ``{alias: name}``); load such a file with ``safetensors.torch.load_model(model, out)``, which
-    fills the aliases of a model that ties them (``load_state_dict`` then reports the aliases as
-    missing).
-
-    Raises:
-        CheckpointError: see `read_checkpoint_meta`.
-    """
-    import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    meta = read_checkpoint_meta(path)
-    p = meta["path"]
-    md = dcp.FileSystemReader(p).read_metadata()
-    sd = {k[len("model."):]: torch.empty(tuple(v.size), dtype=v.properties.dtype)
-          for k, v in md.state_dict_metadata.items()
-          if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
-    if not sd:
-        raise CheckpointError(f"checkpoint {p!r} holds no model tensors")
-    state = {"model": sd}
-    with single_process_dcp():
-        dcp.load(state, checkpoint_id=p, no_dist=True)
-    aliases = {}
-    for tie in meta.get("tied_parameters", []):    # saved once, under the first name held
-        kept = [n for n in tie if n in state["model"]]
-        for alias in (n for n in tie if kept and n != kept[0]):
-            state["model"].pop(alias, None)
-            aliases[alias] = kept[0]
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    extra = {"modelpar_tied": json.dumps(aliases, sort_keys=True)} if aliases else {}
-    save_file({k: v.contiguous() for k, v in state["model"].items()}, str(tmp),
-              metadata={"format": "pt", "modelpar_step": str(meta["step"]), "modelpar_model": str(meta.get("model")),
-                        **extra})
-    tmp.replace(out)
-    return state["model"]
+# moved to their own modules (kept importable from here)
+from modelpar.train.run_checkpoints import TrainCheckpoints  # noqa: E402,F401
+from modelpar.train.export import export_checkpoint  # noqa: E402,F401

@@ -21,9 +21,14 @@ class TrainConfig:
 
     Args:
         model: built-in model: gpt-nano, gpt-1m, gpt-3m, gpt-10m (trainable here), larger gpt-* presets,
-            mlp-small, mlp-large, mlp-deep, cnn (`modelpar.models.spec`).
-        model_config: GPT presets: a JSON object of GPTConfig fields replacing the preset's, e.g.
-            {"n_layer": 8, "d_model": 512}.
+            mlp-small, mlp-large, mlp-deep, cnn; a Hugging Face causal LM: hf:<model_type> (hf:gpt2,
+            hf:llama, ...), a config.json path, or a local pretrained folder (its weights loaded); or a
+            factory module:factory / file.py:factory returning a language model (`modelpar.models.spec`;
+            docs/your-model.md).
+        model_config: a JSON object of overrides: GPTConfig fields of a GPT preset, e.g.
+            {"n_layer": 8, "d_model": 512}, or fields of a Hugging Face config, e.g. {"n_layer": 4}.
+        blocks: path of the nn.ModuleList / nn.Sequential holding the repeated blocks (empty: found).
+        split_points: comma-separated block paths, each starting a pipeline stage (empty: balanced).
         strategy: auto (the planner picks the fastest plan that fits; the default), rules (the common
             rule-of-thumb advice), custom (exactly the degrees given below), or a shorthand: single,
             placement, ddp, fsdp, hsdp, tp, pp, ddp+tp, fsdp+tp. A degree that contradicts the shorthand
@@ -31,18 +36,29 @@ class TrainConfig:
         plan: a plan file (plan.json, as `modelpar plan --explain K --json` or a run folder writes it)
             or its JSON text: the whole layout, instead of strategy and degrees.
         nproc: local ranks to launch (ignored under torchrun, which sets the world size).
-        data: text file or folder for GPT models (default: the Python standard library's sources).
+        data: text file or folder for language models (default: the Python standard library's sources);
+            with token_dtype, a token file or a folder with train.bin and val.bin.
+        tokenizer: a tokenizer.json (Hugging Face tokenizers library) that encodes the text ("": bytes,
+            ids 0..255; `modelpar.train.tokens`).
+        token_dtype: uint16 or uint32: data is pre-tokenized, a flat array of token ids of this dtype
+            (the nanoGPT format); "": data is text.
         steps: optimizer steps.
         global_batch_size: samples per optimizer step.
         local_batch_size: samples per forward/backward per data-parallel rank (0: global / dp).
-        seq_len: tokens per sample for GPT models (0: the preset's).
+        seq_len: tokens per sample for language models (0: a GPT preset's; min(the model's positions,
+            1024) for a Hugging Face model; a factory model's max_positions, or required).
         lr: peak learning rate (AdamW), reached after warmup_steps, cosine-decayed to min_lr.
         min_lr: final learning rate.
         warmup_steps: linear warm-up steps.
         weight_decay: AdamW weight decay on matrices (not on biases, norms or embeddings' 1-D params).
         optimizer: adamw or sgd.
         grad_clip: clip gradients to this global L2 norm (0: off).
-        dropout: dropout probability for GPT models.
+        meta_init: Hugging Face models under FSDP (or one process): build on the meta device and give each
+            rank memory for its own shards only, filled from the pretrained folder's safetensors files
+            (sliced) or, from a config, from (seed, parameter name), the same values on every layout but
+            not transformers' own initialisation (`modelpar.train.materialise`).
+        dropout: dropout probability of GPT and Hugging Face models (every dropout field of an HF config
+            is set to it).
         eval_every: validate every N steps (and before and after training).
         eval_samples: validation samples per evaluation.
         seed: seed of initial weights, data order and dropout.
@@ -98,10 +114,14 @@ class TrainConfig:
 
     model: str = "gpt-3m"
     model_config: dict = dataclasses.field(default_factory=dict)
+    blocks: str = ""
+    split_points: str = ""
     strategy: str = "auto"
     plan: str = ""
     nproc: int = 2
     data: str | None = None
+    tokenizer: str = ""
+    token_dtype: str = ""
     steps: int = 450
     global_batch_size: int = 32
     local_batch_size: int = 0
@@ -113,6 +133,7 @@ class TrainConfig:
     optimizer: str = "adamw"
     grad_clip: float = 1.0
     dropout: float = 0.0
+    meta_init: bool = False
     eval_every: int = 150
     eval_samples: int = 128
     seed: int = 0

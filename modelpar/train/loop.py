@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from modelpar.models import PRESETS
 from modelpar.parallel.compose import ParallelModel
-from modelpar.parallel.parts import get_model_parts
+from modelpar.parallel.parts import ModelParts, get_model_parts, split_points_of
+from modelpar.parallel.stages import boundaries_from_split_points
 from modelpar.parallel.tensor import default_tp_plan, validate_tp_plan
 from modelpar.parallel.ties import check_ties
 from modelpar.plan import ParallelPlan, gradient_accumulation_steps
@@ -23,6 +23,8 @@ from modelpar.train.config import TrainConfig
 from modelpar.train.data import eval_shard
 from modelpar.train.step import OPTIMIZERS
 from modelpar.train.task import Task, build_task
+from modelpar.train.materialise import check_meta_init
+from modelpar.train.tokens import check_lm_data
 
 
 def resolve_plan(cfg: TrainConfig, world_size: int) -> ParallelPlan:
@@ -68,6 +70,9 @@ def preflight(cfg: TrainConfig, world_size: int, resolved=None) -> tuple[Paralle
     run folder's plan.json on every rank), validated here instead of resolving again; None resolves
     ``cfg`` now.
 
+    Language models: `modelpar.train.tokens.check_lm_data` (sequence length within the model's
+    positions, token ids and tokenizer within its vocabulary).
+
     Raises:
         ValueError: one clear message naming the field and the numbers.
     """
@@ -76,26 +81,32 @@ def preflight(cfg: TrainConfig, world_size: int, resolved=None) -> tuple[Paralle
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
     if cfg.optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={cfg.optimizer!r} is unknown; valid: {', '.join(OPTIMIZERS)}")
-    if cfg.data is not None and cfg.model in PRESETS:
-        from modelpar.train.data import load_text_corpus
-
-        train_b, val_b, _ = load_text_corpus(cfg.data)      # raises for a missing or tiny corpus
-        seq = cfg.seq_len or PRESETS[cfg.model].seq_len
-        if min(train_b.numel(), val_b.numel()) < seq + 2:
-            raise ValueError(f"--data {cfg.data!r} has {train_b.numel()} train and {val_b.numel()} validation "
-                             f"bytes; each split needs at least seq_len + 2 = {seq + 2}")
+    task = build_task(cfg, device="meta", load_data=False)
+    if task.lm is not None:     # sequence length within the positions, token ids within the vocabulary
+        check_lm_data(cfg, model=cfg.model, vocab=task.lm.vocab, max_positions=task.lm.max_positions,
+                      seq_len=task.lm.seq_len)
     if resolved is None:
         from modelpar.train.resolve import resolve
         resolved = resolve(cfg, world_size)
     plan = resolved.plan
-    task = build_task(cfg, device="meta", load_data=False)
-    parts = get_model_parts(task.model)
+    try:
+        parts = get_model_parts(task.model, split_points_of(cfg.split_points), blocks=cfg.blocks or None)
+    except ValueError:          # DDP / FSDP / TP need no block structure (as `parallelize` decides)
+        if (plan.pp_enabled or plan.is_placement or plan.activation_checkpointing != "none" or plan.compile
+                or cfg.blocks or cfg.split_points):
+            raise
+        parts = ModelParts(form="whole")
+    if plan.pp > 1 and cfg.split_points:        # --split-points: one block path per stage after the first
+        boundaries_from_split_points(parts, split_points_of(cfg.split_points), plan.num_stages)
+    check_meta_init(cfg, plan)
     batches = batch_terms(cfg, plan, resolved.local_batch_size)
-    plan.validate(1 if plan.is_placement else world_size, num_blocks=parts.num_blocks,
+    plan.validate(1 if plan.is_placement else world_size,
+                  num_blocks=parts.num_blocks if parts.form != "whole" else None,
                   local_batch_size=batches.local_batch_size)
-    tp_plan = default_tp_plan(task.model, sequence_parallel=plan.sequence_parallel)[0] if plan.tp > 1 else None
+    tp_plan = (default_tp_plan(task.model, sequence_parallel=plan.sequence_parallel, tp_degree=plan.tp)[0]
+               if plan.tp > 1 else None)
     if tp_plan is not None:
-        validate_tp_plan(task.model, tp_plan, plan.tp)
+        validate_tp_plan(task.model, tp_plan, plan.tp, seq_len=cfg.seq_len or None)
     check_ties(task.model, plan, parts, tp_plan=tp_plan)        # case C13: a layout that breaks a tie
     if plan.cpu_offload and not torch.cuda.is_available():
         raise ValueError("cpu_offload=True needs CUDA: on a CPU-only run the shards already live in CPU memory")

@@ -92,10 +92,13 @@ class RunRecord:
                     self._tb.add_scalar(k, v, step)
 
     def close(self) -> None:
+        """Close the files (idempotent: also called when a run fails)."""
         if self._f is not None:
             self._f.close()
+            self._f = None
         if self._tb is not None:
             self._tb.close()
+            self._tb = None
 
 
 def _storage_bytes(tensors) -> float:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from modelpar.models import PRESETS
 from modelpar.parallel.compose import parallelize
 from modelpar.parallel.layer_checks import dropout_note
 from modelpar.parallel.mesh import build_mesh, get_device, init_distributed
@@ -20,6 +21,7 @@ from modelpar.train.metrics import PeakTensorMemory, RunRecord, StepMemory, peak
 from modelpar.train.preflight_checks import (check_optimizer_params, check_same_steps, install_first_step_checks,
                                              rebind_replaced_params)
 from modelpar.train.step import train_step
+from modelpar.parallel.parts import split_points_of
 from modelpar.train.task import build_task, example_input
 
 
@@ -41,7 +43,21 @@ def _fmt_bytes(n: float) -> str:
 
 def make_run_dir(cfg: TrainConfig) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path(cfg.out_dir) / f"{cfg.model}-{cfg.strategy.replace('+', '_')}-{stamp}"
+    return Path(cfg.out_dir) / f"{run_name(cfg.model)}-{cfg.strategy.replace('+', '_')}-{stamp}"
+
+
+def run_name(model: str) -> str:
+    """A file-name-safe short name of ``--model``: ``hf:gpt2`` -> ``hf-gpt2``, a path -> its last
+    part, ``file.py:factory`` -> ``file-factory``."""
+    import re
+
+    base = model.rstrip("/")
+    if ":" in base and not base.startswith("hf:"):            # module:factory / path/file.py:factory
+        mod, fn = base.rsplit(":", 1)
+        base = f"{Path(mod).stem}-{fn}"
+    elif not base.startswith("hf:"):
+        base = Path(base).stem if base.endswith(".json") else Path(base).name
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", base).strip("-") or "model"
 
 
 def train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False, resolved=None) -> dict:
@@ -71,117 +87,126 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
     if run_dir is None and is_main:
         run_dir = make_run_dir(cfg)
     record = RunRecord(run_dir if is_main else None)
-    say(f"modelpar train: {cfg.model} on {world} rank(s), plan {plan.describe()}, "
-        f"{nthreads} thread(s) per rank, device {device.type}")
-    say(f"  batch: global {batches.global_batch_size}, local {batches.local_batch_size}, accumulation "
-        f"{batches.accum_steps}, micro-batch {batches.micro_batch_size}")
-    if task.kind == "lm":
-        di = task.data_info
-        say(f"  data: {di['num_files']} files, {di['num_bytes']:,} bytes from {di['source']} "
-            f"(file list sha256 {di['files_sha256'][:16]}...)")
-    nparams = sum(p.numel() for p in task.model.parameters())
-    say(f"  model: {nparams / 1e6:.2f}M parameters")
-    record.write_json("config.json", cfg.to_dict())
-    record.write_json("plan.json", PlanFile(plan, batches.global_batch_size, batches.local_batch_size,
-                                            resolved.reason if resolved is not None else "").to_dict())
-    record.write_json("data.json", task.data_info)
+    try:                        # the record's files (TensorBoard's writer thread) closed on failure too
+        say(f"modelpar train: {cfg.model} on {world} rank(s), plan {plan.describe()}, "
+            f"{nthreads} thread(s) per rank, device {device.type}")
+        say(f"  batch: global {batches.global_batch_size}, local {batches.local_batch_size}, accumulation "
+            f"{batches.accum_steps}, micro-batch {batches.micro_batch_size}")
+        if task.kind == "lm":
+            di = task.data_info
+            say(f"  data: {di['description']}")
+        nparams = sum(p.numel() for p in task.model.parameters())
+        say(f"  model: {nparams / 1e6:.2f}M parameters")
+        record.write_json("config.json", cfg.to_dict())
+        record.write_json("plan.json", PlanFile(plan, batches.global_batch_size, batches.local_batch_size,
+                                                resolved.reason if resolved is not None else "").to_dict())
+        record.write_json("data.json", task.data_info)
 
-    mesh = build_mesh(plan, device)
-    pm = parallelize(task.model, plan, mesh, loss_fn=task.loss_fn, device=device,
-                     example_input=example_input(task, batches.micro_batch_size),
-                     check_unused_params=cfg.check_unused_params, sync_batchnorm=cfg.sync_batchnorm)
-    note = dropout_note(pm.modules, plan, cfg.dropout)
-    if note:
-        say(note)
-    opt = build_optimizer(pm, cfg)
-    ckpt = TrainCheckpoints(cfg, pm, opt, say=say)    # loads the checkpoint cfg.resume names, on any layout
-    check_same_steps(cfg.steps - ckpt.start_step)     # preflight checks: C2, C9; C1/C8 at the first step
-    check_optimizer_params(pm.named_parameters(), opt)
-    named_params = list(pm.named_parameters())       # before any forward (DDP x TP swaps them)
-    install_first_step_checks(named_params, opt)
-    heartbeat = start_heartbeat(rank, world, timeout_s=cfg.timeout_s)
+        mesh = build_mesh(plan, device)
+        pm = parallelize(task.model, plan, mesh, loss_fn=task.loss_fn, device=device,
+                         example_input=example_input(task, batches.micro_batch_size),
+                         split_points=split_points_of(cfg.split_points), blocks=cfg.blocks or None,
+                         check_unused_params=cfg.check_unused_params, sync_batchnorm=cfg.sync_batchnorm)
+        if cfg.meta_init:           # built on meta: this rank's shards get memory and values now
+            from modelpar.train.materialise import materialise
 
-    val_before = evaluate(pm, task, batches)
-    rebind_replaced_params(pm.modules, named_params)  # case C9 under DDP x TP: the no-grad pass above
-    say(f"  validation loss before training: {val_before:.4f}")
-    record.log(0, val_loss=val_before)
+            materialise(pm.modules, cfg, device)
+        note = dropout_note(pm.modules, plan, cfg.dropout)
+        if note:
+            say(note)
+        opt = build_optimizer(pm, cfg)
+        ckpt = TrainCheckpoints(cfg, pm, opt, say=say)    # loads the checkpoint cfg.resume names, on any layout
+        check_same_steps(cfg.steps - ckpt.start_step)     # preflight checks: C2, C9; C1/C8 at the first step
+        check_optimizer_params(pm.named_parameters(), opt)
+        named_params = list(pm.named_parameters())       # before any forward (DDP x TP swaps them)
+        install_first_step_checks(named_params, opt)
+        heartbeat = start_heartbeat(rank, world, timeout_s=cfg.timeout_s)
 
-    tokens_per_step = batches.global_batch_size * task.tokens_per_sample
-    progress = None
-    if is_main and not quiet:
-        from tqdm import tqdm
-        progress = tqdm(total=cfg.steps, initial=ckpt.start_step, desc="train", unit="step", dynamic_ncols=True)
-    peak_tensor = 0
-    losses: list[float] = []
-    t_train = time.time()
-    t_last = t_train
-    val_loss = val_before
-    ckpt.after_step(ckpt.start_step)                  # a checkpoint at step 0 too
-    for step in range(ckpt.start_step, cfg.steps):
-        if heartbeat is not None:
-            heartbeat.beat(step)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg)
-        xg, yg = task.train.global_batch(cfg.seed, step, batches.global_batch_size)
-        # the second step run (the first also builds optimizer state), or the only one
-        track_at = ckpt.start_step + (1 if cfg.steps - ckpt.start_step > 1 else 0)
-        track = cfg.track_memory and step == track_at and device.type == "cpu"
-        # MemTracker refuses modules that run more than once per step (pipeline stages run once per
-        # micro-batch, every module once per accumulated local batch): those steps are measured with
-        # StepMemory instead (which does not see FSDP's storage resizes: its unsharded parameters)
-        reentrant = plan.pp_enabled or batches.accum_steps > 1
-        tracker = (StepMemory(pm.modules, opt) if (track and reentrant)
-                   else PeakTensorMemory(device, enabled=track or device.type == "cuda"))
-        with tracker as mem:
-            loss_sum, n, gnorm = train_step(pm, opt, xg, yg, accum_steps=batches.accum_steps,
-                                            grad_clip=cfg.grad_clip)
-        if mem.peak:
-            peak_tensor = max(peak_tensor, mem.peak)
-        step_loss = reduce_loss(pm, loss_sum, n, device)
-        losses.append(step_loss)
-        now = time.time()
-        tok_s = tokens_per_step / max(now - t_last, 1e-9)
-        t_last = now
-        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
-            val_loss = evaluate(pm, task, batches)
-            record.log(step + 1, val_loss=val_loss)
-        if step % max(cfg.log_every, 1) == 0 or step == cfg.steps - 1:
-            record.log(step + 1, loss=step_loss, grad_norm=gnorm.item(), lr=lr_at(step, cfg),
-                       tokens_per_s=tok_s, peak_rss_bytes=peak_rss_bytes(), peak_tensor_bytes=peak_tensor)
+        val_before = evaluate(pm, task, batches)
+        rebind_replaced_params(pm.modules, named_params)  # case C9 under DDP x TP: the no-grad pass above
+        say(f"  validation loss before training: {val_before:.4f}")
+        record.log(0, val_loss=val_before)
+
+        tokens_per_step = batches.global_batch_size * task.tokens_per_sample
+        progress = None
+        if is_main and not quiet:
+            from tqdm import tqdm
+            progress = tqdm(total=cfg.steps, initial=ckpt.start_step, desc="train", unit="step", dynamic_ncols=True)
+        peak_tensor = 0
+        losses: list[float] = []
+        t_train = time.time()
+        t_last = t_train
+        val_loss = val_before
+        ckpt.after_step(ckpt.start_step)                  # a checkpoint at step 0 too
+        for step in range(ckpt.start_step, cfg.steps):
+            if heartbeat is not None:
+                heartbeat.beat(step)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, cfg)
+            xg, yg = task.train.global_batch(cfg.seed, step, batches.global_batch_size)
+            # the second step run (the first also builds optimizer state), or the only one
+            track_at = ckpt.start_step + (1 if cfg.steps - ckpt.start_step > 1 else 0)
+            track = cfg.track_memory and step == track_at and device.type == "cpu"
+            # MemTracker refuses modules that run more than once per step (pipeline stages run once per
+            # micro-batch, every module once per accumulated local batch): those steps are measured with
+            # StepMemory instead (which does not see FSDP's storage resizes: its unsharded parameters)
+            reentrant = plan.pp_enabled or batches.accum_steps > 1
+            tracker = (StepMemory(pm.modules, opt) if (track and reentrant)
+                       else PeakTensorMemory(device, enabled=track or device.type == "cuda"))
+            with tracker as mem:
+                loss_sum, n, gnorm = train_step(pm, opt, xg, yg, accum_steps=batches.accum_steps,
+                                                grad_clip=cfg.grad_clip)
+            if mem.peak:
+                peak_tensor = max(peak_tensor, mem.peak)
+            step_loss = reduce_loss(pm, loss_sum, n, device)
+            losses.append(step_loss)
+            now = time.time()
+            tok_s = tokens_per_step / max(now - t_last, 1e-9)
+            t_last = now
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+                val_loss = evaluate(pm, task, batches)
+                record.log(step + 1, val_loss=val_loss)
+            if step % max(cfg.log_every, 1) == 0 or step == cfg.steps - 1:
+                record.log(step + 1, loss=step_loss, grad_norm=gnorm.item(), lr=lr_at(step, cfg),
+                           tokens_per_s=tok_s, peak_rss_bytes=peak_rss_bytes(), peak_tensor_bytes=peak_tensor)
+            if progress is not None:
+                progress.set_postfix_str(f"loss {step_loss:.3f} | val {val_loss:.3f} | {tok_s:,.0f} tok/s | "
+                                         f"mem {_fmt_bytes(peak_tensor)} tensors, {_fmt_bytes(peak_rss_bytes())} RSS")
+                progress.update(1)
+            ckpt.after_step(step + 1)
+        ckpt.close()
         if progress is not None:
-            progress.set_postfix_str(f"loss {step_loss:.3f} | val {val_loss:.3f} | {tok_s:,.0f} tok/s | "
-                                     f"mem {_fmt_bytes(peak_tensor)} tensors, {_fmt_bytes(peak_rss_bytes())} RSS")
-            progress.update(1)
-        ckpt.after_step(step + 1)
-    ckpt.close()
-    if progress is not None:
-        progress.close()
-    train_time = time.time() - t_train
-    val_after = evaluate(pm, task, batches)
-    record.log(cfg.steps, val_loss=val_after)
+            progress.close()
+        train_time = time.time() - t_train
+        val_after = evaluate(pm, task, batches)
+        record.log(cfg.steps, val_loss=val_after)
 
-    state = gather_full_state_dict(pm)
-    summary = {"val_loss_before": val_before, "val_loss_after": val_after, "losses": losses,
-               "train_time_s": train_time, "start_step": ckpt.start_step,
-               "tokens_per_s": tokens_per_step * (cfg.steps - ckpt.start_step) / train_time,
-               "peak_tensor_bytes": peak_tensor, "peak_rss_bytes": peak_rss_bytes(), "plan": plan.to_dict(),
-               "run_dir": str(run_dir) if run_dir else None, "world_size": world}
-    if is_main and run_dir is not None:
-        from safetensors.torch import save_file
+        state = gather_full_state_dict(pm)
+        summary = {"val_loss_before": val_before, "val_loss_after": val_after, "losses": losses,
+                   "train_time_s": train_time, "start_step": ckpt.start_step,
+                   "tokens_per_s": tokens_per_step * (cfg.steps - ckpt.start_step) / train_time,
+                   "peak_tensor_bytes": peak_tensor, "peak_rss_bytes": peak_rss_bytes(), "plan": plan.to_dict(),
+                   "run_dir": str(run_dir) if run_dir else None, "world_size": world}
+        if is_main and run_dir is not None:
+            from safetensors.torch import save_file
 
-        save_file({k: v.contiguous() for k, v in state.items()}, str(run_dir / "model.safetensors"))
-        record.write_json("summary.json", {k: v for k, v in summary.items() if k != "losses"})
-        if task.kind == "lm" and cfg.sample_bytes > 0:
-            summary["sample"] = sample_text(cfg, run_dir / "model.safetensors", cfg.sample_bytes)
-            say("\n--- sample from the trained model (prompt 'def ') ---\n" + summary["sample"] + "\n---")
-    record.close()
-    unit, rate = ("nats/byte", "tokens/s") if task.kind == "lm" else ("nats", "samples/s")
-    say(f"wall time {time.time() - t_start:.1f} s (training {train_time:.1f} s) | validation loss "
-        f"{val_before:.4f} -> {val_after:.4f} {unit} | {summary['tokens_per_s']:,.0f} {rate} | "
-        f"peak per rank: {_fmt_bytes(peak_tensor)} tensors, {_fmt_bytes(peak_rss_bytes())} RSS")
-    if run_dir is not None:
-        say(f"run record: {run_dir}")
-    return summary
+            save_file({k: v.contiguous() for k, v in state.items()}, str(run_dir / "model.safetensors"))
+            record.write_json("summary.json", {k: v for k, v in summary.items() if k != "losses"})
+            byte_gpt = cfg.model in PRESETS and not (cfg.tokenizer or cfg.token_dtype)    # what sample_text decodes
+            if task.kind == "lm" and cfg.sample_bytes > 0 and byte_gpt:
+                summary["sample"] = sample_text(cfg, run_dir / "model.safetensors", cfg.sample_bytes)
+                say("\n--- sample from the trained model (prompt 'def ') ---\n" + summary["sample"] + "\n---")
+        record.close()
+        per = "byte" if not (cfg.tokenizer or cfg.token_dtype) else "token"
+        unit, rate = (f"nats/{per}", "tokens/s") if task.kind == "lm" else ("nats", "samples/s")
+        say(f"wall time {time.time() - t_start:.1f} s (training {train_time:.1f} s) | validation loss "
+            f"{val_before:.4f} -> {val_after:.4f} {unit} | {summary['tokens_per_s']:,.0f} {rate} | "
+            f"peak per rank: {_fmt_bytes(peak_tensor)} tensors, {_fmt_bytes(peak_rss_bytes())} RSS")
+        if run_dir is not None:
+            say(f"run record: {run_dir}")
+        return summary
+    finally:
+        record.close()
 
 
 def sample_text(cfg: TrainConfig, weights_path: Path, num_bytes: int, prompt: str = "def ") -> str:

@@ -1,7 +1,14 @@
-"""A task = model + data + loss, built the same way on every rank (and in the launcher, on meta)."""
+"""A task = model + data + loss, built the same way on every rank (and in the launcher, on meta).
+
+Language models (token ids in, logits out) train on a token stream (`modelpar.train.tokens`): the
+built-in GPT presets, Hugging Face causal LMs (``hf:<type>``, a config.json, a pretrained folder) and
+factory models that declare themselves language models (the dict form with ``"task": "lm"``,
+`modelpar.models.spec`). The MLPs train on a synthetic teacher, the CNN on scikit-learn's digits.
+"""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -9,11 +16,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from modelpar.models import MLP_PRESETS, PRESETS
-from modelpar.train.data import TensorBatches, TokenBatches, load_digits, load_text_corpus
+from modelpar.train.data import TensorBatches, TokenBatches, load_digits
+
+HF_DEFAULT_SEQ_CAP = 1024         # seq_len 0 on a Hugging Face model: min(its positions, this)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-byte cross entropy, nats per byte. logits (b, t, V), targets (b, t)."""
+    """Mean next-token cross entropy, nats per token. logits (b, t, V), targets (b, t)."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
@@ -32,23 +41,124 @@ class Task:
     loss_fn: object
     tokens_per_sample: int
     data_info: dict
+    lm: "LMShape | None" = None      # language models: vocabulary, positions, sequence length
+
+
+@dataclass(frozen=True)
+class LMShape:
+    """What the data checks need of a language model."""
+
+    vocab: int
+    max_positions: int | None        # None: no limit known
+    seq_len: int                     # the run's sequence length
+
+
+def has_weights(folder: str) -> bool:
+    """A local pretrained folder: ``config.json`` next to ``*.safetensors`` or ``*.bin`` weights."""
+    return os.path.isdir(folder) and os.path.isfile(os.path.join(folder, "config.json")) and any(
+        f.endswith((".safetensors", ".bin")) for f in os.listdir(folder))
+
+
+def _kind(cfg) -> str:
+    from modelpar.models.spec import model_kind
+    return model_kind(cfg.model)
+
+
+def _factory_lm(cfg, device: str = "cpu"):
+    """The model and `LMShape` of a factory that returns ``{"model", "task": "lm", "vocab_size", ...}``.
+
+    Raises:
+        ValueError: the factory is not a language model, or its declaration is malformed.
+    """
+    from modelpar.models.spec import build_factory
+
+    um = build_factory(cfg.model)
+    task, vocab, maxpos = um.extra.get("task"), um.extra.get("vocab_size"), um.extra.get("max_positions")
+    if task != "lm":
+        raise ValueError(f"--model {cfg.model!r}: modelpar train runs a factory model that is a language model: "
+                         f"return {{'model': m, 'task': 'lm', 'vocab_size': V}} (optionally 'max_positions'), "
+                         f"m taking token ids (batch, seq) int64 to logits (batch, seq, V); got task={task!r}")
+    if not isinstance(vocab, int) or vocab < 1:
+        raise ValueError(f"--model {cfg.model!r}: a factory language model must declare 'vocab_size' as a positive "
+                         f"int, got {vocab!r}")
+    if maxpos is not None and (not isinstance(maxpos, int) or maxpos < 1):
+        raise ValueError(f"--model {cfg.model!r}: 'max_positions' must be a positive int, got {maxpos!r}")
+    seq = cfg.seq_len or maxpos or 0
+    if seq < 1:
+        raise ValueError(f"--model {cfg.model!r}: a factory language model without 'max_positions' needs --seq-len")
+    return um.model.to(device), LMShape(vocab, maxpos, seq)
+
+
+def lm_shape(cfg, model: nn.Module | None = None) -> LMShape | None:
+    """The `LMShape` of ``cfg``'s model (None: not a language model). Reads the config, builds nothing
+    for built-in and Hugging Face models (a factory is called unless ``model`` is given)."""
+    kind = _kind(cfg)
+    if kind == "builtin":
+        if cfg.model not in PRESETS:
+            return None
+        gc = {**PRESETS[cfg.model].__dict__, **(cfg.model_config or {})}
+        seq = cfg.seq_len or gc["seq_len"]
+        return LMShape(int(gc["vocab_size"]), seq, seq)     # the GPT's positions are its seq_len
+    if kind == "hf":
+        from modelpar.models.hf import facts, load_config
+
+        f = facts(load_config(cfg.model, cfg.model_config or None))
+        if f.task != "lm":
+            return None
+        maxpos = int(f.max_positions) if f.max_positions else None
+        return LMShape(int(f.vocab), maxpos, cfg.seq_len or min(maxpos or HF_DEFAULT_SEQ_CAP, HF_DEFAULT_SEQ_CAP))
+    return _factory_lm(cfg)[1]
 
 
 def build_model_for(cfg, device: str = "cpu") -> nn.Module:
-    """The built-in model ``cfg.model`` with ``cfg.model_config`` overrides (`modelpar.models.spec`);
-    ``cfg.seq_len`` and ``cfg.dropout`` win over both for GPT presets.
+    """The model ``cfg.model`` names with ``cfg.model_config`` overrides (`modelpar.models.spec`):
+    ``cfg.seq_len`` and ``cfg.dropout`` win for GPT presets; ``cfg.dropout`` sets every dropout of a
+    Hugging Face config; a local pretrained folder loads its weights (not on ``device="meta"``).
 
     Raises:
-        ValueError: unknown name, a factory / hf: name (train runs built-in models), unknown fields.
+        ValueError: unknown name or fields, a Hugging Face model that is not a causal LM, a factory that
+            is not a language model (see `_factory_lm`).
     """
     from modelpar.models.spec import build_builtin
 
+    kind = _kind(cfg)
+    if kind == "hf":
+        from modelpar.models.hf import build_hf, load_config, task_of
+
+        if task_of(load_config(cfg.model, cfg.model_config or None)) != "lm":
+            raise ValueError(f"--model {cfg.model!r}: modelpar train runs Hugging Face causal language models; "
+                             f"an image classifier can be checked with `modelpar verify`")
+        if getattr(cfg, "meta_init", False) and str(device) != "meta":     # materialised per shard later
+            from modelpar.train.materialise import params_on_meta
+
+            with params_on_meta():
+                return build_hf(cfg.model, cfg.model_config or None, device=device, seed=cfg.seed,
+                                dropout=cfg.dropout)
+        load = has_weights(cfg.model) and str(device) != "meta"
+        return build_hf(cfg.model, cfg.model_config or None, device=device, seed=cfg.seed, dropout=cfg.dropout,
+                        load_weights=load)
+    if kind == "factory":
+        return _factory_lm(cfg, device)[0]
     kw = {}
     if cfg.model in PRESETS:
         kw["dropout"] = cfg.dropout
         if cfg.seq_len:
             kw["seq_len"] = cfg.seq_len
     return build_builtin(cfg.model, getattr(cfg, "model_config", None) or None, device=device, seed=cfg.seed, **kw)
+
+
+def model_spec(cfg) -> dict:
+    """What a checkpoint records to rebuild the model without ``--model``: the name, the overrides, the
+    tokenization, and for a Hugging Face model its whole config (``hf_config``, the config's
+    ``to_dict()``; `modelpar.train.export.export_hf_folder` writes it back)."""
+    spec = {"kind": _kind(cfg), "model": cfg.model, "model_config": dict(cfg.model_config or {}),
+            "tokenizer": os.path.abspath(cfg.tokenizer) if cfg.tokenizer else "",
+            "token_dtype": cfg.token_dtype}
+    if spec["kind"] == "hf":
+        from modelpar.models.hf import load_config
+
+        spec["hf_config"] = load_config(cfg.model, cfg.model_config or None, dropout=cfg.dropout).to_dict()
+    return spec
 
 
 def synthetic_classification(in_dim: int, classes: int, n: int = 4096, seed: int = 0):
@@ -59,17 +169,27 @@ def synthetic_classification(in_dim: int, classes: int, n: int = 4096, seed: int
     return x, (x @ w).argmax(-1)
 
 
+def _check_no_token_options(cfg) -> None:
+    if cfg.tokenizer or cfg.token_dtype:
+        raise ValueError(f"tokenizer / token_dtype apply to language models; --model {cfg.model} is a classifier")
+
+
 def build_task(cfg, *, device: str = "cpu", load_data: bool = True) -> Task:
     """Build the model (``device="meta"`` allocates nothing) and, if asked, its data."""
-    model = build_model_for(cfg, device=device)
-    if cfg.model in PRESETS:
-        seq = model.cfg.seq_len
+    if _kind(cfg) == "factory":
+        model, shape = _factory_lm(cfg, device)      # the factory is called once
+    else:
+        model, shape = build_model_for(cfg, device=device), lm_shape(cfg)
+    if shape is not None:
+        seq = shape.seq_len
         if not load_data:
-            return Task(cfg.model, "lm", model, None, None, lm_loss, seq, {})
-        train, val, info = load_text_corpus(cfg.data)
+            return Task(cfg.model, "lm", model, None, None, lm_loss, seq, {}, shape)
+        from modelpar.train.tokens import load_lm_data
+
+        train, val, info = load_lm_data(cfg)
         tb, vb = TokenBatches(train, seq), TokenBatches(val, seq)
-        return Task(cfg.model, "lm", model, tb, vb.at(vb.eval_batches(cfg.eval_samples)), lm_loss, seq,
-                    info.to_dict())
+        return Task(cfg.model, "lm", model, tb, vb.at(vb.eval_batches(cfg.eval_samples)), lm_loss, seq, info, shape)
+    _check_no_token_options(cfg)
     if cfg.model in MLP_PRESETS:
         widths = MLP_PRESETS[cfg.model]
         if not load_data:

@@ -1,0 +1,37 @@
+"""Which tensor-parallel degrees a model's shape allows (pure: reads `ModelProfile.arch`).
+
+A TP split divides the attention heads among the ranks (query heads and, for grouped-query attention,
+the key/value heads each: a rank holds whole heads and the key/value heads its query heads read,
+Ainslie et al. 2023 "GQA", as Megatron-LM requires), the hidden and FFN widths of the split
+projections, and, where the vocabulary is split (a vocabulary-parallel embedding and head: the
+built-in GPT, and HF language models unless ``arch["vocab_parallel"] == 0``), the vocabulary.
+"""
+
+from __future__ import annotations
+
+# (arch key, what it is), in the order a message names them
+TP_FIELDS = (("n_head", "attention (query) heads"), ("n_kv_head", "key/value heads"),
+             ("d_model", "hidden size"), ("ffn", "FFN width"), ("vocab_size", "vocabulary"))
+
+
+def tp_violations(arch: dict, tp: int) -> list[str]:
+    """The shape facts of ``arch`` that the TP degree ``tp`` does not divide, as ``"what key=value"``
+    strings ([] when ``tp`` is legal, or ``arch`` is empty: no facts, nothing checked here)."""
+    if tp <= 1 or not arch:
+        return []
+    out = []
+    for key, what in TP_FIELDS:
+        if key == "vocab_size" and arch.get("vocab_parallel", 1) == 0:
+            continue
+        v = arch.get(key)
+        if v and v % tp:
+            out.append(f"{what} {key}={v}")
+    return out
+
+
+def check_tp_degree(arch: dict, tp: int) -> None:
+    """Raise ValueError naming every shape fact ``tp`` does not divide (see `tp_violations`)."""
+    bad = tp_violations(arch, tp)
+    if bad:
+        raise ValueError(f"tensor parallel degree tp={tp} does not divide the model's {'; '.join(bad)}: "
+                         f"each rank must hold whole heads and an equal share of each split dimension")

@@ -1,0 +1,268 @@
+"""The dispatch-level machinery of `modelpar.planner.profile`: storage lifetimes, per-block op and
+byte counters, the fused-attention routing and the FLOP formulas torch's counter lacks."""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.module_tracker import ModuleTracker
+
+_VIEW_OPS = {"view", "_unsafe_view", "t", "transpose", "expand", "detach", "permute", "unsqueeze",
+             "squeeze", "slice", "select", "alias", "as_strided", "split", "unbind", "lift_fresh",
+             "_reshape_alias", "reshape", "split_with_sizes", "chunk", "expand_as",
+             "device", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "dim", "is_contiguous"}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+class _Lifetimes:
+    """Storage lifetimes over the profiled forward + backward, to find each block's in-backward peak.
+
+    Storages are registered when first saved for backward (forward) or when a backward op creates
+    them; a weak reference on the storage (meta and fake storages are freed like real ones) records
+    when autograd drops it. Backward ops are recorded with their block. After the backward, the
+    storages that became parameter gradients are known (post-accumulate-grad hooks) and the timeline
+    is replayed: at each backward op of block i the live activation bytes are the saved storages
+    still alive plus the non-gradient storages made in backward, split into those made by block i
+    ("own") and by later blocks ("in": the gradient flowing into block i); the op with the most live
+    bytes is block i's peak.
+    """
+
+    def __init__(self, n: int):
+        self.n = n
+        self.live: dict[int, int] = {}        # storage key -> serial, while alive
+        self.size: list[int] = []             # serial -> bytes
+        self.creator: list[int] = []          # serial -> block whose backward made it (-1: forward / none)
+        self.events: list[tuple[int, int]] = []   # (+1 new / -1 free / 0 op, serial or block)
+        self.saved: set[int] = set()          # serials saved for backward
+        self.grad_block: dict[int, int] = {}  # serial -> block, for storages that became parameter grads
+
+    def add(self, t: torch.Tensor, creator: int) -> int:
+        import weakref
+        st = t.untyped_storage()
+        key = st._cdata
+        s = self.live.get(key)
+        if s is not None:
+            return s
+        s = len(self.size)
+        self.size.append(st.nbytes())
+        self.creator.append(creator)
+        self.live[key] = s
+        self.events.append((1, s))
+        weakref.finalize(st, self._free, key, s)
+        return s
+
+    def _free(self, key: int, s: int) -> None:
+        if self.live.get(key) == s:
+            del self.live[key]
+        self.events.append((-1, s))
+
+    def backward_op(self, block: int, args, out) -> None:
+        ins = {t.untyped_storage()._cdata for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in ins:   # not in-place
+                self.add(t, block)
+        self.events.append((0, block))
+
+    def grad(self, p: torch.Tensor, block: int) -> None:
+        # a weight gradient is a temporary of its matmul until AccumulateGrad stores it as .grad
+        if p.grad is not None:
+            s = self.add(p.grad, -1)
+            if s not in self.grad_block:
+                self.grad_block[s] = block
+                self.events.append((2, s))
+
+    def block_peaks(self) -> list[list[tuple[int, int, int, int]]]:
+        """Per block, the backward ops no other op of the block beats on both live activation bytes
+        and live gradient bytes of the block's parameters: (own live bytes, incoming-gradient live
+        bytes, stored gradient bytes, computed-not-yet-stored gradient bytes), by increasing gradient
+        bytes."""
+        saved, grad_block, size, creator = self.saved, self.grad_block, self.size, self.creator
+        cur_saved = 0
+        bw_total = 0
+        bw_by = [0] * self.n
+        grads_by = [0] * self.n
+        pending_by = [0] * self.n
+        fronts: list[list[tuple]] = [[] for _ in range(self.n)]   # (total, grads, own, in, stored, pending)
+        alive: set[int] = set()
+        stored: set[int] = set()              # gradients AccumulateGrad has stored
+
+        def count(s: int, nb: int) -> None:
+            nonlocal cur_saved, bw_total
+            if s in stored:
+                grads_by[grad_block[s]] += nb
+            elif s in grad_block:
+                pending_by[grad_block[s]] += nb
+            elif s in saved:
+                cur_saved += nb
+            elif creator[s] >= 0:
+                bw_total += nb
+                bw_by[creator[s]] += nb
+
+        for kind, x in self.events:
+            if kind == 0:
+                own = cur_saved + bw_by[x]
+                tot = cur_saved + bw_total
+                g = grads_by[x] + pending_by[x]
+                f = fronts[x]
+                if not any(e[0] >= tot and e[1] >= g for e in f):
+                    f[:] = [e for e in f if not (tot >= e[0] and g >= e[1])] + [
+                        (tot, g, own, tot - own, grads_by[x], pending_by[x])]
+            elif kind == 2:                   # became a parameter's .grad
+                if x in alive:
+                    count(x, -size[x])
+                    stored.add(x)
+                    count(x, size[x])
+                else:
+                    stored.add(x)
+            elif kind > 0:
+                alive.add(x)
+                count(x, size[x])
+            elif x in alive:
+                alive.discard(x)
+                count(x, -size[x])
+        return [[e[2:] for e in sorted(f, key=lambda e: e[1])] for f in fronts]
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts non-view ops and the bytes they read + write, per block and pass.
+
+    An op runs in the block among the tracker's active modules; ``outside(is_bw)`` (when given)
+    names the block of an op outside every block module (the rest of the model before / after its
+    repeated blocks, see `modelpar.planner.profile.default_blocks`), or None to drop it; ``seen(i)``
+    is told each block whose backward an op ran in. FLOPs are counted here too (torch's formulas,
+    `FlopCounterMode`'s registry), for the blocks that are not modules."""
+
+    def __init__(self, tracker: ModuleTracker, names: dict[str, int], n: int, param_keys=frozenset(),
+                 param_shapes=frozenset(), lifetimes: _Lifetimes | None = None, outside=None, seen=None):
+        super().__init__()
+        self.tracker, self.names, self.param_keys = tracker, names, param_keys
+        self.lifetimes = lifetimes
+        self.outside, self.seen = outside, seen
+        self.param_shapes = param_shapes        # shapes (and transposes) of 2-D parameters
+        self.gemm_bytes = [[0, 0, 0, 0] for _ in range(n)]     # param fwd, param bwd, act fwd, act bwd
+        self.mem = [[0, 0] for _ in range(n)]
+        self.ops = [[0, 0] for _ in range(n)]
+        self.gemms = [[0, 0] for _ in range(n)]
+        self.attn = [[0, 0, 0] for _ in range(n)]    # fwd FLOPs, bwd FLOPs, forward calls
+        self.flops = [[0, 0] for _ in range(n)]
+        self.registry = None
+        if outside is not None:
+            from torch.utils.flop_counter import FlopCounterMode
+            self.registry = FlopCounterMode(display=False, custom_mapping=_FLOP_FORMULAS).flop_registry
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in _VIEW_OPS:
+            return out
+        idx = next((self.names[p] for p in self.tracker.parents if p in self.names), None)
+        if idx is None and self.outside is not None:
+            idx = self.outside(self.tracker.is_bw)
+        elif idx is not None and self.seen is not None and self.tracker.is_bw:
+            self.seen(idx)
+        if idx is None:
+            return out
+        if self.registry is not None and func.overloadpacket in self.registry:
+            self.flops[idx][1 if self.tracker.is_bw else 0] += int(
+                self.registry[func.overloadpacket](*args, **(kwargs or {}), out_val=out))
+        if self.lifetimes is not None and self.tracker.is_bw:
+            self.lifetimes.backward_op(idx, (args, kwargs), out)
+        if name in _FLOP_OPS:
+            ph = 1 if self.tracker.is_bw else 0
+            self.gemms[idx][ph] += 1
+            if "scaled_dot_product" in name:
+                from torch.utils.flop_counter import sdpa_flop_count
+                q, k, v = args[ph:ph + 3]          # backward ops take grad_out first
+                self.attn[idx][ph] += sdpa_flop_count(q.shape, k.shape, v.shape) * (2 if ph else 1)
+                self.attn[idx][2] += 1 - ph
+            ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            reads_param = any(t.untyped_storage()._cdata in self.param_keys for t in ins)
+            for t in ins + outs:
+                nb = t.numel() * t.element_size()
+                # a parameter (or its transposed view) reads the same storage; a weight gradient
+                # (a parameter-shaped product of two activations) is written once per micro-batch,
+                # not once per sample, so it counts with the parameter bytes too
+                param_like = (t.untyped_storage()._cdata in self.param_keys
+                              or (not reads_param and any(t is o for o in outs)
+                                  and tuple(t.shape) in self.param_shapes))
+                self.gemm_bytes[idx][ph if param_like else 2 + ph] += nb
+            return out
+        flat = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+        phase = 1 if self.tracker.is_bw else 0
+        self.mem[idx][phase] += sum(t.numel() * t.element_size() for t in flat)
+        self.ops[idx][phase] += 1
+        return out
+
+
+class _ElementwiseBytes(TorchDispatchMode):
+    """Sums inputs + outputs of non-view, non-matmul operators, the rule `_OpCounter` applies."""
+
+    def __init__(self):
+        super().__init__()
+        self.nbytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name not in _VIEW_OPS and name not in _FLOP_OPS:
+            flat = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+            self.nbytes += sum(t.numel() * t.element_size() for t in flat)
+        return out
+
+
+def count_elementwise_bytes(fn) -> int:
+    """Bytes ``fn()`` moves through non-view, non-matmul operators, counted as the profile counts them
+    (for calibrating the rate of that traffic against the same rule)."""
+    mode = _ElementwiseBytes()
+    with mode:
+        fn()
+    return mode.nbytes
+
+
+class _FlashAttention(TorchFunctionMode):
+    """Routes ``F.scaled_dot_product_attention`` (no mask, no dropout) to the fused CPU flash kernel,
+    whose meta/fake implementation and saved tensors match a fused GPU kernel's (see module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            q, k, v = args[:3]
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            drop = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+            causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
+            if mask is None and not drop and q.shape[-1] == v.shape[-1] and q.dim() == 4:
+                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    q, k, v, 0.0, bool(causal), scale=kwargs.get("scale"))[0]
+        return func(*args, **kwargs)
+
+
+_FLOP_OPS = {"mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward", "_convolution",
+             "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_backward",
+             "_scaled_dot_product_efficient_attention_backward",
+             "_scaled_dot_product_cudnn_attention_backward",
+             "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_flash_attention_for_cpu_backward"}
+
+
+def _cpu_flash_fwd(q, k, v, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_flop_count
+    return sdpa_flop_count(q, k, v)
+
+
+def _cpu_flash_bwd(grad_out, q, k, v, *args, out_shape=None, **kwargs) -> int:
+    # model FLOPs: the 4 products of an unfused backward (the fused kernel's recomputed scores are
+    # not counted, as PaLM App. B counts no recomputation)
+    from torch.utils.flop_counter import sdpa_flop_count
+    return 2 * sdpa_flop_count(q, k, v)
+
+
+# torch's counter has no formula for the CPU flash kernel (used on CPU and by attention="flash")
+_FLOP_FORMULAS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_fwd,
+                  torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_bwd}

@@ -1,0 +1,153 @@
+"""Models too big for one rank: build on the meta device, shard, then materialise each rank's shards.
+
+With ``meta_init`` (`TrainConfig`), a Hugging Face model is built with its parameters on the meta
+device (`params_on_meta`: the modules' constructors run, parameters allocate nothing, buffers such as
+rotary tables are real and small), laid out by `modelpar.parallel.parallelize` (FSDP shards meta
+parameters as it would real ones), and then `materialise` gives every rank real memory for its own
+shards only (``to_empty``) and fills them:
+
+- from a local pretrained folder: each shard is read from the ``*.safetensors`` files as a slice
+  (``safe_open(...).get_slice``), so no rank ever holds a whole weight it does not own beyond that
+  slice;
+- from a config: each parameter's values are drawn from a generator seeded by (``seed``, parameter
+  name), one whole parameter at a time on CPU, and this rank's slice kept. Matrices and embeddings
+  ~ N(0, ``initializer_range``) (transformers' default rule), norm weights 1, biases 0. The values are
+  the same under every layout and world size (the slice of the same full tensor), but they are not
+  transformers' own initialisation (which also scales some projections and consumes the RNG in
+  construction order), so a ``meta_init`` run is comparable to another ``meta_init`` run, not to a
+  run without it.
+
+Peak memory per rank: its shards, plus one whole parameter at a time (the largest: the embedding).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+
+import torch
+import torch.nn as nn
+
+
+@contextlib.contextmanager
+def params_on_meta():
+    """Every ``nn.Parameter`` registered inside the block is moved to the meta device as it is
+    registered (constructors' own initialisation then runs on meta and costs nothing); buffers stay
+    where they are built."""
+    register = nn.Module.register_parameter
+
+    def on_meta(self, name, param):
+        register(self, name, param)
+        if param is not None and param.device.type != "meta":
+            self._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def check_meta_init(cfg, plan) -> None:
+    """``meta_init`` is for Hugging Face models under FSDP / DDP-free plans without TP or pipelines.
+
+    Raises:
+        ValueError: another model kind, or a plan with tensor / pipeline parallelism or placement.
+    """
+    from modelpar.models.spec import model_kind
+
+    if not cfg.meta_init:
+        return
+    if model_kind(cfg.model) != "hf":
+        raise ValueError(f"meta_init=True builds Hugging Face models on the meta device; --model {cfg.model} is "
+                         f"not one")
+    if plan.tp > 1 or plan.pp > 1 or plan.is_placement or (plan.dp_replicate > 1 and not plan.fsdp_enabled):
+        raise ValueError(f"meta_init=True materialises FSDP shards; the plan {plan.describe()} has tensor / pipeline "
+                         f"parallelism, placement or DDP (use --strategy fsdp or single)")
+
+
+def _seed_of(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "big") % (2**63 - 1)
+
+
+def _slices(p: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """``(local tensor, its slice of the global tensor)`` of a parameter (a DTensor or a plain one)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(p, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        return p.to_local(), tuple(slice(o, o + s) for o, s in zip(offset, shape))
+    return p, tuple(slice(0, s) for s in p.shape)
+
+
+def _owners(model: nn.Module) -> dict[str, nn.Module]:
+    return {f"{mn}.{pn}" if mn else pn: m for mn, m in model.named_modules() for pn, _ in m.named_parameters(recurse=False)}
+
+
+def _seeded(name: str, owner: nn.Module, shape, seed: int, std: float) -> torch.Tensor:
+    if name.endswith("bias"):
+        return torch.zeros(shape)
+    if "norm" in type(owner).__name__.lower():
+        return torch.ones(shape)
+    g = torch.Generator().manual_seed(_seed_of(seed, name))
+    return torch.randn(shape, generator=g) * std
+
+
+def _weight_files(folder: str) -> dict[str, str]:
+    """transformers' parameter name -> the ``*.safetensors`` file holding it."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return {k: os.path.join(folder, v) for k, v in json.load(f)["weight_map"].items()}
+    single = os.path.join(folder, "model.safetensors")
+    if not os.path.isfile(single):
+        raise ValueError(f"meta_init=True reads weights from safetensors files; {folder!r} has neither "
+                         f"model.safetensors nor model.safetensors.index.json")
+    from safetensors import safe_open
+
+    with safe_open(single, "pt") as f:
+        return {k: single for k in f.keys()}
+
+
+@torch.no_grad()
+def materialise(modules: list[nn.Module], cfg, device: torch.device) -> None:
+    """Give the meta parameters of ``modules`` (already sharded) real memory on ``device`` and fill
+    each rank's shards (see the module docstring). Buffers keep their values.
+
+    Raises:
+        ValueError: a pretrained folder without safetensors weights, or a parameter its files lack.
+    """
+    from safetensors import safe_open
+
+    from modelpar.train.task import has_weights
+
+    folder = cfg.model if has_weights(cfg.model) else None
+    files = _weight_files(folder) if folder else {}
+    from modelpar.parallel.ties import find_ties, retie
+
+    for m in modules:
+        buffers = {n: b.detach().clone() for n, b in m.named_buffers()}
+        tied = find_ties(m)
+        m.to_empty(device=device)      # new tensors per module: a tie (GPT-2's head) becomes two ...
+        retie([m], tied)               # ... and is made one again
+        for n, b in m.named_buffers():
+            b.copy_(buffers[n])
+        owners = _owners(m)
+        std = float(getattr(getattr(m, "hf", m).config, "initializer_range", 0.02)) if hasattr(m, "hf") else 0.02
+        handles: dict[str, object] = {}
+        for name, p in m.named_parameters():
+            local, sl = _slices(p)
+            hf_name = name[3:] if name.startswith("hf.") else name
+            if folder:
+                if hf_name not in files:
+                    raise ValueError(f"meta_init=True: {folder!r} has no weight {hf_name!r}")
+                path = files[hf_name]
+                f = handles.get(path) or handles.setdefault(path, safe_open(path, "pt"))
+                value = f.get_slice(hf_name)[sl]
+            else:
+                value = _seeded(name, owners[name], p.shape, cfg.seed, std)[sl]
+            local.copy_(value.to(local.dtype))

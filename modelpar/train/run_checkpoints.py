@@ -1,0 +1,114 @@
+"""The checkpoint hooks of `modelpar train` (`TrainCheckpoints`): resume, periodic saves, close.
+The files themselves: `modelpar.train.checkpoint`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from modelpar.train.checkpoint import (Checkpointer, CheckpointError, _rank, _world, checkpoint_module,
+                                       latest_checkpoint, list_checkpoints, load_checkpoint, read_checkpoint_meta,
+                                       resolve_checkpoint)
+
+_MUST_MATCH = ("model", "model_config", "seed", "global_batch_size", "seq_len", "optimizer", "data", "tokenizer",
+               "token_dtype")
+
+
+class TrainCheckpoints:
+    """Checkpointing of one `modelpar.train.runner.train` run: resume, periodic saves, close.
+
+    Resume carries the step (= data position, since the samples of step s come from (seed, s)), the
+    model and optimizer state on any layout, and the learning-rate position (lr_at(step)). On the
+    saving layout each rank's RNG state is restored too; on another layout the per-rank RNG streams
+    cannot be mapped, so each rank is reseeded from (seed, step, rank) and a note says so (this only
+    matters with dropout > 0).
+    """
+
+    def __init__(self, cfg, pm, opt, *, say=print):
+        self.cfg, self.pm, self.opt, self.say = cfg, pm, opt, say
+        self.every = cfg.ckpt_every
+        self.ckpt_dir = Path(cfg.ckpt_dir or Path(cfg.out_dir) / "checkpoints")
+        self.start_step = 0
+        self.loaded_step: int | None = None
+        self.saver: Checkpointer | None = None
+        self.holder = checkpoint_module(pm.modules, getattr(pm, "ties", None))   # before the first forward
+        self.spec = None                 # the model spec (`task.model_spec`), taken at the first save
+        source = self._resume_source()
+        if source is not None:
+            self._resume(source)
+        elif self.every > 0:
+            found = list_checkpoints(self.ckpt_dir)
+            if found:
+                raise ValueError(f"ckpt_dir {str(self.ckpt_dir)!r} already holds checkpoints "
+                                 f"({found[-1][1].name} and {len(found) - 1} older); pass --resume auto to "
+                                 f"continue them, or another --ckpt-dir (nothing was overwritten)")
+        if self.every > 0:
+            self.saver = Checkpointer(self.ckpt_dir, keep_last=cfg.keep_last, async_save=cfg.async_ckpt)
+
+    def _resume_source(self) -> Path | None:
+        r = self.cfg.resume
+        if not r:
+            return None
+        if r == "auto":
+            return latest_checkpoint(self.ckpt_dir)     # None: a fresh start (first attempt)
+        return resolve_checkpoint(r)
+
+    def _resume(self, source: Path) -> None:
+        cfg, pm = self.cfg, self.pm
+        meta = read_checkpoint_meta(source) if _rank() == 0 else None
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            box = [meta]
+            dist.broadcast_object_list(box, src=0)
+            meta = box[0]
+        saved_cfg = meta.get("train_config", {})
+        diffs = [f"{k}: checkpoint {saved_cfg[k]!r} vs now {getattr(cfg, k)!r}" for k in _MUST_MATCH
+                 if k in saved_cfg and saved_cfg[k] != getattr(cfg, k)]
+        if diffs:
+            raise CheckpointError(f"checkpoint {meta['path']!r} was written by a run that differs in what "
+                                  f"fixes the model and the sample order: {'; '.join(diffs)}")
+        same_layout = meta.get("plan") == pm.plan.to_dict() and meta.get("world_size") == _world()
+        meta = load_checkpoint(self.holder, self.opt, meta["path"], restore_rng=same_layout)
+        self.start_step = self.loaded_step = int(meta["step"])
+        if self.start_step > cfg.steps:
+            raise ValueError(f"checkpoint {meta['path']!r} is at step {self.start_step}, past steps={cfg.steps}")
+        old = f"{meta.get('plan_description', '?')} on {meta.get('world_size')} rank(s)"
+        new = f"{pm.plan.describe()} on {_world()} rank(s)"
+        self.say(f"  resumed from {meta['path']} at step {self.start_step} (saved under {old}; now {new})")
+        if not same_layout:
+            torch.manual_seed((cfg.seed * 1_000_003 + self.start_step * 7919 + _rank()) % (2**63 - 1))
+            if cfg.dropout > 0:
+                self.say("  note: new layout, so per-rank dropout RNG streams were reseeded from (seed, step, rank)")
+
+    def after_step(self, steps_done: int) -> None:
+        """Save if ``steps_done`` is a multiple of ckpt_every (0 included) or the last step."""
+        if self.saver is None or steps_done == self.loaded_step:
+            return
+        if steps_done % self.every == 0 or steps_done == self.cfg.steps:
+            cfg = self.cfg
+            meta = {"plan": self.pm.plan.to_dict(), "plan_description": self.pm.plan.describe(),
+                    "train_config": cfg.to_dict(), "model": cfg.model,
+                    "data_position": {"seed": cfg.seed, "next_step": steps_done,
+                                      "global_batch_size": cfg.global_batch_size},
+                    "lr_schedule": {k: getattr(cfg, k) for k in ("lr", "min_lr", "warmup_steps", "steps")},
+                    "tied_parameters": [list(t) for t in getattr(self.pm, "ties", [])]}
+            if self.spec is None:
+                from modelpar.train.task import model_spec
+
+                self.spec = model_spec(cfg)
+            meta["model_spec"] = self.spec
+            gpt_cfg = getattr(self._full_model_cfg(), "__dict__", None)
+            if gpt_cfg:
+                meta["model_config"] = {k: v for k, v in gpt_cfg.items() if isinstance(v, (int, float, str, bool))}
+            self.saver.save(self.holder, self.opt, steps_done, meta=meta)
+
+    def _full_model_cfg(self):
+        for m in self.pm.modules:
+            if hasattr(m, "cfg"):
+                return m.cfg
+        return None
+
+    def close(self) -> None:
+        if self.saver is not None:
+            self.saver.close()

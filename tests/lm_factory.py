@@ -1,0 +1,31 @@
+"""A factory language model for the tests and docs: token ids (batch, seq) -> logits (batch, seq, 256),
+declared with the dict form ``{"model", "task": "lm", "vocab_size", "max_positions"}``."""
+
+import torch
+import torch.nn as nn
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int = 256, width: int = 32, layers: int = 2, positions: int = 32):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Embedding(positions, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU())
+                                    for _ in range(layers))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        for b in self.blocks:
+            h = h + b(h)
+        return self.head(h)
+
+
+def lm():
+    torch.manual_seed(0)
+    return {"model": TinyLM(), "task": "lm", "vocab_size": 256, "max_positions": 32}
+
+
+def classifier():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))

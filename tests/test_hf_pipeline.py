@@ -1,0 +1,223 @@
+"""Cutting models whose glue lives in their own forward (issue 12): Hugging Face Llama (GQA, RoPE), GPT-2
+(tied head, position embeddings), ViT (``[:, 0]`` pooling), and a user model of that shape. One process:
+the parts found by execution order, the wrapped forward against the untouched transformers model, the
+chain of stages against the whole forward, stage state dicts, costs, split points and refusals. The
+multi-rank parity rows are in tests/parity_cases.py (h-pp block)."""
+
+import pytest
+import torch
+import torch.nn as nn
+from hf_tiny import build
+
+from modelpar.parallel import pipeline, stages
+from modelpar.parallel.parts import block_costs, get_model_parts
+
+EXPECTED = {   # (container, input part, output part)
+    "llama": ("hf.model.layers", ["hf.model.embed_tokens"], ["hf.model.norm", "hf.lm_head"]),
+    "gpt2": ("hf.transformer.h", ["hf.transformer.wte", "hf.transformer.wpe"], ["hf.transformer.ln_f", "hf.lm_head"]),
+    "vit": ("hf.vit.layers", ["hf.vit.embeddings"], ["hf.vit.layernorm", "hf.classifier"]),
+}
+
+
+def _input(name, b=2):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(b, 3, 8, 8, generator=g) if name == "vit" else torch.randint(0, 128, (b, 16), generator=g)
+
+
+def _chain(parts, ranges, x):
+    n = len(ranges)
+    mods = pipeline.build_stage_modules(parts, ranges, list(range(n)))
+    try:
+        with torch.no_grad():
+            for m in mods:
+                x = m(x)
+    finally:
+        for m in mods:
+            stages.release(m)
+    return x, mods
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_parts_by_execution_order_and_exact_forward(name):
+    m = build(name, dropout=0.0).eval()
+    x = _input(name)
+    parts = get_model_parts(m, example_input=x)
+    cont, pre, post = EXPECTED[name]
+    assert (parts.form, parts.container) == ("forward", cont)
+    assert [p for p, _ in parts.pre] == pre and [p for p, _ in parts.post] == post   # rotary_emb: glue
+    assert [p for p, _ in parts.blocks] == [f"{cont}.{i}" for i in range(4)]
+    with torch.no_grad():      # the wrapper's forward is the untouched transformers model's, bit for bit
+        ref = m.hf(pixel_values=x).logits if name == "vit" else m.hf(input_ids=x).logits
+        assert torch.equal(m(x), ref)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+@pytest.mark.parametrize("ranges", [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)], [(0, 1), (1, 2), (2, 3), (3, 4)]])
+def test_chain_of_stages_equals_the_whole_forward(name, ranges):
+    m = build(name, dropout=0.0).eval()
+    x = _input(name)
+    parts = get_model_parts(m, example_input=x)
+    got, mods = _chain(parts, ranges, x)
+    with torch.no_grad():
+        assert torch.equal(got, m(x))
+    # stage state dicts: original names; blocks partitioned; input part on the first, output part on the last
+    full = set(m.state_dict())
+    keys = [set(s.state_dict()) for s in mods]
+    assert set().union(*keys) == full
+    for i, (k, (a, b)) in enumerate(zip(keys, ranges)):
+        mine = {f"{parts.container}.{j}." for j in range(a, b)}
+        blocks_here = {key for key in k if key.startswith(parts.container + ".")}
+        assert all(any(key.startswith(p) for p in mine) for key in blocks_here)
+        assert all(any(key.startswith(p) for key in k) for p in mine)
+        assert any(key.startswith(EXPECTED[name][1][0]) for key in k) == (i == 0)
+        assert any(key.startswith(EXPECTED[name][2][-1]) for key in k) == (i == len(ranges) - 1)
+    assert all(not getattr(b, "_forward_hooks") for _, b in parts.blocks)      # released
+
+
+def test_gpt2_tie_is_one_parameter_on_the_first_and_last_stage():
+    m = build("gpt2", dropout=0.0)
+    parts = get_model_parts(m, example_input=_input("gpt2"))
+    first, last = pipeline.build_stage_modules(parts, [(0, 2), (2, 4)], [0, 1])
+    assert "hf.transformer.wte.weight" in dict(first.named_parameters())
+    assert "hf.lm_head.weight" not in dict(first.named_parameters())
+    assert "hf.transformer.wte.weight" not in dict(last.named_parameters())   # a stub: no parameters
+    assert dict(last.named_parameters())["hf.lm_head.weight"] is m.hf.transformer.wte.weight
+    from modelpar.parallel import ties
+    assert ties.stage_of(parts, [(0, 2), (2, 4)], "hf.lm_head.weight") == 1
+    assert ties.stage_of(parts, [(0, 2), (2, 4)], "hf.transformer.wte.weight") == 0
+
+
+def test_costs_are_profiled_flops_inside_the_forward():
+    m = build("llama", dropout=0.0)
+    x = _input("llama")
+    parts = get_model_parts(m, example_input=x)
+    pre, blk, post = stages.part_costs(parts, x, "flops")
+    assert blk[0] == blk[1] == blk[2] == blk[3] > 0       # identical blocks cost the same
+    b, t, d, v = 2, 16, 32, 128                            # the head: 2 b t d V matmul FLOPs + b t V outputs
+    assert post[1] == 2 * b * t * d * v + b * t * v
+    costs = block_costs(parts, "flops", x)
+    assert costs[0] == blk[0] + sum(pre) and costs[-1] == blk[-1] + sum(post)
+    assert len(stages.part_costs(parts, x, "time")[1]) == 4
+
+
+def test_split_points_and_refusals():
+    m = build("gpt2", dropout=0.0)
+    x = _input("gpt2")
+    parts = get_model_parts(m, ["hf.transformer.h.3"], example_input=x)
+    assert stages.boundaries_from_split_points(parts, ["hf.transformer.h.3"], 2) == [3]
+    with pytest.raises(ValueError, match=r"--split-points \['hf.transformer.h'\] name no block"):
+        get_model_parts(m, ["hf.transformer.h"], example_input=x)
+    with pytest.raises(ValueError, match="2 pipeline stages need 1 increasing block paths"):
+        stages.boundaries_from_split_points(parts, ["hf.transformer.h.1", "hf.transformer.h.2"], 2)
+    with pytest.raises(ValueError, match=r"--blocks 'hf.transformer' is not a non-empty"):
+        get_model_parts(m, blocks="hf.transformer", example_input=x)
+
+
+def test_meta_model_without_an_example():
+    m = build("llama", device="meta")
+    parts = get_model_parts(m)
+    assert parts.num_blocks == 4 and [p for p, _ in parts.post] == ["hf.model.norm", "hf.lm_head"]
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, h, scale):
+        return torch.tanh(self.lin(h)) * scale
+
+
+class _Trunk(nn.Module):
+    def __init__(self, shared=None, between=False):
+        super().__init__()
+        self.layers = nn.ModuleList(_Block() for _ in range(4))
+        self.shared, self.between = shared, between
+
+    def forward(self, h, scale):
+        for blk in self.layers:
+            h = blk(h, scale=scale)
+            if self.shared is not None:
+                h = self.shared(h)
+            if self.between:                    # glue between blocks: no stage cut can keep it
+                h = h + 1
+        return h
+
+
+class GlueNet(nn.Module):
+    """A user model not named in the issue: blocks two levels down, a position table added and a scale
+    computed in the parent's forward and passed to every block, mean pooling at the end."""
+
+    def __init__(self, shared=None, between=False):
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.pos = nn.Embedding(6, 8)
+        self.body = _Trunk(shared, between)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):                       # x (b, 6, 4)
+        h = self.embed(x) + self.pos(torch.arange(x.shape[1]))
+        h = self.body(h, scale=0.5 + h.shape[-1] / 16)
+        return self.out(h.mean(1))
+
+
+def test_a_user_model_with_glue_and_refusals():
+    torch.manual_seed(0)
+    m, x = GlueNet(), torch.randn(2, 6, 4)
+    parts = get_model_parts(m, example_input=x)
+    assert (parts.container, [p for p, _ in parts.pre], [p for p, _ in parts.post]) == ("body.layers", ["embed", "pos"], ["out"])
+    got, _ = _chain(parts, [(0, 1), (1, 4)], x)
+    with torch.no_grad():
+        assert torch.equal(got, m(x))
+    with pytest.raises(ValueError, match=r"\['body.shared'\] hold parameters and run while the blocks"):
+        get_model_parts(GlueNet(shared=nn.LayerNorm(8)), example_input=x)
+    odd = GlueNet(between=True)
+    parts = get_model_parts(odd, example_input=x)
+    with pytest.raises(ValueError, match="the pipeline stages chained differ from the whole forward by"):
+        stages.check_chain(parts, [(0, 2), (2, 4)], x)
+
+
+class TwoLinears(nn.Module):
+    """A plain factory model with no repeated blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(self.a(x).relu())
+
+
+def make_two_linears():
+    return TwoLinears()
+
+
+def test_verify_refuses_bad_cuts_before_launch(capsys):
+    """Exit 2 with one message and no process started: a model without blocks under pp, a split point
+    that is not a block, a wrong number of split points, a --blocks path that is no container."""
+    from hf_tiny import cli_args
+
+    from modelpar.cli.verify import verify_main
+
+    pp = ["--strategy", "pp", "--nproc", "2"]
+    assert verify_main(["--model", f"{__file__}:make_two_linears", "--input-shape", "8", "--num-classes", "4", *pp]) == 2
+    assert ("cannot find the blocks of TwoLinears" in capsys.readouterr().err)
+    assert verify_main([*cli_args("gpt2"), *pp, "--split-points", "hf.transformer.h"]) == 2
+    assert "--split-points ['hf.transformer.h'] name no block" in capsys.readouterr().err
+    assert verify_main([*cli_args("gpt2"), *pp, "--split-points", "hf.transformer.h.1,hf.transformer.h.2"]) == 2
+    assert "2 pipeline stages need 1 increasing block paths" in capsys.readouterr().err
+    assert verify_main([*cli_args("llama"), *pp, "--blocks", "hf.model"]) == 2
+    assert "--blocks 'hf.model' is not a non-empty" in capsys.readouterr().err
+
+
+def test_train_preflight_checks_split_points():
+    """``modelpar train --split-points`` is checked before launch, for the built-in GPT too."""
+    from modelpar.train.config import TrainConfig
+    from modelpar.train.loop import preflight
+
+    cfg = dict(model="gpt-nano", strategy="pp", nproc=2)
+    with pytest.raises(ValueError, match=r"--split-points \['blocks.9'\] name no block of GPT"):
+        preflight(TrainConfig(**cfg, split_points="blocks.9"), 2)
+    with pytest.raises(ValueError, match="2 pipeline stages need 1 increasing block paths"):
+        preflight(TrainConfig(**cfg, split_points="blocks.0"), 2)
+    assert preflight(TrainConfig(**cfg, split_points="blocks.1"), 2)[0].pp == 2

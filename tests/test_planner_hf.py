@@ -1,0 +1,156 @@
+"""The planner on Hugging Face models from config (issue 12, item 4): profile facts and parts, attention
+FLOPs, TP legality on key/value heads, and `plan` / `estimate` on hf:llama and hf:gpt2 (no processes)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.hf_tiny import TINY, build, cli_args
+
+pytest.importorskip("transformers")
+
+# tiny Llama with an explicit head_dim (the attribute a config built from overrides keeps otherwise)
+LLAMA = ("hf:llama", {**TINY["llama"][1], "head_dim": 8})
+# GPT-2 without attention dropout, so torch's fused kernel runs (the profile routes it as torch does)
+GPT2 = ("hf:gpt2", {**TINY["gpt2"][1], "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0})
+
+
+def _profile(spec_cfg, seq=16, layers=None):
+    from modelpar.models.hf import build_hf
+    from modelpar.planner.profile import profile_model
+    spec, cfg = spec_cfg
+    m = build_hf(spec, cfg, device="meta", seed=None)
+    return m, profile_model(m, torch.zeros(1, seq, dtype=torch.long, device="meta"))
+
+
+def test_llama_profile_parts_facts_and_attention_flops():
+    from torch.utils.flop_counter import sdpa_flop_count
+    m, p = _profile(LLAMA)
+    c = m.hf.config
+    assert [b.name for b in p.blocks] == ["embed"] + [f"hf.model.layers.{i}" for i in range(4)] + ["head"]
+    assert p.arch == {"n_head": 4, "n_kv_head": 2, "d_model": 32, "ffn": 64, "n_layer": 4, "vocab_size": 128,
+                      "seq_len": 16, "tied": 0, "vocab_parallel": 1, "max_positions": 64}
+    assert p.num_params == sum(q.numel() for q in m.parameters())
+    emb, layer, head = p.blocks[0], p.blocks[1], p.blocks[-1]
+    assert emb.num_params == 128 * 32 and emb.tp_sharded_params == emb.num_params       # vocab-parallel
+    assert head.num_params == 32 + 128 * 32 and head.tp_sharded_params == 128 * 32       # norm + colwise head
+    # every projection is split (q/k/v/gate/up colwise, o/down rowwise, no biases): all but the 2 norms
+    assert layer.tp_sharded_params == layer.num_params - 2 * 32
+    # the GQA attention runs as torch's fused kernel (4 query heads over 2 key/value heads)
+    q, kv = (1, 4, 16, c.head_dim), (1, 2, 16, c.head_dim)
+    assert layer.attn_calls == 1 and layer.fwd_attn_flops == sdpa_flop_count(q, kv, kv)
+    assert layer.bwd_attn_flops == 2 * layer.fwd_attn_flops
+    # the rest of the model, its glue included, is in the two parts: the head's matmul, the embedding's input
+    assert head.fwd_flops == 2 * 16 * 32 * 128 and head.bwd_flops == 2 * head.fwd_flops
+    assert emb.input_bytes == 8 * 16 and emb.output_bytes == layer.input_bytes == 4 * 16 * 32
+    assert head.output_bytes == 4 * 16 * 128
+
+
+def test_gpt2_tied_head_counted_once_and_conv1d_split():
+    m, p = _profile(GPT2)
+    assert m.hf.lm_head.weight is m.hf.transformer.wte.weight
+    assert p.arch["tied"] == 1 and p.arch["n_kv_head"] == 4
+    assert p.num_params == sum(q.numel() for q in m.parameters())          # the tie once
+    emb, layer, head = p.blocks[0], p.blocks[1], p.blocks[-1]
+    assert emb.num_params == 128 * 32 + 64 * 32 and head.num_params == 2 * 32   # wte + wpe; ln_f only
+    assert emb.tp_sharded_params == 128 * 32                                # the vocabulary-parallel wte
+    d = 32                                                                   # c_attn, c_proj, c_fc, c_proj
+    assert layer.tp_sharded_params == (d * 3 * d + 3 * d) + d * d + (d * 4 * d + 4 * d) + 4 * d * d
+    assert layer.attn_calls == 1 and layer.fwd_attn_flops > 0
+
+
+def test_steady_layers_profiled_once_equal_every_layer_profiled():
+    from modelpar.cli.common import HF_PROFILE_LAYERS, _hf_profile
+    for spec, cfg in (LLAMA, GPT2):
+        deep = {**cfg, ("num_hidden_layers" if "llama" in spec else "n_layer"): HF_PROFILE_LAYERS + 3}
+        short, _ = _hf_profile(spec, deep, 16, torch.float32)
+        _, full = _profile((spec, deep))
+        assert short == full and len(short.blocks) == HF_PROFILE_LAYERS + 5
+
+
+def test_seq_len_beyond_positions_is_refused():
+    from modelpar.cli.common import profile_for
+    spec, cfg = LLAMA
+    with pytest.raises(ValueError, match=r"--seq-len 128 is longer than hf:llama's max_position_embeddings=64"):
+        profile_for(spec, cfg, 128, "fp32")
+    prof, desc = profile_for(spec, cfg, 0, "fp32")                # 0: the model's positions (<= 2048)
+    assert prof.tokens_per_sample == 64 and "LlamaForCausalLM" in desc
+
+
+def test_tp_legality_names_kv_heads():
+    from modelpar.planner.legality import check_tp_degree, tp_violations
+    _, p = _profile(LLAMA)
+    assert tp_violations(p.arch, 2) == [] and tp_violations(p.arch, 1) == []
+    assert tp_violations(p.arch, 4) == ["key/value heads n_kv_head=2"]
+    with pytest.raises(ValueError, match="tp=8 does not divide the model's attention .query. heads n_head=4; "
+                                         "key/value heads n_kv_head=2"):
+        check_tp_degree(p.arch, 8)
+    # the vocabulary counts only where it is split
+    assert tp_violations({**p.arch, "vocab_size": 127}, 2) == ["vocabulary vocab_size=127"]
+    assert tp_violations({**p.arch, "vocab_size": 127, "vocab_parallel": 0}, 2) == []
+
+
+def test_search_keeps_tp_within_kv_heads():
+    from modelpar.planner.hardware import BUILTIN
+    from modelpar.planner.search import search_plans
+    _, p = _profile(LLAMA)
+    rep = search_plans(p, 4, BUILTIN["H100-80GB-SXM"], global_batch_size=8)
+    tps = {c.plan.tp for c in rep.ranked}
+    assert 2 in tps and 4 not in tps
+    assert rep.pruned["tp does not divide heads/kv heads/hidden/ffn/vocab"] > 0
+    # Llama 3 8B's 8 key/value heads: tp 16 divides the 32 query heads but not them
+    arch = dataclasses.replace(p, arch={**p.arch, "n_head": 32, "n_kv_head": 8, "d_model": 4096, "ffn": 14336,
+                                        "vocab_size": 128256}).arch
+    from modelpar.planner.legality import tp_violations
+    assert tp_violations(arch, 8) == [] and tp_violations(arch, 16) == ["key/value heads n_kv_head=8"]
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_plan_and_estimate_commands_on_hf_models(name, capsys):
+    from modelpar.cli.estimate import main as estimate_main
+    from modelpar.cli.plan import main as plan_main
+    build(name, device="meta")                                   # the tiny config builds
+    args = cli_args(name) + ["--seq-len", "32", "--nproc", "4", "--global-batch-size", "8",
+                             "--hardware", "H100-80GB-SXM"]
+    assert plan_main(args + ["--top", "3"]) == 0
+    out = capsys.readouterr().out
+    cls = "LlamaForCausalLM" if name == "llama" else "GPT2LMHeadModel"
+    assert cls in out and "seq 32" in out and "feasible" in out and "\n  1 " in out
+    assert estimate_main(args) == 0
+    out = capsys.readouterr().out
+    assert cls in out and "yes: best plan" in out
+    assert estimate_main(args + ["--strategy", "fsdp"]) == 0
+    assert "peak memory per rank" in capsys.readouterr().out
+
+
+def test_estimate_refuses_tp_not_dividing_kv_heads(capsys):
+    from modelpar.cli.estimate import main as estimate_main
+    args = cli_args("llama") + ["--seq-len", "32", "--nproc", "4", "--hardware", "H100-80GB-SXM"]
+    with pytest.raises(ValueError, match=r"tp=4 does not divide the model's key/value heads n_kv_head=2"):
+        estimate_main(args + ["--tp", "4"])
+    assert estimate_main(args + ["--tp", "2", "--dp-shard", "2"]) == 0
+    with pytest.raises(ValueError, match="max_position_embeddings=64"):
+        estimate_main(cli_args("llama") + ["--seq-len", "65", "--nproc", "4"])
+
+
+def test_real_weights_profile_like_meta():
+    """A model with real weights is profiled under FakeTensorMode; the HF forward then runs as on meta
+    (no packed-sequence mask is built from fake position ids)."""
+    from modelpar.models.hf import build_hf
+    from modelpar.planner.profile import profile_model
+    spec, cfg = LLAMA
+    x = torch.zeros(1, 16, dtype=torch.long)
+    real = profile_model(build_hf(spec, cfg), x)
+    assert real == _profile(LLAMA)[1] and real.blocks[1].attn_calls == 1
+
+
+def test_blocks_option_names_the_container():
+    from modelpar.cli.common import profile_for
+    from modelpar.cli.plan import main as plan_main
+    spec, cfg = LLAMA
+    auto, _ = profile_for(spec, cfg, 16, "fp32")
+    named, _ = profile_for(spec, cfg, 16, "fp32", "hf.model.layers")
+    assert named == auto
+    with pytest.raises(ValueError, match="--blocks 'hf.model' is not a non-empty nn.ModuleList"):
+        plan_main(cli_args("llama") + ["--seq-len", "16", "--nproc", "2", "--blocks", "hf.model"])
