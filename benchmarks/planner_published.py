@@ -203,7 +203,7 @@ def _megatron(profile, plan, batch, *, ddp: str, selective: bool, micro: int):
     mem = estimate_memory(mprof, plan, batch, overhead_bytes=A100.framework_overhead_bytes,
                           recv_per_microbatch=False, ddp_bucket_copy=(ddp == "torch"), **MEGATRON_RUNTIME)
     st = estimate_step(prof, plan, batch, A100, dp_overlap=(ddp == "torch"), reduce_bytes=2,
-                       p2p_scatter_gather=True, **MEGATRON_RUNTIME)
+                       p2p_scatter_gather=True, replicate=False, **MEGATRON_RUNTIME)
     if selective:
         # the attention core's extra forward, per layer and micro-batch, on every rank's layers;
         # the pipeline's idle time grows with the per-micro-batch work (cost.rank_step's bubble)

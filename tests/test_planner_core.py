@@ -234,6 +234,34 @@ def test_search_counts_and_choice():
 
 
 @pytest.mark.timeout(120)
+def test_search_results_identical_to_constructed_plans(monkeypatch):
+    # the search builds its plan variants without the dataclass constructor (speed); the ranked
+    # plans, their memory and step times and the pruning counts must be those of plans built by
+    # ParallelPlan(...) itself
+    import dataclasses as dc
+
+    from modelpar.planner import search as S
+
+    def constructed(plans, dr, ds, tp, pp, sched, m, v, ac, k, defer, precision, sp):
+        return ParallelPlan(dp_replicate=dr, dp_shard=ds, tp=tp, pp=pp, pp_schedule=sched, n_microbatches=m,
+                            virtual_stages=v, activation_checkpointing=ac, precision=precision,
+                            sequence_parallel=sp, ac_every=k, defer_grad_sync=defer)
+
+    def dump(rep):
+        return json.dumps({"considered": rep.considered, "pruned": sorted(rep.pruned.items()),
+                           "ranked": [[dc.asdict(c.plan), c.batch.local_batch_size, c.step.parts(),
+                                       c.memory.parts(), c.memory.phase] for c in rep.ranked]})
+
+    m = build_model("gpt-1b", device="meta")
+    prof = profile_model(m, _tokens(m, 1), dtype=torch.bfloat16)
+    for n, gbs, hw in ((8, 32, "H100-80GB-SXM"), (64, 256, "A100-80GB")):
+        fast = dump(search_plans(prof, n, BUILTIN[hw], global_batch_size=gbs))
+        with monkeypatch.context() as mp:
+            mp.setattr(S, "_plan", constructed)
+            ref = dump(search_plans(prof, n, BUILTIN[hw], global_batch_size=gbs))
+        assert fast == ref and json.loads(fast)["ranked"], (n, hw)
+
+
 def test_search_3072_devices_is_fast():
     m = build_model("gpt-70b", device="meta")
     prof = profile_model(m, _tokens(m, 1), dtype=torch.bfloat16)

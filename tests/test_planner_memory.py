@@ -159,3 +159,22 @@ def test_ddp_gradients_are_bucket_views():
     e = estimate_memory(prof, ParallelPlan(dp_replicate=2), Batch(8, 4))
     assert e.grads == 0 and e.comm_buffers == 4 * P
     assert e.total <= 4 * P + 4 * P + 8 * P + e.activations + 1     # params + buckets + adamw + the rest
+
+
+def test_replicate_under_tp_or_pp_has_no_ddp_buckets():
+    """Issue 13/14: with TP or PP, `parallelize` runs dp_replicate through FSDP2's replicate, which
+    has no DDP buckets: beside the fp32 gradients only one group's flat fp32 reduce buffer (the
+    largest block or the root) exists. Plain DDP keeps its bucket views; a runtime described with
+    torch DDP's bucket copy (Megatron rows) keeps its 4 B/param."""
+    _, prof = _profile("gpt-nano")
+    for plan in (ParallelPlan(dp_replicate=2, tp=2), ParallelPlan(dp_replicate=2, pp=2, n_microbatches=2)):
+        lds = rank_loads(prof, plan, act_bytes=4)
+        e = estimate_memory(prof, plan, Batch(8, 4 if plan.pp > 1 else 2))
+        ld = lds[e.pp_rank]
+        recv = e.comm_buffers - 4 * max(ld.max_unit_params, ld.root_params)
+        assert 0 <= recv < 4 * ld.params and (plan.pp > 1 or recv == 0), (plan.describe(), e)
+        assert e.grads == 4 * ld.params
+        copy = estimate_memory(prof, plan, Batch(8, 4 if plan.pp > 1 else 2), ddp_bucket_copy=True)
+        assert copy.comm_buffers - recv == 4 * ld.params
+    ddp = estimate_memory(prof, ParallelPlan(dp_replicate=2), Batch(8, 4))
+    assert ddp.grads == 0 and ddp.comm_buffers == 4 * prof.num_params

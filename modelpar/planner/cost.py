@@ -20,8 +20,12 @@ Sources:
   FLOPs include the recomputed forward.
 
 Overlap: DDP overlaps the gradient all-reduce with the last backward except its final 25 MiB bucket
-(``bucket_cap_mb`` default); FSDP prefetches, hiding its gathers and reduce-scatters behind each
-micro-batch's compute except the first unit's gather; TP and pipeline p2p are not overlapped.
+(``bucket_cap_mb`` default); FSDP prefetches, hiding its gathers behind the forward and its re-gathers
+and reduce-scatters behind the backward, except what precedes or follows all compute (the root's and
+the first block's gather, the first block's and the root's reduce-scatter) and what exceeds each
+window (`_fsdp_exposed`); under a pipeline FSDP reduces once after the schedule, exposed. On built-in
+GPUs the hidden collectives of groups inside a node hold NCCL's share of the SMs
+(`gpu.GpuPhysics.nccl_sm_share`), slowing the compute they overlap by that share of their time. TP and pipeline p2p are not overlapped.
 Where ``Hardware.comm_overlap`` is False (CPU ranks that own every core: gloo copies and reduces with
 those cores) nothing overlaps: DDP adds its bucketed all-reduces and its bucket copies, FSDP its
 gathers, reduce-scatters and the copies into and out of its flat buffers.
@@ -49,14 +53,16 @@ from modelpar.plan import ParallelPlan
 # the collective (alpha-beta) and pipeline-bubble formulas live in formulas.py, re-exported here
 from modelpar.planner.formulas import (all_gather_time, all_reduce_time, alpha_beta_form,  # noqa: F401
                                        bubble_fraction, p2p_time)
-from modelpar.planner.gpu import gpu_link, gpu_load_times, physics_for
+# one rank's collective times and FSDP2's exposed share live in comms.py, re-exported here
+from modelpar.planner.comms import (DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, _coll,  # noqa: F401
+                                    _comm_terms, _fsdp_exposed, _nccl_share, ddp_buckets)
+from modelpar.planner.gpu import gpu_load_times, physics_for
 from modelpar.planner.calibration import NO_CALIBRATION
 from modelpar.planner.hardware import Hardware
 from modelpar.planner.memory import Batch, RankLoad, rank_loads
 from modelpar.planner.profile import ModelProfile
 from modelpar.planner.recompute import recompute_flops_per_sample, recompute_share
 
-DDP_BUCKET_BYTES = 25 * 2 ** 20
 # bytes read + written per parameter by the optimizer step: torch's fused AdamW (modelpar's default,
 # `modelpar.train.step.adamw`, on GPUs and CPUs) reads param, grad and both moments and writes param and
 # moments, 28; SGD's in-place add_ 12; with momentum (foreach on GPUs) 20, on CPU's single-tensor loop
@@ -135,149 +141,7 @@ def hfu(step: StepEstimate, hw: Hardware, precision: str) -> float:
 
 
 # ---- the step ---------------------------------------------------------------------------------
-def _axis_link(plan: ParallelPlan, axis: str, hw: Hardware, op: str = "all_reduce") -> tuple[float, float]:
-    """Bandwidth and latency of ``op`` on one mesh axis; axes are (pp, dp_replicate, dp_shard, tp),
-    tp innermost. Inside one node a calibrated per-operation fit (`Hardware.collective`) is used."""
-    if hw.devices_per_node % (plan.tp * plan.dp * plan.pp) == 0:
-        return hw.collective(op) or (hw.intra_bw, hw.intra_latency)
-    span = {"tp": 1, "dp_shard": plan.tp, "dp_replicate": plan.tp * plan.dp_shard,
-            "pp": plan.tp * plan.dp}[axis]
-    n = {"tp": plan.tp, "dp_shard": plan.dp_shard, "dp_replicate": plan.dp_replicate, "pp": 2}[axis]
-    return hw.link(n, span)
-
-
-def _coll(plan: ParallelPlan, axis: str, hw: Hardware, op: str, nbytes: float, n: int, ctx: bool = False) -> float:
-    """Seconds of one ``op`` of ``nbytes`` over ``n`` ranks of mesh axis ``axis``: the calibrated
-    table (`Hardware.collective_seconds`; ``ctx``: the one of calls issued between compute segments,
-    the wait for the slowest rank included) when the job fits one node and ``op`` was measured with
-    ``n`` ranks, else the alpha-beta form (Thakur et al. 2005) with the axis' link."""
-    return _coll_sum(plan, axis, hw, op, (nbytes,), n, ctx=ctx)
-
-
-_LINKS: dict[tuple, tuple] = {}
-
-
-def _coll_sum(plan: ParallelPlan, axis: str, hw: Hardware, op: str, sizes, n: int, scale: float = 1.0,
-              ctx: bool = False) -> float:
-    """`_coll` summed over one ``op`` per entry of ``sizes`` x ``scale`` (bytes); the alpha-beta form
-    in closed form (calls x latency steps + total bytes x volume / bandwidth). The search calls this
-    ~10^5 times, so the link of (hardware, degrees, axis, op) is memoized."""
-    if n <= 1:
-        return 0.0
-    key = (id(hw), plan.tp, plan.dp_shard, plan.dp_replicate, plan.pp, axis, op, n, ctx)
-    link = _LINKS.get(key)
-    if link is None or link[0] is not hw:
-        if len(_LINKS) > 65536:
-            _LINKS.clear()
-        table = (hw.calibration is not None and hw.devices_per_node % (plan.tp * plan.dp * plan.pp) == 0
-                 and hw.collective_seconds(op, 1.0, n, in_context=ctx) is not None)
-        bw, lat = _axis_link(plan, axis, hw, op)
-        steps, volume = alpha_beta_form(op, n)
-        phys = physics_for(hw)
-        if phys is not None:            # built-in GPU: published NCCL bus bandwidths (gpu.py)
-            span = {"tp": 1, "dp_shard": plan.tp, "dp_replicate": plan.tp * plan.dp_shard,
-                    "pp": plan.tp * plan.dp}[axis]
-            bw, lat, steps = gpu_link(phys, hw, bw, op, n, steps, min(n, hw.devices_per_node // span))
-        link = _LINKS[key] = (hw, table, steps * lat, volume / bw)
-    if link[1]:
-        return sum(hw.collective_seconds(op, x * scale, n, in_context=ctx) for x in sizes if x > 0)
-    if len(sizes) == 1:
-        k, total = 1, sizes[0]
-    else:                       # (calls, bytes) of a rank's unit or bucket list, memoized per list
-        hit = _SIZE_SUMS.get(id(sizes))
-        if hit is None or hit[0] is not sizes:
-            if len(_SIZE_SUMS) > 65536:
-                _SIZE_SUMS.clear()
-            hit = _SIZE_SUMS[id(sizes)] = (sizes, sum(1 for x in sizes if x > 0), sum(sizes))
-        k, total = hit[1], hit[2]
-    return k * link[2] + link[3] * total * scale if k else 0.0
-
-
-_SIZE_SUMS: dict[int, tuple] = {}
-
-
 ZERO_BUBBLE_SCHEDULES = ("interleavedzerobubble", "zbvzerobubble", "dualpipev")
-DDP_FIRST_BUCKET_BYTES = 2 ** 20     # torch DDP's first bucket (``_DEFAULT_FIRST_BUCKET_BYTES``)
-_BUCKETS: dict[int, tuple] = {}
-
-
-def _ddp_buckets_cached(sizes: tuple, elem_bytes: float = 4) -> list[float]:
-    """`ddp_buckets` of gradients of ``elem_bytes`` (fp32 by default), memoized per parameter-size
-    tuple (one per rank load) and element size."""
-    hit = _BUCKETS.get((id(sizes), elem_bytes))
-    if hit is None or hit[0] is not sizes:
-        if len(_BUCKETS) > 4096:
-            _BUCKETS.clear()
-        hit = _BUCKETS[(id(sizes), elem_bytes)] = (sizes, ddp_buckets(sizes, elem_bytes))
-    return hit[1]
-
-
-def ddp_buckets(sizes, elem_bytes: float, cap: float = DDP_BUCKET_BYTES) -> list[float]:
-    """Bucket sizes (bytes) torch DDP forms over parameters of ``sizes`` elements: in reverse
-    registration order (the order gradients arrive), the first bucket closing at 1 MiB, the others
-    at ``cap`` (25 MiB); a tensor larger than the cap fills a bucket alone."""
-    out, cur, lim = [], 0.0, DDP_FIRST_BUCKET_BYTES
-    for k in reversed(sizes):
-        cur += k * elem_bytes
-        if cur >= lim:
-            out.append(cur)
-            cur, lim = 0.0, cap
-    if cur:
-        out.append(cur)
-    return out
-
-
-_COMMS: dict[tuple, tuple] = {}
-
-
-def _comm_terms(ld: RankLoad, plan: ParallelPlan, hw: Hardware, b: int, wb: int, dp_overlap: bool,
-                rb: float = 4, sg: bool = False) -> dict:
-    """The collective times of one rank's step that do not depend on the schedule, micro-batch count
-    or checkpointing (memoized: the search evaluates many such variants of each layout). ``wb``:
-    bytes per gathered parameter (FSDP all-gather), ``rb``: per reduced gradient element; ``sg``:
-    pipeline transfers use Megatron-LM's scatter / gather (each TP rank sends 1/tp of the tensor,
-    the receivers all-gather it over the TP group; Narayanan et al. SC'21, Sec. 4.1)."""
-    key = (id(ld), id(hw), plan.tp, plan.dp_shard, plan.dp_replicate, plan.pp, b, wb, dp_overlap, rb, sg)
-    hit = _COMMS.get(key)
-    if hit is not None and hit[0] is ld and hit[1] is hw:
-        return hit[2]
-    # without overlap (CPU) every data-parallel collective and pipeline transfer blocks between two
-    # compute segments: its calibrated in-context time includes the wait for the slowest rank
-    cx = not hw.comm_overlap
-    # a stage sends its output forward and its input's gradient back: hidden states, never logits
-    # (`RankLoad.p2p`); CPU profiles keep the stage-output size their calibrated accuracy was
-    # measured with (the last stage's logits; see docs/planner.md)
-    p2p = ld.p2p if (ld.p2p and physics_for(hw) is not None) else ld.boundary
-    c = {"p2p": _coll(plan, "pp", hw, "send_recv", p2p * b, 2, cx) if plan.pp > 1 else 0.0}
-    if sg and plan.pp > 1 and plan.tp > 1 and not plan.sequence_parallel:
-        c["p2p"] = (_coll(plan, "pp", hw, "send_recv", p2p * b / plan.tp, 2)
-                    + _coll(plan, "tp", hw, "all_gather", p2p * b, plan.tp))
-    grad_bytes = rb * ld.params
-    if plan.dp_shard > 1:
-        n = plan.dp_shard
-        units = ld.unit_sizes or (ld.params - ld.root_params,)
-        c["ag"] = _coll_sum(plan, "dp_shard", hw, "all_gather", units, n, wb, cx)
-        c["ag_root"] = _coll(plan, "dp_shard", hw, "all_gather", wb * ld.root_params, n, cx)
-        c["rs"] = (_coll_sum(plan, "dp_shard", hw, "reduce_scatter", units, n, rb, cx)
-                   + _coll(plan, "dp_shard", hw, "reduce_scatter", rb * ld.root_params, n, cx))
-        c["first"] = _coll(plan, "dp_shard", hw, "all_gather", wb * ld.max_unit_params, n)
-        c["rep"] = (_coll(plan, "dp_replicate", hw, "all_reduce", grad_bytes / n, plan.dp_replicate, cx)
-                    if plan.dp_replicate > 1 else 0.0)
-    elif plan.dp_replicate > 1:
-        n = plan.dp_replicate
-        buckets = _ddp_buckets_cached(ld.param_sizes, rb) if (ld.param_sizes and dp_overlap) else (grad_bytes,)
-        c["t_ar"] = _coll_sum(plan, "dp_replicate", hw, "all_reduce", buckets, n)
-        if cx:
-            # DDP launches each bucket's all-reduce asynchronously from backward; only the wait for
-            # the last one after backward blocks between compute segments
-            c["t_ar"] += (_coll(plan, "dp_replicate", hw, "all_reduce", buckets[-1], n, True)
-                          - _coll(plan, "dp_replicate", hw, "all_reduce", buckets[-1], n))
-        c["n_buckets"] = len(buckets)
-        c["last"] = _coll(plan, "dp_replicate", hw, "all_reduce", min(DDP_BUCKET_BYTES, grad_bytes), n)
-    if len(_COMMS) > 65536:
-        _COMMS.clear()
-    _COMMS[key] = (ld, hw, c)
-    return c
 
 
 _LOAD_TIMES: dict[tuple, tuple] = {}
@@ -316,7 +180,7 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
               accumulation: int, optimizer: str, tp_bytes: float, dp_overlap: bool = True,
               fused_tp_optimizer: bool = False, reduce_bytes: float = 4,
               gather_bytes: float | None = None, attention_kernel: str | None = None,
-              p2p_scatter_gather: bool = False) -> dict:
+              p2p_scatter_gather: bool = False, replicate: bool | None = None) -> dict:
     """Seconds of one step on the slowest pipeline rank; ``tp_bytes`` = block output per sample.
 
     CPU-specific terms (zero where the hardware profile lacks them): fresh allocations
@@ -328,6 +192,9 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     (Megatron-LM fp16 reduces fp16 gradients; Composer's FSDP mixed-precision modes).
     ``attention_kernel``: fused-attention table on built-in GPUs (`gpu.GpuPhysics`; None: its default).
     ``p2p_scatter_gather``: Megatron-LM's scatter / gather of pipeline transfers (`_comm_terms`).
+    ``replicate``: dp_replicate runs FSDP2's replicate (per-group reductions; under a pipeline once
+    after the schedule) rather than torch DDP's buckets; None: modelpar's runtime (replicate under
+    PP or TP, DDP otherwise); False for other runtimes' DDP (Megatron-LM rows).
     """
     prec = plan.precision
     flops_s = hw.achievable_flops(prec)
@@ -396,7 +263,12 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     t_acc = (mbs - 1) * 12 * ld.params / (plan.dp_shard if sharded_acc else 1) / mem_s
     # data parallel
     wb = gather_bytes or (2 if prec == "bf16" else 4)
-    cm = _comm_terms(ld, plan, hw, b, wb, dp_overlap, reduce_bytes, p2p_scatter_gather)
+    # modelpar runs dp_replicate under PP or TP through FSDP2's replicate (`parallel.compose`):
+    # per-group all-reduces (on devices that overlap; CPU keeps its calibrated bucket terms)
+    rep_rt = (plan.dp_shard == 1 and plan.dp_replicate > 1
+              and (replicate if replicate is not None else (p > 1 or plan.tp > 1)))
+    cm = _comm_terms(ld, plan, hw, b, wb, dp_overlap, reduce_bytes, p2p_scatter_gather,
+                     rep_rt and overlap)
     t_p2p = 2 * v * cm["p2p"] if p > 1 else 0.0
     dp_exposed, fsdp_per_mb = 0.0, 0.0
     if plan.dp_shard > 1:
@@ -406,13 +278,17 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
         root = ld.root_params
         ag, ag_root, rs = cm["ag"], cm["ag_root"], cm["rs"]
         if overlap:
-            comm = gathers * ag + ag_root + rs
-            fsdp_per_mb = max(0.0, comm - (t_f + t_b + t_rc)) + cm["first"]
-            if plan.defer_grad_sync and mbs > 1:
-                # deferred sync: only the last local batch reduce-scatters
-                no_rs = max(0.0, gathers * ag + ag_root - (t_f + t_b + t_rc)) + cm["first"]
-                dp_exposed = fsdp_per_mb - no_rs
-                fsdp_per_mb = no_rs
+            share = _nccl_share(plan, "dp_shard", hw, phys)
+            # a micro-batch reduce-scatters where FSDP accumulates sharded gradients; a deferred
+            # sync only in the last local batch; under a pipeline torch's runtime reduces once
+            # after the schedule's last backward (`PipelineStage.perform_reduce_grad`), exposed
+            deferred = plan.defer_grad_sync and mbs > 1
+            fsdp_per_mb = _fsdp_exposed(cm, gathers, t_f, t_b + t_rc, share,
+                                        reduce=p == 1 and not deferred)
+            if deferred:
+                dp_exposed = _fsdp_exposed(cm, gathers, t_f, t_b + t_rc, share, reduce=True) - fsdp_per_mb
+            elif p > 1:
+                dp_exposed = rs
         else:
             # FSDP2's buffers: each gather fills a new flat all-gather output and copies it out into
             # new unsharded parameters (read + write); reduce-scatter copies the unsharded gradients
@@ -432,8 +308,16 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
         dp_exposed += cm["rep"]
     elif plan.dp_replicate > 1:
         t_ar, last = cm["t_ar"], cm["last"]
-        if overlap:
-            dp_exposed = max(t_ar - t_b, last)
+        if overlap and rep_rt and p > 1:
+            # FSDP2 replicate under torch.distributed.pipelining: the runtime reduces once after the
+            # schedule's last backward (`PipelineStage.perform_reduce_grad`), nothing left to hide
+            # it; each group's gradients copied into the flat fp32 buffer and back (read + write)
+            dp_exposed = t_ar + 16 * ld.params / mem_s
+        elif overlap:
+            # torch DDP's buckets, or replicate's groups (under TP), behind the backward, except the
+            # last bucket (replicate: the first block's and the root's group, reduced after the last
+            # compute); the hidden part slows the backward it overlaps by NCCL's share of the SMs
+            dp_exposed = max(t_ar - t_b, last) + _nccl_share(plan, "dp_replicate", hw, phys) * min(t_ar, t_b)
         elif not dp_overlap:         # one all-reduce of a contiguous gradient buffer after backward
             dp_exposed = t_ar
         elif p == 1 and plan.tp == 1:
@@ -472,7 +356,7 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
                   optimizer: str = "adamw", dp_overlap: bool = True,
                   fused_tp_optimizer: bool = False, reduce_bytes: float = 4,
                   gather_bytes: float | None = None, attention_kernel: str | None = None,
-                  p2p_scatter_gather: bool = False) -> StepEstimate:
+                  p2p_scatter_gather: bool = False, replicate: bool | None = None) -> StepEstimate:
     """Predict one optimizer step of ``plan`` on ``hw`` (see module docstring for the formulas).
 
     Args:
@@ -485,7 +369,7 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
         fused_tp_optimizer: tensor-parallel plans step with a fused AdamW too (Megatron-LM's fused
             Adam); by default they pay the single-tensor loop modelpar's TP runs (see
             `modelpar.train.step.adamw`).
-        reduce_bytes, gather_bytes, attention_kernel, p2p_scatter_gather: see `rank_step`.
+        reduce_bytes, gather_bytes, attention_kernel, p2p_scatter_gather, replicate: see `rank_step`.
 
     Raises:
         ValueError: batch sizes that do not divide, unknown optimizer or precision.
@@ -499,7 +383,7 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
                       tp_bytes=tp_bytes_per_sample(profile, plan), dp_overlap=dp_overlap,
                       fused_tp_optimizer=fused_tp_optimizer, reduce_bytes=reduce_bytes,
                       gather_bytes=gather_bytes, attention_kernel=attention_kernel,
-                      p2p_scatter_gather=p2p_scatter_gather)
+                      p2p_scatter_gather=p2p_scatter_gather, replicate=replicate)
     return _finish(parts, profile, plan, batch.global_batch_size)
 
 

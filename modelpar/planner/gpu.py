@@ -61,7 +61,20 @@ n ranks takes 2 (n-1)/n B / busbw)
 
 FSDP (PyTorch FSDP, Zhao et al., VLDB 2023, Sec. 3.3 and 4): the next unit's all-gather is prefetched
 during the current unit's compute and the reduce-scatter runs on its own stream, so per micro-batch
-only communication beyond compute is exposed, plus the first unit's gather (cost.py).
+only communication beyond compute is exposed (forward and backward windows apart), plus the root's
+and first block's gathers before any compute and the first block's and root's reduce-scatters after
+the last (comms._fsdp_exposed).
+
+Compute / communication contention: NCCL runs a collective as a kernel of one CTA per channel, each
+CTA holding one SM while the collective runs, so overlapped compute gets the remaining SMs
+(``nccl_sm_share`` = CTAs / SMs). H100 SXM (132 SMs): an 8-GPU ncclAllGather launched 24 blocks
+beside a GEMM (NVIDIA developer forum, "Compute-Communication Overlap Causes Severe GEMM Performance
+Degradation because of Tail Effect", 2025, Nsight Systems trace); A100 SXM (108 SMs): NCCL builds 24
+ring channels on an 8x A100 HGX with NVSwitch (NVIDIA/nccl-tests issue #100, NCCL_DEBUG log
+"Channel 23/24"), one CTA each. Applied to groups inside one node only: across nodes NCCL builds
+its channels per NIC and no count for these clusters is cited here, so none is charged. The SM share is the linear part only; the wave-quantization tail
+that post shows (the GEMM's time nearly doubled for one perfectly sized GEMM) depends on the
+GEMM's tiling and is not modelled.
 
 Optimizer step: fused AdamW streams its state at HBM rate (cost.OPT_TRAFFIC bytes per parameter).
 
@@ -135,6 +148,7 @@ class GpuPhysics:
     intra_latency: float
     inter_latency: float
     framework_bytes: float
+    nccl_sm_share: float             # NCCL's CTAs / SMs while a collective runs (compute contention)
     attention: dict = field(default_factory=dict, repr=False)   # (kernel, dir, causal, hd) -> TFLOP/s at SEQS
     default_kernel: str = "fa2"
 
@@ -182,13 +196,16 @@ LOSS_BYTES_PER_LOGIT = (14.0, 18.0)
 
 A100 = GpuPhysics("A100", mamf_bf16=267.9e12, hbm_fraction=0.85, launch_s=5e-6,
                   intra_busbw=200e9, intra_allreduce_busbw=200e9, inter_busbw=21e9,
-                  intra_latency=5e-6, inter_latency=10e-6, framework_bytes=1 * GIB, attention=_A100_ATTN)
+                  intra_latency=5e-6, inter_latency=10e-6, framework_bytes=1 * GIB, nccl_sm_share=24 / 108,
+                  attention=_A100_ATTN)
 H100 = GpuPhysics("H100", mamf_bf16=792.1e12, hbm_fraction=0.85, launch_s=5e-6,
                   intra_busbw=370e9, intra_allreduce_busbw=480e9, inter_busbw=42e9,
-                  intra_latency=5e-6, inter_latency=10e-6, framework_bytes=1 * GIB, attention=_H100_ATTN)
+                  intra_latency=5e-6, inter_latency=10e-6, framework_bytes=1 * GIB, nccl_sm_share=24 / 132,
+                  attention=_H100_ATTN)
 H200 = GpuPhysics("H200", mamf_bf16=792.1e12, hbm_fraction=0.85, launch_s=5e-6,
                   intra_busbw=370e9, intra_allreduce_busbw=475e9, inter_busbw=42e9,
-                  intra_latency=5e-6, inter_latency=10e-6, framework_bytes=1 * GIB, attention=_H100_ATTN)
+                  intra_latency=5e-6, inter_latency=10e-6, framework_bytes=1 * GIB, nccl_sm_share=24 / 132,
+                  attention=_H100_ATTN)
 
 # built-in hardware profile name -> its physics (hardware.BUILTIN keys)
 GPU_PHYSICS: dict[str, GpuPhysics] = {"A100-40GB": A100, "A100-80GB": A100, "H100-80GB-SXM": H100, "H200": H200}

@@ -627,16 +627,24 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
     rafw = plan.reshard_after_forward
     # buffers that live through the whole step: torch.distributed.pipelining's receive buffers, one
     # per micro-batch and stage (activations on non-first stages, gradients on non-last stages;
-    # Megatron-LM reuses 2), and DDP's gradient buckets (a copy of the gradients)
+    # Megatron-LM reuses 2), and DDP's gradient buckets (below)
     comm_persist = ((m if recv_per_microbatch else 2) * ld.recv * b) if pp else 0.0
     # DDP's buckets (4 B/param, from construction on). modelpar's runtime (``ddp_bucket_copy=None``):
     # `apply_ddp` makes the gradients views into them (gradient_as_bucket_view=True), so no gradient
-    # storage beside them; FSDP2's replicate (DDP semantics under PP or TP) is modelled with a
-    # persistent copy as before. True: torch DDP's default, the buckets a copy beside the gradients;
-    # False: gradients reduced in place (Megatron-LM's contiguous gradient buffer), no buckets.
-    ddp_view = (ddp_bucket_copy is None and plan.dp_replicate > 1 and not fsdp and not pp
-                and plan.tp == 1)
-    if plan.dp_replicate > 1 and not fsdp and ddp_bucket_copy is not False:
+    # storage beside them. Under PP or TP it runs FSDP2's replicate instead
+    # (`parallel.compose.parallelize`, `data_parallel.apply_replicate`): no buckets; each block's
+    # (and last the root's) unsharded gradients are copied into one flat fp32 buffer
+    # (reduce_dtype=float32), all-reduced and written into the replicated fp32 gradients, the
+    # unsharded ones then freed, so beside the gradients (4 B/param) one group's buffer exists at a
+    # time; counted as a buffer of the largest group through the step (at most a block's worth
+    # more than at the optimizer step). True: torch DDP's default, the buckets a copy beside the
+    # gradients; False: gradients reduced in place (Megatron-LM's contiguous gradient buffer).
+    ddp = plan.dp_replicate > 1 and not fsdp
+    replicate = ddp and ddp_bucket_copy is None and (pp or plan.tp > 1)
+    ddp_view = ddp and ddp_bucket_copy is None and not replicate
+    if replicate:
+        comm_persist += 4 * max(ld.max_unit_params, ld.root_params)
+    elif ddp and ddp_bucket_copy is not False:
         comm_persist += 4 * P
     if ddp_view:
         grads = 0.0

@@ -166,10 +166,21 @@ def _plan(plans: dict, dr, ds, tp, pp, sched, m, v, ac, k, defer, precision, sp)
     key = (m, ac, k, defer)
     plan = plans.get(key)
     if plan is None:
-        plan = plans[key] = ParallelPlan(
-            dp_replicate=dr, dp_shard=ds, tp=tp, pp=pp, pp_schedule=sched, n_microbatches=m,
-            virtual_stages=v, activation_checkpointing=ac, precision=precision, sequence_parallel=sp,
-            ac_every=k, defer_grad_sync=defer)
+        base = plans.get(None)
+        if base is None:
+            plan = plans[None] = plans[key] = ParallelPlan(
+                dp_replicate=dr, dp_shard=ds, tp=tp, pp=pp, pp_schedule=sched, n_microbatches=m,
+                virtual_stages=v, activation_checkpointing=ac, precision=precision, sequence_parallel=sp,
+                ac_every=k, defer_grad_sync=defer)
+        else:
+            # the layout's first plan with the fields the search varies replaced: the same fields
+            # and values the constructor gives, without the frozen dataclass's __init__ (one
+            # object.__setattr__ per field, ~3 us a plan, ~10^5 plans a search)
+            plan = object.__new__(ParallelPlan)
+            d = plan.__dict__
+            d.update(base.__dict__)
+            d["n_microbatches"], d["activation_checkpointing"], d["ac_every"], d["defer_grad_sync"] = m, ac, k, defer
+            plans[key] = plan
     return plan
 
 
