@@ -1,4 +1,4 @@
-"""Gradient memory of FSDP under gradient accumulation (issue 14, item 1), on CPU without a pipeline.
+"""Gradient memory of FSDP under gradient accumulation, on CPU without a pipeline.
 
 Trains the same model under FSDP on 2 ranks (``--hsdp``: HSDP 2 x 2 on 4) with 1 and with
 ``--steps`` (4) accumulation steps of the same local batch, and measures, with torch's MemTracker

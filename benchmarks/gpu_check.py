@@ -1,4 +1,4 @@
-"""GPU check (issue 4, item 8): MFU, predicted vs measured memory and step time, placement parity.
+"""GPU check: MFU, predicted vs measured memory and step time, placement parity.
 
 Needs only torch and modelpar's library modules (models, plan, parallel, planner; not the CLI's
 dependencies). On a machine with a CUDA GPU it prints, for a GPT of about 1B parameters

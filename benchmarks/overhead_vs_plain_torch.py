@@ -1,4 +1,4 @@
-"""modelpar's DDP and FSDP against a plain torch script of the same strategy (issue 3, item 8).
+"""modelpar's DDP and FSDP against a plain torch script of the same strategy.
 
 Same model (GPT gpt-1m, seq 128), same global batch (8 per rank), same ranks (2 processes, one
 thread each), same optimizer (AdamW). One timed step = forward + backward + optimizer step.

@@ -4,7 +4,7 @@ For each model and stage count, modelpar splits the blocks by counted FLOPs (emb
 included, exact optimal contiguous split) and trains under a pipeline on 2 processes (2 stages:
 1F1B; 4 stages: Interleaved1F1B with 2 stages per rank). The compute time of every stage is the
 sum of the time inside its own actions (F and B) recorded from torch's schedule
-(`modelpar.parallel.pipeline.ActionTimer`). Check (issue 3): slowest stage <= 1.10 x mean stage,
+(`modelpar.parallel.pipeline.ActionTimer`). Check: slowest stage <= 1.10 x mean stage,
 where the granularity of the blocks allows it, i.e. where the estimated costs of the best split
 are themselves within 1.10 (the "estimate bound" column); elsewhere the row is reported only.
 

@@ -1,4 +1,4 @@
-"""Pipeline bubble per schedule, measured from the schedules' own recorded actions (issue 3, item 8).
+"""Pipeline bubble per schedule, measured from the schedules' own recorded actions.
 
 Per rank: bubble = 1 - (sum of the time inside each compute action F / B / I / W) / (step time),
 with the actions timed by `modelpar.parallel.pipeline.ActionTimer` around torch's own schedule,

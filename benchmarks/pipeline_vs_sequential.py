@@ -1,4 +1,4 @@
-"""Pipeline parallel vs stage-after-stage model parallel, on 2 CPU processes (issue 3, item 8).
+"""Pipeline parallel vs stage-after-stage model parallel, on 2 CPU processes.
 
 Model: an MLP of 8 Linear layers of width 1024 (ReLU between), batch 1024, cross entropy over 1024
 classes; one training step = forward + backward of the whole batch (no optimizer).

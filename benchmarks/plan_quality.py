@@ -1,4 +1,4 @@
-"""Plan quality: does `--strategy auto`'s pick run as fast as the best finalist? (issue 4, item 7)
+"""Plan quality: does `--strategy auto`'s pick run as fast as the best finalist?
 
 On CPU with N ranks (default 2) for one model at the default batch (global 32, AdamW, fp32): the
 finalists are the planner's top 5 predicted distinct layouts plus the best-predicted plan of each

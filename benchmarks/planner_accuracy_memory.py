@@ -1,4 +1,4 @@
-"""Memory accuracy: predicted peak per rank against MemTracker's, part by part (issue 4, item 7).
+"""Memory accuracy: predicted peak per rank against MemTracker's, part by part.
 
 For each model and strategy (single, ddp, fsdp, tp, pp gpipe / 1f1b on 2 ranks; fsdp x tp on 4),
 at two batch sizes (one where activations dominate, one where model states do), the run measures
@@ -42,7 +42,7 @@ MIB = 2 ** 20
 # per model: (activation-dominated global batch, model-state-dominated global batch)
 BATCHES = {"gpt-nano": (32, 4), "gpt-1m": (16, 4), "gpt-3m": (16, 4), "gpt-10m": (8, 4),
            "mlp-small": (512, 8), "mlp-large": (512, 8), "hf-llama": (16, 4), "hf-gpt2": (16, 4)}
-# Hugging Face models from config (issue 12): name -> (--model, --model-config, seq_len). Sized so every
+# Hugging Face models from config: name -> (--model, --model-config, seq_len). Sized so every
 # part exceeds 1 MiB at both batches; Llama with grouped-query attention (4 query, 2 key/value heads)
 # and an explicit head_dim; GPT-2 with its tied head, Conv1D and fused QKV. Dropout is forced to 0.
 HF_MODELS = {
@@ -56,13 +56,13 @@ STRATEGIES_2 = {"ddp": dict(dp_replicate=2), "fsdp": dict(dp_shard=2), "tp": dic
                 "pp_gpipe": dict(pp=2, pp_schedule="gpipe", n_microbatches=4),
                 "pp_1f1b": dict(pp=2, pp_schedule="1f1b", n_microbatches=4)}
 STRATEGIES_4 = {"fsdp_tp": dict(dp_shard=2, tp=2)}
-# what the runtime runs on HF models so far (TP and pipelines of HF models are other items of issue 12)
+# the HF rows of this benchmark (the runtime also runs TP and pipelines of HF models; those rows are not here yet)
 HF_STRATEGIES_2 = ("ddp", "fsdp")
 PARTS = ("params", "grads", "optimizer", "activations", "total")
 
 
 def runtime_cases() -> list[Case]:
-    """2-rank cases for issue 14's runtime changes: DDP with its gradients as bucket views (mlp-large at
+    """2-rank cases for the runtime's memory changes: DDP with its gradients as bucket views (mlp-large at
     a model-state-dominated batch, where a bucket copy would show: 4 B/param), FSDP with 4 gradient
     accumulation steps (sharded accumulation, the default) and with ``defer_grad_sync`` (unsharded
     gradients accumulate; compared on the total only: MemTracker types those gradients Temp, the model

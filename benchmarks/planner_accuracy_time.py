@@ -1,4 +1,4 @@
-"""Step-time accuracy: predicted against measured median step time of every 2-rank plan (issue 4, item 7).
+"""Step-time accuracy: predicted against measured median step time of every 2-rank plan.
 
 For the GPT presets and mlp-large at their default batch (global 32, AdamW, fp32, 1 thread per rank),
 every 2-rank basic plan (ddp, fsdp, tp, pp gpipe and 1f1b with 4 micro-batches) is measured in one
@@ -33,7 +33,7 @@ PLANS = {"ddp": dict(dp_replicate=2), "fsdp": dict(dp_shard=2), "tp": dict(tp=2)
          "pp_gpipe": dict(pp=2, pp_schedule="gpipe", n_microbatches=4),
          "pp_1f1b": dict(pp=2, pp_schedule="1f1b", n_microbatches=4)}
 GLOBAL_BATCH = 32          # TrainConfig's default
-# Hugging Face models from config (issue 12): name -> (--model, --model-config, seq_len), sized for
+# Hugging Face models from config: name -> (--model, --model-config, seq_len), sized for
 # steps of 200 ms or more on one CPU thread per rank; dropout forced to 0. Their rows are the plans
 # the runtime runs on HF models so far (`HF_PLANS`; TP and pipelines of HF models are other items).
 HF_TIME_MODELS = {

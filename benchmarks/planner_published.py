@@ -1,4 +1,4 @@
-"""Predict published GPU training runs with the planner, row by row (issue 14, item 4).
+"""Predict published GPU training runs with the planner, row by row.
 
 Rows (figures from the cited sources, copied in ``/work/shared/reference/published-runs.md`` and
 ``megatron.md``):

@@ -1,4 +1,4 @@
-"""Memory and step-time terms of the checkpointing modes beyond none / full (issue 14).
+"""Memory and step-time terms of the checkpointing modes beyond none / full.
 
 What the runtime does (`modelpar.parallel.checkpointing`):
 
