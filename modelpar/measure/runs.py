@@ -59,7 +59,7 @@ class Case:
 
 def planner_boundaries(model_name: str, plan: ParallelPlan) -> tuple[int, ...] | None:
     """The stage boundaries (`ParallelPlan.stage_boundaries`, in model-part block indices) that the
-    planner's `memory.stage_ranges` assumes, so a measured pipeline splits where the prediction does."""
+    planner's `loads.stage_ranges` assumes, so a measured pipeline splits where the prediction does."""
     if plan.pp <= 1:
         return None
     from modelpar.models import MLP_PRESETS, PRESETS

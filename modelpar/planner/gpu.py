@@ -240,7 +240,7 @@ def gpu_link(phys: GpuPhysics, hw, bw: float, op: str, n: int, steps: float,
 
 def gpu_load_times(ld, b: int, mem_s: float, flops_s: float, phys: GpuPhysics,
                    kernel: str | None = None) -> tuple[float, float]:
-    """`cost._load_times` on a built-in GPU (``ld``: a `memory.RankLoad`; tables in this module):
+    """`cost._load_times` on a built-in GPU (``ld``: a `loads.RankLoad`; tables in this module):
     matmuls at the roofline of MAMF and
     the measured HBM rate; fused attention at the FlashAttention papers' rate for the model's head
     dimension and sequence length (``RankLoad.attn_shape``; a causal kernel executes half the

@@ -18,7 +18,7 @@ What the runtime does (`modelpar.parallel.checkpointing`):
   Recompute: the fused attention forward of every layer (`RankLoad.ac_blocks`).
 
 In backward, a block's own saved bytes are back while its backward runs (recomputed, or never
-freed), which `memory._backward_moments` places with ``own=True``.
+freed), which `loads._backward_moments` places with ``own=True``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def is_checkpointed(layer: int, plan: ParallelPlan) -> bool:
 
 
 def ac_load(ld, plan: ParallelPlan):
-    """``ld`` (a `memory.RankLoad`) as ``plan``'s checkpointing mode leaves it: ``saved_ac`` = bytes
+    """``ld`` (a `loads.RankLoad`) as ``plan``'s checkpointing mode leaves it: ``saved_ac`` = bytes
     per sample one micro-batch keeps, and the backward moments for it; cached on ``ld`` per mode.
     none / full: ``ld`` itself (its ``saved`` / ``saved_ac`` columns)."""
     mode = plan.activation_checkpointing
@@ -48,7 +48,7 @@ def ac_load(ld, plan: ParallelPlan):
     hit = ld.ac_variants.get(key)
     if hit is not None:
         return hit
-    from modelpar.planner.memory import _backward_moments
+    from modelpar.planner.loads import _backward_moments
 
     recs, kept_total = [], 0.0
     for rec, layer, core, _, _ in ld.ac_blocks:

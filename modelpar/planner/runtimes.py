@@ -7,7 +7,7 @@ vocabulary with the loss computed on the sharded logits (``vocab_parallel_cross_
 (Shoeybi et al., "Megatron-LM", 2019, Sec. 3, "input embedding ... parallelized along the vocabulary
 dimension"; Narayanan et al. SC'21, Sec. 3.2). In the planner's terms: the vocabulary matrices of
 the ``embed`` and ``head`` blocks count as TP-sharded parameters (so their parameters, gradients and
-optimizer state divide by t), and the logits shard by t (`memory.rank_loads`).
+optimizer state divide by t), and the logits shard by t (`loads.rank_loads`).
 """
 
 from __future__ import annotations

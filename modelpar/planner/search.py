@@ -151,7 +151,7 @@ def _ac_bounds(reps) -> tuple[float, float, float]:
     memory without checkpointing less ``m b`` x the first (m micro-batches in flight at most);
     under every-k at least full checkpointing's less ``b (m x the second + the third)``: every-k
     keeps a block's input or its saved bytes where full keeps the input, and inside a block's
-    backward full checkpointing also counts that block's input (`memory._backward_moments`)."""
+    backward full checkpointing also counts that block's input (`loads._backward_moments`)."""
     core = neg = top = 0.0
     for _, ld in reps:
         core = max(core, sum(c for _, _, c, _, _ in ld.ac_blocks))

@@ -1,0 +1,368 @@
+"""What each rank of a plan holds and computes: `RankLoad` per pipeline rank, from the profile's
+per-block terms (prefix sums over blocks, so a load costs O(stages)); the memory and step-time
+models (`modelpar.planner.memory.rank_memory`, `modelpar.planner.cost.rank_step`) read them.
+
+Split out of `memory.py` unchanged (the same numbers; the planner's outputs compared to 1e-12 with
+`benchmarks/planner_dump.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+from modelpar.plan import ParallelPlan
+from modelpar.planner.profile import ModelProfile
+
+def stage_ranges(profile: ModelProfile, num_stages: int) -> list[tuple[int, int]]:
+    """Block index ranges ``[start, end)`` of each pipeline stage.
+
+    Transformers (profile.arch set, blocks ``embed, blocks.*, head``): the layers are split as evenly
+    as possible, embed joins the first stage and head the last (Megatron-LM's layout). Other models:
+    their blocks split as evenly as possible.
+
+    Raises:
+        ValueError: more stages than splittable blocks.
+    """
+    n = len(profile.blocks)
+    ends = bool(profile.arch) and n >= 3
+    lo, hi = (1, n - 1) if ends else (0, n)
+    layers = hi - lo
+    if num_stages > layers:
+        raise ValueError(f"{num_stages} pipeline stages but the model has only {layers} blocks")
+    cuts = [lo + (k * layers) // num_stages for k in range(num_stages + 1)]
+    rng = [(cuts[k], cuts[k + 1]) for k in range(num_stages)]
+    if ends:
+        rng[0] = (0, rng[0][1])
+        rng[-1] = (rng[-1][0], n)
+    return rng
+
+
+@dataclass
+class RankLoad:
+    """What one pipeline rank holds, per sample where it scales with the batch (all / tp applied
+    by the callers). Units: parameters, bytes, FLOPs, ops."""
+
+    params: float = 0.0            # parameters of the rank's stages
+    root_params: float = 0.0       # parameters outside the transformer blocks (embed/head): FSDP root
+    max_unit_params: float = 0.0   # largest FSDP unit (one block)
+    saved: float = 0.0             # saved bytes per sample, TP-split applied (a stage's input excluded)
+    saved_ac: float = 0.0          # with full checkpointing: block inputs kept per sample (same)
+    max_block_saved: float = 0.0   # recompute transient per sample (one block's saved bytes)
+    logits: float = 0.0            # last-stage output bytes per sample (logits + their gradient)
+    boundary: float = 0.0          # stage output bytes per sample (p2p send/recv buffers)
+    recv: float = 0.0              # bytes per sample received per micro-batch: stage inputs (non-first
+                                   # stages) + output gradients (non-last stages), over the rank's stages
+    fwd_flops: float = 0.0
+    bwd_flops: float = 0.0
+    fwd_mem: float = 0.0
+    bwd_mem: float = 0.0
+    ops: float = 0.0               # fwd+bwd ops per micro-batch (not per sample)
+    fwd_ops: float = 0.0
+    tp_collectives: int = 0        # TP all-reduces in one forward of the rank's blocks
+    is_last: bool = False          # holds the model's last block (logits and loss)
+    max_param: float = 0.0         # largest parameter tensor (elements, TP applied)
+    num_tensors: int = 0           # parameter tensors (optimizer kernels are launched per tensor on CPU)
+    opt_temp: float = -1.0         # elements of the single-tensor AdamW step transient (`_adamw_temp`);
+                                   # computed on first use (-1: not yet), from numels
+    numels: tuple = ()             # (elements, decayed) per parameter tensor, TP applied
+    data: float = 0.0              # bytes per global-batch sample of inputs + targets (held by every rank)
+    fwd_gemms: int = 0             # matmul-class calls per micro-batch (forward, backward)
+    bwd_gemms: int = 0
+    gemm_param_bytes: tuple = (0.0, 0.0)   # (fwd, bwd) bytes of parameters the matmuls touch, per micro-batch
+    gemm_act_bytes: tuple = (0.0, 0.0)     # (fwd, bwd) other matmul bytes, per sample
+    # FSDP's busiest backward moment as an earlier model placed it (see `_fsdp_unit_peak`; kept for
+    # callers, `rank_memory` now uses bwd_moments / rs_moments): unit i's parameters, the unit after
+    # it, activations still saved per sample, parameters whose gradients are already reduce-scattered
+    fsdp_unit: float = 0.0
+    fsdp_next: float = 0.0
+    fsdp_saved: float = 0.0
+    fsdp_done: float = 0.0
+    # the backward of one micro-batch on this rank, as candidate peak moments (`_backward_moments`):
+    # inside each block's backward, and (FSDP) at each unit's reduce-scatter; component tuples that
+    # `rank_memory` weighs with the plan's batch, sharding and schedule
+    bwd_moments: tuple = ()
+    rs_moments: tuple = ()
+    out: float = 0.0               # last stage: the model output (logits) bytes per sample
+    projections: dict = field(default_factory=dict, repr=False, compare=False)   # `_projections` cache
+    # elements of each parameter tensor (TP applied) and of each FSDP unit (sum of its tensors, TP
+    # applied, unsharded), for the step-time model's fresh-allocation term (CPU allocators hand tensors
+    # above the mmap threshold new pages on every allocation; see cost.fresh_bytes)
+    param_sizes: tuple = ()
+    unit_sizes: tuple = ()
+    attn_flops: tuple = (0.0, 0.0)     # (fwd, bwd) FLOPs per sample of fused attention kernels, TP applied
+    attn_calls: int = 0                # fused attention calls per forward (as many in backward)
+    tp_linears: int = 0                # weight matrices a TP split shards (DTensor Linears per forward)
+    # per block of the rank, in order, for the checkpointing modes other than none / full
+    # (`modelpar.planner.recompute`): (block's backward record, layer index among the checkpointable
+    # blocks or -1 for a transformer's embed / head, attention-core saved bytes per sample, forward
+    # FLOPs per sample, fused-attention forward FLOPs per sample), TP applied
+    ac_blocks: tuple = ()
+    ac_variants: dict = field(default_factory=dict, repr=False, compare=False)
+    # bytes per sample of the largest pipeline transfer of the rank: a stage's output (sent forward)
+    # or its input (whose gradient is sent back); hidden states, never the logits (0: no pipeline)
+    p2p: float = 0.0
+    attn_shape: tuple | None = None    # (seq, head dim, causal) of a transformer's attention, for GPU tables
+
+
+def _fsdp_unit_peak(ld: RankLoad, units: list[tuple[float, float]]) -> None:
+    """Locate FSDP's busiest backward moment on a rank: while unit i runs its backward, its gathered
+    parameters and unsharded gradient are live together with unit i+1's (gathered parameters,
+    unsharded gradient and the reduce-scatter input), per FSDP2's backward prefetch and asynchronous
+    reduce-scatter (Zhao et al. 2023, Sec. 3.3). ``units``: (parameters, saved bytes per sample) of
+    each FSDP unit in forward order. The unit maximising 8 U_i + 12 U_{i+1} (fp32 bytes) is kept."""
+    best = -1.0
+    for i, (u, _) in enumerate(units):
+        nxt = units[i + 1][0] if i + 1 < len(units) else 0.0
+        if 8 * u + 12 * nxt > best:
+            best = 8 * u + 12 * nxt
+            ld.fsdp_unit, ld.fsdp_next = u, nxt
+            ld.fsdp_saved = sum(sv for _, sv in units[:i + 1])
+            ld.fsdp_done = sum(p for p, _ in units[i + 1:])
+
+
+@functools.lru_cache(maxsize=4096)
+def _scaled_peaks(peaks: tuple, in_grad, ex_mul: float, g_mul: float, shr: float) -> tuple:
+    """`BlockProfile.bwd_peaks` per sample with TP applied (``in_grad``: incoming gradient bytes that
+    replace the profiled ones, None to keep them); cached, since a model's blocks repeat."""
+    return tuple((ex * ex_mul, (gi if in_grad is None else in_grad) * g_mul, gs * shr, gq * shr)
+                 for ex, gi, gs, gq in peaks)
+
+
+@functools.lru_cache(maxsize=4096)
+def _backward_moments(recs: tuple, own: bool = False) -> tuple[tuple, tuple]:
+    """Candidate peak moments of one micro-batch's backward on a rank, from its blocks in forward
+    order. ``recs``: per block (saved bytes and full-checkpointing input bytes per sample; its
+    in-backward peaks as (extra bytes, incoming gradient bytes per sample, parameters whose gradient
+    is stored, parameters whose gradient is computed but not yet stored); parameters; is an FSDP root
+    block (embed/head); gradient w.r.t. the block's input per sample).
+
+    Backward runs the blocks in reverse. Inside block k's backward (`BlockProfile.bwd_peaks`) the
+    live activations of the micro-batch are the saved bytes of blocks <= k (later blocks' were freed
+    by autograd as their backward ran), the block's gradient temporaries and the gradient flowing in.
+    Parameters of later blocks have their gradients; under FSDP2 (Zhao et al. 2023, Sec. 3.3;
+    torch's ``FSDPParamGroup``) unit k is gathered, the unit before it is being all-gathered into a
+    flat buffer by the backward prefetch, and the reduce-scatter input of the unit after it is
+    retained until unit k's own reduce (``reduce_scatter_max_input_buffers=1``). At unit k's
+    reduce-scatter (FSDP2 ``post_backward``: reshard, then reduce) its gathered parameters are freed
+    and the unsharded gradient is copied into the reduce-scatter input.
+
+    Returns ``(block moments, reduce moments)``; a block moment is (activations per sample, the same
+    under full checkpointing, completed unit parameters, completed root parameters, parameters of
+    block k with a stored gradient, unit k's parameters, the previous unit's, the next unit's, units
+    up to k, parameters of block k with a gradient not yet stored); a reduce moment is (activations
+    per sample, with checkpointing, completed unit parameters, completed root parameters, unit k's
+    parameters, the previous unit's, units before k).
+
+    Only moments that can be the largest are kept: in a run of identical blocks every quantity
+    changes by the same step from one block to the next, so the total is linear along the run's
+    interior and only its two ends (and the run's first and last blocks, whose neighbours differ)
+    can be the maximum; within a block, a later peak (fewer activations, more gradients) is dropped
+    when an earlier one beats it even with the heaviest gradient weight (4 bytes per element) and
+    the smallest micro-batch (1 sample). `_projections` prunes further for each plan mode.
+
+    ``own``: the second column's block record is what the block keeps (`modelpar.planner.recompute`),
+    so inside block k's backward it holds blocks < k's and block k's whole saved bytes (restored by
+    its recompute, or never freed); False (full checkpointing): the input of blocks <= k and block
+    k's recomputed saved bytes.
+    """
+    nb = len(recs)
+    cum, cum_ac, done_u, done_r = [0.0] * (nb + 1), [0.0] * (nb + 1), [0.0] * (nb + 1), [0.0] * (nb + 1)
+    prev_u, upto = [0.0] * nb, [0.0] * nb
+    last_u, tot_u = 0.0, 0.0
+    for k, r in enumerate(recs):
+        cum[k + 1], cum_ac[k + 1] = cum[k] + r[0], cum_ac[k] + r[1]
+        prev_u[k] = last_u
+        if not r[4]:
+            last_u, tot_u = r[3], tot_u + r[3]
+        upto[k] = tot_u
+    next_u, nxt = [0.0] * nb, 0.0
+    for k in range(nb - 1, -1, -1):           # parameters of units / root blocks after k
+        next_u[k] = nxt
+        done_u[k] = done_u[k + 1] + (recs[k + 1][3] if k + 1 < nb and not recs[k + 1][4] else 0.0)
+        done_r[k] = done_r[k + 1] + (recs[k + 1][3] if k + 1 < nb and recs[k + 1][4] else 0.0)
+        if not recs[k][4]:
+            nxt = recs[k][3]
+    keep = set()
+    k = 0
+    while k < nb:                             # runs of identical blocks: their ends, and one inside
+        e = k
+        while e + 1 < nb and recs[e + 1] == recs[k]:
+            e += 1
+        keep.update(x for x in (k, k + 1, e - 1, e) if k <= x <= e)
+        k = e + 1
+    bwd, rs = [], []
+    for k in sorted(keep, reverse=True):
+        sv, _, peaks, pk, root, gin_in = recs[k]
+        kept: list[tuple] = []
+        for ex, gi, gs, gq in peaks:
+            if any(a - (ex + gi) >= 4 * (gs + gq - g) for a, g in kept):
+                continue
+            kept.append((ex + gi, gs + gq))
+            bwd.append((cum[k + 1] + ex + gi, cum_ac[k + (0 if own else 1)] + sv + ex + gi, done_u[k], done_r[k], gs,
+                        0.0 if root else pk, prev_u[k], next_u[k], upto[k], gq))
+        if not root:
+            rs.append((cum[k] + gin_in, cum_ac[k] + gin_in, done_u[k], done_r[k], pk, prev_u[k],
+                       upto[k] - pk))
+    return tuple(dict.fromkeys(bwd)), tuple(dict.fromkeys(rs))
+
+
+_BLOCK_TERMS: dict[tuple, tuple] = {}
+# additive per-block fields of a `RankLoad`, in this order (summed over a stage by prefix sums)
+_SUMS = ("params", "root_params", "saved", "saved_ac", "fwd_flops", "bwd_flops", "fwd_mem", "bwd_mem",
+         "ops", "fwd_ops", "fwd_gemms", "bwd_gemms", "attn_f", "attn_b", "attn_calls", "tp_linears",
+         "gp_f", "gp_b", "ga_f", "ga_b", "tp_collectives")
+
+
+def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float):
+    """Per-block contributions to a `RankLoad` for TP degree ``t`` (memoized per profile, degree,
+    sequence parallel and activation scale: the search builds ~200 layouts from a few of these).
+
+    Returns (prefix sums of the additive fields `_SUMS` over blocks, per block: (saved, saved_ac)
+    corrections when the block is its stage's first, max-block saved bytes, FSDP-unit parameters
+    (None for the root's embed / head), parameter numels, (generic, as a stage's first) unit
+    entries, and a function giving the block's backward record for its position in the stage)."""
+    key = (id(profile), t, sp, scale)
+    hit = _BLOCK_TERMS.get(key)
+    if hit is not None and hit[0] is profile:
+        return hit[1]
+    bs = profile.batch_size
+    n = len(profile.blocks)
+    transformer = bool(profile.arch)
+    pre = [(0,) * len(_SUMS)]
+    first_adj, mbs, unit_params, numels, unit_gen, unit_first, rec_args = [], [], [], [], [], [], []
+    ac_info = []        # per block: (layer index or -1, core saved bytes, fwd FLOPs, attention fwd FLOPs)
+    for i, bl in enumerate(profile.blocks):
+        is_end = transformer and (i == 0 or i == n - 1)
+        local = bl.num_params - bl.tp_sharded_params + bl.tp_sharded_params / t
+        rep = bl.saved_bytes - bl.saved_tp_sharded_bytes
+        saved = (bl.saved_bytes / t) if sp else (rep + bl.saved_tp_sharded_bytes / t)
+        mbs.append(saved * scale / bs)
+        ac_in = bl.input_bytes / (t if sp else 1)
+        # a stage's first block saves (or, checkpointed, keeps) its input, which is the batch (first
+        # stage: a view of the global batch every rank holds, `RankLoad.data`) or the pipeline's
+        # receive buffer (counted with the buffers), not a new storage
+        saved_first = saved - bl.saved_input_bytes / (t if sp else 1)
+        first_adj.append(((saved_first - saved) * scale / bs, -ac_in * scale / bs))
+        unit_params.append(None if is_end else local)
+        unit_gen.append(None if is_end else (local, saved * scale / bs))
+        unit_first.append(None if is_end else (local, saved_first * scale / bs))
+        numels.append([(k / t if sh else k, mat) for k, mat, sh in bl.param_numels])
+        ac_info.append((-1 if is_end else (i - 1 if transformer else i), bl.attn_core_saved_bytes / t * scale / bs,
+                        bl.fwd_flops / bs / t, bl.fwd_attn_flops / bs / t))
+        frac = bl.saved_tp_sharded_bytes / bl.saved_bytes if bl.saved_bytes else 0.0
+        tp_div = 1.0 / t if sp else (1 - frac) + frac / t   # share of traffic left per rank
+        shr = local / bl.num_params if bl.num_params else 1.0
+        g_div = (1.0 / t if sp else 1.0) * scale / bs
+        rec_args.append((bl, i, saved * scale / bs, saved_first * scale / bs, ac_in * scale / bs, local, is_end,
+                         scale / bs * tp_div, g_div, shr))
+        row = (local, local if is_end else 0.0, saved * scale / bs, ac_in * scale / bs,
+               bl.fwd_flops / bs / t, bl.bwd_flops / bs / t,
+               bl.fwd_mem_bytes * scale / bs * tp_div, bl.bwd_mem_bytes * scale / bs * tp_div,
+               bl.fwd_ops + bl.bwd_ops, bl.fwd_ops, bl.fwd_gemms, bl.bwd_gemms,
+               bl.fwd_attn_flops / bs / t, bl.bwd_attn_flops / bs / t, bl.attn_calls,
+               sum(1 for _, mat, sh in bl.param_numels if mat and sh) if t > 1 else 0,
+               bl.fwd_gemm_param_bytes * scale * shr, bl.bwd_gemm_param_bytes * scale * shr,
+               bl.fwd_gemm_act_bytes * scale / bs * tp_div, bl.bwd_gemm_act_bytes * scale / bs * tp_div,
+               (2 if (transformer and not is_end) else 1) if t > 1 else 0)
+        pre.append(tuple(a + b for a, b in zip(pre[-1], row)))
+
+    @functools.lru_cache(maxsize=None)
+    def rec(i: int, first: bool, last: bool) -> tuple:
+        """Block i's backward record (see `_backward_moments`) at its place in a stage."""
+        bl, _, sv, sv_first, ac_in, local, is_end, ex_mul, g_div, shr = rec_args[i]
+        # the block's backward peaks (profile): its extra temporaries shard like its saved bytes,
+        # its gradients like its parameters; the gradient arriving from the block after it is
+        # what that block received as input (replicated unless sequence parallel); at a stage's
+        # last block that gradient sits in the pipeline's receive buffer (counted there), at the
+        # model's last block it is the loss's gradient of the logits (the profile's backward
+        # starts from a sum, which makes none)
+        peaks = _scaled_peaks(bl.bwd_peaks or ((0, bl.output_bytes, 0, 0),),
+                              bl.output_bytes if i == n - 1 else (0.0 if last else None), ex_mul, g_div, shr)
+        return (sv_first if first else sv, 0.0 if first else ac_in, peaks, local, is_end,
+                bl.input_bytes * g_div if i > 0 else 0.0)
+
+    out = (pre, first_adj, mbs, unit_params, numels, unit_gen, unit_first, rec, ac_info)
+    if len(_BLOCK_TERMS) > 256:
+        _BLOCK_TERMS.clear()
+    _BLOCK_TERMS[key] = (profile, out)
+    return out
+
+
+def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float) -> list[RankLoad]:
+    """One `RankLoad` per pipeline rank (``plan.pp`` of them), tensor parallel applied.
+
+    ``act_bytes``: element size the activations will have (2 bf16, 4 fp32), relative to the profile's.
+    A stage's sums come from per-block prefix sums (`_block_terms`), so a load costs O(stages), not
+    O(blocks), once the blocks' terms for the TP degree are known.
+    """
+    scale = act_bytes / (2 if profile.dtype == "bf16" else 4)
+    t = plan.tp
+    sp = plan.sequence_parallel
+    bs = profile.batch_size
+    rng = stage_ranges(profile, plan.num_stages) if plan.num_stages > 1 else [(0, len(profile.blocks))]
+    pre, first_adj, mbs, unit_params, numels_b, unit_gen, unit_first, rec, ac_info = _block_terms(profile, t, sp, scale)
+    loads = [RankLoad() for _ in range(plan.pp)]
+    sums = [[0] * len(_SUMS) for _ in range(plan.pp)]
+    numels: list[list[tuple[float, bool]]] = [[] for _ in range(plan.pp)]
+    units: list[list[tuple[float, float]]] = [[] for _ in range(plan.pp)]
+    recs: list[list[tuple]] = [[] for _ in range(plan.pp)]
+    acb: list[list[tuple]] = [[] for _ in range(plan.pp)]
+    first_in = profile.blocks[0].input_bytes / bs
+    data = first_in * (2 if profile.tokens_per_sample > 1 else 1) + (0 if profile.tokens_per_sample > 1 else 8)
+    for s, (a, b) in enumerate(rng):
+        r = s % plan.pp
+        ld = loads[r]
+        acc = sums[r]
+        hi, lo = pre[b], pre[a]
+        for j in range(len(acc)):
+            acc[j] += hi[j] - lo[j]
+        acc[2] += first_adj[a][0]
+        acc[3] += first_adj[a][1]
+        ld.max_block_saved = max(ld.max_block_saved, max(mbs[a:b]))
+        ld.max_unit_params = max([ld.max_unit_params] + [u for u in unit_params[a:b] if u is not None])
+        for i in range(a, b):
+            numels[r].extend(numels_b[i])
+            u = unit_first[i] if i == a else unit_gen[i]
+            if u is not None:
+                units[r].append(u)
+            recs[r].append(rec(i, i == a, i == b - 1))
+            acb[r].append((recs[r][-1],) + ac_info[i])
+        ld.boundary = profile.blocks[b - 1].output_bytes * scale / bs / (t if sp else 1)
+        if s > 0:
+            ld.recv += profile.blocks[a].input_bytes * scale / bs / (t if sp else 1)
+            ld.p2p = max(ld.p2p, profile.blocks[a].input_bytes * scale / bs / (t if sp else 1))
+        if s < len(rng) - 1:
+            ld.recv += ld.boundary
+            ld.p2p = max(ld.p2p, ld.boundary)
+        ld.data = data
+    for ld, acc in zip(loads, sums):
+        (ld.params, ld.root_params, ld.saved, ld.saved_ac, ld.fwd_flops, ld.bwd_flops, ld.fwd_mem, ld.bwd_mem,
+         ld.ops, ld.fwd_ops, ld.fwd_gemms, ld.bwd_gemms, af, ab, ld.attn_calls, ld.tp_linears,
+         gpf, gpb, gaf, gab, ld.tp_collectives) = acc
+        ld.attn_flops, ld.gemm_param_bytes, ld.gemm_act_bytes = (af, ab), (gpf, gpb), (gaf, gab)
+    for ld, rc, ab in zip(loads, recs, acb):
+        ld.bwd_moments, ld.rs_moments = _backward_moments(tuple(rc))
+        ld.ac_blocks = tuple(ab)
+    for ld, nl, un in zip(loads, numels, units):
+        sizes = [k for k, _ in nl]
+        ld.max_param = max(sizes, default=0.0)
+        ld.numels = tuple(nl)
+        ld.num_tensors = len(nl)
+        ld.param_sizes = tuple(sizes)
+        ld.unit_sizes = tuple([u for u, _ in un])
+        _fsdp_unit_peak(ld, un)
+    last = loads[(len(rng) - 1) % plan.pp]
+    last.is_last = True
+    arch = profile.arch
+    if arch.get("n_head") and arch.get("seq_len"):
+        for ld in loads:
+            ld.attn_shape = (profile.tokens_per_sample, arch["d_model"] // arch["n_head"], True)
+    # the logits (model output) and the loss's saved copy of them (log-softmax output); replicated
+    # under TP unless the head is vocab-sharded (sequence parallel turns loss parallel on; a head
+    # whose projection the profile marks TP-sharded, `vocab_parallel_profile`, computes the loss
+    # on sharded logits: Megatron-LM's parallel cross entropy, torch's loss_parallel)
+    head_sharded = profile.blocks[-1].tp_sharded_params > 0 or bool(profile.arch.get("vocab_parallel"))
+    last.logits = 2 * profile.blocks[-1].output_bytes * scale / bs / (t if (sp or head_sharded) else 1)
+    last.out = last.logits / 2
+    return loads
