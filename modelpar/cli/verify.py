@@ -167,6 +167,13 @@ def load_task(args):
         return _hf_task(args)
     um = build_factory(args.model)
     batch_fn = um.batch_fn
+    from modelpar.models import GPT
+
+    if batch_fn is None and isinstance(um.model, GPT) and "task" not in um.extra:
+        # a factory returning modelpar's own GPT: a language model of its config (token ids in)
+        um.extra.update(task="lm", vocab_size=um.model.cfg.vocab_size, max_positions=um.model.cfg.seq_len)
+        if not args.seq_len:
+            args.seq_len = um.model.cfg.seq_len
     if batch_fn is None and um.extra.get("task") == "lm":     # the language-model form (models/spec.py)
         return _factory_lm_task(args, um)
     if batch_fn is None:
