@@ -8,8 +8,8 @@ load changes on the shared machine hit all plans alike, and compared with
 only; never fitted to these runs). Only steps of 200 ms or more count towards the goal (median
 |error| <= 10%, largest <= 20%); shorter ones are printed for information.
 
-Hugging Face models from config (``hf-llama``: GQA, ``hf-gpt2``: tied head; `HF_TIME_MODELS`) have ddp
-and fsdp rows.
+Hugging Face models from config (``hf-llama``: GQA, ``hf-gpt2``: tied head; `HF_TIME_MODELS`) have ddp,
+fsdp, tp and pp 1f1b rows (`HF_PLANS`).
 
 Run: ``.venv/bin/python benchmarks/planner_accuracy_time.py [--models gpt-3m,gpt-10m,mlp-large,hf-llama] [--rounds 3]``
 (run ``modelpar calibrate`` first; ``$MODELPAR_CALIBRATION`` picks the file)
@@ -34,8 +34,7 @@ PLANS = {"ddp": dict(dp_replicate=2), "fsdp": dict(dp_shard=2), "tp": dict(tp=2)
          "pp_1f1b": dict(pp=2, pp_schedule="1f1b", n_microbatches=4)}
 GLOBAL_BATCH = 32          # TrainConfig's default
 # Hugging Face models from config: name -> (--model, --model-config, seq_len), sized for
-# steps of 200 ms or more on one CPU thread per rank; dropout forced to 0. Their rows are the plans
-# the runtime runs on HF models so far (`HF_PLANS`; TP and pipelines of HF models are other items).
+# steps of 200 ms or more on one CPU thread per rank; dropout forced to 0.
 HF_TIME_MODELS = {
     "hf-llama": ("hf:llama", {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
                               "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,
@@ -43,7 +42,7 @@ HF_TIME_MODELS = {
     "hf-gpt2": ("hf:gpt2", {"n_embd": 256, "n_layer": 4, "n_head": 8, "vocab_size": 512, "n_positions": 256,
                             "bos_token_id": 0, "eos_token_id": 0}, 128),
 }
-HF_PLANS = ("ddp", "fsdp")
+HF_PLANS = ("ddp", "fsdp", "tp", "pp_1f1b")
 
 
 def load_hardware(path: str | None = None):
