@@ -9,7 +9,7 @@ only; never fitted to these runs). Only steps of 200 ms or more count towards th
 |error| <= 10%, largest <= 20%); shorter ones are printed for information.
 
 Hugging Face models from config (``hf-llama``: GQA, ``hf-gpt2``: tied head; `HF_TIME_MODELS`) have ddp,
-fsdp, tp and pp 1f1b rows (`HF_PLANS`).
+fsdp and tp rows (`HF_PLANS`).
 
 Run: ``.venv/bin/python benchmarks/planner_accuracy_time.py [--models gpt-3m,gpt-10m,mlp-large,hf-llama] [--rounds 3]``
 (run ``modelpar calibrate`` first; ``$MODELPAR_CALIBRATION`` picks the file)
@@ -42,7 +42,7 @@ HF_TIME_MODELS = {
     "hf-gpt2": ("hf:gpt2", {"n_embd": 256, "n_layer": 4, "n_head": 8, "vocab_size": 512, "n_positions": 256,
                             "bos_token_id": 0, "eos_token_id": 0}, 128),
 }
-HF_PLANS = ("ddp", "fsdp", "tp", "pp_1f1b")
+HF_PLANS = ("ddp", "fsdp", "tp")     # pp: `measure.planner_boundaries` knows built-in presets only
 
 
 def load_hardware(path: str | None = None):
