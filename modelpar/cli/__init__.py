@@ -39,12 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import importlib
 
+    from modelpar.cli.args import report_errors
+
     module = importlib.import_module(f"modelpar.cli.{cmd}")
-    try:
-        return module.main(rest)
-    except ValueError as e:     # bad input: one line, no traceback
-        print(f"modelpar {cmd}: error: {e}", file=sys.stderr)
-        return 2
+    return report_errors(module.main, rest, f"modelpar {cmd}")     # bad input: one line, no traceback
 
 
 def parser_for(cmd: str):

@@ -174,3 +174,15 @@ def given_fields(parser, argv: list[str]) -> set[str]:
                 out.add(prefix + k)
     walk("", d)
     return out
+
+
+def report_errors(main, argv: list[str], prog: str) -> int:
+    """``main(argv)`` with bad input (a ValueError) reported as one line ``PROG: error: ...`` on stderr
+    and exit code 2, no traceback: the one place every command's entry point does this."""
+    import sys
+
+    try:
+        return main(argv)
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2

@@ -388,8 +388,6 @@ def main(argv: list[str]) -> int:
 
 def verify_main(argv: list[str]) -> int:
     """``main`` with bad input reported as ``modelpar verify: error: ...`` and exit code 2."""
-    try:
-        return main(argv)
-    except ValueError as e:
-        print(f"modelpar verify: error: {e}", file=sys.stderr)
-        return 2
+    from modelpar.cli.args import report_errors
+
+    return report_errors(main, argv, "modelpar verify")
