@@ -189,3 +189,18 @@ def test_train_many_nodes_resolves_once_and_prints_the_launch_line(tmp_path, cap
     (run / "plan.json").write_text('{"dp_replicate": 2, "world_size": 3}')
     with pytest.raises(ValueError, match="world_size=3 disagrees"):
         read_run_folder(run)
+
+
+def test_train_auto_prints_the_planner_predicted_tokens_per_s(tmp_path, capsys):
+    """`train --strategy auto` says what throughput to expect (the planner's prediction for the chosen
+    plan) before any rank starts; two significant digits; "this machine" without --hardware."""
+    from modelpar.cli.train import expected_rate_line, main
+    from modelpar.train.config import TrainConfig
+
+    assert expected_rate_line(TrainConfig(), 5353.2) == "expected ~5,400 tokens/s on this machine (planner prediction)"
+    assert expected_rate_line(TrainConfig(hardware="H200"), 87.4) == "expected ~87 tokens/s on H200 (planner prediction)"
+    assert main(["--model", "gpt-nano", "--nnodes", "2", "--gpus-per-node", "1", "--hardware", "A100-80GB",
+                 "--global-batch-size", "4", "--seq-len", "16", "--out-dir", str(tmp_path)]) == 0
+    m = re.search(r"^expected ~([\d,]+) tokens/s on A100-80GB \(planner prediction\)$", capsys.readouterr().out,
+                  re.MULTILINE)
+    assert m and int(m.group(1).replace(",", "")) > 0

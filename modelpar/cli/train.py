@@ -118,6 +118,15 @@ def read_run_folder(run_dir: Path):
     return TrainConfig(**d), Resolved(pf.plan, pf.local_batch_size or 0, pf.source)
 
 
+def expected_rate_line(cfg, tokens_per_s: float) -> str:
+    """``expected ~N tokens/s on this machine (planner prediction)``: the planner's predicted
+    throughput of the chosen plan (``--strategy auto``, language models), N rounded to two significant
+    digits; "this machine" is its calibration (``--hardware`` empty), else the named profile."""
+    digits = max(0, len(str(int(tokens_per_s))) - 2)
+    where = "this machine" if not cfg.hardware else cfg.hardware
+    return f"expected ~{round(tokens_per_s, -digits):,.0f} tokens/s on {where} (planner prediction)"
+
+
 def main(argv: list[str]) -> int:
     from modelpar.launch import multinode_commands, run_command, under_launcher
     from modelpar.rank_outcome import run_rank_and_exit
@@ -145,6 +154,8 @@ def main(argv: list[str]) -> int:
     resolved = resolve(cfg, world, measure_if_missing=True)   # only train --strategy auto calibrates by itself
     plan, batches = preflight(cfg, world, resolved)
     print(f"plan: {plan.describe()} on {world} rank(s) -- {resolved.reason}", flush=True)
+    if resolved.predicted_tokens_per_s > 0:     # what the user should expect (README: the hosts' range)
+        print(expected_rate_line(cfg, resolved.predicted_tokens_per_s), flush=True)
     run_dir = make_run_dir(cfg)
     write_run_folder(cfg, resolved, batches, run_dir)
     text = (run_dir / "config.yaml").read_text()

@@ -32,6 +32,7 @@ class Choice:
     plan: ParallelPlan
     local_batch_size: int        # 0: global / dp
     reason: str
+    predicted_tokens_per_s: float = 0.0     # the planner's prediction (auto, language models; else 0)
 
 
 def hardware_for(cfg, world_size: int, *, measure_if_missing: bool = True):
@@ -82,7 +83,7 @@ def _choose(cfg, world_size: int, *, strategy: str = "auto", measure_if_missing:
     if strategy == "rules":
         plan, why = rule_plan(prof, world_size, hw, global_batch_size=cfg.global_batch_size,
                               task="language" if task.kind == "lm" else "image", precision=cfg.precision)
-        local = 0
+        local, predicted = 0, 0.0
         reason = f"rules: {why}"
     else:
         from modelpar.planner.search import AC_CHOICES, AC_EVERY_CHOICES
@@ -92,6 +93,7 @@ def _choose(cfg, world_size: int, *, strategy: str = "auto", measure_if_missing:
                                 precision=cfg.precision, optimizer="adamw" if cfg.optimizer == "adamw" else "sgd",
                                 checkpointing=ac, ac_every=every)
         local = rep.ranked[0].batch.local_batch_size
+        predicted = rep.ranked[0].step.samples_per_s * task.tokens_per_sample if task.kind == "lm" else 0.0
         reason = f"auto: best of {len(rep.ranked)} feasible plans on {hw.name} ({rep.summary()})"
         if not cfg.hardware and not torch.cuda.is_available() and not calibration_path().is_file():
             reason += (f"; the CPU profile is uncalibrated: run `modelpar calibrate --out {calibration_path()}` "
@@ -99,4 +101,4 @@ def _choose(cfg, world_size: int, *, strategy: str = "auto", measure_if_missing:
     d = plan.to_dict()
     d.update(precision=cfg.precision, cpu_offload=cfg.cpu_offload and d.get("dp_shard", 1) > 1,
              compile=cfg.compile)
-    return Choice(ParallelPlan.from_dict(d), local, reason)
+    return Choice(ParallelPlan.from_dict(d), local, reason, predicted)

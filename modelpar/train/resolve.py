@@ -36,11 +36,13 @@ _OPEN = {"ddp": ("dp_replicate",), "fsdp": ("dp_shard",), "tp": ("tp",), "pp": (
 @dataclass(frozen=True)
 class Resolved:
     """A resolved layout: the plan, the local batch (samples per forward/backward per data-parallel
-    rank; 0: global / dp) and who chose it."""
+    rank; 0: global / dp), who chose it and, under ``auto`` for a language model, the planner's
+    predicted throughput of the whole job (tokens per second)."""
 
     plan: ParallelPlan
     local_batch_size: int = 0
     reason: str = ""
+    predicted_tokens_per_s: float = 0.0     # ``auto``, language models: the planner's prediction; else 0
 
 
 def _flag(name: str) -> str:
@@ -91,7 +93,7 @@ def resolve(cfg, world_size: int, *, measure_if_missing: bool = False) -> Resolv
         extra = {k: v for k, v in (getattr(cfg, "plan_options", None) or {}).items()
                  if getattr(ParallelPlan(), k) != v}
         plan = ParallelPlan.from_dict({**c.plan.to_dict(), **extra}) if extra else c.plan
-        return Resolved(plan, c.local_batch_size, c.reason)
+        return Resolved(plan, c.local_batch_size, c.reason, c.predicted_tokens_per_s)
     fields = plan_fields(cfg)
     if strategy == "placement":
         devs = cfg.placement_devices or (["cuda:0", "cuda:1"] if torch.cuda.device_count() >= 2 else ["cpu", "cpu"])
