@@ -31,7 +31,7 @@ class ModelOptions:
             '{"num_hidden_layers": 4}'.
     """
 
-    model: str = "gpt-3m"
+    model: str = "gpt-1m"                 # the main job's (TrainConfig.model): one default everywhere
     model_config: dict = dataclasses.field(default_factory=dict)
 
 

@@ -21,7 +21,7 @@ from modelpar.cli.args import add_fields, given_fields, make_parser, normalize_a
 from modelpar.cli.options import BATCH_TERMS, LayoutOptions, world_size
 
 EXAMPLES = """examples:
-  modelpar train                                         # the main job: gpt-3m, auto plan, 2 local ranks
+  modelpar train                                         # the main job: gpt-1m, auto plan, 2 local ranks
   modelpar train --strategy fsdp --nproc 2
   modelpar train --strategy pp --pp-schedule gpipe --n-microbatches 8
   modelpar train --strategy fsdp+tp --nproc 4 --precision bf16 --activation-checkpointing full
