@@ -8,7 +8,10 @@ floor the two identical plain rows show on this machine. Medians of ``--repeats`
 alternating repeats; spread = min..max.
 
 The plain scripts use the torch APIs directly: `DistributedDataParallel(model)`, and
-`fully_shard` on every block then the root.
+`fully_shard` on every block then the root. modelpar's row is `train_step` as `modelpar train` runs
+it between log steps: the gradient-use check (case C12, one all-gather of a few bytes) included, no
+loss read on the host and no global gradient norm (nothing clips or logs it here);
+`tests/test_step_overhead.py` counts that per-step work.
 
 Regenerate the table in docs/parallelism.md:
     OMP_NUM_THREADS=1 python benchmarks/overhead_vs_plain_torch.py --out docs/overhead_vs_plain_torch.md

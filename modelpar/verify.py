@@ -92,7 +92,7 @@ def run_steps(model: nn.Module, plan: ParallelPlan, *, loss_fn: Callable, batch_
     loss_factor = plan.dp * accum if loss_reduction == "sum" else 1
     for step in range(steps):
         xg, yg = batch_fn(step)
-        loss_sum, n, gnorm = train_step(pm, opt, xg, yg, accum_steps=accum, grad_clip=grad_clip)
+        loss_sum, n, gnorm = train_step(pm, opt, xg, yg, accum_steps=accum, grad_clip=grad_clip, need_norm=True)
         losses.append(reduce_loss(pm, loss_sum, n, device) * loss_factor)
         norms.append(gnorm.item())
     eval_loss = 0.0                     # the next global batch through the evaluation path

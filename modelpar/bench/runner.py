@@ -231,7 +231,7 @@ def worker_main(argv: list[str]) -> int:
         xg, yg = task.train.global_batch(cfg.seed, step_no, batches.global_batch_size)
         step_no += 1
         loss_sum, n, _ = train_step(pm, opt, xg, yg, accum_steps=batches.accum_steps, grad_clip=cfg.grad_clip)
-        return loss_sum / n if n else None
+        return loss_sum.item() / n if n else None     # a tensor: train_step syncs nothing itself
 
     for _ in range(spec.warmup):
         one_step()

@@ -24,8 +24,10 @@ It raises, on every rank, before any parameter changes:
   a parameter frozen later never reduces, one unfrozen later is never averaged), and from the second
   step on, a parameter no rank used (DDP would fail at the next forward).
 
-Cost: one all-gather of ``world x (parameter tensors)`` bytes per optimizer step and a Python loop
-over the parameters (`benchmarks/unused_param_check.py` measures it). Turned off with
+Cost: one all-gather of ``world x (parameter tensors)`` bytes per optimizer step; the marks of a
+step with nothing to report are recognised by one tensor comparison, so the Python diagnosis over
+ranks x parameters runs only when there is something to name (`benchmarks/unused_param_check.py`
+measures the cost). Turned off with
 ``parallelize(check_unused_params=False)`` / ``--no-check-unused-params``.
 """
 
@@ -59,6 +61,7 @@ class GradUseCheck:
         self.ddp, self.find_unused = ddp, find_unused
         self.step = 0
         self._layout: list[tuple[tuple, list[str], list[bool]]] | None = None   # per rank, gathered once
+        self._clean: torch.Tensor | None = None     # the gathered marks of a step with nothing to report
         # DDP reduces in the backward of the last accumulation micro-batch only: a parameter with a
         # gradient from an earlier micro-batch but none in that backward still stalls its bucket. So
         # under DDP "used" means "got a gradient since the last forward" (`reset_seen` runs as a
@@ -112,9 +115,22 @@ class GradUseCheck:
         marks[:len(self.params)] = self.local_marks()
         every = [torch.empty_like(marks) for _ in layout]
         dist.all_gather(every, marks)
+        if torch.equal(torch.stack(every), self._clean_marks(layout, width)):
+            return              # every trainable parameter used on every rank, none changed: no report
         msg = _diagnose(layout, [m.tolist() for m in every], step, ddp=self.ddp, find_unused=self.find_unused)
         if msg:
             raise ValueError(msg)
+
+    def _clean_marks(self, layout, width: int) -> torch.Tensor:
+        """(ranks, width) ``uint8``: 1 for each rank's trainable parameters, 0 elsewhere: the marks of
+        a step that `_diagnose` passes without a look at the parameters (the common case, compared
+        in one `torch.equal` instead of a Python loop over ranks x parameters)."""
+        if self._clean is None or self._clean.shape[1] != width:
+            clean = torch.zeros(len(layout), width, dtype=torch.uint8)
+            for r, (_, _, rgs) in enumerate(layout):
+                clean[r, :len(rgs)] = torch.tensor(rgs, dtype=torch.uint8)
+            self._clean = clean
+        return self._clean
 
 
 def _diagnose(layout, marks, step: int, *, ddp: bool, find_unused: bool) -> str | None:

@@ -94,7 +94,9 @@ class TrainConfig:
         cpu_offload: FSDP: keep shards and optimizer state in CPU memory (CUDA only).
         timeout_s: collective timeout in seconds.
         out_dir: folder for run records.
-        log_every: write metrics every N steps.
+        log_every: write metrics every N steps (and at the last): only then are the losses of the steps
+            since the last log step read (one all-reduce for all of them) and, without clipping, the
+            global gradient norm computed; the summary keeps every step's loss.
         sample_bytes: bytes of text to generate from the trained GPT at the end (0: none).
         track_memory: measure peak tensor bytes of one step with torch's MemTracker (CPU).
         compile: torch.compile each block (after TP and activation checkpointing, before FSDP/DDP).

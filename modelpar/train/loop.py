@@ -139,13 +139,29 @@ def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def reduce_loss(pm: ParallelModel, loss_sum: float, count: int, device) -> float:
-    """Mean over data-parallel ranks of a loss held by last-stage ranks (counted once per DP rank)."""
+def reduce_losses(pm: ParallelModel, pending: list[tuple[torch.Tensor | float, int]]) -> list[float]:
+    """Per step, the mean over data-parallel ranks of a loss held by last-stage ranks (counted once
+    per DP rank), for several steps at once: one all-reduce of a (steps, 2) float64 tensor of
+    (loss sum, count) instead of one per step, so a run reads its losses only when it logs them.
+
+    ``pending``: per step, ``(sum of local-batch mean losses, how many)`` as `train_step` returns
+    them (the sum a 0-dim tensor or a float). Returns one float per step (nan where no rank held a
+    loss); the same on every rank.
+    """
     own = pm.has_last_stage and pm.mesh.tp_rank == 0
-    t = torch.tensor([loss_sum if own else 0.0, float(count) if own else 0.0], dtype=torch.float64)
-    if pm.mesh.mesh is not None:      # one process (or the one-process reference): nothing to reduce
+    t = torch.zeros(len(pending), 2, dtype=torch.float64)
+    if own:
+        for i, (s, c) in enumerate(pending):
+            t[i, 0] = s.detach().to("cpu", torch.float64) if torch.is_tensor(s) else s
+            t[i, 1] = float(c)
+    if pm.mesh.mesh is not None and len(pending):   # one process (or the one-process reference): none
         _all_reduce_sum(t)
-    return (t[0] / t[1]).item() if t[1] > 0 else float("nan")
+    return [(s / c).item() if c > 0 else float("nan") for s, c in t]
+
+
+def reduce_loss(pm: ParallelModel, loss_sum: torch.Tensor | float, count: int, device=None) -> float:
+    """`reduce_losses` of one step (``device`` is ignored: the reduction runs on CPU tensors)."""
+    return reduce_losses(pm, [(loss_sum, count)])[0]
 
 
 @torch.no_grad()

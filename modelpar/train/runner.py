@@ -16,7 +16,7 @@ from modelpar.plan_file import PlanFile
 from modelpar.train.checkpoint import TrainCheckpoints
 from modelpar.train.config import TrainConfig
 from modelpar.train.health import guard, start_heartbeat
-from modelpar.train.loop import build_optimizer, evaluate, gather_full_state_dict, lr_at, preflight, reduce_loss
+from modelpar.train.loop import build_optimizer, evaluate, gather_full_state_dict, lr_at, preflight, reduce_losses
 from modelpar.train.metrics import PeakTensorMemory, RunRecord, StepMemory, peak_rss_bytes
 from modelpar.train.preflight_checks import (check_optimizer_params, check_same_steps, install_first_step_checks,
                                              rebind_replaced_params)
@@ -134,6 +134,7 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
             progress = tqdm(total=cfg.steps, initial=ckpt.start_step, desc="train", unit="step", dynamic_ncols=True)
         peak_tensor = 0
         losses: list[float] = []
+        pending: list = []              # (loss sum, count) of the steps since the last log step
         t_train = time.time()
         t_last = t_train
         val_loss = val_before
@@ -153,25 +154,31 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
             reentrant = plan.pp_enabled or batches.accum_steps > 1
             tracker = (StepMemory(pm.modules, opt) if (track and reentrant)
                        else PeakTensorMemory(device, enabled=track or device.type == "cuda"))
+            # per step only what the user asked for: the loss is read (one all-reduce for the steps
+            # since the last read) and the gradient norm computed (if not clipping) at log steps only
+            log_now = step % max(cfg.log_every, 1) == 0 or step == cfg.steps - 1
             with tracker as mem:
                 loss_sum, n, gnorm = train_step(pm, opt, xg, yg, accum_steps=batches.accum_steps,
-                                                grad_clip=cfg.grad_clip)
+                                                grad_clip=cfg.grad_clip, need_norm=log_now)
             if mem.peak:
                 peak_tensor = max(peak_tensor, mem.peak)
-            step_loss = reduce_loss(pm, loss_sum, n, device)
-            losses.append(step_loss)
+            pending.append((loss_sum, n))
             now = time.time()
             tok_s = tokens_per_step / max(now - t_last, 1e-9)
             t_last = now
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
                 val_loss = evaluate(pm, task, batches)
                 record.log(step + 1, val_loss=val_loss)
-            if step % max(cfg.log_every, 1) == 0 or step == cfg.steps - 1:
-                record.log(step + 1, loss=step_loss, grad_norm=gnorm.item(), lr=lr_at(step, cfg),
+            if log_now:
+                losses.extend(reduce_losses(pm, pending))
+                pending.clear()
+                record.log(step + 1, loss=losses[-1], grad_norm=gnorm.item(), lr=lr_at(step, cfg),
                            tokens_per_s=tok_s, peak_rss_bytes=peak_rss_bytes(), peak_tensor_bytes=peak_tensor)
             if progress is not None:
-                progress.set_postfix_str(f"loss {step_loss:.3f} | val {val_loss:.3f} | {tok_s:,.0f} tok/s | "
-                                         f"mem {_fmt_bytes(peak_tensor)} tensors, {_fmt_bytes(peak_rss_bytes())} RSS")
+                if log_now:
+                    progress.set_postfix_str(f"loss {losses[-1]:.3f} | val {val_loss:.3f} | {tok_s:,.0f} tok/s | "
+                                             f"mem {_fmt_bytes(peak_tensor)} tensors, "
+                                             f"{_fmt_bytes(peak_rss_bytes())} RSS")
                 progress.update(1)
             ckpt.after_step(step + 1)
         ckpt.close()

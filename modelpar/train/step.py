@@ -56,7 +56,8 @@ def make_optimizer(params, name: str = "adamw", *, lr: float, weight_decay: floa
 
 
 def train_step(pm: ParallelModel, opt: torch.optim.Optimizer, xg: torch.Tensor, yg: torch.Tensor, *,
-               accum_steps: int, grad_clip: float = 0.0) -> tuple[float, int, torch.Tensor]:
+               accum_steps: int, grad_clip: float = 0.0,
+               need_norm: bool = False) -> tuple[torch.Tensor, int, torch.Tensor | None]:
     """Forward/backward this rank's slices of the global batch ``(xg, yg)``, clip, and step.
 
     The global batch is the same on every rank; each data-parallel rank takes its disjoint slices
@@ -64,26 +65,38 @@ def train_step(pm: ParallelModel, opt: torch.optim.Optimizer, xg: torch.Tensor, 
     1 / accum_steps so the gradient is that of the global mean loss. Before clipping, the gradient-use
     check (case C12) runs; after the step, BatchNorm running statistics are averaged (case C15).
 
+    Nothing the caller did not ask for runs per step: no host sync (the loss stays a tensor; the
+    caller reads it when it logs) and no global gradient norm unless ``grad_clip > 0`` (clipping
+    needs it) or ``need_norm`` (the caller logs it). The norm over every shard and stage costs one
+    pass over the gradients plus, under FSDP / TP / PP, a reduction across ranks.
+
     Raises:
         ValueError: rank-divergent parameter use, or under DDP a ``requires_grad`` changed after
             wrapping (`modelpar.parallel.grad_use`), the same on every rank, before any update.
 
     Returns:
-        ``(sum of local-batch mean losses, how many, global grad norm before clipping)``; the loss sum
-        is 0 with count 0 on pipeline ranks without the last stage.
+        ``(sum of local-batch mean losses, how many, global grad norm before clipping)``: the sum a
+        0-dim float64 tensor, summed in local-batch order (the same float64 additions as summing
+        ``loss.item()`` values); it is 0 with count 0 on pipeline ranks without the last stage. The
+        norm is a 0-dim float32 tensor, or None when neither clipping nor ``need_norm`` asked for it.
     """
-    loss_sum, n = 0.0, 0
+    loss_sum, n = None, 0
     for a in range(accum_steps):
         sl = global_batch_slice(len(xg), accum_step=a, num_accum=accum_steps, dp_rank=pm.mesh.dp_rank,
                                 dp_degree=pm.plan.dp)
         loss = pm.forward_backward(xg[sl], yg[sl], loss_scale=1.0 / accum_steps,
                                    sync_grads=(a == accum_steps - 1))
         if loss is not None:
-            loss_sum += loss.item()
+            lo = loss.detach().to(torch.float64)        # on its device: reading it would sync the host
+            loss_sum = lo if loss_sum is None else loss_sum + lo
             n += 1
+    if loss_sum is None:
+        loss_sum = torch.zeros((), dtype=torch.float64)
     pm.check_grad_use()          # case C12: the data-parallel ranks used the same parameters
-    gnorm = clip_grad_norm_(pm.parameters(), grad_clip, pp_group=pm.mesh.group("pp"),
-                            norm_params=pm.norm_parameters())
+    gnorm = None
+    if grad_clip > 0 or need_norm:
+        gnorm = clip_grad_norm_(pm.parameters(), grad_clip, pp_group=pm.mesh.group("pp"),
+                                norm_params=pm.norm_parameters())
     opt.step()
     pm.after_optimizer_step()    # case C15: BatchNorm running statistics agree across dp ranks
     opt.zero_grad(set_to_none=True)

@@ -1,0 +1,171 @@
+"""No tax over plain torch: what `train_step` and the run loop do per step, counted (not timed).
+
+A plain torch loop does forward, backward, ``optimizer.step()``. Per optimizer step modelpar adds
+only the gradient-use check (one small all-gather, case C12; off with check_unused_params=False);
+it reads no loss (``Tensor.item``), computes no global gradient norm unless clipping or a log step
+asks for it, and reduces the losses of several steps in one all-reduce (tier 1: no processes; the
+collectives are counted on a patched ``torch.distributed``).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import modelpar.parallel.grad_use as grad_use
+import modelpar.train.grads as grads
+from modelpar.models import build_gpt
+from modelpar.parallel.compose import parallelize
+from modelpar.parallel.grad_use import GradUseCheck
+from modelpar.parallel.mesh import build_mesh
+from modelpar.plan import ParallelPlan
+from modelpar.train.step import make_optimizer, train_step
+from modelpar.train.task import lm_loss
+
+
+@contextlib.contextmanager
+def counting():
+    """Count host reads of tensors and global-norm computations while inside (own patches, undone
+    on exit; the caller's stay)."""
+    n = collections.Counter()
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("item", "tolist"):
+            orig = getattr(torch.Tensor, name)
+
+            def wrapped(self, *a, _orig=orig, _name=name, **k):
+                n[f"Tensor.{_name}"] += 1
+                return _orig(self, *a, **k)
+            mp.setattr(torch.Tensor, name, wrapped)
+        orig_norm = grads.global_grad_norm
+
+        def norm(*a, **k):
+            n["global_grad_norm"] += 1
+            return orig_norm(*a, **k)
+        mp.setattr(grads, "global_grad_norm", norm)
+        yield n
+
+
+def _one_process_run():
+    plan = ParallelPlan()
+    pm = parallelize(build_gpt("gpt-nano", seq_len=16, seed=0), plan, build_mesh(plan, torch.device("cpu")),
+                     loss_fn=lm_loss, device=torch.device("cpu"))
+    opt = make_optimizer(pm.parameters(), "adamw", lr=1e-3, weight_decay=0.1)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(0, 256, (4, 17), generator=g)
+    return pm, opt, w[:, :-1], w[:, 1:]
+
+
+def test_train_step_reads_nothing_and_computes_no_norm_unless_asked(monkeypatch):
+    pm, opt, x, y = _one_process_run()
+    train_step(pm, opt, x, y, accum_steps=2)                 # optimizer state built outside the count
+    with counting() as n:
+        out = [train_step(pm, opt, x, y, accum_steps=2) for _ in range(3)]
+    assert n == {}, f"per-step work nobody asked for: {dict(n)}"
+    assert all(g is None and c == 2 and s.dtype == torch.float64 for s, c, g in out)
+    with counting() as n:
+        _, _, g1 = train_step(pm, opt, x, y, accum_steps=2, need_norm=True)    # a log step
+        _, _, g2 = train_step(pm, opt, x, y, accum_steps=2, grad_clip=1.0)     # clipping needs it
+    assert n == {"global_grad_norm": 2} and float(g1) > 0 and float(g2) > 0
+
+
+def test_train_step_loss_sum_is_the_float64_sum_of_the_local_losses():
+    """The loss sum is the same float64 additions as summing ``loss.item()`` values (bitwise)."""
+    pm, opt, x, y = _one_process_run()
+    seen = []
+    orig = pm.forward_backward
+
+    def fb(*a, **k):
+        loss = orig(*a, **k)
+        seen.append(loss.item())
+        return loss
+    pm.forward_backward = fb
+    s, c, _ = train_step(pm, opt, x, y, accum_steps=4)
+    assert c == 4 and s.item() == 0.0 + seen[0] + seen[1] + seen[2] + seen[3]
+
+
+class _FakeDist:
+    """torch.distributed for a 2-rank world seen from rank 0: rank 1 sends ``peer`` (a callable of the
+    local tensor) in every all-gather; collectives are counted."""
+
+    def __init__(self, monkeypatch, peer=lambda t: t.clone()):
+        self.calls = collections.Counter()
+        self.peer = peer
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+        monkeypatch.setattr(dist, "all_gather_object", self.all_gather_object)
+        monkeypatch.setattr(dist, "all_gather", self.all_gather)
+        monkeypatch.setattr(dist, "all_reduce", self.all_reduce)
+
+    def all_gather_object(self, out, obj, group=None):
+        self.calls["all_gather_object"] += 1
+        out[:] = [obj, obj]
+
+    def all_gather(self, out, t, group=None):
+        self.calls["all_gather"] += 1
+        out[0].copy_(t)
+        out[1].copy_(self.peer(t))
+
+    def all_reduce(self, t, op=None, group=None):
+        self.calls["all_reduce"] += 1
+        t.mul_(2)               # rank 1 holds the same values
+
+
+def test_grad_use_check_one_all_gather_per_step_and_no_diagnosis_when_clean(monkeypatch):
+    lin = torch.nn.Linear(3, 2)
+    check = GradUseCheck(lin.named_parameters(), (0, 0))
+    fake = _FakeDist(monkeypatch)
+    diagnosed = collections.Counter()
+    orig = grad_use._diagnose
+
+    def diagnose(*a, **k):
+        diagnosed["_diagnose"] += 1
+        return orig(*a, **k)
+    monkeypatch.setattr(grad_use, "_diagnose", diagnose)
+    lin(torch.ones(1, 3)).sum().backward()
+    with counting() as n:
+        for _ in range(3):
+            check()
+    assert fake.calls == {"all_gather_object": 1, "all_gather": 3} and diagnosed == {} and n == {}
+    # rank 1 used no bias: the check still names it (the diagnosis runs when the marks differ)
+    fake.peer = lambda t: torch.tensor([1, 0], dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"rank-divergent parameter use at step 3 .*bias"):
+        check()
+    assert diagnosed == {"_diagnose": 1}
+
+
+def test_losses_of_several_steps_reduced_in_one_all_reduce(monkeypatch):
+    from modelpar.train.loop import reduce_loss, reduce_losses
+
+    fake = _FakeDist(monkeypatch)
+    pm = SimpleNamespace(has_last_stage=True, mesh=SimpleNamespace(tp_rank=0, mesh=object()))
+    pending = [(torch.tensor(2.5, dtype=torch.float64), 2), (torch.tensor(1.0 / 3, dtype=torch.float64), 1),
+               (0.75, 1)]
+    got = reduce_losses(pm, pending)
+    assert fake.calls == {"all_reduce": 1}
+    assert got == [(2 * 2.5) / 4, (2 * (1.0 / 3)) / 2, 1.5 / 2]
+    assert reduce_loss(pm, torch.tensor(3.0, dtype=torch.float64), 2) == 1.5 and fake.calls["all_reduce"] == 2
+
+
+def test_run_reads_losses_at_log_steps_only_and_keeps_every_step(tmp_path):
+    """``log_every 3``: metrics rows at steps 1, 4, 7 (and the last), the summary still has every
+    step's loss, bitwise equal to a run that logs every step."""
+    import json
+
+    from modelpar.train.config import TrainConfig
+    from modelpar.train.runner import train
+
+    kw = dict(model="gpt-nano", strategy="single", nproc=1, steps=7, global_batch_size=4, seq_len=16,
+              eval_every=0, eval_samples=8, sample_bytes=0, track_memory=False, threads=1, warmup_steps=2)
+    every = train(TrainConfig(log_every=1, **kw), run_dir=tmp_path / "a", quiet=True)
+    sparse = train(TrainConfig(log_every=3, **kw), run_dir=tmp_path / "b", quiet=True)
+    assert len(sparse["losses"]) == 7 and sparse["losses"] == every["losses"]
+    rows = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in logged] == [1, 4, 7]
+    assert [r["loss"] for r in logged] == [every["losses"][i] for i in (0, 3, 6)]
+    assert all(r["grad_norm"] > 0 for r in logged)
