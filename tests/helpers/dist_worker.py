@@ -1,6 +1,6 @@
 """Entry point run by torchrun for the multi-process tests: runs the named cases in one launch.
 
-usage: torchrun --nproc-per-node N tests/dist_worker.py OUT.json CASE [CASE ...]
+usage: torchrun --nproc-per-node N tests/helpers/dist_worker.py OUT.json CASE [CASE ...]
 Each case's result (or its error) is written to OUT.json by rank 0 after each case, so a failure or
 a hang in one case still leaves the earlier results.
 """
@@ -10,7 +10,7 @@ import os
 import sys
 import traceback
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/: `helpers.*`
 
 import torch  # noqa: E402
 
@@ -21,7 +21,7 @@ def main() -> None:
     out, names = sys.argv[1], sys.argv[2:]
     torch.set_num_threads(1)
     rank, world = init_distributed(timeout_s=90)
-    import parity_cases
+    from helpers import parity_cases
     import torch.distributed as dist
 
     results = {}
@@ -40,7 +40,7 @@ def main() -> None:
             with open(out, "w") as f:
                 json.dump(results, f, indent=1)
         dist.barrier()
-    from modelpar.parallel.mesh import exit_rank
+    from modelpar.launch import exit_rank
 
     exit_rank(0)
 

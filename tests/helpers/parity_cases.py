@@ -1,6 +1,6 @@
 """Parity cases run inside one multi-process launch per world size (process groups are shared).
 
-Run by `tests/dist_worker.py` under torchrun; results are written as JSON for the pytest side to
+Run by `tests/helpers/dist_worker.py` under torchrun; results are written as JSON for the pytest side to
 assert on. Every case trains the same tiny model from the same initial weights for ``steps`` steps
 under a plan and on one process, and compares them with `modelpar.verify.compare` (losses, final
 parameters, and the logged global gradient norm of every step, case C3).
@@ -425,7 +425,7 @@ _case("gpt-hsdp2x2-accum2-clip", 4, "gpt", dict(dp_replicate=2, dp_shard=2), loc
 _case("gpt-fsdp2xtp2-selective", 4, "gpt", dict(dp_shard=2, tp=2, activation_checkpointing="selective"))
 
 
-# ---- h-pp (issue 12): Hugging Face models (tests/hf_tiny.py, dropout 0) split into pipeline stages; each
+# ---- h-pp (issue 12): Hugging Face models (tests/helpers/hf_tiny.py, dropout 0) split into pipeline stages; each
 # stage runs the model's own forward around its blocks (modelpar.parallel.stages)
 HF_PP_TASKS = ("hf-llama", "hf-gpt2", "hf-vit")
 HF_PP_STEPS = 6          # as the h-tp rows below: HF rows are the slowest of the shared launches
@@ -433,7 +433,7 @@ HF_PP_STEPS = 6          # as the h-tp rows below: HF rows are the slowest of th
 
 def hf_pp_task(task: str):
     """The tiny HF model of ``task`` (4 blocks) and its batches: token ids (vocab 128) or 8x8 images."""
-    from hf_tiny import build
+    from helpers.hf_tiny import build
 
     name = task[3:]
     model = build(name, seed=0, dropout=0.0)
@@ -467,7 +467,7 @@ _case("hf-gpt2-pp2xfsdp2xtp2", 8, "hf-gpt2", dict(pp=2, dp_shard=2, tp=2, n_micr
 _case("hf-llama-pp2xtp2", 4, "hf-llama", dict(pp=2, tp=2, n_microbatches=2), steps=HF_PP_STEPS)
 
 
-# ---- issue 12 (h-tp): Hugging Face models (tests/hf_tiny.py, dropout 0) under ddp, fsdp, tp, tp + SP.
+# ---- issue 12 (h-tp): Hugging Face models (tests/helpers/hf_tiny.py, dropout 0) under ddp, fsdp, tp, tp + SP.
 # Llama: its own _tp_plan translated (GQA: 4 query / 2 key-value heads, RoPE); GPT-2: the derived plan
 # (Conv1D, fused c_attn permuted per rank, tied wte / lm_head vocab-parallel); ViT under ddp / fsdp.
 # 6 steps (not 10): these rows are the slowest of the shared launches (DTensor dispatch on CPU).
@@ -487,8 +487,8 @@ _case("hf-gpt2-ddp2xtp2", 4, "hf-gpt2", dict(dp_replicate=2, tp=2), steps=HF_STE
 
 
 def hf_task(family: str):
-    """A tiny HF model (`tests/hf_tiny.py`, dropout 0) and its batches: token ids (vocab 128) or pixels."""
-    import hf_tiny
+    """A tiny HF model (`tests/helpers/hf_tiny.py`, dropout 0) and its batches: token ids (vocab 128) or pixels."""
+    from helpers import hf_tiny
 
     model = hf_tiny.build(family, seed=0, dropout=0.0)
     if family == "vit":
