@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import tempfile
@@ -31,7 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers.guards import refuse_processes  # noqa: E402
-LAUNCH_TIMEOUT_S = {2: 600, 4: 420, 8: 600}   # 2: the HF rows (issue 12) made that launch longer
+LAUNCH_TIMEOUT_S = {2: 600, 4: 420, 8: 600}
+LAUNCH_TIMES: dict[int, dict] = {}                  # world -> case -> rank 0's wall / CPU seconds   # 2: the HF rows (issue 12) made that launch longer
 
 
 def run_ranks(nproc: int, target: list[str], result_path: Path, timeout: float, env: dict | None = None):
@@ -62,6 +64,9 @@ def dist_results(tmp_path_factory):
             if run.returncode != 0 and not res:
                 pytest.fail(f"parity launch with {world} ranks failed (rc {run.returncode}):\n{run.output[-4000:]}")
             cache[world] = res
+            times = Path(f"{out}.times.json")
+            if times.is_file():
+                LAUNCH_TIMES[world] = json.loads(times.read_text())
         return cache[world]
     return get
 
@@ -137,6 +142,13 @@ def pytest_collection_modifyitems(config, items):
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     from helpers.parity_report import REPORT
 
+    if LAUNCH_TIMES:
+        terminalreporter.section("parity launches: rank 0's seconds (wall / CPU), slowest cases")
+        for world, times in sorted(LAUNCH_TIMES.items()):
+            wall, cpu = sum(t["wall_s"] for t in times.values()), sum(t["cpu_s"] for t in times.values())
+            top = sorted(times.items(), key=lambda kv: -kv[1]["wall_s"])[:8]
+            terminalreporter.write_line(f"{world} ranks: {len(times)} cases, {wall:.0f} s wall, {cpu:.0f} s CPU; "
+                                        + ", ".join(f"{n} {t['wall_s']:.1f}/{t['cpu_s']:.1f}" for n, t in top))
     if not REPORT:
         return
     lines = ["| case | pass | max loss rel diff | max param abs diff | param rel-norm diff | grad-norm rel diff |",

@@ -2,12 +2,14 @@
 
 usage: torchrun --nproc-per-node N tests/helpers/dist_worker.py OUT.json CASE [CASE ...]
 Each case's result (or its error) is written to OUT.json by rank 0 after each case, so a failure or
-a hang in one case still leaves the earlier results.
+a hang in one case still leaves the earlier results; rank 0's wall and CPU seconds per case go to
+OUT.json.times.json (the terminal summary lists the slowest).
 """
 
 import json
 import os
 import sys
+import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/: `helpers.*`
@@ -24,8 +26,9 @@ def main() -> None:
     from helpers import parity_cases
     import torch.distributed as dist
 
-    results = {}
+    results, times = {}, {}
     for name in names:
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             res = parity_cases.run_case(name)
             if rank == 0:
@@ -37,8 +40,12 @@ def main() -> None:
                 with open(f"{out}.rank{rank}.err", "a") as f:
                     f.write(json.dumps({name: results[name]}) + "\n")
         if rank == 0:
+            # rank 0's seconds per case (it also runs the one-process reference): where a launch's time goes
+            times[name] = {"wall_s": round(time.perf_counter() - t0, 3), "cpu_s": round(time.process_time() - c0, 3)}
             with open(out, "w") as f:
                 json.dump(results, f, indent=1)
+            with open(f"{out}.times.json", "w") as f:
+                json.dump(times, f, indent=1)
         dist.barrier()
     from modelpar.launch import exit_rank
 
