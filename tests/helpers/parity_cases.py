@@ -278,6 +278,21 @@ _case("gpt4-pp2xfsdp2xtp2-sp-interleaved", 8, "gpt", dict(_V2, dp_shard=2, tp=2,
       n_layer=4, clip=0.05)
 
 
+# the one-process reference runs of this process (rank 0 of a launch), by what determines them: the
+# model (built from a fixed seed, dropout 0) and batches of a task, the batch, loss, steps, optimizer,
+# learning rate and clip. Many cases share one (every plan of gpt / mlp at the defaults), so it is
+# computed once; it is deterministic (one thread, no randomness after the seeded build), so reusing
+# it gives the very numbers a recomputation would.
+_REFERENCES: dict[tuple, object] = {}
+
+
+def reference(key: tuple, run):
+    """The cached result of ``run()`` (a `RunResult`, never mutated by `compare`) for ``key``."""
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run()
+    return _REFERENCES[key]
+
+
 def run_case(name: str, mesh=None, device=None):
     """Run one case on this rank; returns the ParityReport dict on rank 0, None elsewhere."""
     import torch.distributed as dist
@@ -320,8 +335,10 @@ def run_case(name: str, mesh=None, device=None):
                     probe=lambda pm: _attach_shape_probes(pm, seen), **kw)
     if dist.get_rank() != 0:
         return None
-    # the reference: one process, fp32, the whole global batch in one forward/backward
-    ref = run_steps(model, ParallelPlan(), local_batch_size=gb, mesh=MeshInfo(mesh=None), **kw)
+    # the reference: one process, fp32, the whole global batch in one forward/backward (computed once
+    # per model and training setting: the cases of one launch share it)
+    ref = reference(("base", c.task, c.n_layer, gb, c.loss, c.steps, c.optimizer, lr, c.clip),
+                    lambda: run_steps(model, ParallelPlan(), local_batch_size=gb, mesh=MeshInfo(mesh=None), **kw))
     if c.check == "bf16":
         rep = compare_low_precision(name, ref, got, first_step=20, loss_rtol=0.02)
     else:
@@ -544,7 +561,8 @@ def run_hf_case(name: str) -> dict | None:
     got = run_steps(model, plan, local_batch_size=GLOBAL_BATCH // plan.dp, probe=probe, **kw)
     if dist.get_rank() != 0:
         return None
-    ref = run_steps(model, ParallelPlan(), local_batch_size=GLOBAL_BATCH, mesh=MeshInfo(mesh=None), **kw)
+    ref = reference(("hf", family, c.steps, c.optimizer, c.lr or 1e-3, c.clip),
+                    lambda: run_steps(model, ParallelPlan(), local_batch_size=GLOBAL_BATCH, mesh=MeshInfo(mesh=None), **kw))
     out = compare(name, ref, got, optimizer=c.optimizer).to_dict()
     out["local_shapes"] = {k: sorted(v) if isinstance(v, set) else v for k, v in seen.items()}
 
