@@ -332,7 +332,7 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     bub = bubble_fraction(plan.pp_schedule, p, m, v) * m * (per_mb_compute + t_rc)
     local = ld.params / plan.dp_shard
     loop = optimizer == "adamw" and plan.tp > 1 and not fused_tp_optimizer
-    if hw.name == "cpu":
+    if hw.kind == "cpu":
         traffic, kernels = ((ADAMW_LOOP_TRAFFIC, ADAMW_LOOP_KERNELS) if loop
                             else (OPT_TRAFFIC_CPU[optimizer], OPT_KERNELS[optimizer]))
         opt = local * traffic / mem_s + ld.num_tensors * kernels * hw.op_overhead_s

@@ -252,8 +252,8 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
     if optimizer not in OPTIMIZER_BYTES:
         raise ValueError(f"optimizer={optimizer!r} is unknown; valid: {', '.join(OPTIMIZER_BYTES)}")
     budget = hw.memory_bytes * memory_fraction
-    foreach = hw.name != "cpu"             # torch's optimizers use foreach kernels on accelerators
-    gloo = hw.name == "cpu"                # CPU ranks communicate over gloo (its reduce-scatter copies)
+    foreach = hw.kind != "cpu"             # torch's optimizers use foreach kernels on accelerators
+    gloo = hw.kind == "cpu"                # CPU ranks communicate over gloo (its reduce-scatter copies)
     arch = profile.arch
     num_layers = len(profile.blocks) - 2 if arch and len(profile.blocks) >= 3 else len(profile.blocks)
     rep = SearchReport(num_devices)

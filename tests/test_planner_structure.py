@@ -1,0 +1,49 @@
+"""The planner core's structure: the device kind is a field (not a name test), one explicit cache per
+search (no module-level memo tables), and one `runtime_layout` shared by the runtime and the models."""
+
+import dataclasses
+import json
+
+import pytest
+
+from modelpar.planner.hardware import BUILTIN, Hardware, cpu_profile, get_hardware, load_profile, save_profile
+
+PINNED = "/work/prompts/cal_pinned.json"
+
+
+def test_device_kind_is_a_field_set_by_presets_and_loads(tmp_path):
+    assert cpu_profile(2).kind == "cpu"
+    assert {hw.kind for hw in BUILTIN.values()} == {"gpu"}
+    # a profile saved before the field existed (no "kind"): named "cpu" -> cpu, anything else -> gpu
+    for name, kind in (("cpu", "cpu"), ("my-gpu", "gpu")):
+        d = {k: v for k, v in cpu_profile(2).to_dict().items() if k != "kind"}
+        d.update(name=name, schema_version=2)
+        p = tmp_path / f"{name}.json"
+        p.write_text(json.dumps(d))
+        assert load_profile(p).kind == kind
+    # saved with the field: round trip, and the kind (not the name) is what is read back
+    hw = dataclasses.replace(cpu_profile(1), name="my-host")
+    out = tmp_path / "host.json"
+    save_profile(hw, out)
+    assert json.loads(out.read_text())["kind"] == "cpu" and load_profile(out) == hw
+    with pytest.raises(ValueError, match="kind='tpu' is unknown; valid: cpu, gpu"):
+        dataclasses.replace(hw, kind="tpu")
+
+
+def test_models_switch_on_the_kind_not_the_name():
+    """A CPU profile under another name keeps every CPU behaviour: the same ranked plans and numbers,
+    and the CLI's default precision."""
+    from modelpar.cli.common import precision_for, profile_for
+    from modelpar.planner.search import search_plans
+
+    prof, _ = profile_for("gpt-nano", {}, 16, "fp32")
+    hw = get_hardware("cpu", local_ranks=4)
+    renamed = dataclasses.replace(hw, name="my-host")
+    a = search_plans(prof, 4, hw, global_batch_size=8, precision="fp32")
+    b = search_plans(prof, 4, renamed, global_batch_size=8, precision="fp32")
+    assert [(c.plan, c.memory, c.step) for c in a.ranked] == [(c.plan, c.memory, c.step) for c in b.ranked]
+    assert precision_for("", renamed) == "fp32" and precision_for("", BUILTIN["H100-80GB-SXM"]) == "bf16"
+    # and a "gpu" kind under the name "cpu" is not treated as a CPU (the optimizer's CPU kernel terms)
+    as_gpu = dataclasses.replace(hw, kind="gpu")
+    c = search_plans(prof, 4, as_gpu, global_batch_size=8, precision="fp32")
+    assert [x.step.optimizer for x in c.ranked] != [x.step.optimizer for x in a.ranked]
