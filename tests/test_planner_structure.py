@@ -47,3 +47,63 @@ def test_models_switch_on_the_kind_not_the_name():
     as_gpu = dataclasses.replace(hw, kind="gpu")
     c = search_plans(prof, 4, as_gpu, global_batch_size=8, precision="fp32")
     assert [x.step.optimizer for x in c.ranked] != [x.step.optimizer for x in a.ranked]
+
+
+def _module_state():
+    """Sizes of every module-level container and functools cache of the planner's modules."""
+    import functools
+    import importlib
+    import pkgutil
+
+    import modelpar.planner as pkg
+
+    out = {}
+    for info in pkgutil.iter_modules(pkg.__path__):
+        mod = importlib.import_module(f"modelpar.planner.{info.name}")
+        for name, val in vars(mod).items():
+            if isinstance(val, (dict, list, set)):
+                out[f"{info.name}.{name}"] = len(val)
+            elif isinstance(val, functools._lru_cache_wrapper) and val.__module__ == mod.__name__:
+                out[f"{info.name}.{name}()"] = val.cache_info().currsize
+    return out
+
+
+def test_a_search_leaves_no_module_level_memo_state():
+    """Every memo table lives in the search's `PlannerCache`: a search and the estimates leave the
+    planner modules' containers as they were (the old id()-keyed tables grew here)."""
+    from modelpar.cli.common import profile_for
+    from modelpar.planner.cost import estimate_step
+    from modelpar.planner.memory import Batch, estimate_memory
+    from modelpar.planner.search import search_plans
+
+    prof, _ = profile_for("gpt-nano", {}, 16, "bf16")
+    hw = BUILTIN["H100-80GB-SXM"]
+    before = _module_state()
+    rep = search_plans(prof, 8, hw, global_batch_size=16)
+    top = rep.ranked[0]
+    step = estimate_step(prof, top.plan, top.batch, hw)
+    mem = estimate_memory(prof, top.plan, top.batch, overhead_bytes=hw.framework_overhead_bytes, foreach=True)
+    assert _module_state() == before
+    assert step.total == pytest.approx(top.step.total, rel=1e-12)
+    assert mem.total == pytest.approx(top.memory.total, rel=1e-12)
+    assert len(rep.ranked) > 10
+
+
+def test_a_cache_serves_one_profile_and_one_hardware():
+    from modelpar.cli.common import profile_for
+    from modelpar.planner.cost import estimate_step
+    from modelpar.planner.memo import PlannerCache
+    from modelpar.planner.memory import Batch
+    from modelpar.plan import ParallelPlan
+
+    prof, _ = profile_for("gpt-nano", {}, 16, "bf16")
+    other, _ = profile_for("gpt-nano", {}, 16, "bf16")
+    plan = ParallelPlan(dp_shard=2, precision="bf16")
+    cache = PlannerCache()
+    a = estimate_step(prof, plan, Batch(8, 4), BUILTIN["H100-80GB-SXM"], cache=cache)
+    assert estimate_step(prof, plan, Batch(8, 4), BUILTIN["H100-80GB-SXM"], cache=cache) == a
+    assert cache.load_times and cache.comms and all(isinstance(k[0], tuple) for k in cache.load_times)
+    with pytest.raises(ValueError, match="serves hardware 'H100-80GB-SXM', not 'A100-80GB'"):
+        estimate_step(prof, plan, Batch(8, 4), BUILTIN["A100-80GB"], cache=cache)
+    with pytest.raises(ValueError, match="serves another model profile"):
+        estimate_step(other, plan, Batch(8, 4), BUILTIN["H100-80GB-SXM"], cache=cache)

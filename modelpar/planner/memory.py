@@ -26,11 +26,11 @@ gradients and fp32 reductions, computing in bf16, see `ParallelPlan`):
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, fields
 
 from modelpar.plan import ParallelPlan
 from modelpar.planner.loads import RankLoad, rank_loads, stage_ranges  # noqa: F401  (re-exported)
+from modelpar.planner.memo import PlannerCache
 from modelpar.planner.profile import ModelProfile
 
 OPTIMIZER_BYTES = {"sgd": 0, "sgd_momentum": 4, "adamw": 8}   # fp32 state bytes per parameter
@@ -157,7 +157,6 @@ def _rs_terms(c: tuple, mode: tuple, collective: bool) -> tuple:
     return 0.0, done, A, work * done_r, gath, buf + (4 * u if gloo else 0.0), 4 * u
 
 
-@functools.lru_cache(maxsize=4096)
 def _projections(bwd_moments: tuple, rs_moments: tuple, mode: tuple) -> tuple:
     """A rank's block and reduce moments (`RankLoad.bwd_moments`, ``rs_moments``) for one ``mode``
     (`_bwd_terms`, plus gloo) as (A, K, G, (kind, terms)), total = A b + K + G / dp_shard beyond the
@@ -220,7 +219,7 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
                 overhead_bytes: float, pp_rank: int, accumulation: int = 1, global_batch_size: int = 0,
                 foreach: bool = False, recv_per_microbatch: bool = True, fused: bool = True,
                 gloo: bool = False, fused_tp_optimizer: bool = False,
-                ddp_bucket_copy: bool | None = None) -> MemoryEstimate:
+                ddp_bucket_copy: bool | None = None, cache: PlannerCache | None = None) -> MemoryEstimate:
     """Peak memory of one pipeline rank, with its parts at the moment of the peak.
 
     The largest of these moments of a training step (steady state: optimizer state exists;
@@ -250,10 +249,12 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
     (4 B/param, counted as buffers, no gradient storage beside them); True: torch DDP's default,
     the buckets a copy beside the gradients; False for a runtime that reduces the gradients in place
     (Megatron-LM's DDP: one contiguous gradient buffer).
+    ``cache``: the search's memo tables (`memo.PlannerCache`); None: nothing shared between calls
+    beyond what ``ld`` keeps.
     """
     if plan.activation_checkpointing in ("selective", "every-k"):
         from modelpar.planner.recompute import ac_load
-        ld = ac_load(ld, plan)
+        ld = ac_load(ld, plan, cache)
     shard = plan.dp_shard
     fsdp = shard > 1
     ws = 1.0 / shard
@@ -351,8 +352,14 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
         key = key0 + 4 * prev + 128 * sharded_acc
         proj = ld.projections.get(key)
         if proj is None:
-            proj = ld.projections[key] = _projections(ld.bwd_moments, ld.rs_moments,
-                                                      (fsdp, ac, prev, rafw, work, pp, gloo, sharded_acc))
+            mode = (fsdp, ac, prev, rafw, work, pp, gloo, sharded_acc)
+            pkey = (ld.bwd_moments, ld.rs_moments, mode)
+            proj = cache.projections.get(pkey) if cache is not None else None
+            if proj is None:
+                proj = _projections(ld.bwd_moments, ld.rs_moments, mode)
+                if cache is not None:
+                    cache.projections[pkey] = proj
+            ld.projections[key] = proj
         for A, K, G, c in proj:
             tot = base + b * A + K + ws * G
             if tot > best_total:
@@ -390,7 +397,7 @@ def estimate_memory(profile: ModelProfile, plan: ParallelPlan, batch: Batch, *,
                     optimizer: str = "adamw", overhead_bytes: float = 0.0, foreach: bool = False,
                     recv_per_microbatch: bool = True, fused: bool = True,
                     gloo: bool = False, fused_tp_optimizer: bool = False,
-                    ddp_bucket_copy: bool | None = None) -> MemoryEstimate:
+                    ddp_bucket_copy: bool | None = None, cache: PlannerCache | None = None) -> MemoryEstimate:
     """Peak memory per rank for ``plan``: the most loaded pipeline rank, with its parts (bytes).
 
     Args:
@@ -409,19 +416,23 @@ def estimate_memory(profile: ModelProfile, plan: ParallelPlan, batch: Batch, *,
             tensor-parallel plans still use the single-tensor loop (modelpar's TP mixes plain tensors
             and DTensors) unless ``fused_tp_optimizer`` (Megatron-LM's fused Adam).
         ddp_bucket_copy: see `rank_memory`.
+        cache: memo tables (`memo.PlannerCache`) to share between estimates of one profile; None: a
+            fresh one for this call.
 
     Raises:
-        ValueError: unknown optimizer, batch sizes that do not divide, more stages than blocks.
+        ValueError: unknown optimizer, batch sizes that do not divide, more stages than blocks, a
+            ``cache`` of another profile.
     """
     if optimizer not in OPTIMIZER_BYTES:
         raise ValueError(f"optimizer={optimizer!r} is unknown; valid: {', '.join(OPTIMIZER_BYTES)}")
     b = batch.micro_batch_size(plan)
     acc = batch.accumulation_steps(plan)
-    loads = rank_loads(profile, plan, act_bytes=2 if plan.precision == "bf16" else 4)
+    cache = (cache or PlannerCache()).bind(profile=profile)
+    loads = rank_loads(profile, plan, act_bytes=2 if plan.precision == "bf16" else 4, cache=cache)
     ests = [rank_memory(ld, plan, micro_batch_size=b, optimizer=optimizer, overhead_bytes=overhead_bytes,
                         pp_rank=r, accumulation=acc, global_batch_size=batch.global_batch_size, foreach=foreach,
                         recv_per_microbatch=recv_per_microbatch, fused=fused, gloo=gloo,
-                        fused_tp_optimizer=fused_tp_optimizer, ddp_bucket_copy=ddp_bucket_copy)
+                        fused_tp_optimizer=fused_tp_optimizer, ddp_bucket_copy=ddp_bucket_copy, cache=cache)
             for r, ld in enumerate(loads)]
     return max(ests, key=lambda e: e.total)
 

@@ -21,6 +21,7 @@ from modelpar.plan import AC_MODES, PP_SCHEDULES, ParallelPlan
 from modelpar.planner.cost import StepEstimate, _finish, rank_step, tp_bytes_per_sample
 from modelpar.planner.hardware import Hardware
 from modelpar.planner.legality import tp_violations
+from modelpar.planner.memo import PlannerCache
 from modelpar.planner.memory import OPTIMIZER_BYTES, Batch, MemoryEstimate, in_flight, rank_loads, rank_memory
 from modelpar.planner.profile import ModelProfile
 
@@ -188,10 +189,10 @@ def _plan_memory(plan: ParallelPlan, reps, b: int, acc: int, kw: dict, budget: f
     """(estimate, total) of the most loaded representative rank; stops at the first rank over
     ``budget`` (the total is then a lower bound, enough to prune). A rank's memory depends on the
     schedule only through the micro-batches it holds in flight, so schedules that agree on that
-    share the estimate (``memo``, one per layout)."""
+    share the estimate (``memo``, one per layout: its loads differ only by the virtual stages)."""
     mem, mem_total = None, 0.0
     for r, ld in reps:
-        mkey = (id(ld), r, b, acc, plan.n_microbatches, plan.activation_checkpointing, plan.ac_every,
+        mkey = (plan.virtual_stages, r, b, acc, plan.n_microbatches, plan.activation_checkpointing, plan.ac_every,
                 plan.defer_grad_sync, in_flight(plan, r))
         hit = memo.get(mkey)
         if hit is None:
@@ -257,6 +258,7 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
     arch = profile.arch
     num_layers = len(profile.blocks) - 2 if arch and len(profile.blocks) >= 3 else len(profile.blocks)
     rep = SearchReport(num_devices)
+    cache = PlannerCache(profile, hw)        # the memo tables of this search (`memo.PlannerCache`)
     load_cache: dict[tuple, tuple] = {}
     act_bytes = 2 if precision == "bf16" else 4
     flops = (profile.fwd_flops_per_sample, profile.train_flops_per_sample - profile.fwd_flops_per_sample)
@@ -282,7 +284,7 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
     overhead = hw.framework_overhead_bytes
     state_bytes = 8 + OPTIMIZER_BYTES[optimizer]
     mem_kw = dict(optimizer=optimizer, overhead_bytes=overhead, global_batch_size=global_batch_size,
-                  foreach=foreach, recv_per_microbatch=recv_per_microbatch, gloo=gloo)
+                  foreach=foreach, recv_per_microbatch=recv_per_microbatch, gloo=gloo, cache=cache)
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -319,7 +321,7 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                 if cached is None:
                     plan0 = ParallelPlan(tp=tp, pp=pp, virtual_stages=v, sequence_parallel=sp,
                                          pp_schedule=sched, precision=precision)
-                    reps = _representatives(rank_loads(profile, plan0, act_bytes=act_bytes))
+                    reps = _representatives(rank_loads(profile, plan0, act_bytes=act_bytes, cache=cache))
                     cached = load_cache[key] = (reps, [ld for _, ld in reps],
                                                 max(ld.params for _, ld in reps), _ac_bounds(reps))
                 reps, loads, max_params, (core_bound, neg_bound, in_bound) = cached
@@ -383,8 +385,9 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                             if tpb is None:
                                 tpb = tp_bytes_per_sample(profile, pl)
                             parts = rank_step(loads, pl, hw, micro_batch_size=b, accumulation=acc,
-                                              optimizer=optimizer, tp_bytes=tpb, dp_overlap=dp_overlap)
-                            st = _finish(parts, profile, pl, global_batch_size, flops)
+                                              optimizer=optimizer, tp_bytes=tpb, dp_overlap=dp_overlap,
+                                              cache=cache)
+                            st = _finish(parts, profile, pl, global_batch_size, flops, cache)
                             ranked.append(Candidate(pl, Batch(global_batch_size, local), mm, st))
                             sort_keys.append((st.total, mt))
     finally:
