@@ -107,3 +107,86 @@ def test_a_cache_serves_one_profile_and_one_hardware():
         estimate_step(prof, plan, Batch(8, 4), BUILTIN["A100-80GB"], cache=cache)
     with pytest.raises(ValueError, match="serves another model profile"):
         estimate_step(other, plan, Batch(8, 4), BUILTIN["H100-80GB-SXM"], cache=cache)
+
+
+# ---- runtime_layout: one decision for parallelize and the planner --------------------------------
+from modelpar.plan import ParallelPlan, runtime_layout  # noqa: E402
+
+LAYOUT_PLANS = [
+    (ParallelPlan(), "none"),
+    (ParallelPlan(dp_replicate=2), "ddp"),
+    (ParallelPlan(dp_shard=2), "fsdp"),
+    (ParallelPlan(dp_replicate=2, dp_shard=2), "hsdp"),
+    (ParallelPlan(dp_replicate=2, tp=2), "replicate"),
+    (ParallelPlan(dp_replicate=2, pp=2, n_microbatches=2), "replicate"),
+    (ParallelPlan(dp_shard=2, pp=2, n_microbatches=2), "fsdp"),
+]
+
+
+def _applied_wrapper(pm) -> str:
+    """The data-parallel wrapper a `ParallelModel` runs, read from its modules."""
+    from torch.distributed._composable_state import _get_module_state
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(pm.wrapped, DistributedDataParallel):
+        return "ddp"
+    state = _get_module_state(pm.modules[0])
+    if state is None:
+        return "none"
+    name = type(state).__name__
+    if name == "_ReplicateState":
+        return "replicate"
+    assert name == "FSDPState", name
+    return "hsdp" if type(state._fsdp_param_group.mesh_info).__name__ == "HSDPMeshInfo" else "fsdp"
+
+
+@pytest.mark.parametrize("plan,wrapper", LAYOUT_PLANS, ids=lambda x: x.describe() if hasattr(x, "describe") else x)
+def test_parallelize_applies_the_runtime_layout(plan, wrapper):
+    """In one process with a fake process group of the plan's world size (collectives are no-ops),
+    `parallelize` wraps a tiny GPT with the wrapper `runtime_layout` names."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from modelpar.models import build_model
+    from modelpar.parallel.compose import parallelize
+    from modelpar.parallel.mesh import build_mesh
+
+    assert runtime_layout(plan).dp_wrapper == wrapper
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
+    try:
+        model = build_model("gpt-nano")
+        x = torch.zeros(2, model.cfg.seq_len, dtype=torch.long)
+        pm = parallelize(model, plan, build_mesh(plan, torch.device("cpu")),
+                         loss_fn=lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()),
+                         device=torch.device("cpu"), example_input=x if plan.pp > 1 else None)
+        assert _applied_wrapper(pm) == wrapper
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_planner_charges_the_runtime_layout(monkeypatch):
+    """The memory and step-time models read `runtime_layout`: told that a TP x dp_replicate plan
+    runs DDP instead of FSDP2's replicate, they charge DDP's buckets (memory) and bucket timing."""
+    from modelpar.cli.common import profile_for
+    from modelpar.planner import cost, memory
+    from modelpar.plan import RuntimeLayout
+
+    prof, _ = profile_for("gpt-nano", {}, 16, "fp32")
+    plan = ParallelPlan(dp_replicate=2, tp=2)
+    batch = memory.Batch(8, 4)
+    hw = BUILTIN["H100-80GB-SXM"]
+    mem = memory.estimate_memory(prof, plan, batch)
+    step = cost.estimate_step(prof, plan, batch, hw)
+    as_ddp = RuntimeLayout("ddp", ("dp_replicate",), False)
+    monkeypatch.setattr(memory, "runtime_layout", lambda p: as_ddp)
+    monkeypatch.setattr(cost, "runtime_layout", lambda p: as_ddp)
+    ddp_mem = memory.estimate_memory(prof, plan, batch)
+    ddp_step = cost.estimate_step(prof, plan, batch, hw)
+    ld = memory.rank_loads(prof, plan, act_bytes=4)[0]
+    # replicate: one group's fp32 reduce buffer, gradients of their own; DDP: 4 B/param of buckets
+    # that are the gradients' storage
+    assert mem.comm_buffers == pytest.approx(4 * max(ld.max_unit_params, ld.root_params)) and mem.grads > 0
+    assert ddp_mem.comm_buffers == pytest.approx(4 * ld.params) and ddp_mem.grads == 0.0
+    assert ddp_step.dp_comm != pytest.approx(step.dp_comm, rel=0.1)

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from modelpar.plan import ParallelPlan
+from modelpar.plan import ParallelPlan, runtime_layout
 # the collective (alpha-beta) and pipeline-bubble formulas live in formulas.py, re-exported here
 from modelpar.planner.formulas import (all_gather_time, all_reduce_time, alpha_beta_form,  # noqa: F401
                                        bubble_fraction, p2p_time)
@@ -269,8 +269,9 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     wb = gather_bytes or (2 if prec == "bf16" else 4)
     # modelpar runs dp_replicate under PP or TP through FSDP2's replicate (`parallel.compose`):
     # per-group all-reduces (on devices that overlap; CPU keeps its calibrated bucket terms)
-    rep_rt = (plan.dp_shard == 1 and plan.dp_replicate > 1
-              and (replicate if replicate is not None else (p > 1 or plan.tp > 1)))
+    layout = runtime_layout(plan)
+    rep_rt = (layout.dp_wrapper == "replicate" if replicate is None
+              else (replicate and layout.dp_wrapper in ("ddp", "replicate")))
     cm = _comm_terms(ld, plan, hw, b, wb, dp_overlap, reduce_bytes, p2p_scatter_gather,
                      rep_rt and overlap, cache)
     t_p2p = 2 * v * cm["p2p"] if p > 1 else 0.0
@@ -324,7 +325,7 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
             dp_exposed = max(t_ar - t_b, last) + _nccl_share(plan, "dp_replicate", hw, phys) * min(t_ar, t_b)
         elif not dp_overlap:         # one all-reduce of a contiguous gradient buffer after backward
             dp_exposed = t_ar
-        elif p == 1 and plan.tp == 1:
+        elif layout.dp_wrapper == "ddp":
             # torch DDP with gradient_as_bucket_view=True (`apply_ddp`): the gradients are the
             # buckets, nothing is copied
             dp_exposed = t_ar
@@ -353,7 +354,7 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
 def fsdp_sharded_accumulation(plan: ParallelPlan) -> bool:
     """FSDP without a pipeline and without ``defer_grad_sync``: each local batch of gradient
     accumulation is reduce-scattered and the shards accumulate (FSDP2's default; `ParallelModel`)."""
-    return plan.dp_shard > 1 and plan.pp == 1 and not plan.defer_grad_sync
+    return runtime_layout(plan).sharded_grad_accumulation
 
 
 def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: Hardware, *,

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from modelpar.plan import ParallelPlan
+from modelpar.plan import ParallelPlan, runtime_layout
 from modelpar.planner.loads import RankLoad, rank_loads, stage_ranges  # noqa: F401  (re-exported)
 from modelpar.planner.memo import PlannerCache
 from modelpar.planner.profile import ModelProfile
@@ -282,16 +282,17 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
     # DDP's buckets (4 B/param, from construction on). modelpar's runtime (``ddp_bucket_copy=None``):
     # `apply_ddp` makes the gradients views into them (gradient_as_bucket_view=True), so no gradient
     # storage beside them. Under PP or TP it runs FSDP2's replicate instead
-    # (`parallel.compose.parallelize`, `data_parallel.apply_replicate`): no buckets; each block's
+    # (`plan.runtime_layout`, which `parallel.compose.parallelize` applies): no buckets; each block's
     # (and last the root's) unsharded gradients are copied into one flat fp32 buffer
     # (reduce_dtype=float32), all-reduced and written into the replicated fp32 gradients, the
     # unsharded ones then freed, so beside the gradients (4 B/param) one group's buffer exists at a
     # time; counted as a buffer of the largest group through the step (at most a block's worth
     # more than at the optimizer step). True: torch DDP's default, the buckets a copy beside the
     # gradients; False: gradients reduced in place (Megatron-LM's contiguous gradient buffer).
-    ddp = plan.dp_replicate > 1 and not fsdp
-    replicate = ddp and ddp_bucket_copy is None and (pp or plan.tp > 1)
-    ddp_view = ddp and ddp_bucket_copy is None and not replicate
+    layout = runtime_layout(plan)            # the wrapper `parallelize` applies (modelpar's runtime)
+    ddp = layout.dp_wrapper in ("ddp", "replicate")
+    replicate = ddp_bucket_copy is None and layout.dp_wrapper == "replicate"
+    ddp_view = ddp_bucket_copy is None and layout.dp_wrapper == "ddp"
     if replicate:
         comm_persist += 4 * max(ld.max_unit_params, ld.root_params)
     elif ddp and ddp_bucket_copy is not False:
@@ -300,7 +301,7 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
         grads = 0.0
     # FSDP without a pipeline accumulates sharded gradients (reduce-scatter every local batch) unless
     # the plan defers the sync (`ParallelPlan.defer_grad_sync`: unsharded gradients accumulate)
-    sharded_acc = fsdp and not pp and not plan.defer_grad_sync and accumulation > 1
+    sharded_acc = layout.sharded_grad_accumulation and accumulation > 1
     # autocast keeps a bf16 copy of every weight it cast, from forward to the end of backward
     cast_cache = 2 * P if (bf16 and not fsdp) else 0.0
     # FSDP's root parameters (embed/head) stay gathered from forward to the end of backward
