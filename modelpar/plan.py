@@ -393,9 +393,13 @@ def runtime_layout(plan: ParallelPlan) -> RuntimeLayout:
     alone: FSDP2 ``replicate`` under a pipeline or TP, torch DDP otherwise.
     """
     if plan.dp_shard > 1:
-        hsdp = plan.dp_replicate > 1
-        return RuntimeLayout("hsdp" if hsdp else "fsdp", ("dp_replicate", "dp_shard") if hsdp else ("dp_shard",),
-                             plan.pp == 1 and not plan.defer_grad_sync)
+        return _LAYOUTS["hsdp" if plan.dp_replicate > 1 else "fsdp", plan.pp == 1 and not plan.defer_grad_sync]
     if plan.dp_replicate > 1:
-        return RuntimeLayout("replicate" if (plan.pp > 1 or plan.tp > 1) else "ddp", ("dp_replicate",), False)
-    return RuntimeLayout("none", (), False)
+        return _LAYOUTS["replicate" if (plan.pp > 1 or plan.tp > 1) else "ddp", False]
+    return _LAYOUTS["none", False]
+
+
+# every layout `runtime_layout` returns (immutable; the planner asks ~10^5 times a search)
+_LAYOUTS = {(w, sharded): RuntimeLayout(w, {"none": (), "ddp": ("dp_replicate",), "replicate": ("dp_replicate",),
+                                            "fsdp": ("dp_shard",), "hsdp": ("dp_replicate", "dp_shard")}[w], sharded)
+            for w in DP_WRAPPERS for sharded in (False, True)}

@@ -22,7 +22,7 @@ from modelpar.planner.cost import StepEstimate, _finish, rank_step, tp_bytes_per
 from modelpar.planner.hardware import Hardware
 from modelpar.planner.legality import tp_violations
 from modelpar.planner.memo import PlannerCache
-from modelpar.planner.memory import OPTIMIZER_BYTES, Batch, MemoryEstimate, in_flight, rank_loads, rank_memory
+from modelpar.planner.memory import OPTIMIZER_BYTES, Batch, MemoryEstimate, in_flight, memory_form, rank_loads
 from modelpar.planner.profile import ModelProfile
 
 VIRTUAL_STAGES = (2, 4, 8)
@@ -185,18 +185,28 @@ def _plan(plans: dict, dr, ds, tp, pp, sched, m, v, ac, k, defer, precision, sp)
     return plan
 
 
-def _plan_memory(plan: ParallelPlan, reps, b: int, acc: int, kw: dict, budget: float, memo: dict):
+def _plan_memory(plan: ParallelPlan, reps, b: int, acc: int, kw: dict, budget: float, memo: dict,
+                 forms: dict, overhead: float):
     """(estimate, total) of the most loaded representative rank; stops at the first rank over
     ``budget`` (the total is then a lower bound, enough to prune). A rank's memory depends on the
     schedule only through the micro-batches it holds in flight, so schedules that agree on that
-    share the estimate (``memo``, one per layout: its loads differ only by the virtual stages)."""
+    share the estimate (``memo``, one per layout: its loads differ only by the virtual stages), and
+    on (b, m, accumulation, in flight) only through `memory.MemoryForm.at`: one form per rank and
+    checkpointing / sync variant (``forms``, one per layout), the same numbers as `rank_memory`."""
     mem, mem_total = None, 0.0
+    v, m, ac, k, defer = (plan.virtual_stages, plan.n_microbatches, plan.activation_checkpointing, plan.ac_every,
+                          plan.defer_grad_sync)
+    pp = plan.pp > 1
     for r, ld in reps:
-        mkey = (plan.virtual_stages, r, b, acc, plan.n_microbatches, plan.activation_checkpointing, plan.ac_every,
-                plan.defer_grad_sync, in_flight(plan, r))
+        w = in_flight(plan, r)
+        mkey = (v, r, b, acc, m, ac, k, defer, w)
         hit = memo.get(mkey)
         if hit is None:
-            e = rank_memory(ld, plan, micro_batch_size=b, pp_rank=r, accumulation=acc, **kw)
+            fkey = (v, r, ac, k, defer)
+            form = forms.get(fkey)
+            if form is None:
+                form = forms[fkey] = memory_form(ld, plan, **kw)
+            e = form.at(b, m if pp else 1, acc, w if pp else 1.0, r, overhead)
             hit = memo[mkey] = (e, e.total)
         e, e_total = hit
         if mem is None or e_total > mem_total:
@@ -283,7 +293,7 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
     sort_keys: list[tuple[float, float]] = []
     overhead = hw.framework_overhead_bytes
     state_bytes = 8 + OPTIMIZER_BYTES[optimizer]
-    mem_kw = dict(optimizer=optimizer, overhead_bytes=overhead, global_batch_size=global_batch_size,
+    mem_kw = dict(optimizer=optimizer, global_batch_size=global_batch_size,
                   foreach=foreach, recv_per_microbatch=recv_per_microbatch, gloo=gloo, cache=cache)
     gc_was_enabled = gc.isenabled()
     gc.disable()
@@ -310,6 +320,8 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                 continue
             sp = sequence_parallel and tp > 1
             mem_memo: dict[tuple, tuple] = {}     # rank memory of this layout's plans (see below)
+            forms: dict[tuple, object] = {}      # and its `memory.MemoryForm`s
+            mem_args = (mem_kw, budget, mem_memo, forms, overhead)
             # (b, m, accumulation steps, local batch size): the same for every schedule of the layout
             inner_acc = [(b, m, global_batch_size // (b * m * dp), b * m) for b, m in inner]
             for sched, v in scheds:
@@ -357,15 +369,15 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                             continue
                         if ac == "every-k" and has_full:
                             if full_res is None:
-                                full_res = _plan_memory(_plan(plans, dr, ds, tp, pp, sched, m, v, "full", 1, False,
-                                                              precision, sp), reps, b, acc, mem_kw, budget, mem_memo)
+                                fplan = _plan(plans, dr, ds, tp, pp, sched, m, v, "full", 1, False, precision, sp)
+                                full_res = _plan_memory(fplan, reps, b, acc, *mem_args)
                             if full_res[1] - budget > b * (m * neg_bound + in_bound):
                                 pruned["activations exceed memory"] += per
                                 continue
                         plan = (plans.get((m, ac, k, False))
                                 or _plan(plans, dr, ds, tp, pp, sched, m, v, ac, k, False, precision, sp))
                         mem, mem_total = (full_res if (ac == "full" and full_res is not None)
-                                          else _plan_memory(plan, reps, b, acc, mem_kw, budget, mem_memo))
+                                          else _plan_memory(plan, reps, b, acc, *mem_args))
                         if mem_total > budget:
                             pruned["activations exceed memory"] += per
                             if ac == "none":
@@ -376,7 +388,7 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                         variants = [(plan, mem, mem_total)]
                         if can_defer:           # more memory than the plan without it: only if that fits
                             dplan = _plan(plans, dr, ds, tp, pp, sched, m, v, ac, k, True, precision, sp)
-                            dmem, dtot = _plan_memory(dplan, reps, b, acc, mem_kw, budget, mem_memo)
+                            dmem, dtot = _plan_memory(dplan, reps, b, acc, *mem_args)
                             if dtot > budget:
                                 pruned["activations exceed memory"] += 1
                             else:
