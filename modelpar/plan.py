@@ -335,8 +335,6 @@ def gradient_accumulation_steps(global_batch_size: int, local_batch_size: int, d
     return global_batch_size // per_step
 
 
-
-
 # ---- the runtime's data-parallel wrappers ------------------------------------------------------
 DP_WRAPPERS = ("none", "ddp", "replicate", "fsdp", "hsdp")
 
