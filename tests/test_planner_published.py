@@ -1,14 +1,12 @@
-"""Published GPU runs as tests (issue 14, item 4): a fast subset of benchmarks/planner_published.py,
+"""Published GPU runs as tests (issue 14, item 4): a fast subset of `modelpar.planner.published`
+(the rows benchmarks/planner_published.py prints),
 the cited GPU tables (modelpar/planner/gpu.py) and Megatron-LM's runtime terms. Pure Python on the
 meta device (a few seconds)."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,23 +18,14 @@ from modelpar.planner.gpu import A100, GPU_PHYSICS, H100, physics_for
 from modelpar.planner.calibration import Calibration
 from modelpar.planner.hardware import BUILTIN, cpu_profile
 from modelpar.planner.memory import Batch, estimate_memory, rank_loads
+from modelpar.planner import published
 from modelpar.planner.profile import profile_model
 from modelpar.planner.runtimes import vocab_parallel_profile
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("planner_published", ROOT / "benchmarks" / "planner_published.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod          # dataclasses look their module up while the file executes
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return _bench()
+    return published
 
 
 # ---- the published rows ------------------------------------------------------------------------
@@ -72,7 +61,7 @@ def test_published_1t_layout_fits_with_megatron_terms(bench):
     # vocabulary-parallel embedding / head and with a DDP bucket copy and logits-sized sends
     prof = bench.gpt_profile(51200, 2048, 128, 160, 25600, attention="megatron", dropout=0.1)
     plan = ParallelPlan(tp=8, pp=64, n_microbatches=512, activation_checkpointing="full", precision="bf16")
-    st, mem = bench._megatron(prof, plan, Batch(512, 512), ddp="local", selective=False, micro=1)
+    st, mem = bench.megatron_estimate(prof, plan, Batch(512, 512), ddp="local", selective=False, micro=1)
     assert mem.total < 80 * 2**30
     plain = estimate_memory(prof, plan, Batch(512, 512), overhead_bytes=2**30, recv_per_microbatch=False,
                             fused_tp_optimizer=True)
