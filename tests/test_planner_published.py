@@ -198,3 +198,43 @@ def test_replicate_under_pipeline_reduces_after_the_schedule(bench):
     plain = ParallelPlan(dp_replicate=8, precision="bf16")
     assert estimate_step(prof, plain, Batch(32, 4), hw) == estimate_step(prof, plain, Batch(32, 4), hw,
                                                                              replicate=False)
+
+
+# ---- full recompute: the checkpointed blocks only ----------------------------------------------
+def test_full_recompute_replays_the_blocks_not_embedding_head_or_loss():
+    # modelpar (`parallel.checkpointing`: the transformer blocks), Megatron-LM (--recompute-granularity
+    # full: the transformer layers) and llm-foundry (MPT blocks) checkpoint the blocks only: the
+    # embedding, the output layer and the loss run once; full == every-k with k = 1
+    prof = _gpt(vocab_size=50304, seq_len=256, n_layer=2, n_head=4, d_model=256)
+    hw = BUILTIN["A100-80GB"]
+    plans = {ac: ParallelPlan(dp_shard=8, precision="bf16", activation_checkpointing=ac, ac_every=1)
+             for ac in ("none", "full", "every-k")}
+    st = {ac: estimate_step(prof, p, Batch(64, 8), hw) for ac, p in plans.items()}
+    assert st["full"].recompute == pytest.approx(st["every-k"].recompute, rel=1e-9)
+    blocks = sum(b.fwd_flops for b in prof.blocks[1:-1]) / prof.batch_size
+    assert blocks < 0.5 * prof.fwd_flops_per_sample          # the 50k-vocabulary head dominates here
+    assert st["full"].hardware_flops - st["full"].model_flops == pytest.approx(64 * blocks, rel=1e-9)
+    # a model without a transformer's embedding / head (every block checkpointed): the whole forward
+    from modelpar.models import build_model
+    mp = profile_model(build_model("mlp-small", device="meta"), torch.zeros(4, 1000, device="meta"))
+    full = estimate_step(mp, ParallelPlan(activation_checkpointing="full"), Batch(4, 4), hw)
+    assert full.hardware_flops - full.model_flops == pytest.approx(4 * mp.fwd_flops_per_sample, rel=1e-9)
+
+
+# ---- FSDP1's BACKWARD_POST prefetch (Composer's default) ----------------------------------------
+def test_backward_post_prefetch_exposes_the_backward_gathers():
+    from modelpar.planner.cost import _fsdp_exposed
+    cm = {"ag": 10.0, "first": 1.0, "ag_root": 2.0, "rs": 12.0, "rs_unit": 1.5, "rs_root": 3.0}
+    # BACKWARD_POST issues the next unit's all-gather after the current unit's gradient computation:
+    # the re-gathers (10) wait in the open, only the reduce-scatters overlap the next unit's backward
+    got = _fsdp_exposed(cm, 2, 5.0, 100.0, 0.0, reduce=True, post_prefetch=True)
+    assert math.isclose(got, 3.0 + 4.0 + 10.0 + 4.5)
+    assert math.isclose(_fsdp_exposed(cm, 2, 5.0, 100.0, 0.25, reduce=True, post_prefetch=True),
+                        21.5 + 0.25 * (5.0 + 7.5))
+    prof = _gpt(vocab_size=1024, seq_len=256, n_layer=4, n_head=4, d_model=512)
+    hw, plan, batch = BUILTIN["A100-80GB"], ParallelPlan(dp_shard=8, precision="bf16"), Batch(16, 2)
+    pre = estimate_step(prof, plan, batch, hw)
+    post = estimate_step(prof, plan, batch, hw, backward_prefetch="post")
+    assert post.dp_comm > pre.dp_comm and post.compute == pre.compute
+    with pytest.raises(ValueError, match="backward_prefetch='late'"):
+        estimate_step(prof, plan, batch, hw, backward_prefetch="late")

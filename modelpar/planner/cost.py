@@ -13,8 +13,9 @@ Sources:
   Sec. 3); ZB-V about 0.
 - Compute: matmul-class FLOPs / (peak x achievable GEMM fraction) + memory-bound bytes /
   (bandwidth x fraction) + ops x per-op overhead (a roofline split, Williams et al., CACM 2009).
-- Full recompute adds one forward per micro-batch (Chen et al. 2016; Korthikanti Sec. 5); every-k
-  the checkpointed blocks' share of it, selective the attention cores' forward
+- Full recompute adds the blocks' forward per micro-batch (Chen et al. 2016; Korthikanti Sec. 5; a
+  transformer's embedding, head and loss are not checkpointed, so they run once); every-k the
+  checkpointed blocks' share of it, selective the attention cores' forward
   (`modelpar.planner.recompute`); recomputed blocks replay their TP all-reduces.
 - MFU / HFU: Chowdhery et al., "PaLM" (2022), App. B: model FLOPs count each forward once, hardware
   FLOPs include the recomputed forward.
@@ -180,7 +181,8 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
               accumulation: int, optimizer: str, tp_bytes: float, dp_overlap: bool = True,
               fused_tp_optimizer: bool = False, reduce_bytes: float = 4,
               gather_bytes: float | None = None, attention_kernel: str | None = None,
-              p2p_scatter_gather: bool = False, replicate: bool | None = None) -> dict:
+              p2p_scatter_gather: bool = False, replicate: bool | None = None,
+              backward_prefetch: str = "pre") -> dict:
     """Seconds of one step on the slowest pipeline rank; ``tp_bytes`` = block output per sample.
 
     CPU-specific terms (zero where the hardware profile lacks them): fresh allocations
@@ -195,6 +197,10 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     ``replicate``: dp_replicate runs FSDP2's replicate (per-group reductions; under a pipeline once
     after the schedule) rather than torch DDP's buckets; None: modelpar's runtime (replicate under
     PP or TP, DDP otherwise); False for other runtimes' DDP (Megatron-LM rows).
+    ``backward_prefetch``: when FSDP issues the all-gather of the unit whose backward runs next:
+    ``"pre"`` before the current unit's gradient computation (FSDP2, modelpar's runtime; FSDP1's
+    BACKWARD_PRE), ``"post"`` after it (FSDP1's BACKWARD_POST, Composer's default): the
+    re-gathers are exposed (`comms._fsdp_exposed`); on devices that overlap only.
     """
     prec = plan.precision
     flops_s = hw.achievable_flops(prec)
@@ -239,9 +245,8 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
             _LOAD_TIMES[key] = (ld, hw, (t_f, t_b))
         if zb != 1.0:
             t_b *= zb
-        t_rc = t_f if ac else 0.0
-        rc_share = 1.0 if ac else 0.0
-        if partial_ac:       # every-k / selective (`modelpar.planner.recompute`)
+        t_rc, rc_share = 0.0, 0.0
+        if ac or partial_ac:     # the checkpointed blocks' share / the cores (`modelpar.planner.recompute`)
             rc_share, attn_f = recompute_share(ld, plan)
             t_rc = rc_share * t_f + (attn_f * b / attn_rate if attn_rate else attn_f * b / flops_s)
         # DTensor's per-call cost of each sharded Linear (dispatch, sharding propagation, input and
@@ -283,10 +288,12 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
             # sync only in the last local batch; under a pipeline torch's runtime reduces once
             # after the schedule's last backward (`PipelineStage.perform_reduce_grad`), exposed
             deferred = plan.defer_grad_sync and mbs > 1
+            post = backward_prefetch == "post"
             fsdp_per_mb = _fsdp_exposed(cm, gathers, t_f, t_b + t_rc, share,
-                                        reduce=p == 1 and not deferred)
+                                        reduce=p == 1 and not deferred, post_prefetch=post)
             if deferred:
-                dp_exposed = _fsdp_exposed(cm, gathers, t_f, t_b + t_rc, share, reduce=True) - fsdp_per_mb
+                dp_exposed = (_fsdp_exposed(cm, gathers, t_f, t_b + t_rc, share, reduce=True, post_prefetch=post)
+                              - fsdp_per_mb)
             elif p > 1:
                 dp_exposed = rs
         else:
@@ -356,7 +363,8 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
                   optimizer: str = "adamw", dp_overlap: bool = True,
                   fused_tp_optimizer: bool = False, reduce_bytes: float = 4,
                   gather_bytes: float | None = None, attention_kernel: str | None = None,
-                  p2p_scatter_gather: bool = False, replicate: bool | None = None) -> StepEstimate:
+                  p2p_scatter_gather: bool = False, replicate: bool | None = None,
+                  backward_prefetch: str = "pre") -> StepEstimate:
     """Predict one optimizer step of ``plan`` on ``hw`` (see module docstring for the formulas).
 
     Args:
@@ -369,13 +377,17 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
         fused_tp_optimizer: tensor-parallel plans step with a fused AdamW too (Megatron-LM's fused
             Adam); by default they pay the single-tensor loop modelpar's TP runs (see
             `modelpar.train.step.adamw`).
-        reduce_bytes, gather_bytes, attention_kernel, p2p_scatter_gather, replicate: see `rank_step`.
+        reduce_bytes, gather_bytes, attention_kernel, p2p_scatter_gather, replicate,
+            backward_prefetch: see `rank_step`.
 
     Raises:
-        ValueError: batch sizes that do not divide, unknown optimizer or precision.
+        ValueError: batch sizes that do not divide, unknown optimizer, precision or
+            ``backward_prefetch``.
     """
     if optimizer not in OPT_TRAFFIC:
         raise ValueError(f"optimizer={optimizer!r} is unknown; valid: {', '.join(OPT_TRAFFIC)}")
+    if backward_prefetch not in ("pre", "post"):
+        raise ValueError(f"backward_prefetch={backward_prefetch!r} is unknown; valid: pre, post")
     b = batch.micro_batch_size(plan)
     acc = batch.accumulation_steps(plan)
     loads = rank_loads(profile, plan, act_bytes=2 if plan.precision == "bf16" else 4)
@@ -383,7 +395,8 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
                       tp_bytes=tp_bytes_per_sample(profile, plan), dp_overlap=dp_overlap,
                       fused_tp_optimizer=fused_tp_optimizer, reduce_bytes=reduce_bytes,
                       gather_bytes=gather_bytes, attention_kernel=attention_kernel,
-                      p2p_scatter_gather=p2p_scatter_gather, replicate=replicate)
+                      p2p_scatter_gather=p2p_scatter_gather, replicate=replicate,
+                      backward_prefetch=backward_prefetch)
     return _finish(parts, profile, plan, batch.global_batch_size)
 
 
@@ -401,10 +414,7 @@ def _finish(parts: dict, profile: ModelProfile, plan: ParallelPlan, global_batch
         flops = (profile.fwd_flops_per_sample, profile.train_flops_per_sample - profile.fwd_flops_per_sample)
     fwd, bwd = flops
     model = global_batch * (fwd + bwd)
-    if plan.activation_checkpointing in ("every-k", "selective"):
-        hw_flops = model + global_batch * recompute_flops_per_sample(profile, plan)
-    else:
-        hw_flops = model + (global_batch * fwd if plan.activation_checkpointing == "full" else 0.0)
+    hw_flops = model + global_batch * recompute_flops_per_sample(profile, plan)
     return StepEstimate(**parts, model_flops=model, hardware_flops=hw_flops,
                         num_devices=plan.world_size, samples=global_batch,
                         tokens_per_sample=profile.tokens_per_sample)

@@ -35,7 +35,13 @@ Each row is predicted for the runtime it ran on; describing that runtime is not 
   them "the 2023 kernels"; the table is also printed with FlashAttention-2, ``--mosaic-kernel fa2``,
   as a sensitivity check), gradients reduce-scattered every micro-batch; Composer's mixed-precision modes (``composer/trainer/dist.py``
   of that time): DEFAULT gathers fp32 parameters and reduces in bf16, PURE gathers and reduces in
-  bf16. The MPT shape: vocabulary 50,368, FFN 4 d, learned positions; modelpar's GPT also has
+  bf16. Composer's FSDP1 defaults of that time (``composer/trainer/dist.py``: ``backward_prefetch``
+  BACKWARD_POST, ``forward_prefetch`` False; llm-foundry's ``submit_benchmarks.py`` sets
+  ``limit_all_gathers``): each unit's backward all-gather is issued after the previous unit's
+  gradient computation, so it is exposed (``backward_prefetch="post"``, `comms._fsdp_exposed`).
+  Not described (a known gap): llm-foundry's benchmark yamls of that time select
+  ``attn_impl: triton`` (the Triton FlashAttention kernel), for which no cited A100 table is at
+  hand; the FlashAttention v1 table stands in for it. The MPT shape: vocabulary 50,368, FFN 4 d, learned positions; modelpar's GPT also has
   biases and an untied head (a small difference in parameters, none in matmul FLOPs except biases).
 
 The only constants not from the tables in ``modelpar/planner/gpu.py`` are at most one efficiency
@@ -278,7 +284,7 @@ def mosaic_rows(fast: bool = False, kernel: str | None = None) -> list[Result]:
         assert batch.accumulation_steps(plan) == accum, (model, seq)
         gather = 4 if mp == "DEFAULT" else 2
         st = estimate_step(prof, plan, batch, A100, reduce_bytes=2, gather_bytes=gather,
-                           attention_kernel=kernel or MOSAIC_KERNEL)
+                           attention_kernel=kernel or MOSAIC_KERNEL, backward_prefetch="post")
         mem = estimate_memory(prof, plan, batch, overhead_bytes=A100.framework_overhead_bytes)
         pred = B * seq / (st.total * gpus)
         out.append(Result("mosaic", "Composer FSDP", f"{model} s{seq} {gpus}g b{micro}", plan.describe(), tps, pred,
