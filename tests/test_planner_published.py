@@ -238,3 +238,26 @@ def test_backward_post_prefetch_exposes_the_backward_gathers():
     assert post.dp_comm > pre.dp_comm and post.compute == pre.compute
     with pytest.raises(ValueError, match="backward_prefetch='late'"):
         estimate_step(prof, plan, batch, hw, backward_prefetch="late")
+
+
+# ---- autocast over fp32 weights -----------------------------------------------------------------
+def test_autocast_weight_casts_on_gpus():
+    # torch.autocast casts each fp32 matmul weight to bf16 once per forward region (read 4, write 2
+    # bytes per element) and its gradient back to fp32 in backward (read 2, write 4): Composer's
+    # DEFAULT mode (fp32 parameters gathered) and modelpar's autocast runs (bf16 without FSDP2)
+    prof = _gpt(vocab_size=1024, seq_len=256, n_layer=4, n_head=4, d_model=512)
+    hw, batch = BUILTIN["A100-80GB"], Batch(16, 2)
+    fsdp = ParallelPlan(dp_shard=8, precision="bf16")
+    ld = rank_loads(prof, fsdp, act_bytes=2)[0]
+    weights = ld.gemm_param_bytes[0] / 2
+    mem_s = hw.mem_bandwidth * A100.hbm_fraction
+    plain = estimate_step(prof, fsdp, batch, hw)                    # FSDP2's bf16 parameters: no cast
+    cast = estimate_step(prof, fsdp, batch, hw, gather_bytes=4, autocast_weights=True)
+    assert cast.compute - plain.compute == pytest.approx(12 * weights / mem_s, rel=1e-6)
+    ddp = ParallelPlan(dp_replicate=8, precision="bf16")            # modelpar's DDP runs under autocast
+    assert (estimate_step(prof, ddp, batch, hw).compute
+            > estimate_step(prof, ddp, batch, hw, autocast_weights=False).compute)
+    cpu = cpu_profile(2)                                            # CPU profiles: unchanged
+    assert (estimate_step(prof, ParallelPlan(dp_replicate=2, precision="bf16"), Batch(4, 2), cpu)
+            == estimate_step(prof, ParallelPlan(dp_replicate=2, precision="bf16"), Batch(4, 2), cpu,
+                             autocast_weights=False))

@@ -182,7 +182,7 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
               fused_tp_optimizer: bool = False, reduce_bytes: float = 4,
               gather_bytes: float | None = None, attention_kernel: str | None = None,
               p2p_scatter_gather: bool = False, replicate: bool | None = None,
-              backward_prefetch: str = "pre") -> dict:
+              backward_prefetch: str = "pre", autocast_weights: bool | None = None) -> dict:
     """Seconds of one step on the slowest pipeline rank; ``tp_bytes`` = block output per sample.
 
     CPU-specific terms (zero where the hardware profile lacks them): fresh allocations
@@ -201,6 +201,12 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     ``"pre"`` before the current unit's gradient computation (FSDP2, modelpar's runtime; FSDP1's
     BACKWARD_PRE), ``"post"`` after it (FSDP1's BACKWARD_POST, Composer's default): the
     re-gathers are exposed (`comms._fsdp_exposed`); on devices that overlap only.
+    ``autocast_weights``: the matmuls' weights are fp32 under ``torch.autocast`` (bf16 plans), which
+    casts each weight to bf16 once per forward region (read 4 + write 2 bytes per element, the
+    recomputed forward again) and its gradient back to fp32 in backward (read 2 + write 4), at the
+    HBM rate (built-in GPUs; `gpu.py`). None: modelpar's runtime (autocast unless FSDP2's or
+    replicate's MixedPrecisionPolicy holds bf16 parameters: `ParallelModel`); True for Composer's
+    DEFAULT mode (fp32 parameters gathered), False for runtimes that keep 16-bit weights.
     """
     prec = plan.precision
     flops_s = hw.achievable_flops(prec)
@@ -232,6 +238,10 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     # re-reads activations and output gradients the cache has lost; calibrated on CPU, 1 elsewhere
     zb = (cal.zero_bubble_backward_factor
           if p > 1 and plan.pp_schedule in ZERO_BUBBLE_SCHEDULES else 1.0)
+    if autocast_weights is None:        # modelpar: `parallel.compose` (fsdp_style -> MixedPrecisionPolicy)
+        autocast_weights = not (plan.dp_shard > 1 or (plan.dp_replicate > 1 and (p > 1 or plan.tp > 1)))
+    cast_elems = 1.0 / (2 if prec == "bf16" else 4)
+    cast_b = 6.0 * cast_elems / mem_s if (phys is not None and prec == "bf16" and autocast_weights) else 0.0
     for ld in loads:
         key = (id(ld), id(hw), b, prec, alone, attention_kernel)
         hit = _LOAD_TIMES.get(key)
@@ -245,6 +255,9 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
             _LOAD_TIMES[key] = (ld, hw, (t_f, t_b))
         if zb != 1.0:
             t_b *= zb
+        if cast_b:                      # autocast's weight casts, forward and backward
+            t_f += cast_b * ld.gemm_param_bytes[0]
+            t_b += cast_b * ld.gemm_param_bytes[0]
         t_rc, rc_share = 0.0, 0.0
         if ac or partial_ac:     # the checkpointed blocks' share / the cores (`modelpar.planner.recompute`)
             rc_share, attn_f = recompute_share(ld, plan)
@@ -364,7 +377,7 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
                   fused_tp_optimizer: bool = False, reduce_bytes: float = 4,
                   gather_bytes: float | None = None, attention_kernel: str | None = None,
                   p2p_scatter_gather: bool = False, replicate: bool | None = None,
-                  backward_prefetch: str = "pre") -> StepEstimate:
+                  backward_prefetch: str = "pre", autocast_weights: bool | None = None) -> StepEstimate:
     """Predict one optimizer step of ``plan`` on ``hw`` (see module docstring for the formulas).
 
     Args:
@@ -378,7 +391,7 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
             Adam); by default they pay the single-tensor loop modelpar's TP runs (see
             `modelpar.train.step.adamw`).
         reduce_bytes, gather_bytes, attention_kernel, p2p_scatter_gather, replicate,
-            backward_prefetch: see `rank_step`.
+            backward_prefetch, autocast_weights: see `rank_step`.
 
     Raises:
         ValueError: batch sizes that do not divide, unknown optimizer, precision or
@@ -396,7 +409,7 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
                       fused_tp_optimizer=fused_tp_optimizer, reduce_bytes=reduce_bytes,
                       gather_bytes=gather_bytes, attention_kernel=attention_kernel,
                       p2p_scatter_gather=p2p_scatter_gather, replicate=replicate,
-                      backward_prefetch=backward_prefetch)
+                      backward_prefetch=backward_prefetch, autocast_weights=autocast_weights)
     return _finish(parts, profile, plan, batch.global_batch_size)
 
 

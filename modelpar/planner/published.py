@@ -39,6 +39,9 @@ Each row is predicted for the runtime it ran on; describing that runtime is not 
   BACKWARD_POST, ``forward_prefetch`` False; llm-foundry's ``submit_benchmarks.py`` sets
   ``limit_all_gathers``): each unit's backward all-gather is issued after the previous unit's
   gradient computation, so it is exposed (``backward_prefetch="post"``, `comms._fsdp_exposed`).
+  Under DEFAULT the gathered fp32 weights are cast by ``torch.autocast`` (``precision: amp_bf16``)
+  in every forward and their gradients back in backward (``autocast_weights``); Megatron-LM's
+  fp16 modules hold 16-bit weights (no cast).
   Not described (a known gap): llm-foundry's benchmark yamls of that time select
   ``attn_impl: triton`` (the Triton FlashAttention kernel), for which no cited A100 table is at
   hand; the FlashAttention v1 table stands in for it. The MPT shape: vocabulary 50,368, FFN 4 d, learned positions; modelpar's GPT also has
@@ -212,7 +215,7 @@ def megatron_estimate(profile, plan, batch, *, ddp: str, selective: bool, micro:
     mem = estimate_memory(mprof, plan, batch, overhead_bytes=A100.framework_overhead_bytes,
                           recv_per_microbatch=False, ddp_bucket_copy=(ddp == "torch"), **MEGATRON_RUNTIME)
     st = estimate_step(prof, plan, batch, A100, dp_overlap=(ddp == "torch"), reduce_bytes=2,
-                       p2p_scatter_gather=True, replicate=False, **MEGATRON_RUNTIME)
+                       p2p_scatter_gather=True, replicate=False, autocast_weights=False, **MEGATRON_RUNTIME)
     if selective:
         # the attention core's extra forward, per layer and micro-batch, on every rank's layers;
         # the pipeline's idle time grows with the per-micro-batch work (cost.rank_step's bubble)
@@ -284,7 +287,8 @@ def mosaic_rows(fast: bool = False, kernel: str | None = None) -> list[Result]:
         assert batch.accumulation_steps(plan) == accum, (model, seq)
         gather = 4 if mp == "DEFAULT" else 2
         st = estimate_step(prof, plan, batch, A100, reduce_bytes=2, gather_bytes=gather,
-                           attention_kernel=kernel or MOSAIC_KERNEL, backward_prefetch="post")
+                           attention_kernel=kernel or MOSAIC_KERNEL, backward_prefetch="post",
+                           autocast_weights=(mp == "DEFAULT"))
         mem = estimate_memory(prof, plan, batch, overhead_bytes=A100.framework_overhead_bytes)
         pred = B * seq / (st.total * gpus)
         out.append(Result("mosaic", "Composer FSDP", f"{model} s{seq} {gpus}g b{micro}", plan.describe(), tps, pred,
