@@ -261,3 +261,26 @@ def test_autocast_weight_casts_on_gpus():
     assert (estimate_step(prof, ParallelPlan(dp_replicate=2, precision="bf16"), Batch(4, 2), cpu)
             == estimate_step(prof, ParallelPlan(dp_replicate=2, precision="bf16"), Batch(4, 2), cpu,
                              autocast_weights=False))
+
+
+# ---- FSDP2's copies on the compute stream -------------------------------------------------------
+def test_fsdp2_copy_out_and_reduce_scatter_copy_in_on_gpus():
+    # torch's FSDP2 (`_fsdp_collectives.foreach_all_gather_copy_out` after the all-gather event, and
+    # `foreach_reduce_scatter_copy_in` before the reduce-scatter stream waits) copies on the compute
+    # stream: gathered parameters out of the flat buffer (read + write, every gather), unsharded
+    # gradients into the reduce-scatter input (read in the parameter dtype, write in the reduce
+    # dtype). FSDP1's flat parameter gathers in place and casts on its own streams: no such copies
+    prof = _gpt(vocab_size=1024, seq_len=256, n_layer=4, n_head=4, d_model=512)
+    hw, plan, batch = BUILTIN["H100-80GB-SXM"], ParallelPlan(dp_shard=8, precision="bf16"), Batch(16, 2)
+    ld = rank_loads(prof, plan, act_bytes=2)[0]
+    mem_s = hw.mem_bandwidth * H100.hbm_fraction
+    root = ld.root_params
+    want = (2 * 2 * 2 * (ld.params - root) + 2 * 2 * root + (2 + 4) * ld.params) / mem_s
+    fsdp2 = estimate_step(prof, plan, batch, hw)
+    fsdp1 = estimate_step(prof, plan, batch, hw, fsdp_stream_copies=False)
+    assert fsdp2.dp_comm - fsdp1.dp_comm == pytest.approx(want, rel=1e-6)
+    # CPU profiles (no overlap) keep their own copy terms: unchanged
+    cpu = cpu_profile(2)
+    p2 = ParallelPlan(dp_shard=2)
+    assert estimate_step(prof, p2, Batch(4, 2), cpu) == estimate_step(prof, p2, Batch(4, 2), cpu,
+                                                                       fsdp_stream_copies=False)

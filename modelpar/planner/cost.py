@@ -182,7 +182,8 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
               fused_tp_optimizer: bool = False, reduce_bytes: float = 4,
               gather_bytes: float | None = None, attention_kernel: str | None = None,
               p2p_scatter_gather: bool = False, replicate: bool | None = None,
-              backward_prefetch: str = "pre", autocast_weights: bool | None = None) -> dict:
+              backward_prefetch: str = "pre", autocast_weights: bool | None = None,
+              fsdp_stream_copies: bool = True) -> dict:
     """Seconds of one step on the slowest pipeline rank; ``tp_bytes`` = block output per sample.
 
     CPU-specific terms (zero where the hardware profile lacks them): fresh allocations
@@ -207,6 +208,9 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     HBM rate (built-in GPUs; `gpu.py`). None: modelpar's runtime (autocast unless FSDP2's or
     replicate's MixedPrecisionPolicy holds bf16 parameters: `ParallelModel`); True for Composer's
     DEFAULT mode (fp32 parameters gathered), False for runtimes that keep 16-bit weights.
+    ``fsdp_stream_copies``: FSDP2's all-gather copy-out and reduce-scatter copy-in run on the compute
+    stream (devices that overlap; torch's ``_fsdp_collectives``); False for FSDP1's flat parameters
+    (gathered in place, gradients cast on FSDP1's post-backward stream).
     """
     prec = plan.precision
     flops_s = hw.achievable_flops(prec)
@@ -309,6 +313,16 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
                               - fsdp_per_mb)
             elif p > 1:
                 dp_exposed = rs
+            if fsdp_stream_copies:
+                # FSDP2 copies on the compute stream (torch's `_fsdp_collectives`): every gather's
+                # copy-out of the flat buffer (read + write; the root once per micro-batch), and each
+                # reduce-scatter's copy-in of the unsharded gradients (read wb, write reduce dtype)
+                fsdp_per_mb += 2 * wb * (gathers * (ld.params - root) + root) / mem_s
+                copy_in = (wb + reduce_bytes) * ld.params / mem_s
+                if p == 1 and not deferred:
+                    fsdp_per_mb += copy_in
+                else:
+                    dp_exposed += copy_in
         else:
             # FSDP2's buffers: each gather fills a new flat all-gather output and copies it out into
             # new unsharded parameters (read + write); reduce-scatter copies the unsharded gradients
@@ -377,7 +391,8 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
                   fused_tp_optimizer: bool = False, reduce_bytes: float = 4,
                   gather_bytes: float | None = None, attention_kernel: str | None = None,
                   p2p_scatter_gather: bool = False, replicate: bool | None = None,
-                  backward_prefetch: str = "pre", autocast_weights: bool | None = None) -> StepEstimate:
+                  backward_prefetch: str = "pre", autocast_weights: bool | None = None,
+                  fsdp_stream_copies: bool = True) -> StepEstimate:
     """Predict one optimizer step of ``plan`` on ``hw`` (see module docstring for the formulas).
 
     Args:
@@ -391,7 +406,7 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
             Adam); by default they pay the single-tensor loop modelpar's TP runs (see
             `modelpar.train.step.adamw`).
         reduce_bytes, gather_bytes, attention_kernel, p2p_scatter_gather, replicate,
-            backward_prefetch, autocast_weights: see `rank_step`.
+            backward_prefetch, autocast_weights, fsdp_stream_copies: see `rank_step`.
 
     Raises:
         ValueError: batch sizes that do not divide, unknown optimizer, precision or
@@ -409,7 +424,8 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
                       fused_tp_optimizer=fused_tp_optimizer, reduce_bytes=reduce_bytes,
                       gather_bytes=gather_bytes, attention_kernel=attention_kernel,
                       p2p_scatter_gather=p2p_scatter_gather, replicate=replicate,
-                      backward_prefetch=backward_prefetch, autocast_weights=autocast_weights)
+                      backward_prefetch=backward_prefetch, autocast_weights=autocast_weights,
+                      fsdp_stream_copies=fsdp_stream_copies)
     return _finish(parts, profile, plan, batch.global_batch_size)
 
 

@@ -41,7 +41,9 @@ Each row is predicted for the runtime it ran on; describing that runtime is not 
   gradient computation, so it is exposed (``backward_prefetch="post"``, `comms._fsdp_exposed`).
   Under DEFAULT the gathered fp32 weights are cast by ``torch.autocast`` (``precision: amp_bf16``)
   in every forward and their gradients back in backward (``autocast_weights``); Megatron-LM's
-  fp16 modules hold 16-bit weights (no cast).
+  fp16 modules hold 16-bit weights (no cast). FSDP1's flat parameters are gathered in place and
+  its gradient casts run on its post-backward stream (``fsdp_stream_copies=False``; FSDP2 copies on
+  the compute stream).
   Not described (a known gap): llm-foundry's benchmark yamls of that time select
   ``attn_impl: triton`` (the Triton FlashAttention kernel), for which no cited A100 table is at
   hand; the FlashAttention v1 table stands in for it. The MPT shape: vocabulary 50,368, FFN 4 d, learned positions; modelpar's GPT also has
@@ -288,7 +290,7 @@ def mosaic_rows(fast: bool = False, kernel: str | None = None) -> list[Result]:
         gather = 4 if mp == "DEFAULT" else 2
         st = estimate_step(prof, plan, batch, A100, reduce_bytes=2, gather_bytes=gather,
                            attention_kernel=kernel or MOSAIC_KERNEL, backward_prefetch="post",
-                           autocast_weights=(mp == "DEFAULT"))
+                           autocast_weights=(mp == "DEFAULT"), fsdp_stream_copies=False)
         mem = estimate_memory(prof, plan, batch, overhead_bytes=A100.framework_overhead_bytes)
         pred = B * seq / (st.total * gpus)
         out.append(Result("mosaic", "Composer FSDP", f"{model} s{seq} {gpus}g b{micro}", plan.describe(), tps, pred,
