@@ -284,3 +284,18 @@ def test_fsdp2_copy_out_and_reduce_scatter_copy_in_on_gpus():
     p2 = ParallelPlan(dp_shard=2)
     assert estimate_step(prof, p2, Batch(4, 2), cpu) == estimate_step(prof, p2, Batch(4, 2), cpu,
                                                                        fsdp_stream_copies=False)
+
+
+# ---- Megatron-LM's fp16 optimizer with fp32 main weights ---------------------------------------
+def test_master_weights_optimizer_traffic():
+    # Float16OptimizerWithFloat16Params: model gradients copied to fp32 main gradients (read 2,
+    # write 4), unscaled and checked for inf / nan (read 4, write 4), main weights copied back to
+    # the 16-bit model weights (read 4, write 2): 20 B/parameter beyond the AdamW step
+    prof = _gpt(vocab_size=1024, seq_len=256, n_layer=4, n_head=4, d_model=512)
+    hw, plan, batch = BUILTIN["A100-80GB"], ParallelPlan(tp=8, precision="bf16"), Batch(8, 8)
+    ld = rank_loads(prof, plan, act_bytes=2)[0]
+    a = estimate_step(prof, plan, batch, hw, fused_tp_optimizer=True)
+    m = estimate_step(prof, plan, batch, hw, fused_tp_optimizer=True, master_weights=True)
+    assert m.optimizer - a.optimizer == pytest.approx(20 * ld.params / (hw.mem_bandwidth * A100.hbm_fraction))
+    cpu, p1 = cpu_profile(1), ParallelPlan()
+    assert estimate_step(prof, p1, Batch(2, 2), cpu, master_weights=True) == estimate_step(prof, p1, Batch(2, 2), cpu)

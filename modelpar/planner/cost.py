@@ -77,6 +77,11 @@ OPT_KERNELS = {"sgd": 1 + 4, "sgd_momentum": 3 + 4, "adamw": 1 + 4}
 # torch's single-tensor loop (`modelpar.train.step.adamw`): mul_ 8, lerp_ 12, mul_ 8, addcmul_ 16,
 # sqrt 8, div 8, add_ 8, addcdiv_ 16 = 84 B/param, 8 kernels and two new tensors (sqrt, div) per tensor
 ADAMW_LOOP_TRAFFIC, ADAMW_LOOP_KERNELS = 84 + 12, 8 + 4
+# 16-bit model weights with fp32 main weights in the optimizer (Megatron-LM's
+# Float16OptimizerWithFloat16Params, megatron/optimizer/optimizer.py): per step the model gradients
+# are copied into fp32 main gradients (read 2, write 4), unscaled and checked for inf / nan (read 4,
+# write 4), and the updated main weights copied back into the model's (read 4, write 2)
+MASTER_WEIGHT_TRAFFIC = 6 + 8 + 6
 
 
 @dataclass(slots=True)
@@ -183,7 +188,7 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
               gather_bytes: float | None = None, attention_kernel: str | None = None,
               p2p_scatter_gather: bool = False, replicate: bool | None = None,
               backward_prefetch: str = "pre", autocast_weights: bool | None = None,
-              fsdp_stream_copies: bool = True) -> dict:
+              fsdp_stream_copies: bool = True, master_weights: bool = False) -> dict:
     """Seconds of one step on the slowest pipeline rank; ``tp_bytes`` = block output per sample.
 
     CPU-specific terms (zero where the hardware profile lacks them): fresh allocations
@@ -211,6 +216,8 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     ``fsdp_stream_copies``: FSDP2's all-gather copy-out and reduce-scatter copy-in run on the compute
     stream (devices that overlap; torch's ``_fsdp_collectives``); False for FSDP1's flat parameters
     (gathered in place, gradients cast on FSDP1's post-backward stream).
+    ``master_weights``: 16-bit model weights with fp32 main weights in the optimizer
+    (`MASTER_WEIGHT_TRAFFIC` per parameter and step; GPU profiles; Megatron-LM's fp16 runs).
     """
     prec = plan.precision
     flops_s = hw.achievable_flops(prec)
@@ -374,6 +381,8 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
             opt += 2 * hw.fresh_seconds([k / plan.dp_shard for k in ld.param_sizes], 4)
     else:
         opt = local * (ADAMW_LOOP_TRAFFIC if loop else OPT_TRAFFIC[optimizer]) / mem_s
+        if master_weights:
+            opt += local * MASTER_WEIGHT_TRAFFIC / mem_s
     return {"compute": mbs * (t_f + t_b) + t_acc, "recompute": mbs * t_rc,
             "tp_comm": mbs * t_tp, "pp_comm": mbs * t_p2p,
             "dp_comm": dp_exposed + mbs * fsdp_per_mb, "bubble": accumulation * bub,
@@ -392,7 +401,7 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
                   gather_bytes: float | None = None, attention_kernel: str | None = None,
                   p2p_scatter_gather: bool = False, replicate: bool | None = None,
                   backward_prefetch: str = "pre", autocast_weights: bool | None = None,
-                  fsdp_stream_copies: bool = True) -> StepEstimate:
+                  fsdp_stream_copies: bool = True, master_weights: bool = False) -> StepEstimate:
     """Predict one optimizer step of ``plan`` on ``hw`` (see module docstring for the formulas).
 
     Args:
@@ -406,7 +415,8 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
             Adam); by default they pay the single-tensor loop modelpar's TP runs (see
             `modelpar.train.step.adamw`).
         reduce_bytes, gather_bytes, attention_kernel, p2p_scatter_gather, replicate,
-            backward_prefetch, autocast_weights, fsdp_stream_copies: see `rank_step`.
+            backward_prefetch, autocast_weights, fsdp_stream_copies, master_weights: see
+            `rank_step`.
 
     Raises:
         ValueError: batch sizes that do not divide, unknown optimizer, precision or
@@ -425,7 +435,7 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
                       gather_bytes=gather_bytes, attention_kernel=attention_kernel,
                       p2p_scatter_gather=p2p_scatter_gather, replicate=replicate,
                       backward_prefetch=backward_prefetch, autocast_weights=autocast_weights,
-                      fsdp_stream_copies=fsdp_stream_copies)
+                      fsdp_stream_copies=fsdp_stream_copies, master_weights=master_weights)
     return _finish(parts, profile, plan, batch.global_batch_size)
 
 

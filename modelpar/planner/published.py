@@ -41,7 +41,8 @@ Each row is predicted for the runtime it ran on; describing that runtime is not 
   gradient computation, so it is exposed (``backward_prefetch="post"``, `comms._fsdp_exposed`).
   Under DEFAULT the gathered fp32 weights are cast by ``torch.autocast`` (``precision: amp_bf16``)
   in every forward and their gradients back in backward (``autocast_weights``); Megatron-LM's
-  fp16 modules hold 16-bit weights (no cast). FSDP1's flat parameters are gathered in place and
+  fp16 modules hold 16-bit weights (no cast) beside fp32 main weights in its fp16 optimizer
+  (``master_weights``: gradient copy, unscale and inf check, main-to-model weight copy per step). FSDP1's flat parameters are gathered in place and
   its gradient casts run on its post-backward stream (``fsdp_stream_copies=False``; FSDP2 copies on
   the compute stream).
   Not described (a known gap): llm-foundry's benchmark yamls of that time select
@@ -217,7 +218,8 @@ def megatron_estimate(profile, plan, batch, *, ddp: str, selective: bool, micro:
     mem = estimate_memory(mprof, plan, batch, overhead_bytes=A100.framework_overhead_bytes,
                           recv_per_microbatch=False, ddp_bucket_copy=(ddp == "torch"), **MEGATRON_RUNTIME)
     st = estimate_step(prof, plan, batch, A100, dp_overlap=(ddp == "torch"), reduce_bytes=2,
-                       p2p_scatter_gather=True, replicate=False, autocast_weights=False, **MEGATRON_RUNTIME)
+                       p2p_scatter_gather=True, replicate=False, autocast_weights=False, master_weights=True,
+                       **MEGATRON_RUNTIME)
     if selective:
         # the attention core's extra forward, per layer and micro-batch, on every rank's layers;
         # the pipeline's idle time grows with the per-micro-batch work (cost.rank_step's bubble)
