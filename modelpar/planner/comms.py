@@ -179,7 +179,7 @@ def _nccl_share(plan: ParallelPlan, axis: str, hw: Hardware, phys) -> float:
 
 
 def _fsdp_exposed(cm: dict, gathers: int, t_fwd: float, t_bwd: float, sm_share: float, *,
-                  reduce: bool, post_prefetch: bool = False) -> float:
+                  reduce: bool) -> float:
     """Seconds of FSDP2 communication one micro-batch does not hide, on a device that overlaps
     (``cm``: `_comm_terms`; ``gathers``: 2 with ``reshard_after_forward``; ``t_fwd`` / ``t_bwd``:
     forward and backward compute seconds, the backward's recompute included; ``reduce``: this
@@ -199,13 +199,7 @@ def _fsdp_exposed(cm: dict, gathers: int, t_fwd: float, t_bwd: float, sm_share: 
     - contention: NCCL runs its collectives as kernels, one CTA per channel, each holding an SM for
       the collective's duration, so compute under a hidden collective runs on the other SMs
       (``sm_share`` = NCCL's CTAs / SMs, `gpu.GpuPhysics.nccl_sm_share`): it takes
-      ``sm_share`` x (hidden time) longer.
-
-    ``post_prefetch``: FSDP1's ``BackwardPrefetch.BACKWARD_POST`` (PyTorch FSDP API docs: the next
-    parameters are all-gathered *after* the current unit's gradient computation, which overlaps
-    only the current reduce-scatter with the next gradient computation; Composer's default,
-    ``composer/trainer/dist.py``): the backward's re-gathers are exposed, its reduce-scatters hide
-    behind the backward. FSDP2 prefetches as ``BACKWARD_PRE`` does (the default, False)."""
+      ``sm_share`` x (hidden time) longer."""
     ag, ag_u = cm["ag"], min(cm["first"], cm["ag"])
     head = cm["ag_root"] + ag_u
     fwd = ag - ag_u
@@ -215,8 +209,5 @@ def _fsdp_exposed(cm: dict, gathers: int, t_fwd: float, t_bwd: float, sm_share: 
         rs_u = min(cm["rs_unit"], cm["rs"] - cm["rs_root"])
         bwd += cm["rs"] - cm["rs_root"] - rs_u
         tail = rs_u + cm["rs_root"]
-    if post_prefetch:            # the re-gathers wait in the open between two units' backward
-        tail += (gathers - 1) * ag
-        bwd -= (gathers - 1) * ag
     ex_f, ex_b = max(0.0, fwd - t_fwd), max(0.0, bwd - t_bwd)
     return head + ex_f + ex_b + tail + sm_share * ((fwd - ex_f) + (bwd - ex_b))

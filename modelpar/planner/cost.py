@@ -187,8 +187,8 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
               fused_tp_optimizer: bool = False, reduce_bytes: float = 4,
               gather_bytes: float | None = None, attention_kernel: str | None = None,
               p2p_scatter_gather: bool = False, replicate: bool | None = None,
-              backward_prefetch: str = "pre", autocast_weights: bool | None = None,
-              fsdp_stream_copies: bool = True, master_weights: bool = False) -> dict:
+              autocast_weights: bool | None = None, fsdp_stream_copies: bool = True,
+              master_weights: bool = False) -> dict:
     """Seconds of one step on the slowest pipeline rank; ``tp_bytes`` = block output per sample.
 
     CPU-specific terms (zero where the hardware profile lacks them): fresh allocations
@@ -203,10 +203,6 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     ``replicate``: dp_replicate runs FSDP2's replicate (per-group reductions; under a pipeline once
     after the schedule) rather than torch DDP's buckets; None: modelpar's runtime (replicate under
     PP or TP, DDP otherwise); False for other runtimes' DDP (Megatron-LM rows).
-    ``backward_prefetch``: when FSDP issues the all-gather of the unit whose backward runs next:
-    ``"pre"`` before the current unit's gradient computation (FSDP2, modelpar's runtime; FSDP1's
-    BACKWARD_PRE), ``"post"`` after it (FSDP1's BACKWARD_POST, Composer's default): the
-    re-gathers are exposed (`comms._fsdp_exposed`); on devices that overlap only.
     ``autocast_weights``: the matmuls' weights are fp32 under ``torch.autocast`` (bf16 plans), which
     casts each weight to bf16 once per forward region (read 4 + write 2 bytes per element, the
     recomputed forward again) and its gradient back to fp32 in backward (read 2 + write 4), at the
@@ -312,12 +308,10 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
             # sync only in the last local batch; under a pipeline torch's runtime reduces once
             # after the schedule's last backward (`PipelineStage.perform_reduce_grad`), exposed
             deferred = plan.defer_grad_sync and mbs > 1
-            post = backward_prefetch == "post"
             fsdp_per_mb = _fsdp_exposed(cm, gathers, t_f, t_b + t_rc, share,
-                                        reduce=p == 1 and not deferred, post_prefetch=post)
+                                        reduce=p == 1 and not deferred)
             if deferred:
-                dp_exposed = (_fsdp_exposed(cm, gathers, t_f, t_b + t_rc, share, reduce=True, post_prefetch=post)
-                              - fsdp_per_mb)
+                dp_exposed = _fsdp_exposed(cm, gathers, t_f, t_b + t_rc, share, reduce=True) - fsdp_per_mb
             elif p > 1:
                 dp_exposed = rs
             if fsdp_stream_copies:
@@ -400,8 +394,8 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
                   fused_tp_optimizer: bool = False, reduce_bytes: float = 4,
                   gather_bytes: float | None = None, attention_kernel: str | None = None,
                   p2p_scatter_gather: bool = False, replicate: bool | None = None,
-                  backward_prefetch: str = "pre", autocast_weights: bool | None = None,
-                  fsdp_stream_copies: bool = True, master_weights: bool = False) -> StepEstimate:
+                  autocast_weights: bool | None = None, fsdp_stream_copies: bool = True,
+                  master_weights: bool = False) -> StepEstimate:
     """Predict one optimizer step of ``plan`` on ``hw`` (see module docstring for the formulas).
 
     Args:
@@ -415,17 +409,13 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
             Adam); by default they pay the single-tensor loop modelpar's TP runs (see
             `modelpar.train.step.adamw`).
         reduce_bytes, gather_bytes, attention_kernel, p2p_scatter_gather, replicate,
-            backward_prefetch, autocast_weights, fsdp_stream_copies, master_weights: see
-            `rank_step`.
+            autocast_weights, fsdp_stream_copies, master_weights: see `rank_step`.
 
     Raises:
-        ValueError: batch sizes that do not divide, unknown optimizer, precision or
-            ``backward_prefetch``.
+        ValueError: batch sizes that do not divide, unknown optimizer or precision.
     """
     if optimizer not in OPT_TRAFFIC:
         raise ValueError(f"optimizer={optimizer!r} is unknown; valid: {', '.join(OPT_TRAFFIC)}")
-    if backward_prefetch not in ("pre", "post"):
-        raise ValueError(f"backward_prefetch={backward_prefetch!r} is unknown; valid: pre, post")
     b = batch.micro_batch_size(plan)
     acc = batch.accumulation_steps(plan)
     loads = rank_loads(profile, plan, act_bytes=2 if plan.precision == "bf16" else 4)
@@ -434,8 +424,8 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
                       fused_tp_optimizer=fused_tp_optimizer, reduce_bytes=reduce_bytes,
                       gather_bytes=gather_bytes, attention_kernel=attention_kernel,
                       p2p_scatter_gather=p2p_scatter_gather, replicate=replicate,
-                      backward_prefetch=backward_prefetch, autocast_weights=autocast_weights,
-                      fsdp_stream_copies=fsdp_stream_copies, master_weights=master_weights)
+                      autocast_weights=autocast_weights, fsdp_stream_copies=fsdp_stream_copies,
+                      master_weights=master_weights)
     return _finish(parts, profile, plan, batch.global_batch_size)
 
 

@@ -37,8 +37,13 @@ Each row is predicted for the runtime it ran on; describing that runtime is not 
   of that time): DEFAULT gathers fp32 parameters and reduces in bf16, PURE gathers and reduces in
   bf16. Composer's FSDP1 defaults of that time (``composer/trainer/dist.py``: ``backward_prefetch``
   BACKWARD_POST, ``forward_prefetch`` False; llm-foundry's ``submit_benchmarks.py`` sets
-  ``limit_all_gathers``): each unit's backward all-gather is issued after the previous unit's
-  gradient computation, so it is exposed (``backward_prefetch="post"``, `comms._fsdp_exposed`).
+  ``limit_all_gathers``). BACKWARD_POST issues a unit's backward all-gather from the previous
+  unit's post-backward hook, *before* that unit's reduce-scatter, on FSDP1's unshard stream, which
+  does not wait for the compute stream (torch's ``fsdp/_runtime_utils.py``: ``_post_backward_hook``
+  -> ``_post_backward_reshard`` -> ``_prefetch_handle``; ``_unshard``); with the CPU thread ahead of
+  the GPU (the rate limiter keeps it at most two gathers ahead) the gather runs beside the previous
+  unit's backward, as FSDP2's prefetch does, so the same exposure model (`comms._fsdp_exposed`)
+  applies.
   Under DEFAULT the gathered fp32 weights are cast by ``torch.autocast`` (``precision: amp_bf16``)
   in every forward and their gradients back in backward (``autocast_weights``); Megatron-LM's
   fp16 modules hold 16-bit weights (no cast) beside fp32 main weights in its fp16 optimizer
@@ -291,8 +296,8 @@ def mosaic_rows(fast: bool = False, kernel: str | None = None) -> list[Result]:
         assert batch.accumulation_steps(plan) == accum, (model, seq)
         gather = 4 if mp == "DEFAULT" else 2
         st = estimate_step(prof, plan, batch, A100, reduce_bytes=2, gather_bytes=gather,
-                           attention_kernel=kernel or MOSAIC_KERNEL, backward_prefetch="post",
-                           autocast_weights=(mp == "DEFAULT"), fsdp_stream_copies=False)
+                           attention_kernel=kernel or MOSAIC_KERNEL, autocast_weights=(mp == "DEFAULT"),
+                           fsdp_stream_copies=False)
         mem = estimate_memory(prof, plan, batch, overhead_bytes=A100.framework_overhead_bytes)
         pred = B * seq / (st.total * gpus)
         out.append(Result("mosaic", "Composer FSDP", f"{model} s{seq} {gpus}g b{micro}", plan.describe(), tps, pred,
