@@ -29,6 +29,9 @@ Each row is predicted for the runtime it ran on; describing that runtime is not 
   ``ddp_bucket_copy=False``) or torch DDP for PP = 1 (overlapped, bucket copy). Selective
   recomputation: `runtimes.selective_recompute_profile` (memory) and
   `runtimes.attention_core_seconds` (the extra forward of the core, per layer and micro-batch).
+  Its fp16 modules hold 16-bit weights (``autocast_weights=False``) beside fp32 main weights in
+  its fp16 optimizer (``master_weights``: gradient copy, unscale and inf check, main-to-model
+  weight copy per step).
 - MosaicML: Composer FSDP1 FULL_SHARD (ZeRO-3 over all GPUs), bf16 autocast, FlashAttention v1
   (the A100 table predates llm-foundry's ``gpu-flash2`` extra: its 2023 environments pin
   ``flash-attn==v1.0.3.post0``, e.g. llm-foundry's Dockerfile and MPT notebooks; the reference calls
@@ -45,15 +48,15 @@ Each row is predicted for the runtime it ran on; describing that runtime is not 
   unit's backward, as FSDP2's prefetch does, so the same exposure model (`comms._fsdp_exposed`)
   applies.
   Under DEFAULT the gathered fp32 weights are cast by ``torch.autocast`` (``precision: amp_bf16``)
-  in every forward and their gradients back in backward (``autocast_weights``); Megatron-LM's
-  fp16 modules hold 16-bit weights (no cast) beside fp32 main weights in its fp16 optimizer
-  (``master_weights``: gradient copy, unscale and inf check, main-to-model weight copy per step). FSDP1's flat parameters are gathered in place and
-  its gradient casts run on its post-backward stream (``fsdp_stream_copies=False``; FSDP2 copies on
-  the compute stream).
+  in every forward and their gradients back in backward (``autocast_weights``). FSDP1's flat
+  parameters are gathered in place and its gradient casts run on its post-backward stream
+  (``fsdp_stream_copies=False``; FSDP2 copies on the compute stream). Activation checkpointing
+  wraps the MPT blocks only (the embedding, head and loss run once, as the planner's "full" does).
   Not described (a known gap): llm-foundry's benchmark yamls of that time select
   ``attn_impl: triton`` (the Triton FlashAttention kernel), for which no cited A100 table is at
-  hand; the FlashAttention v1 table stands in for it. The MPT shape: vocabulary 50,368, FFN 4 d, learned positions; modelpar's GPT also has
-  biases and an untied head (a small difference in parameters, none in matmul FLOPs except biases).
+  hand; the FlashAttention v1 table stands in for it. The MPT shape: vocabulary 50,368, FFN 4 d,
+  learned positions; modelpar's GPT also has biases and an untied head (a small difference in
+  parameters, none in matmul FLOPs except biases).
 
 The only constants not from the tables in ``modelpar/planner/gpu.py`` are at most one efficiency
 factor per framework, fitted leave-one-out (each row's factor is the geometric mean of published /
