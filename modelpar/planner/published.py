@@ -22,11 +22,12 @@ Each row is predicted for the runtime it ran on; describing that runtime is not 
   with the fused scale-mask-softmax and CUDA dropout (``attention="megatron"``, dropout 0.1 as
   Megatron's defaults), the vocabulary-parallel embedding and output layer with the loss on sharded
   logits (`runtimes.vocab_parallel_profile`), apex's fused Adam (``fused_tp_optimizer``), fp16
-  gradients reduced in fp16 (``reduce_bytes=2``: no ``--accumulate-allreduce-grads-in-fp32`` under
-  fp16), its own pipeline runtime (two reused receive buffers, ``recv_per_microbatch=False``), and
-  the scatter / gather of pipeline transfers over the TP ranks (SC'21 Sec. 4.1,
-  ``p2p_scatter_gather``), and Megatron's DDP for PP > 1 (all-reduce after backward in place: ``dp_overlap=False``,
-  ``ddp_bucket_copy=False``) or torch DDP for PP = 1 (overlapped, bucket copy). Selective
+  gradients reduced in fp16 (``reduce_bytes=2``: Megatron-LM's
+  ``accumulate_allreduce_grads_in_fp32`` off under fp16), its own pipeline runtime (two reused
+  receive buffers, ``recv_per_microbatch=False``), and the scatter / gather of pipeline transfers
+  over the TP ranks (SC'21 Sec. 4.1, ``p2p_scatter_gather``), and Megatron's DDP for PP > 1
+  (all-reduce after backward in place: ``dp_overlap=False``, ``ddp_bucket_copy=False``) or torch
+  DDP for PP = 1 (overlapped, bucket copy). Selective
   recomputation: `runtimes.selective_recompute_profile` (memory) and
   `runtimes.attention_core_seconds` (the extra forward of the core, per layer and micro-batch).
   Its fp16 modules hold 16-bit weights (``autocast_weights=False``) beside fp32 main weights in
@@ -35,9 +36,9 @@ Each row is predicted for the runtime it ran on; describing that runtime is not 
 - MosaicML: Composer FSDP1 FULL_SHARD (ZeRO-3 over all GPUs), bf16 autocast, FlashAttention v1
   (the A100 table predates llm-foundry's ``gpu-flash2`` extra: its 2023 environments pin
   ``flash-attn==v1.0.3.post0``, e.g. llm-foundry's Dockerfile and MPT notebooks; the reference calls
-  them "the 2023 kernels"; the table is also printed with FlashAttention-2, ``--mosaic-kernel fa2``,
-  as a sensitivity check), gradients reduce-scattered every micro-batch; Composer's mixed-precision modes (``composer/trainer/dist.py``
-  of that time): DEFAULT gathers fp32 parameters and reduces in bf16, PURE gathers and reduces in
+  them "the 2023 kernels"; the table is also printed with FlashAttention-2, ``kernel="fa2"``
+  (the benchmark's mosaic-kernel option), as a sensitivity check), gradients reduce-scattered
+  every micro-batch; Composer's mixed-precision modes (``composer/trainer/dist.py`` of that time): DEFAULT gathers fp32 parameters and reduces in bf16, PURE gathers and reduces in
   bf16. Composer's FSDP1 defaults of that time (``composer/trainer/dist.py``: ``backward_prefetch``
   BACKWARD_POST, ``forward_prefetch`` False; llm-foundry's ``submit_benchmarks.py`` sets
   ``limit_all_gathers``). BACKWARD_POST issues a unit's backward all-gather from the previous
@@ -63,7 +64,7 @@ factor per framework, fitted leave-one-out (each row's factor is the geometric m
 predicted throughput over the *other* rows of its framework); every table is printed with the
 factor and with it at 1.
 
-Printed by ``PYTHONPATH=. .venv/bin/python benchmarks/planner_published.py [--fast] [--mosaic-kernel fa1|fa2]``.
+Printed by ``benchmarks/planner_published.py`` (its docstring gives the command and options).
 """
 
 from __future__ import annotations

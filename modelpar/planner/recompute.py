@@ -70,7 +70,7 @@ def recompute_share(ld, plan: ParallelPlan) -> tuple[float, float]:
     """(share of the rank's forward recomputed, fused-attention forward FLOPs per sample recomputed)
     under ``plan``: full and every-k: the checkpointed blocks' share of forward FLOPs (full: every
     block, never a transformer's embedding, head or loss, as `parallel.checkpointing`, Megatron-LM's
-    ``--recompute-granularity full`` and llm-foundry's block wrapping run it; 1 without block
+    ``recompute_granularity="full"`` and llm-foundry's block wrapping run it; 1 without block
     records); selective (0, the attention forward FLOPs); none (0, 0)."""
     mode = plan.activation_checkpointing
     key = ("share", mode, plan.ac_every)
