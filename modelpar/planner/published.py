@@ -39,7 +39,8 @@ Each row is predicted for the runtime it ran on; describing that runtime is not 
   them "the 2023 kernels"; the table is also printed with FlashAttention-2, ``kernel="fa2"``
   (the benchmark's mosaic-kernel option), as a sensitivity check), gradients reduce-scattered
   every micro-batch; Composer's mixed-precision modes (``composer/trainer/dist.py`` of that time):
-  DEFAULT gathers fp32 parameters and reduces in bf16, PURE gathers and reduces in bf16. Composer's FSDP1 defaults of that time (``composer/trainer/dist.py``: ``backward_prefetch``
+  DEFAULT gathers fp32 parameters and reduces in bf16, PURE gathers and reduces in bf16.
+  Composer's FSDP1 defaults of that time (``composer/trainer/dist.py``: ``backward_prefetch``
   BACKWARD_POST, ``forward_prefetch`` False; llm-foundry's ``submit_benchmarks.py`` sets
   ``limit_all_gathers``). BACKWARD_POST issues a unit's backward all-gather from the previous
   unit's post-backward hook, *before* that unit's reduce-scatter, on FSDP1's unshard stream, which
