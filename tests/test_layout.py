@@ -22,8 +22,6 @@ BENCHMARKS = ROOT / "benchmarks"
 # test below fails if an entry is no longer needed, so it cannot outlive them
 PENDING = {
     ("test_planner_accuracy.py", "benchmarks/planner_accuracy_memory.py"),
-    ("test_planner_core.py", "benchmarks/"),                 # _load_bench("planner_published")
-    ("test_planner_published.py", "benchmarks/planner_published.py"),
 }
 
 
