@@ -6,9 +6,7 @@ import json
 
 import pytest
 
-from modelpar.planner.hardware import BUILTIN, Hardware, cpu_profile, get_hardware, load_profile, save_profile
-
-PINNED = "/work/prompts/cal_pinned.json"
+from modelpar.planner.hardware import BUILTIN, cpu_profile, get_hardware, load_profile, save_profile
 
 
 def test_device_kind_is_a_field_set_by_presets_and_loads(tmp_path):
@@ -73,7 +71,7 @@ def test_a_search_leaves_no_module_level_memo_state():
     planner modules' containers as they were (the old id()-keyed tables grew here)."""
     from modelpar.cli.common import profile_for
     from modelpar.planner.cost import estimate_step
-    from modelpar.planner.memory import Batch, estimate_memory
+    from modelpar.planner.memory import estimate_memory
     from modelpar.planner.search import search_plans
 
     prof, _ = profile_for("gpt-nano", {}, 16, "bf16")
