@@ -1,4 +1,4 @@
-"""Megatron-LM SC'21 Table 1 rows only: a view of `planner_published.py` (see its docstring).
+"""Megatron-LM SC'21 Table 1 rows only: a view of `modelpar.planner.published` (see its docstring).
 
 Each row is predicted for the layout and runtime of Megatron-LM's ``examples/sc21/run_table_1.sh``
 (micro-batch, interleaving, torch DDP for PP = 1 and Megatron's DDP for PP > 1, vocabulary-parallel
@@ -12,11 +12,8 @@ Run: ``PYTHONPATH=. .venv/bin/python benchmarks/planner_megatron.py``
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from planner_published import megatron_rows, table  # noqa: E402
+from modelpar.planner.published import megatron_rows, table
 
 
 def main() -> int:

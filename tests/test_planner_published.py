@@ -1,14 +1,12 @@
-"""Published GPU runs as tests (issue 14, item 4): a fast subset of benchmarks/planner_published.py,
+"""Published GPU runs as tests (issue 14, item 4): a fast subset of `modelpar.planner.published`
+(the rows benchmarks/planner_published.py prints),
 the cited GPU tables (modelpar/planner/gpu.py) and Megatron-LM's runtime terms. Pure Python on the
 meta device (a few seconds)."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,23 +18,14 @@ from modelpar.planner.gpu import A100, GPU_PHYSICS, H100, physics_for
 from modelpar.planner.calibration import Calibration
 from modelpar.planner.hardware import BUILTIN, cpu_profile
 from modelpar.planner.memory import Batch, estimate_memory, rank_loads
+from modelpar.planner import published
 from modelpar.planner.profile import profile_model
 from modelpar.planner.runtimes import vocab_parallel_profile
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("planner_published", ROOT / "benchmarks" / "planner_published.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod          # dataclasses look their module up while the file executes
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return _bench()
+    return published
 
 
 # ---- the published rows ------------------------------------------------------------------------
@@ -50,7 +39,10 @@ def test_fast_published_rows_fit_and_stay_within_reached_errors(bench):
     assert one["largest"] <= 0.30, one["errors"]
     # one leave-one-out factor per framework (fitted on the other rows of the subset)
     assert loo["median"] <= 0.05 and loo["largest"] <= 0.15, loo["errors"]
-    assert loo["mean_by_source"]["korthikanti"] <= 0.06
+    # Korthikanti 22B: factor 1 mean 12.4% here (15.7% before this session's optimizer and recompute
+    # terms); its leave-one-out factor in this 3-row Megatron subset is set mostly by the 1.7B row
+    assert one["mean_by_source"]["korthikanti"] <= 0.13
+    assert loo["mean_by_source"]["korthikanti"] <= 0.065
 
 
 def test_leave_one_out_factor_excludes_the_row(bench):
@@ -72,7 +64,7 @@ def test_published_1t_layout_fits_with_megatron_terms(bench):
     # vocabulary-parallel embedding / head and with a DDP bucket copy and logits-sized sends
     prof = bench.gpt_profile(51200, 2048, 128, 160, 25600, attention="megatron", dropout=0.1)
     plan = ParallelPlan(tp=8, pp=64, n_microbatches=512, activation_checkpointing="full", precision="bf16")
-    st, mem = bench._megatron(prof, plan, Batch(512, 512), ddp="local", selective=False, micro=1)
+    st, mem = bench.megatron_estimate(prof, plan, Batch(512, 512), ddp="local", selective=False, micro=1)
     assert mem.total < 80 * 2**30
     plain = estimate_memory(prof, plan, Batch(512, 512), overhead_bytes=2**30, recv_per_microbatch=False,
                             fused_tp_optimizer=True)
@@ -209,3 +201,85 @@ def test_replicate_under_pipeline_reduces_after_the_schedule(bench):
     plain = ParallelPlan(dp_replicate=8, precision="bf16")
     assert estimate_step(prof, plain, Batch(32, 4), hw) == estimate_step(prof, plain, Batch(32, 4), hw,
                                                                              replicate=False)
+
+
+# ---- full recompute: the checkpointed blocks only ----------------------------------------------
+def test_full_recompute_replays_the_blocks_not_embedding_head_or_loss():
+    # modelpar (`parallel.checkpointing`: the transformer blocks), Megatron-LM (--recompute-granularity
+    # full: the transformer layers) and llm-foundry (MPT blocks) checkpoint the blocks only: the
+    # embedding, the output layer and the loss run once; full == every-k with k = 1
+    prof = _gpt(vocab_size=50304, seq_len=256, n_layer=2, n_head=4, d_model=256)
+    hw = BUILTIN["A100-80GB"]
+    plans = {ac: ParallelPlan(dp_shard=8, precision="bf16", activation_checkpointing=ac, ac_every=1)
+             for ac in ("none", "full", "every-k")}
+    st = {ac: estimate_step(prof, p, Batch(64, 8), hw) for ac, p in plans.items()}
+    assert st["full"].recompute == pytest.approx(st["every-k"].recompute, rel=1e-9)
+    blocks = sum(b.fwd_flops for b in prof.blocks[1:-1]) / prof.batch_size
+    assert blocks < 0.5 * prof.fwd_flops_per_sample          # the 50k-vocabulary head dominates here
+    assert st["full"].hardware_flops - st["full"].model_flops == pytest.approx(64 * blocks, rel=1e-9)
+    # a model without a transformer's embedding / head (every block checkpointed): the whole forward
+    from modelpar.models import build_model
+    mp = profile_model(build_model("mlp-small", device="meta"), torch.zeros(4, 1000, device="meta"))
+    full = estimate_step(mp, ParallelPlan(activation_checkpointing="full"), Batch(4, 4), hw)
+    assert full.hardware_flops - full.model_flops == pytest.approx(4 * mp.fwd_flops_per_sample, rel=1e-9)
+
+
+# ---- autocast over fp32 weights -----------------------------------------------------------------
+def test_autocast_weight_casts_on_gpus():
+    # torch.autocast casts each fp32 matmul weight to bf16 once per forward region (read 4, write 2
+    # bytes per element) and its gradient back to fp32 in backward (read 2, write 4): Composer's
+    # DEFAULT mode (fp32 parameters gathered) and modelpar's autocast runs (bf16 without FSDP2)
+    prof = _gpt(vocab_size=1024, seq_len=256, n_layer=4, n_head=4, d_model=512)
+    hw, batch = BUILTIN["A100-80GB"], Batch(16, 2)
+    fsdp = ParallelPlan(dp_shard=8, precision="bf16")
+    ld = rank_loads(prof, fsdp, act_bytes=2)[0]
+    weights = ld.gemm_param_bytes[0] / 2
+    mem_s = hw.mem_bandwidth * A100.hbm_fraction
+    plain = estimate_step(prof, fsdp, batch, hw)                    # FSDP2's bf16 parameters: no cast
+    cast = estimate_step(prof, fsdp, batch, hw, gather_bytes=4, autocast_weights=True)
+    assert cast.compute - plain.compute == pytest.approx(12 * weights / mem_s, rel=1e-6)
+    ddp = ParallelPlan(dp_replicate=8, precision="bf16")            # modelpar's DDP runs under autocast
+    assert (estimate_step(prof, ddp, batch, hw).compute
+            > estimate_step(prof, ddp, batch, hw, autocast_weights=False).compute)
+    cpu = cpu_profile(2)                                            # CPU profiles: unchanged
+    assert (estimate_step(prof, ParallelPlan(dp_replicate=2, precision="bf16"), Batch(4, 2), cpu)
+            == estimate_step(prof, ParallelPlan(dp_replicate=2, precision="bf16"), Batch(4, 2), cpu,
+                             autocast_weights=False))
+
+
+# ---- FSDP2's copies on the compute stream -------------------------------------------------------
+def test_fsdp2_copy_out_and_reduce_scatter_copy_in_on_gpus():
+    # torch's FSDP2 (`_fsdp_collectives.foreach_all_gather_copy_out` after the all-gather event, and
+    # `foreach_reduce_scatter_copy_in` before the reduce-scatter stream waits) copies on the compute
+    # stream: gathered parameters out of the flat buffer (read + write, every gather), unsharded
+    # gradients into the reduce-scatter input (read in the parameter dtype, write in the reduce
+    # dtype). FSDP1's flat parameter gathers in place and casts on its own streams: no such copies
+    prof = _gpt(vocab_size=1024, seq_len=256, n_layer=4, n_head=4, d_model=512)
+    hw, plan, batch = BUILTIN["H100-80GB-SXM"], ParallelPlan(dp_shard=8, precision="bf16"), Batch(16, 2)
+    ld = rank_loads(prof, plan, act_bytes=2)[0]
+    mem_s = hw.mem_bandwidth * H100.hbm_fraction
+    root = ld.root_params
+    want = (2 * 2 * 2 * (ld.params - root) + 2 * 2 * root + (2 + 4) * ld.params) / mem_s
+    fsdp2 = estimate_step(prof, plan, batch, hw)
+    fsdp1 = estimate_step(prof, plan, batch, hw, fsdp_stream_copies=False)
+    assert fsdp2.dp_comm - fsdp1.dp_comm == pytest.approx(want, rel=1e-6)
+    # CPU profiles (no overlap) keep their own copy terms: unchanged
+    cpu = cpu_profile(2)
+    p2 = ParallelPlan(dp_shard=2)
+    assert estimate_step(prof, p2, Batch(4, 2), cpu) == estimate_step(prof, p2, Batch(4, 2), cpu,
+                                                                       fsdp_stream_copies=False)
+
+
+# ---- Megatron-LM's fp16 optimizer with fp32 main weights ---------------------------------------
+def test_master_weights_optimizer_traffic():
+    # Float16OptimizerWithFloat16Params: model gradients copied to fp32 main gradients (read 2,
+    # write 4), unscaled and checked for inf / nan (read 4, write 4), main weights copied back to
+    # the 16-bit model weights (read 4, write 2): 20 B/parameter beyond the AdamW step
+    prof = _gpt(vocab_size=1024, seq_len=256, n_layer=4, n_head=4, d_model=512)
+    hw, plan, batch = BUILTIN["A100-80GB"], ParallelPlan(tp=8, precision="bf16"), Batch(8, 8)
+    ld = rank_loads(prof, plan, act_bytes=2)[0]
+    a = estimate_step(prof, plan, batch, hw, fused_tp_optimizer=True)
+    m = estimate_step(prof, plan, batch, hw, fused_tp_optimizer=True, master_weights=True)
+    assert m.optimizer - a.optimizer == pytest.approx(20 * ld.params / (hw.mem_bandwidth * A100.hbm_fraction))
+    cpu, p1 = cpu_profile(1), ParallelPlan()
+    assert estimate_step(prof, p1, Batch(2, 2), cpu, master_weights=True) == estimate_step(prof, p1, Batch(2, 2), cpu)

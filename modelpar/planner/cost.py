@@ -13,8 +13,9 @@ Sources:
   Sec. 3); ZB-V about 0.
 - Compute: matmul-class FLOPs / (peak x achievable GEMM fraction) + memory-bound bytes /
   (bandwidth x fraction) + ops x per-op overhead (a roofline split, Williams et al., CACM 2009).
-- Full recompute adds one forward per micro-batch (Chen et al. 2016; Korthikanti Sec. 5); every-k
-  the checkpointed blocks' share of it, selective the attention cores' forward
+- Full recompute adds the blocks' forward per micro-batch (Chen et al. 2016; Korthikanti Sec. 5; a
+  transformer's embedding, head and loss are not checkpointed, so they run once); every-k the
+  checkpointed blocks' share of it, selective the attention cores' forward
   (`modelpar.planner.recompute`); recomputed blocks replay their TP all-reduces.
 - MFU / HFU: Chowdhery et al., "PaLM" (2022), App. B: model FLOPs count each forward once, hardware
   FLOPs include the recomputed forward.
@@ -77,6 +78,11 @@ OPT_KERNELS = {"sgd": 1 + 4, "sgd_momentum": 3 + 4, "adamw": 1 + 4}
 # torch's single-tensor loop (`modelpar.train.step.adamw`): mul_ 8, lerp_ 12, mul_ 8, addcmul_ 16,
 # sqrt 8, div 8, add_ 8, addcdiv_ 16 = 84 B/param, 8 kernels and two new tensors (sqrt, div) per tensor
 ADAMW_LOOP_TRAFFIC, ADAMW_LOOP_KERNELS = 84 + 12, 8 + 4
+# 16-bit model weights with fp32 main weights in the optimizer (Megatron-LM's
+# Float16OptimizerWithFloat16Params, megatron/optimizer/optimizer.py): per step the model gradients
+# are copied into fp32 main gradients (read 2, write 4), unscaled and checked for inf / nan (read 4,
+# write 4), and the updated main weights copied back into the model's (read 4, write 2)
+MASTER_WEIGHT_TRAFFIC = 6 + 8 + 6
 
 
 @dataclass(slots=True)
@@ -179,7 +185,8 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
               fused_tp_optimizer: bool = False, reduce_bytes: float = 4,
               gather_bytes: float | None = None, attention_kernel: str | None = None,
               p2p_scatter_gather: bool = False, replicate: bool | None = None,
-              cache: PlannerCache | None = None) -> dict:
+              autocast_weights: bool | None = None, fsdp_stream_copies: bool = True,
+              master_weights: bool = False, cache: PlannerCache | None = None) -> dict:
     """Seconds of one step on the slowest pipeline rank; ``tp_bytes`` = block output per sample.
 
     CPU-specific terms (zero where the hardware profile lacks them): fresh allocations
@@ -194,6 +201,17 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     ``replicate``: dp_replicate runs FSDP2's replicate (per-group reductions; under a pipeline once
     after the schedule) rather than torch DDP's buckets; None: modelpar's runtime (replicate under
     PP or TP, DDP otherwise); False for other runtimes' DDP (Megatron-LM rows).
+    ``autocast_weights``: the matmuls' weights are fp32 under ``torch.autocast`` (bf16 plans), which
+    casts each weight to bf16 once per forward region (read 4 + write 2 bytes per element, the
+    recomputed forward again) and its gradient back to fp32 in backward (read 2 + write 4), at the
+    HBM rate (built-in GPUs; `gpu.py`). None: modelpar's runtime (autocast unless FSDP2's or
+    replicate's MixedPrecisionPolicy holds bf16 parameters: `ParallelModel`); True for Composer's
+    DEFAULT mode (fp32 parameters gathered), False for runtimes that keep 16-bit weights.
+    ``fsdp_stream_copies``: FSDP2's all-gather copy-out and reduce-scatter copy-in run on the compute
+    stream (devices that overlap; torch's ``_fsdp_collectives``); False for FSDP1's flat parameters
+    (gathered in place, gradients cast on FSDP1's post-backward stream).
+    ``master_weights``: 16-bit model weights with fp32 main weights in the optimizer
+    (`MASTER_WEIGHT_TRAFFIC` per parameter and step; GPU profiles; Megatron-LM's fp16 runs).
     ``cache``: the search's memo tables (`memo.PlannerCache`, bound to ``hw``); None: a fresh one.
 
     Raises:
@@ -231,6 +249,11 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     # re-reads activations and output gradients the cache has lost; calibrated on CPU, 1 elsewhere
     zb = (cal.zero_bubble_backward_factor
           if p > 1 and plan.pp_schedule in ZERO_BUBBLE_SCHEDULES else 1.0)
+    # modelpar's runtime: autocast unless FSDP2 / replicate holds bf16 parameters (`runtime_layout`)
+    if autocast_weights is None:
+        autocast_weights = runtime_layout(plan).dp_wrapper in ("none", "ddp")
+    # seconds per byte of bf16 matmul weights: 6 B moved per element (2 B) in each direction
+    cast_b = 3.0 / mem_s if (phys is not None and prec == "bf16" and autocast_weights) else 0.0
     load_times = cache.load_times
     for ld in loads:
         key = (ld.key, b, prec, alone, attention_kernel)
@@ -243,9 +266,11 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
             load_times[key] = (ld, (t_f, t_b))
         if zb != 1.0:
             t_b *= zb
-        t_rc = t_f if ac else 0.0
-        rc_share = 1.0 if ac else 0.0
-        if partial_ac:       # every-k / selective (`modelpar.planner.recompute`)
+        if cast_b:                      # autocast's weight casts, forward and backward
+            t_f += cast_b * ld.gemm_param_bytes[0]
+            t_b += cast_b * ld.gemm_param_bytes[0]
+        t_rc, rc_share = 0.0, 0.0
+        if ac or partial_ac:     # the checkpointed blocks' share / the cores (`modelpar.planner.recompute`)
             rc_share, attn_f = recompute_share(ld, plan)
             t_rc = rc_share * t_f + (attn_f * b / attn_rate if attn_rate else attn_f * b / flops_s)
         # DTensor's per-call cost of each sharded Linear (dispatch, sharding propagation, input and
@@ -294,6 +319,16 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
                 dp_exposed = _fsdp_exposed(cm, gathers, t_f, t_b + t_rc, share, reduce=True) - fsdp_per_mb
             elif p > 1:
                 dp_exposed = rs
+            if fsdp_stream_copies:
+                # FSDP2 copies on the compute stream (torch's `_fsdp_collectives`): every gather's
+                # copy-out of the flat buffer (read + write; the root once per micro-batch), and each
+                # reduce-scatter's copy-in of the unsharded gradients (read wb, write reduce dtype)
+                fsdp_per_mb += 2 * wb * (gathers * (ld.params - root) + root) / mem_s
+                copy_in = (wb + reduce_bytes) * ld.params / mem_s
+                if p == 1 and not deferred:
+                    fsdp_per_mb += copy_in
+                else:
+                    dp_exposed += copy_in
         else:
             # FSDP2's buffers: each gather fills a new flat all-gather output and copies it out into
             # new unsharded parameters (read + write); reduce-scatter copies the unsharded gradients
@@ -345,6 +380,8 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
             opt += 2 * hw.fresh_seconds([k / plan.dp_shard for k in ld.param_sizes], 4)
     else:
         opt = local * (ADAMW_LOOP_TRAFFIC if loop else OPT_TRAFFIC[optimizer]) / mem_s
+        if master_weights:
+            opt += local * MASTER_WEIGHT_TRAFFIC / mem_s
     return {"compute": mbs * (t_f + t_b) + t_acc, "recompute": mbs * t_rc,
             "tp_comm": mbs * t_tp, "pp_comm": mbs * t_p2p,
             "dp_comm": dp_exposed + mbs * fsdp_per_mb, "bubble": accumulation * bub,
@@ -362,7 +399,8 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
                   fused_tp_optimizer: bool = False, reduce_bytes: float = 4,
                   gather_bytes: float | None = None, attention_kernel: str | None = None,
                   p2p_scatter_gather: bool = False, replicate: bool | None = None,
-                  cache: PlannerCache | None = None) -> StepEstimate:
+                  autocast_weights: bool | None = None, fsdp_stream_copies: bool = True,
+                  master_weights: bool = False, cache: PlannerCache | None = None) -> StepEstimate:
     """Predict one optimizer step of ``plan`` on ``hw`` (see module docstring for the formulas).
 
     Args:
@@ -375,7 +413,8 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
         fused_tp_optimizer: tensor-parallel plans step with a fused AdamW too (Megatron-LM's fused
             Adam); by default they pay the single-tensor loop modelpar's TP runs (see
             `modelpar.train.step.adamw`).
-        reduce_bytes, gather_bytes, attention_kernel, p2p_scatter_gather, replicate: see `rank_step`.
+        reduce_bytes, gather_bytes, attention_kernel, p2p_scatter_gather, replicate,
+            autocast_weights, fsdp_stream_copies, master_weights: see `rank_step`.
         cache: memo tables (`memo.PlannerCache`) to share between estimates of one profile and
             hardware; None: a fresh one for this call.
 
@@ -393,7 +432,9 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
                       tp_bytes=tp_bytes_per_sample(profile, plan), dp_overlap=dp_overlap,
                       fused_tp_optimizer=fused_tp_optimizer, reduce_bytes=reduce_bytes,
                       gather_bytes=gather_bytes, attention_kernel=attention_kernel,
-                      p2p_scatter_gather=p2p_scatter_gather, replicate=replicate, cache=cache)
+                      p2p_scatter_gather=p2p_scatter_gather, replicate=replicate,
+                      autocast_weights=autocast_weights, fsdp_stream_copies=fsdp_stream_copies,
+                      master_weights=master_weights, cache=cache)
     return _finish(parts, profile, plan, batch.global_batch_size, cache=cache)
 
 
@@ -412,10 +453,7 @@ def _finish(parts: dict, profile: ModelProfile, plan: ParallelPlan, global_batch
         flops = (profile.fwd_flops_per_sample, profile.train_flops_per_sample - profile.fwd_flops_per_sample)
     fwd, bwd = flops
     model = global_batch * (fwd + bwd)
-    if plan.activation_checkpointing in ("every-k", "selective"):
-        hw_flops = model + global_batch * recompute_flops_per_sample(profile, plan, cache)
-    else:
-        hw_flops = model + (global_batch * fwd if plan.activation_checkpointing == "full" else 0.0)
+    hw_flops = model + global_batch * recompute_flops_per_sample(profile, plan, cache)
     return StepEstimate(**parts, model_flops=model, hardware_flops=hw_flops,
                         num_devices=plan.world_size, samples=global_batch,
                         tokens_per_sample=profile.tokens_per_sample)

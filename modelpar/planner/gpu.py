@@ -1,7 +1,7 @@
 """GPU physics tables for the built-in GPU profiles, each entry with its published source.
 
 These numbers are taken from kernel and collective benchmarks, never fitted to the training runs the
-planner is checked against (`benchmarks/planner_published.py`). They are used only for the built-in
+planner is checked against (`modelpar.planner.published`). They are used only for the built-in
 GPU profiles (`hardware.BUILTIN`); the CPU profile and calibrated JSON profiles never read them.
 
 Dense matmuls (GEMM)

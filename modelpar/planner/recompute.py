@@ -69,11 +69,11 @@ def ac_load(ld, plan: ParallelPlan, cache=None):
 
 def recompute_share(ld, plan: ParallelPlan) -> tuple[float, float]:
     """(share of the rank's forward recomputed, fused-attention forward FLOPs per sample recomputed)
-    under ``plan``: full (1, 0); every-k: the checkpointed blocks' share of forward FLOPs; selective
-    (0, the attention forward FLOPs); none (0, 0)."""
+    under ``plan``: full and every-k: the checkpointed blocks' share of forward FLOPs (full: every
+    block, never a transformer's embedding, head or loss, as `parallel.checkpointing`, Megatron-LM's
+    ``recompute_granularity="full"`` and llm-foundry's block wrapping run it; 1 without block
+    records); selective (0, the attention forward FLOPs); none (0, 0)."""
     mode = plan.activation_checkpointing
-    if mode == "full":
-        return 1.0, 0.0
     key = ("share", mode, plan.ac_every)
     hit = ld.ac_variants.get(key)
     if hit is not None:
@@ -81,18 +81,19 @@ def recompute_share(ld, plan: ParallelPlan) -> tuple[float, float]:
     out = (0.0, 0.0)
     if mode == "selective":
         out = (0.0, sum(a for *_, a in ld.ac_blocks))
-    elif mode == "every-k":
+    elif mode in ("every-k", "full"):
         tot = sum(f for *_, f, _ in ld.ac_blocks)
         ck = sum(f for _, layer, _, f, _ in ld.ac_blocks if is_checkpointed(layer, plan))
-        out = ((ck / tot if tot else 0.0), 0.0)
+        out = ((ck / tot if tot else float(mode == "full")), 0.0)
     ld.ac_variants[key] = out
     return out
 
 
 def recompute_flops_per_sample(profile, plan: ParallelPlan, cache=None) -> float:
-    """Forward FLOPs per sample recomputed in backward (for HFU, PaLM App. B): the whole forward
-    (full), the checkpointed blocks' (every-k), the attention cores' (selective), 0 (none).
-    ``cache``: a `memo.PlannerCache` of ``profile`` to memoize in (None: computed)."""
+    """Forward FLOPs per sample recomputed in backward (for HFU, PaLM App. B): the checkpointed
+    blocks' (full: every block, a transformer's embedding and head excluded; every-k), the attention
+    cores' (selective), 0 (none). ``cache``: a `memo.PlannerCache` of ``profile`` to memoize in
+    (None: computed)."""
     mode = plan.activation_checkpointing
     if mode == "none":
         return 0.0
@@ -109,8 +110,6 @@ def recompute_flops_per_sample(profile, plan: ParallelPlan, cache=None) -> float
 def _recompute_flops(profile, plan: ParallelPlan) -> float:
     mode = plan.activation_checkpointing
     bs = profile.batch_size
-    if mode == "full":
-        return profile.fwd_flops_per_sample
     if mode == "selective":
         return sum(b.fwd_attn_flops for b in profile.blocks) / bs
     n = len(profile.blocks)
