@@ -313,6 +313,39 @@ def _block_params(model, blocks, fqn, owner, block_of):
     return out
 
 
+def _hook_partial_grads(outs, life) -> list:
+    """Hooks on the autograd nodes that feed a parameter used more than once (a tied embedding and
+    head: two edges into its AccumulateGrad node), so each use's gradient is known to `life` as a
+    partial gradient (`_Lifetimes.partial_grad`). Returns the hook handles."""
+    edges: dict[object, list[tuple[object, int]]] = {}
+    seen, todo = set(), [o.grad_fn for o in outs if o.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for j, (nxt, _) in enumerate(node.next_functions):
+            if nxt is None:
+                continue
+            if hasattr(nxt, "variable"):          # AccumulateGrad of a leaf
+                edges.setdefault(nxt, []).append((node, j))
+            else:
+                todo.append(nxt)
+    hooks: dict[object, list[int]] = {}
+    for acc, uses in edges.items():
+        if len(uses) > 1:
+            for node, j in uses:
+                hooks.setdefault(node, []).append(j)
+
+    def hook(js):
+        def fn(grad_inputs, grad_outputs):
+            for j in js:
+                if grad_inputs[j] is not None:
+                    life.partial_grad(grad_inputs[j])
+        return fn
+    return [node.register_hook(hook(js)) for node, js in hooks.items()]
+
+
 def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=None) -> ModelProfile:
     dev = "meta" if on_meta else None
 
@@ -444,6 +477,7 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
             for bi, rows in enumerate(block_params):
                 if blocks[bi][1] is None:
                     hook_grads(bi, rows)
+            handles += _hook_partial_grads(outs, life)
             # a reduction after the model, so the last block's backward hooks see a gradient arrive
             torch.autograd.backward([o.sum() for o in outs])
     finally:

@@ -40,6 +40,7 @@ class _Lifetimes:
         self.events: list[tuple[int, int]] = []   # (+1 new / -1 free / 0 op, serial or block)
         self.saved: set[int] = set()          # serials saved for backward
         self.grad_block: dict[int, int] = {}  # serial -> block, for storages that became parameter grads
+        self.partial: set[int] = set()        # serials of partial gradients of a parameter used twice
 
     def add(self, t: torch.Tensor, creator: int) -> int:
         import weakref
@@ -76,12 +77,23 @@ class _Lifetimes:
                 self.grad_block[s] = block
                 self.events.append((2, s))
 
+    def partial_grad(self, t: torch.Tensor) -> None:
+        """``t`` is one use's gradient of a parameter used more than once (a tied embedding and head):
+        autograd holds it in the parameter's AccumulateGrad input buffer until the last use's
+        gradient arrives and the sum is stored. Its size is the parameter's, not the batch's, so
+        `block_peaks` counts it with the pending weight gradients, not with the activations."""
+        self.partial.add(self.add(t, -1))
+
     def block_peaks(self) -> list[list[tuple[int, int, int, int]]]:
         """Per block, the backward ops no other op of the block beats on both live activation bytes
         and live gradient bytes of the block's parameters: (own live bytes, incoming-gradient live
         bytes, stored gradient bytes, computed-not-yet-stored gradient bytes), by increasing gradient
-        bytes."""
+        bytes. The computed-not-yet-stored bytes include the live partial gradients of parameters
+        used more than once (`partial_grad`), whichever block owns them: they are alive while the
+        blocks between the two uses run their backward."""
         saved, grad_block, size, creator = self.saved, self.grad_block, self.size, self.creator
+        partial = self.partial - set(grad_block)    # a partial that became the .grad is a gradient
+        partial_live = 0
         cur_saved = 0
         bw_total = 0
         bw_by = [0] * self.n
@@ -92,11 +104,13 @@ class _Lifetimes:
         stored: set[int] = set()              # gradients AccumulateGrad has stored
 
         def count(s: int, nb: int) -> None:
-            nonlocal cur_saved, bw_total
+            nonlocal cur_saved, bw_total, partial_live
             if s in stored:
                 grads_by[grad_block[s]] += nb
             elif s in grad_block:
                 pending_by[grad_block[s]] += nb
+            elif s in partial:
+                partial_live += nb
             elif s in saved:
                 cur_saved += nb
             elif creator[s] >= 0:
@@ -107,11 +121,11 @@ class _Lifetimes:
             if kind == 0:
                 own = cur_saved + bw_by[x]
                 tot = cur_saved + bw_total
-                g = grads_by[x] + pending_by[x]
+                g = grads_by[x] + pending_by[x] + partial_live
                 f = fronts[x]
                 if not any(e[0] >= tot and e[1] >= g for e in f):
                     f[:] = [e for e in f if not (tot >= e[0] and g >= e[1])] + [
-                        (tot, g, own, tot - own, grads_by[x], pending_by[x])]
+                        (tot, g, own, tot - own, grads_by[x], pending_by[x] + partial_live)]
             elif kind == 2:                   # became a parameter's .grad
                 if x in alive:
                     count(x, -size[x])
