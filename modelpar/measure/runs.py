@@ -209,12 +209,16 @@ def measure_memory(case: Case, *, active: bool = True) -> dict | None:
         b = build_case(case, active=active)
         if b is not None:
             mt.track_external(*b.pm.modules, b.opt)
-            # forget the modules a forward during the build registered (`parts.get_model_parts` traces
-            # a Hugging Face model's forward to order its parts, before FSDP wraps it): MemTracker
-            # types a module's parameters once, at its first tracked forward, so those modules would
-            # keep the pre-FSDP tensors and FSDP's gathered parameters would stay typed Activation
-            # (as they were made in forward) where the built-in GPT's are Parameter
-            mt.reset_mod_stats()
+            plan = ParallelPlan.from_dict(case.plan)
+            if plan.dp_shard > 1 and plan.pp == 1:
+                # forget the modules a forward during the build registered (`parts.get_model_parts`
+                # traces a Hugging Face model's forward to order its parts, before FSDP wraps it):
+                # MemTracker types a module's parameters once, at its first tracked forward, so those
+                # modules would keep the pre-FSDP tensors and FSDP's gathered parameters would stay
+                # typed Activation (as they were made in forward) where the built-in GPT's are
+                # Parameter. Not for pipelines: their stage modules' backward hooks need the entries
+                # the build made (a KeyError in MemTracker's post-backward hook otherwise).
+                mt.reset_mod_stats()
             # step 1 without the module hooks: the pipeline runtime's first step infers gradient
             # shapes with autograd.grad, which the tracker's multi-grad hooks refuse; storages are
             # still tracked (the dispatch mode stays on)

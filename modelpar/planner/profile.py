@@ -97,6 +97,11 @@ class BlockProfile:
     # output projection's saved input; the unfused math path: the (seq x seq) scores too); inside
     # the TP-sharded region (heads split), so sharded by the TP degree
     attn_core_saved_bytes: int = 0
+    # parameters this block uses that an earlier block owns (a tied embedding and head, counted once,
+    # in the earlier block): (owner block index, elements, is a matrix, TP-sharded) each. A pipeline
+    # stage that holds this block but not the owner keeps its own copy (`parallel.ties`: the copies'
+    # gradients are summed across the stages), with its gradient and optimizer state
+    tied_numels: tuple[tuple[int, int, bool, bool], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -134,9 +139,28 @@ class ModelProfile:
     def from_dict(cls, d: dict[str, Any]) -> "ModelProfile":
         d = dict(d)
         d["blocks"] = tuple(BlockProfile(**{**b, "param_numels": tuple(tuple(x) for x in b.get("param_numels", ())),
-                                            "bwd_peaks": tuple(tuple(x) for x in b.get("bwd_peaks", ()))})
+                                            "bwd_peaks": tuple(tuple(x) for x in b.get("bwd_peaks", ())),
+                                            "tied_numels": tuple(tuple(x) for x in b.get("tied_numels", ()))})
                             for b in d["blocks"])
         return cls(**d)
+
+
+def tied_copies(profile: ModelProfile, ranges: list[tuple[int, int]], pp: int, tp: int) -> list[list[tuple]]:
+    """Per pipeline rank, the parameter copies it holds beyond the blocks' own (`BlockProfile.tied_numels`):
+    a tie whose owner block is on another rank's stage, as (elements after the TP split, is a matrix,
+    held by an embed / head block (an FSDP root parameter)). ``ranges``: the stages' block ranges
+    (`loads.stage_ranges`), stage s on rank s mod ``pp``."""
+    held: list[set[int]] = [set() for _ in range(pp)]
+    for s, (a, b) in enumerate(ranges):
+        held[s % pp].update(range(a, b))
+    n = len(profile.blocks)
+    out: list[list[tuple]] = [[] for _ in range(pp)]
+    for r in range(pp):
+        for i in sorted(held[r]):
+            for owner, k, mat, sh in profile.blocks[i].tied_numels:
+                if owner not in held[r]:
+                    out[r].append((k / tp if sh else k, mat, bool(profile.arch) and i in (0, n - 1)))
+    return out
 
 
 def default_blocks(model: nn.Module, container: str | None = None) -> list[tuple[str, nn.Module | None]]:
@@ -491,14 +515,16 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
     rows = []
     cum_saved = 0
     esize = torch.empty((), dtype=dtype).element_size()
-    counted: set[int] = set()                 # parameters already in an earlier block (ties once)
+    counted: dict[int, int] = {}              # parameters already in an earlier block (ties once) -> it
     for i, ((name, mod), bparams) in enumerate(zip(blocks, block_params)):
-        numels = []
+        numels, tied = [], []
         for path, leaf, p in bparams:
-            if id(p) in counted:
-                continue
-            counted.add(id(p))
             st = styles.get(path)
+            if id(p) in counted:
+                if counted[id(p)] != i:
+                    tied.append((counted[id(p)], p.numel(), p.dim() >= 2, st == "colwise" or st == "rowwise"))
+                continue
+            counted[id(p)] = i
             numels.append((p.numel(), p.dim() >= 2, st == "colwise" or (st == "rowwise" and leaf == "weight")))
         count = sum(k for k, _, _ in numels)
         if mod is not None:
@@ -519,7 +545,7 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
             fwd_attn_flops=counter.attn[i][0], bwd_attn_flops=counter.attn[i][1], attn_calls=counter.attn[i][2],
             bwd_peaks=tuple((own - cum_saved - saved[i], inn, g // esize, pend // esize)
                             for own, inn, g, pend in peaks[i]),
-            saved_input_bytes=saved_in[i], attn_core_saved_bytes=core_saved[i]))
+            saved_input_bytes=saved_in[i], attn_core_saved_bytes=core_saved[i], tied_numels=tuple(tied)))
         cum_saved += saved[i]
     x0 = inputs[0]
     tokens = x0.shape[1] if (x0.dim() == 2 and not x0.is_floating_point()) else 1
