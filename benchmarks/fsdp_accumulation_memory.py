@@ -32,7 +32,8 @@ def _worker(spec_path: str, out_path: str) -> int:
     import torch
     import torch.distributed as dist
 
-    from modelpar.parallel.mesh import exit_rank, init_distributed  # noqa: F401
+    from modelpar.launch import exit_rank  # noqa: F401
+    from modelpar.parallel.mesh import init_distributed  # noqa: F401
     from modelpar.planner.measure import Case, _snap, _tracker, build_case
     from modelpar.train.data import global_batch_slice
     from modelpar.train.grads import clip_grad_norm_
@@ -113,6 +114,6 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        from modelpar.parallel.mesh import exit_rank
+        from modelpar.launch import exit_rank
         exit_rank(_worker(sys.argv[2], sys.argv[3]))
     sys.exit(main(sys.argv[1:]))

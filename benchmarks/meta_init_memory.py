@@ -7,7 +7,8 @@ GPT-2 from config (85.3M parameters, 325 MiB fp32) on 2 CPU ranks, with meta_ini
 import json, resource, sys
 from pathlib import Path
 import torch, torch.distributed as dist
-from modelpar.parallel.mesh import init_distributed, build_mesh, exit_rank
+from modelpar.launch import exit_rank
+from modelpar.parallel.mesh import init_distributed, build_mesh
 from modelpar.parallel.compose import parallelize
 from modelpar.plan import plan_for_strategy
 from modelpar.train.config import TrainConfig

@@ -21,51 +21,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from modelpar.plan import ParallelPlan  # noqa: E402
+from modelpar.bench.plan_quality import GLOBAL_BATCH, finalists  # noqa: E402
 from modelpar.measure import Case, launch  # noqa: E402
-
-GLOBAL_BATCH = 32
-
-
-def basic_strategy(p: ParallelPlan) -> str | None:
-    """"ddp", "fsdp", "tp" or "pp" when the plan uses that parallelism alone, else None."""
-    kinds = [k for k, d in (("ddp", p.dp_replicate), ("fsdp", p.dp_shard), ("tp", p.tp), ("pp", p.pp)) if d > 1]
-    return kinds[0] if len(kinds) == 1 else None
-
-
-def finalists(model: str, nproc: int, hw, *, top: int = 5):
-    """[(label, Candidate-like (plan, local batch, predicted seconds))], auto's pick first, then the
-    rules plan (label "rules")."""
-    from planner_accuracy_memory import profile_for
-
-    from modelpar.planner.cost import estimate_step
-    from modelpar.planner.memory import Batch
-    from modelpar.planner.rules import rule_plan
-    from modelpar.planner.search import search_plans
-    prof = profile_for(model)
-    rep = search_plans(prof, nproc, hw, global_batch_size=GLOBAL_BATCH, precision="fp32")
-    out, seen = [], set()
-    for i, c in enumerate(rep.distinct_layouts(top)):
-        out.append(("auto" if i == 0 else f"top{i + 1}", c.plan, c.batch.local_batch_size, c.step.total))
-        seen.add(c.plan)
-    for kind in ("ddp", "fsdp", "tp", "pp"):
-        best = next((c for c in rep.ranked if basic_strategy(c.plan) == kind), None)
-        if best is not None and best.plan not in seen:
-            out.append((f"best-{kind}", best.plan, best.batch.local_batch_size, best.step.total))
-            seen.add(best.plan)
-    plan, _ = rule_plan(prof, nproc, hw, global_batch_size=GLOBAL_BATCH,
-                        task="language" if prof.tokens_per_sample > 1 else "image")
-    if plan.pp > 1 and plan.n_microbatches == 1:
-        plan = ParallelPlan.from_dict({**plan.to_dict(), "n_microbatches": 2 * plan.pp})
-    local = GLOBAL_BATCH // plan.dp
-    if (plan, local) == (out[0][1], out[0][2]):
-        return out, rep                 # rules picks auto's plan: measured once (see the module doc)
-    pred = estimate_step(prof, plan, Batch(GLOBAL_BATCH, local), hw).total
-    out.append(("rules", plan, local, pred))
-    return out, rep
 
 
 def main(argv: list[str]) -> int:
+    from planner_accuracy_memory import profile_for
     from planner_accuracy_time import load_hardware
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt-3m")
@@ -75,7 +36,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--timeout", type=float, default=1500)
     args = ap.parse_args(argv)
     hw = load_hardware(args.hardware)
-    fin, rep = finalists(args.model, args.nproc, hw)
+    fin, rep = finalists(profile_for(args.model), args.nproc, hw)
     print(f"{args.model} on {args.nproc} ranks, global batch {GLOBAL_BATCH}: {rep.summary()}")
     cases = [Case(f"{label}", args.model, plan.to_dict(), GLOBAL_BATCH, local) for label, plan, local, _ in fin]
     load0 = os.getloadavg()[0]

@@ -79,7 +79,7 @@ def worker(args) -> None:
                      "tensors": n_tensors}
     if rank == 0:
         Path(args.json).write_text(json.dumps(out, indent=1))
-    from modelpar.parallel.mesh import exit_rank
+    from modelpar.launch import exit_rank
 
     exit_rank(0)
 

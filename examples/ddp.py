@@ -17,7 +17,7 @@ if relaunch(__file__, 2):
 from modelpar import plan_for_strategy
 from modelpar.models import build_gpt
 from modelpar.parallel import build_mesh, get_device, init_distributed, parallelize
-from modelpar.parallel.mesh import exit_rank
+from modelpar.launch import exit_rank
 from modelpar.train.task import lm_loss
 
 rank, world = init_distributed()

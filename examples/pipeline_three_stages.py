@@ -21,7 +21,7 @@ if relaunch(__file__, 3):
 from modelpar import plan_for_strategy
 from modelpar.models import build_mlp
 from modelpar.parallel import build_mesh, get_device, init_distributed, parallelize
-from modelpar.parallel.mesh import exit_rank
+from modelpar.launch import exit_rank
 
 rank, world = init_distributed()
 torch.set_num_threads(1)

@@ -343,3 +343,63 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+
+
+# ---- the runtime's data-parallel wrappers ------------------------------------------------------
+DP_WRAPPERS = ("none", "ddp", "replicate", "fsdp", "hsdp")
+
+
+@dataclass(frozen=True)
+class RuntimeLayout:
+    """Which wrapper runs a plan's data-parallel axes, and how it reduces gradients under
+    accumulation: what `modelpar.parallel.compose.parallelize` applies and what the planner's
+    memory and step-time models charge (both read `runtime_layout`, so they cannot disagree).
+
+    Attributes:
+        dp_wrapper: ``"none"`` (no data parallelism); ``"ddp"`` (torch DistributedDataParallel over
+            ``dp_replicate``: replicated states, bucketed all-reduce, the buckets the gradients'
+            storage); ``"replicate"`` (FSDP2's ``replicate`` per block and the root, DDP semantics:
+            ``dp_replicate`` under a pipeline or TP, where DDP's reducer does not work, see
+            `modelpar.parallel.data_parallel.apply_replicate`); ``"fsdp"`` (FSDP2 ``fully_shard`` per
+            block and the root over ``dp_shard``); ``"hsdp"`` (``fully_shard`` over the 2-D
+            (``dp_replicate``, ``dp_shard``) mesh).
+        dp_mesh_axes: the mesh axes the wrapper spans, outermost first (() for ``"none"``).
+        sharded_grad_accumulation: each local batch of gradient accumulation is reduce-scattered and
+            the shards accumulate (FSDP2's default): FSDP / HSDP without a pipeline and without
+            ``defer_grad_sync``; under HSDP the all-reduce across replicas runs on the last local
+            batch only. False: unsharded gradients accumulate and one reduction ends the step (DDP,
+            replicate, a deferred FSDP sync; pipelines, whose runtime reduces after each schedule).
+    """
+
+    dp_wrapper: str
+    dp_mesh_axes: tuple[str, ...]
+    sharded_grad_accumulation: bool
+
+    @property
+    def fsdp2(self) -> bool:
+        """FSDP2 modules (``fully_shard`` or ``replicate``): mixed precision by their policy."""
+        return self.dp_wrapper in ("replicate", "fsdp", "hsdp")
+
+    @property
+    def shards_states(self) -> bool:
+        """Parameters, gradients and optimizer state sharded over ``dp_shard`` (ZeRO-3)."""
+        return self.dp_wrapper in ("fsdp", "hsdp")
+
+
+def runtime_layout(plan: ParallelPlan) -> RuntimeLayout:
+    """The data-parallel runtime of ``plan`` (see `RuntimeLayout`); pure, no torch import.
+
+    ``dp_shard > 1``: FSDP2 ``fully_shard`` (HSDP with ``dp_replicate > 1``). ``dp_replicate > 1``
+    alone: FSDP2 ``replicate`` under a pipeline or TP, torch DDP otherwise.
+    """
+    if plan.dp_shard > 1:
+        return _LAYOUTS["hsdp" if plan.dp_replicate > 1 else "fsdp", plan.pp == 1 and not plan.defer_grad_sync]
+    if plan.dp_replicate > 1:
+        return _LAYOUTS["replicate" if (plan.pp > 1 or plan.tp > 1) else "ddp", False]
+    return _LAYOUTS["none", False]
+
+
+# every layout `runtime_layout` returns (immutable; the planner asks ~10^5 times a search)
+_LAYOUTS = {(w, sharded): RuntimeLayout(w, {"none": (), "ddp": ("dp_replicate",), "replicate": ("dp_replicate",),
+                                            "fsdp": ("dp_shard",), "hsdp": ("dp_replicate", "dp_shard")}[w], sharded)
+            for w in DP_WRAPPERS for sharded in (False, True)}

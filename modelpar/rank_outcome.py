@@ -68,7 +68,7 @@ def leave_after_error(e: BaseException, prog: str) -> None:
 def run_rank_and_exit(fn: Callable[[], int], prog: str) -> None:
     """Run a launched rank's work ``fn`` (returns the command's exit code, the same on every rank)
     and end the process (module docstring). Never returns."""
-    from modelpar.parallel.mesh import exit_rank
+    from modelpar.launch import exit_rank
 
     try:
         code = fn()

@@ -4,13 +4,16 @@
   (process groups are shared across cases; an 8-rank launch costs ~15 s here), with a hard timeout
   so a hang fails instead of blocking CI.
 - An autouse fixture restores environment variables and fails a test that leaks a process group or a
-  thread.
+  thread, or that starts a process without being marked ``slow`` (markers: ``slow`` = spawns
+  processes, ``gpu`` = needs CUDA, skipped without it).
 - The parity report (largest differences of every case) is written to ``parity-report.md`` and shown
   in the terminal summary.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import sys
 import tempfile
@@ -27,8 +30,10 @@ os.environ["MODELPAR_CALIBRATION"] = os.path.join(tempfile.mkdtemp(prefix="model
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
-REPORT: dict[str, dict] = {}
-LAUNCH_TIMEOUT_S = {2: 600, 4: 420, 8: 600}   # 2: the HF rows (issue 12) made that launch longer
+
+from helpers.guards import refuse_processes  # noqa: E402
+LAUNCH_TIMEOUT_S = {2: 600, 4: 420, 8: 600}
+LAUNCH_TIMES: dict[int, dict] = {}                  # world -> case -> rank 0's wall / CPU seconds   # 2: the HF rows (issue 12) made that launch longer
 
 
 def run_ranks(nproc: int, target: list[str], result_path: Path, timeout: float, env: dict | None = None):
@@ -45,7 +50,7 @@ def run_ranks(nproc: int, target: list[str], result_path: Path, timeout: float, 
 @pytest.fixture(scope="session")
 def dist_results(tmp_path_factory):
     """world size -> {case name: result dict}; each world size launched once, on first use."""
-    import parity_cases
+    from helpers import parity_cases
 
     cache: dict[int, dict] = {}
 
@@ -53,12 +58,15 @@ def dist_results(tmp_path_factory):
         if world not in cache:
             names = [n for n, c in parity_cases.CASES.items() if c[0] == world]
             out = tmp_path_factory.mktemp(f"parity{world}") / "results.json"
-            run = run_ranks(world, [str(ROOT / "tests" / "dist_worker.py"), str(out), *names], out,
+            run = run_ranks(world, [str(ROOT / "tests" / "helpers" / "dist_worker.py"), str(out), *names], out,
                             LAUNCH_TIMEOUT_S[world])
             res = run.result or {}
             if run.returncode != 0 and not res:
                 pytest.fail(f"parity launch with {world} ranks failed (rc {run.returncode}):\n{run.output[-4000:]}")
             cache[world] = res
+            times = Path(f"{out}.times.json")
+            if times.is_file():
+                LAUNCH_TIMES[world] = json.loads(times.read_text())
         return cache[world]
     return get
 
@@ -82,31 +90,65 @@ def _leaked_threads(before: set[int], grace_s: float = 2.0) -> list[str]:
 
 
 @pytest.fixture(autouse=True)
-def _clean_env():
+def _clean_env(request):
     """Restore the environment; fail a test that leaves a process group initialised or a thread running
-    (the session's shared launches run in their own processes, so nothing here is shared)."""
+    (the session's shared launches run in their own processes, so nothing here is shared), and a test
+    not marked ``slow`` that starts a process (``slow`` means exactly that: the pure tier,
+    ``-m "not slow"``, starts none)."""
     import threading
 
     import torch.distributed as dist
 
     saved = dict(os.environ)
     threads = {t.ident for t in threading.enumerate()}
-    yield
+    pure = request.node.get_closest_marker("slow") is None
+    with (refuse_processes(request.node.nodeid) if pure else contextlib.nullcontext([])) as started:
+        yield
     leaked = dist.is_available() and dist.is_initialized()
     if leaked:
         dist.destroy_process_group()
     os.environ.clear()
     os.environ.update(saved)
+    call = getattr(request.node, "_modelpar_call_report", None)
+    # the refusal raised inside the test; fail here only when the test swallowed it and passed
+    assert not (started and call is not None and call.passed), (
+        f"the test started a process ({', '.join(started)}) but is not marked slow "
+        "(mark it @pytest.mark.slow, or keep it in-process)")
     assert not leaked, "the test left a process group initialised"
     stray = _leaked_threads(threads)
     assert not stray, f"the test left thread(s) running: {', '.join(stray)}"
 
 
-def record_parity(report: dict) -> None:
-    REPORT[report["name"]] = report
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if call.when == "call":
+        item._modelpar_call_report = outcome.get_result()
+
+
+def pytest_collection_modifyitems(config, items):
+    """``gpu`` means needs a CUDA device: such tests are skipped (with that reason) where there is none."""
+    gpu = [it for it in items if it.get_closest_marker("gpu") is not None]
+    if not gpu:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu); torch.cuda.is_available() is False")
+        for it in gpu:
+            it.add_marker(skip)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    from helpers.parity_report import REPORT
+
+    if LAUNCH_TIMES:
+        terminalreporter.section("parity launches: rank 0's seconds (wall / CPU), slowest cases")
+        for world, times in sorted(LAUNCH_TIMES.items()):
+            wall, cpu = sum(t["wall_s"] for t in times.values()), sum(t["cpu_s"] for t in times.values())
+            top = sorted(times.items(), key=lambda kv: -kv[1]["wall_s"])[:8]
+            terminalreporter.write_line(f"{world} ranks: {len(times)} cases, {wall:.0f} s wall, {cpu:.0f} s CPU; "
+                                        + ", ".join(f"{n} {t['wall_s']:.1f}/{t['cpu_s']:.1f}" for n, t in top))
     if not REPORT:
         return
     lines = ["| case | pass | max loss rel diff | max param abs diff | param rel-norm diff | grad-norm rel diff |",

@@ -68,7 +68,7 @@ def test_bench_runs_a_hugging_face_model(tmp_path, capsys):
     """`--models hf:<type> --model-config` (issue 12): the rows train the HF model, the planner predicts
     them, and the chart files get a file-safe name."""
     pytest.importorskip("transformers")
-    import hf_tiny
+    from helpers import hf_tiny
 
     spec, cfg = hf_tiny.TINY["llama"]
     cfg = {**cfg, "vocab_size": 256}          # bench trains on bytes: ids 0..255

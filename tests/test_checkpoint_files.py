@@ -28,12 +28,24 @@ def _trained(n_layer=2, steps=2):
     return m, opt
 
 
-@pytest.fixture
-def saved(tmp_path):
+@pytest.fixture(scope="module")
+def _saved_once(tmp_path_factory):
     m, opt = _trained()
-    ck = Checkpointer(tmp_path / "ck", keep_last=2)
+    folder = tmp_path_factory.mktemp("ck-once") / "ck"
+    ck = Checkpointer(folder, keep_last=2)
     for s in (2, 4, 6):
         ck.save(checkpoint_module([m]), opt, s, meta={"model": "gpt-nano"})
+    return folder, m, opt
+
+
+@pytest.fixture
+def saved(tmp_path, _saved_once):
+    """(a folder with the checkpoints of steps 4 and 6 (keep-last 2), the model, its optimizer): saved
+    once per module, copied for each test (tests damage their copy)."""
+    import shutil
+
+    src, m, opt = _saved_once
+    shutil.copytree(src, tmp_path / "ck")
     return tmp_path / "ck", m, opt
 
 

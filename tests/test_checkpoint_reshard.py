@@ -14,14 +14,12 @@ their largest loss difference are printed in the terminal summary.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from ckpt_worker import base_cfg  # noqa: E402
-from helpers.workers import launch  # noqa: E402
+from helpers.ckpt_worker import base_cfg
+from helpers.workers import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 LOSS_RTOL = 1e-5

@@ -1,5 +1,5 @@
 """Issue 14: selective and every-k activation checkpointing, deferred FSDP gradient sync (plan
-fields, runtime wrapping, planner terms). Multi-rank parity of the modes is in tests/parity_cases.py."""
+fields, runtime wrapping, planner terms). Multi-rank parity of the modes is in tests/helpers/parity_cases.py."""
 
 import pytest
 import torch

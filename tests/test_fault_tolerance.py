@@ -14,14 +14,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from ckpt_worker import data_dir  # noqa: E402
+from helpers.ckpt_worker import data_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--model", "gpt-nano", "--seq-len", "16", "--global-batch-size", "8", "--steps", "8", "--warmup-steps", "2",

@@ -2,12 +2,12 @@
 (tied head, position embeddings), ViT (``[:, 0]`` pooling), and a user model of that shape. One process:
 the parts found by execution order, the wrapped forward against the untouched transformers model, the
 chain of stages against the whole forward, stage state dicts, costs, split points and refusals. The
-multi-rank parity rows are in tests/parity_cases.py (h-pp block)."""
+multi-rank parity rows are in tests/helpers/parity_cases.py (h-pp block)."""
 
 import pytest
 import torch
 import torch.nn as nn
-from hf_tiny import build
+from helpers.hf_tiny import build
 
 from modelpar.parallel import pipeline, stages
 from modelpar.parallel.parts import block_costs, get_model_parts
@@ -195,7 +195,7 @@ def make_two_linears():
 def test_verify_refuses_bad_cuts_before_launch(capsys):
     """Exit 2 with one message and no process started: a model without blocks under pp, a split point
     that is not a block, a wrong number of split points, a --blocks path that is no container."""
-    from hf_tiny import cli_args
+    from helpers.hf_tiny import cli_args
 
     from modelpar.cli.verify import verify_main
 

@@ -1,10 +1,10 @@
 """Tensor / sequence parallel plans of Hugging Face models (one process; the multi-rank parity rows are
-``hf-*`` in tests/parity_cases.py): translation of transformers' ``_tp_plan``, the GPT-2 derived plan,
+``hf-*`` in tests/helpers/parity_cases.py): translation of transformers' ``_tp_plan``, the GPT-2 derived plan,
 head / vocabulary / sequence legality before launch, the fused q|k|v permutation and its inverse."""
 
 import pytest
 import torch
-from hf_tiny import TINY, build, cli_args
+from helpers.hf_tiny import TINY, build, cli_args
 
 from modelpar.parallel import hf_tp
 from modelpar.parallel.tensor import (COLWISE, COLWISE_VOCAB, COLWISE_VOCAB_SEQ, ROWWISE, ROWWISE_SEQ, ROWWISE_VOCAB,

@@ -1,8 +1,9 @@
 """Tier 2: every strategy trains like one process (loss per step, final parameters), on CPU/gloo."""
 
 import pytest
-from conftest import record_parity
-from parity_cases import CASES
+
+from helpers.parity_cases import CASES
+from helpers.parity_report import record_parity
 
 PARITY = [n for n, c in CASES.items() if c.check not in ("error", "ckpt")]   # error: test_pipeline_boundaries.py,
 # ckpt: tests/test_hf_tp.py

@@ -8,7 +8,7 @@ ValueError, before any schedule runs.
 import pytest
 import torch
 import torch.nn as nn
-from parity_cases import CASES, DictNet
+from helpers.parity_cases import CASES, DictNet
 
 from modelpar.parallel.parts import get_model_parts
 from modelpar.parallel.pipeline import StageModule, check_stage_boundaries

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests.hf_tiny import TINY, build, cli_args
+from helpers.hf_tiny import TINY, build, cli_args
 
 pytest.importorskip("transformers")
 

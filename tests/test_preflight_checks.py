@@ -3,15 +3,13 @@ after wrapping), one launch per world size."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, str(Path(__file__).parent))
-from helpers.workers import launch  # noqa: E402
+from helpers.workers import launch
 
 
 @pytest.fixture(scope="module")

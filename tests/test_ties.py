@@ -1,6 +1,6 @@
 """Cases C13 (tied parameters) and C14 (non-contiguous stage boundaries), tier 1: no processes.
 
-The multi-rank halves are parity rows in tests/parity_cases.py (``gpt-tied-*``, ``c14-*``) and the
+The multi-rank halves are parity rows in tests/helpers/parity_cases.py (``gpt-tied-*``, ``c14-*``) and the
 refusal ``c13-tied-pp2xfsdp2-zbv`` (every rank raises the same error), asserted below.
 """
 
@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-from parity_cases import CASES, StridedNet
+from helpers.parity_cases import CASES, StridedNet
 
 from modelpar.models import build_gpt
 from modelpar.models.gpt import GPTConfig
@@ -136,6 +136,7 @@ def test_tied_gradient_sync_groups_and_norm_skip_on_one_process():
     assert ties.build_tied_grad_sync(ties.find_ties(m), get_model_parts(m), [], ParallelPlan(), None, [m]) is None
 
 
+@pytest.mark.slow
 def test_refusal_is_the_same_on_every_rank(dist_results):
     res = dist_results(4)["c13-tied-pp2xfsdp2-zbv"]
     assert "error" not in res, res.get("trace")

@@ -13,17 +13,15 @@ weights, a factory language model, and every refusal before launch.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from ckpt_worker import data_dir  # noqa: E402
-from helpers.workers import launch  # noqa: E402
-from hf_tiny import TINY  # noqa: E402
+from helpers.ckpt_worker import data_dir
+from helpers.workers import launch
+from helpers.hf_tiny import TINY
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -247,17 +245,17 @@ def test_pretrained_folder_loads_its_weights_and_custom_code_is_refused(tmp_path
 def test_factory_language_model_trains(tmp_path):
     """A factory returning {"model", "task": "lm", "vocab_size", "max_positions"}: its first step's
     loss is the mean next-byte cross entropy of the factory's own model on that batch."""
-    import lm_factory
+    from helpers import lm_factory
 
     from modelpar.train.task import build_task, lm_loss
 
-    cfg = cfg_of(model="lm_factory:lm", model_config={}, strategy="single", steps=2, seq_len=0)
+    cfg = cfg_of(model="helpers.lm_factory:lm", model_config={}, strategy="single", steps=2, seq_len=0)
     task = build_task(cfg)
     assert task.kind == "lm" and task.tokens_per_sample == 32         # seq_len 0: its max_positions
     x, y = task.train.global_batch(cfg.seed, 0, cfg.global_batch_size)
     with torch.no_grad():
         want = lm_loss(lm_factory.lm()["model"](x), y).item()
-    s = train_here(tmp_path, "factory", model="lm_factory:lm", model_config={}, strategy="single", steps=2, seq_len=0)
+    s = train_here(tmp_path, "factory", model="helpers.lm_factory:lm", model_config={}, strategy="single", steps=2, seq_len=0)
     assert abs(s["losses"][0] - want) <= 1e-6 * abs(want)
 
 
@@ -270,8 +268,8 @@ REFUSALS = [
      "--seq-len <= 64"),
     ("llama positions", dict(model="hf:llama", model_config={**TINY["llama"][1], "vocab_size": 256}, seq_len=100),
      "seq_len=100 exceeds the positions of --model hf:llama (max_position_embeddings / n_positions = 64)"),
-    ("factory positions", dict(model="lm_factory:lm", model_config={}, seq_len=33),
-     "seq_len=33 exceeds the positions of --model lm_factory:lm"),
+    ("factory positions", dict(model="helpers.lm_factory:lm", model_config={}, seq_len=33),
+     "seq_len=33 exceeds the positions of --model helpers.lm_factory:lm"),
     ("token ids", dict(token_dtype="uint16", model_config={**GPT2, "vocab_size": 100}),
      "(token_dtype=uint16) holds token ids up to 199, but --model hf:gpt2 has vocab_size=100: every id must be "
      "< vocab_size"),
@@ -279,7 +277,7 @@ REFUSALS = [
      "has a vocabulary of 300 tokens, more than the vocab_size=256 of --model hf:gpt2"),
     ("both", dict(tokenizer="TOK", token_dtype="uint16"), "were both given: a token file is already tokenized"),
     ("dtype", dict(token_dtype="int8"), "token_dtype='int8' is unknown; valid: uint16, uint32"),
-    ("classifier factory", dict(model="lm_factory:classifier", model_config={}),
+    ("classifier factory", dict(model="helpers.lm_factory:classifier", model_config={}),
      "modelpar train runs a factory model that is a language model"),
     ("image model", dict(model="hf:vit", model_config=TINY["vit"][1]),
      "modelpar train runs Hugging Face causal language models"),
@@ -319,7 +317,7 @@ def test_verify_takes_the_factory_language_model_form():
     from modelpar.cli.verify import build_parser, load_task
     from modelpar.train.task import lm_loss
 
-    args = parse(build_parser(), ["--model", "lm_factory:lm", "--strategy", "ddp", "--global-batch-size", "4"])
+    args = parse(build_parser(), ["--model", "helpers.lm_factory:lm", "--strategy", "ddp", "--global-batch-size", "4"])
     model, batch_fn, loss_fn, reduction, _ = load_task(args)
     x, y = batch_fn(0)
     assert x.dtype == torch.long and x.shape == (4, 32) and int(x.max()) < 256 and torch.equal(x[:, 1:], y[:, :-1])

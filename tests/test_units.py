@@ -1,5 +1,6 @@
 """Tier 1: partitioning, data sharding, batch terms, placement (no process groups)."""
 
+import pytest
 import torch
 
 from modelpar.models import build_cnn, build_gpt, build_mlp
@@ -99,6 +100,7 @@ def test_activation_checkpointing_keeps_names_and_grads_case_c8():
     assert all(p.grad is not None for p in model.parameters())
 
 
+@pytest.mark.slow          # inductor compiles C++ in child processes
 def test_compile_option_compiles_blocks_and_matches_eager():
     """plan.compile: each block goes through torch.compile (dynamo records graphs), names unchanged,
     and 3 training steps match eager."""

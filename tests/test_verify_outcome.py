@@ -101,13 +101,20 @@ def test_a_crashed_rank_is_named_with_its_first_error_line(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_sync_batchnorm_refused_before_launch_on_cpu(tmp_path):
+def test_sync_batchnorm_refused_before_launch_on_cpu(tmp_path, monkeypatch, capsys):
+    """In this process (`verify_main`): the pure tier's guard (tests/conftest.py) fails the test if
+    the command starts any process, so the refusal provably comes before the launch."""
     import torch
+
+    from modelpar.cli.verify import verify_main
 
     if torch.cuda.is_available():
         pytest.skip("the refusal is for runs without CUDA")
+    (tmp_path / "outcome_models.py").write_text(textwrap.dedent(MODELS))
+    monkeypatch.syspath_prepend(str(tmp_path))
     for model, extra in (("bn", ("--sync-batchnorm",)), ("sync_bn", ())):
-        r = verify(tmp_path, model, *extra)
-        assert r.returncode == 2, r.stderr[-2000:]
-        assert "SyncBatchNorm runs on CUDA tensors only and this run is on cpu" in r.stderr
-        assert "torch.distributed" not in r.stderr and "[rank" not in r.stderr      # no rank was started
+        rc = verify_main(["--model", f"outcome_models:{model}", "--strategy", "ddp", "--nproc", "2",
+                          "--input-shape", "8", "--num-classes", "4", "--steps", "2", *extra])
+        err = capsys.readouterr().err
+        assert rc == 2, err[-2000:]
+        assert "SyncBatchNorm runs on CUDA tensors only and this run is on cpu" in err

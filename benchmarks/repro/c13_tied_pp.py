@@ -30,5 +30,5 @@ if dist.get_rank() == 0:
     for f in compare("tied-pp2", ref, got).failures[:4]:
         print("  ", f)
 dist.barrier()
-from modelpar.parallel.mesh import exit_rank
+from modelpar.launch import exit_rank
 exit_rank(0)

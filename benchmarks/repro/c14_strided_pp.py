@@ -23,5 +23,5 @@ got = run_steps(model, ParallelPlan(pp=2, n_microbatches=2, pp_schedule=sched, v
 if dist.get_rank() == 0:
     ref = run_steps(model, ParallelPlan(), local_batch_size=8, mesh=MeshInfo(mesh=None), **kw)
     print(compare(f"c14-{mode}", ref, got).line())
-from modelpar.parallel.mesh import exit_rank
+from modelpar.launch import exit_rank
 exit_rank(0)

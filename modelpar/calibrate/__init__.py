@@ -117,7 +117,7 @@ def calibrate(out: str | os.PathLike | None = None, ranks: int = 2, *, collectiv
     calibration = Calibration(**cal)
     hw = Hardware("cpu", {"fp32": best, "bf16": best / 2}, base.memory_bytes, c["mem_bandwidth"], bw, lat,
                   bw, lat, ranks, 1.0, mem_bw_fraction=1.0, op_overhead_s=c["op_overhead_s"], comm_overlap=False,
-                  source="calibrated by modelpar calibrate", calibration=calibration)
+                  source="calibrated by modelpar calibrate", calibration=calibration, kind="cpu")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     save_profile(hw, out)
     say(f"  matmul peak {best / 1e9:.1f} GFLOP/s (same operands repeated); a Linear's three products "

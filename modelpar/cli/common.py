@@ -144,4 +144,4 @@ def _uniform_layers(cfg, layers: int) -> bool:
 def precision_for(requested: str, hw) -> str:
     if requested and requested not in ("fp32", "bf16"):
         raise ValueError(f"--precision {requested!r} is unknown; valid: fp32, bf16")
-    return requested or ("fp32" if hw.name == "cpu" else "bf16")
+    return requested or ("fp32" if hw.kind == "cpu" else "bf16")

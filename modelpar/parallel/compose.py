@@ -45,7 +45,7 @@ import torch.nn as nn
 from modelpar.parallel import checkpointing, compiling, data_parallel, layer_checks, pipeline, placement, tensor, ties
 from modelpar.parallel.mesh import MeshInfo
 from modelpar.parallel.parts import ModelParts, check_parts_order, get_model_parts
-from modelpar.plan import ParallelPlan
+from modelpar.plan import ParallelPlan, runtime_layout
 
 
 @dataclass
@@ -140,11 +140,11 @@ class ParallelModel:
         w = self.wrapped
         if w is not None and hasattr(w, "no_sync") and not enabled:
             return w.no_sync()
-        fsdp = self.plan.fsdp_enabled and not self.plan.pp_enabled
+        sharded = runtime_layout(self.plan).sharded_grad_accumulation
         for m in self.modules:
             if not hasattr(m, "set_requires_gradient_sync"):
                 continue
-            if fsdp and not self.plan.defer_grad_sync:
+            if sharded:
                 m.set_requires_gradient_sync(True)
                 if self.plan.hsdp_enabled:
                     m.set_requires_all_reduce(enabled)
@@ -433,20 +433,22 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
         for mod in modules:
             compiling.apply_compile(local_blocks(mod))
     # 4. data parallel last: it wraps whatever the previous steps produced
+    # (the wrapper per data-parallel axis is `plan.runtime_layout`, which the planner's models read too)
     runtime_modules = modules                      # what forward / the pipeline stages call
-    fsdp_style = plan.fsdp_enabled or (plan.dp_replicate > 1 and (plan.pp_enabled or plan.tp_enabled))
-    if plan.fsdp_enabled:
-        dp_mesh = mesh.sub("dp_replicate", "dp_shard")
+    layout = runtime_layout(plan)
+    fsdp_style = layout.fsdp2
+    if layout.shards_states:                       # fsdp, hsdp
+        dp_mesh = mesh.sub(*layout.dp_mesh_axes)
         for mod in modules:
             data_parallel.apply_fsdp(mod, dp_mesh, local_blocks(mod), precision=plan.precision,
                                      reshard_after_forward=plan.reshard_after_forward,
                                      cpu_offload=plan.cpu_offload)
-    elif plan.dp_replicate > 1 and (plan.pp_enabled or plan.tp_enabled):   # DDP semantics, see docstring
-        dp_mesh = mesh.sub("dp_replicate")
+    elif layout.dp_wrapper == "replicate":         # DDP semantics under PP / TP, see docstring
+        dp_mesh = mesh.sub(*layout.dp_mesh_axes)
         for mod in modules:
             data_parallel.apply_replicate(mod, dp_mesh, local_blocks(mod), precision=plan.precision)
-    elif plan.dp_replicate > 1:
-        dp_mesh = mesh.sub("dp_replicate")
+    elif layout.dp_wrapper == "ddp":
+        dp_mesh = mesh.sub(*layout.dp_mesh_axes)
         runtime_modules = [data_parallel.apply_ddp(mod, dp_mesh, find_unused_parameters=find_unused_parameters)
                            for mod in modules]
 
@@ -460,5 +462,5 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
                                               schedule=plan.pp_schedule, n_microbatches=plan.n_microbatches,
                                               loss_fn=pm._scaled, device=device, pp_group=mesh.group("pp"))
     layer_checks.attach(pm, check_unused_params=check_unused_params, find_unused=find_unused_parameters,
-                        ddp=plan.dp_replicate > 1 and not fsdp_style)
+                        ddp=layout.dp_wrapper == "ddp")
     return pm

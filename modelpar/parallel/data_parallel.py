@@ -21,7 +21,7 @@ import torch.nn as nn
 def apply_ddp(model: nn.Module, dp_mesh, *, find_unused_parameters: bool = False) -> nn.Module:
     """Wrap ``model`` in DistributedDataParallel over the 1-D ``dp_mesh``; returns the wrapper.
 
-    Under TP the mesh is a slice of the 2-D mesh, which DDP accepts (its DTensor path).
+    Only without TP and PP (`parallelize` uses `apply_replicate` there), so no parameter is a DTensor.
     ``gradient_as_bucket_view=True``: each ``.grad`` is a view into its all-reduce bucket, so the
     buckets cost no memory beyond the gradients (torch's default, False, keeps a bucket copy of every
     gradient). The buckets exist from construction on and persist across steps, also while

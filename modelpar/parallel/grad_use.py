@@ -41,8 +41,7 @@ class GradUseCheck:
     """The per-step check described in the module docstring.
 
     Args:
-        named_params: ``(name, parameter)`` of this rank's modules, taken right after wrapping (before
-            any forward: DDP over TP swaps the registered parameters during forward).
+        named_params: ``(name, parameter)`` of this rank's modules, taken right after wrapping.
         group_key: this rank's coordinates outside data parallelism, ``(pp_rank, tp_rank)``; ranks with
             equal keys form one data-parallel group.
         ddp: the model is wrapped in `DistributedDataParallel` (its reducer cannot skip parameters).

@@ -93,5 +93,3 @@ def build_mesh(plan: ParallelPlan, device: torch.device) -> MeshInfo:
     dp_rank = coord.get("dp_replicate", 0) * plan.dp_shard + coord.get("dp_shard", 0)
     return MeshInfo(mesh=mesh, dp_rank=dp_rank, tp_rank=coord.get("tp", 0), pp_rank=coord.get("pp", 0))
 
-
-from modelpar.launch import exit_rank  # noqa: E402,F401  (moved; kept importable here)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from modelpar.parallel.parts import ModelParts
+from modelpar.plan import runtime_layout
 
 
 def find_ties(model: nn.Module) -> list[tuple[str, ...]]:
@@ -137,8 +138,7 @@ def check_ties(model: nn.Module, plan, parts: ModelParts, *, tp_plan: dict[str, 
                     f"({', '.join(f'{n}: {v}' for n, v in lay.items())}); a tie needs one layout for every "
                     f"copy: shard their modules alike in the TP plan (e.g. an embedding rowwise over the "
                     f"vocabulary with a colwise head), or leave both replicated")
-    fsdp_style = plan.fsdp_enabled or plan.dp_replicate > 1 and (plan.pp_enabled or plan.tp_enabled)
-    if not fsdp_style:
+    if not runtime_layout(plan).fsdp2:
         return
     if plan.pp_enabled and ranges is None:
         known = [t for t in ties if all(_owner(parts, n)[0] in ("pre", "post") for n in t)]

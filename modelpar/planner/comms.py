@@ -8,6 +8,7 @@ from modelpar.plan import ParallelPlan
 from modelpar.planner.formulas import alpha_beta_form
 from modelpar.planner.gpu import gpu_link, physics_for
 from modelpar.planner.hardware import Hardware
+from modelpar.planner.memo import PlannerCache
 from modelpar.planner.memory import RankLoad
 
 DDP_BUCKET_BYTES = 25 * 2 ** 20
@@ -24,29 +25,26 @@ def _axis_link(plan: ParallelPlan, axis: str, hw: Hardware, op: str = "all_reduc
     return hw.link(n, span)
 
 
-def _coll(plan: ParallelPlan, axis: str, hw: Hardware, op: str, nbytes: float, n: int, ctx: bool = False) -> float:
+def _coll(plan: ParallelPlan, axis: str, hw: Hardware, op: str, nbytes: float, n: int, ctx: bool = False,
+          cache: PlannerCache | None = None) -> float:
     """Seconds of one ``op`` of ``nbytes`` over ``n`` ranks of mesh axis ``axis``: the calibrated
     table (`Hardware.collective_seconds`; ``ctx``: the one of calls issued between compute segments,
     the wait for the slowest rank included) when the job fits one node and ``op`` was measured with
     ``n`` ranks, else the alpha-beta form (Thakur et al. 2005) with the axis' link."""
-    return _coll_sum(plan, axis, hw, op, (nbytes,), n, ctx=ctx)
-
-
-_LINKS: dict[tuple, tuple] = {}
+    return _coll_sum(plan, axis, hw, op, (nbytes,), n, ctx=ctx, cache=cache)
 
 
 def _coll_sum(plan: ParallelPlan, axis: str, hw: Hardware, op: str, sizes, n: int, scale: float = 1.0,
-              ctx: bool = False) -> float:
+              ctx: bool = False, cache: PlannerCache | None = None) -> float:
     """`_coll` summed over one ``op`` per entry of ``sizes`` x ``scale`` (bytes); the alpha-beta form
     in closed form (calls x latency steps + total bytes x volume / bandwidth). The search calls this
-    ~10^5 times, so the link of (hardware, degrees, axis, op) is memoized."""
+    ~10^5 times, so the link of (degrees, axis, op) is memoized in ``cache`` (`PlannerCache.links`;
+    the cache serves one hardware)."""
     if n <= 1:
         return 0.0
-    key = (id(hw), plan.tp, plan.dp_shard, plan.dp_replicate, plan.pp, axis, op, n, ctx)
-    link = _LINKS.get(key)
-    if link is None or link[0] is not hw:
-        if len(_LINKS) > 65536:
-            _LINKS.clear()
+    key = (plan.tp, plan.dp_shard, plan.dp_replicate, plan.pp, axis, op, n, ctx)
+    link = cache.links.get(key) if cache is not None else None
+    if link is None:
         table = (hw.calibration is not None and hw.devices_per_node % (plan.tp * plan.dp * plan.pp) == 0
                  and hw.collective_seconds(op, 1.0, n, in_context=ctx) is not None)
         bw, lat = _axis_link(plan, axis, hw, op)
@@ -56,37 +54,31 @@ def _coll_sum(plan: ParallelPlan, axis: str, hw: Hardware, op: str, sizes, n: in
             span = {"tp": 1, "dp_shard": plan.tp, "dp_replicate": plan.tp * plan.dp_shard,
                     "pp": plan.tp * plan.dp}[axis]
             bw, lat, steps = gpu_link(phys, hw, bw, op, n, steps, min(n, hw.devices_per_node // span))
-        link = _LINKS[key] = (hw, table, steps * lat, volume / bw)
-    if link[1]:
+        link = (table, steps * lat, volume / bw)
+        if cache is not None:
+            cache.links[key] = link
+    if link[0]:
         return sum(hw.collective_seconds(op, x * scale, n, in_context=ctx) for x in sizes if x > 0)
     if len(sizes) == 1:
         k, total = 1, sizes[0]
-    else:                       # (calls, bytes) of a rank's unit or bucket list, memoized per list
-        hit = _SIZE_SUMS.get(id(sizes))
-        if hit is None or hit[0] is not sizes:
-            if len(_SIZE_SUMS) > 65536:
-                _SIZE_SUMS.clear()
-            hit = _SIZE_SUMS[id(sizes)] = (sizes, sum(1 for x in sizes if x > 0), sum(sizes))
-        k, total = hit[1], hit[2]
-    return k * link[2] + link[3] * total * scale if k else 0.0
-
-
-_SIZE_SUMS: dict[int, tuple] = {}
+    else:                       # (calls, bytes) of a rank's unit or bucket list
+        k, total = sum(1 for x in sizes if x > 0), sum(sizes)
+    return k * link[1] + link[2] * total * scale if k else 0.0
 
 
 DDP_FIRST_BUCKET_BYTES = 2 ** 20     # torch DDP's first bucket (``_DEFAULT_FIRST_BUCKET_BYTES``)
-_BUCKETS: dict[int, tuple] = {}
 
 
-def _ddp_buckets_cached(sizes: tuple, elem_bytes: float = 4) -> list[float]:
-    """`ddp_buckets` of gradients of ``elem_bytes`` (fp32 by default), memoized per parameter-size
-    tuple (one per rank load) and element size."""
-    hit = _BUCKETS.get((id(sizes), elem_bytes))
-    if hit is None or hit[0] is not sizes:
-        if len(_BUCKETS) > 4096:
-            _BUCKETS.clear()
-        hit = _BUCKETS[(id(sizes), elem_bytes)] = (sizes, ddp_buckets(sizes, elem_bytes))
-    return hit[1]
+def _ddp_buckets_cached(sizes: tuple, elem_bytes: float = 4, cache: PlannerCache | None = None) -> list[float]:
+    """`ddp_buckets` of gradients of ``elem_bytes`` (fp32 by default), memoized in ``cache`` per
+    parameter-size tuple (one per rank load) and element size."""
+    if cache is None:
+        return ddp_buckets(sizes, elem_bytes)
+    key = (sizes, elem_bytes)
+    hit = cache.buckets.get(key)
+    if hit is None:
+        hit = cache.buckets[key] = ddp_buckets(sizes, elem_bytes)
+    return hit
 
 
 def ddp_buckets(sizes, elem_bytes: float, cap: float = DDP_BUCKET_BYTES) -> list[float]:
@@ -104,22 +96,20 @@ def ddp_buckets(sizes, elem_bytes: float, cap: float = DDP_BUCKET_BYTES) -> list
     return out
 
 
-_COMMS: dict[tuple, tuple] = {}
-
-
 def _comm_terms(ld: RankLoad, plan: ParallelPlan, hw: Hardware, b: int, wb: int, dp_overlap: bool,
-                rb: float = 4, sg: bool = False, groups: bool = False) -> dict:
+                rb: float = 4, sg: bool = False, groups: bool = False, cache: PlannerCache | None = None) -> dict:
     """The collective times of one rank's step that do not depend on the schedule, micro-batch count
     or checkpointing (memoized: the search evaluates many such variants of each layout). ``wb``:
     bytes per gathered parameter (FSDP all-gather), ``rb``: per reduced gradient element; ``sg``:
     pipeline transfers use Megatron-LM's scatter / gather (each TP rank sends 1/tp of the tensor,
     the receivers all-gather it over the TP group; Narayanan et al. SC'21, Sec. 4.1); ``groups``:
     data-parallel all-reduces per FSDP2 replicate group (each block, then the root) instead of DDP
-    buckets, ``last`` the first block's and the root's."""
-    key = (id(ld), id(hw), plan.tp, plan.dp_shard, plan.dp_replicate, plan.pp, b, wb, dp_overlap, rb, sg, groups)
-    hit = _COMMS.get(key)
-    if hit is not None and hit[0] is ld and hit[1] is hw:
-        return hit[2]
+    buckets, ``last`` the first block's and the root's. ``cache``: `PlannerCache.comms`, per rank
+    load (its ``key``, the entry used for the same object only) and these arguments."""
+    key = (ld.key, plan.tp, plan.dp_shard, plan.dp_replicate, plan.pp, b, wb, dp_overlap, rb, sg, groups)
+    hit = cache.comms.get(key) if cache is not None else None
+    if hit is not None and hit[0] is ld:
+        return hit[1]
     # without overlap (CPU) every data-parallel collective and pipeline transfer blocks between two
     # compute segments: its calibrated in-context time includes the wait for the slowest rank
     cx = not hw.comm_overlap
@@ -127,43 +117,42 @@ def _comm_terms(ld: RankLoad, plan: ParallelPlan, hw: Hardware, b: int, wb: int,
     # (`RankLoad.p2p`); CPU profiles keep the stage-output size their calibrated accuracy was
     # measured with (the last stage's logits; see docs/planner.md)
     p2p = ld.p2p if (ld.p2p and physics_for(hw) is not None) else ld.boundary
-    c = {"p2p": _coll(plan, "pp", hw, "send_recv", p2p * b, 2, cx) if plan.pp > 1 else 0.0}
+    c = {"p2p": _coll(plan, "pp", hw, "send_recv", p2p * b, 2, cx, cache) if plan.pp > 1 else 0.0}
     if sg and plan.pp > 1 and plan.tp > 1 and not plan.sequence_parallel:
-        c["p2p"] = (_coll(plan, "pp", hw, "send_recv", p2p * b / plan.tp, 2)
-                    + _coll(plan, "tp", hw, "all_gather", p2p * b, plan.tp))
+        c["p2p"] = (_coll(plan, "pp", hw, "send_recv", p2p * b / plan.tp, 2, False, cache)
+                    + _coll(plan, "tp", hw, "all_gather", p2p * b, plan.tp, False, cache))
     grad_bytes = rb * ld.params
     if plan.dp_shard > 1:
         n = plan.dp_shard
         units = ld.unit_sizes or (ld.params - ld.root_params,)
-        c["ag"] = _coll_sum(plan, "dp_shard", hw, "all_gather", units, n, wb, cx)
-        c["ag_root"] = _coll(plan, "dp_shard", hw, "all_gather", wb * ld.root_params, n, cx)
-        c["rs"] = (_coll_sum(plan, "dp_shard", hw, "reduce_scatter", units, n, rb, cx)
-                   + _coll(plan, "dp_shard", hw, "reduce_scatter", rb * ld.root_params, n, cx))
-        c["first"] = _coll(plan, "dp_shard", hw, "all_gather", wb * ld.max_unit_params, n)
+        c["ag"] = _coll_sum(plan, "dp_shard", hw, "all_gather", units, n, wb, cx, cache)
+        c["ag_root"] = _coll(plan, "dp_shard", hw, "all_gather", wb * ld.root_params, n, cx, cache)
+        c["rs"] = (_coll_sum(plan, "dp_shard", hw, "reduce_scatter", units, n, rb, cx, cache)
+                   + _coll(plan, "dp_shard", hw, "reduce_scatter", rb * ld.root_params, n, cx, cache))
+        c["first"] = _coll(plan, "dp_shard", hw, "all_gather", wb * ld.max_unit_params, n, False, cache)
         # the pieces FSDP2 cannot hide (`_fsdp_exposed`): one block's reduce-scatter, the root's
-        c["rs_unit"] = _coll(plan, "dp_shard", hw, "reduce_scatter", rb * ld.max_unit_params, n)
-        c["rs_root"] = _coll(plan, "dp_shard", hw, "reduce_scatter", rb * ld.root_params, n)
-        c["rep"] = (_coll(plan, "dp_replicate", hw, "all_reduce", grad_bytes / n, plan.dp_replicate, cx)
+        c["rs_unit"] = _coll(plan, "dp_shard", hw, "reduce_scatter", rb * ld.max_unit_params, n, False, cache)
+        c["rs_root"] = _coll(plan, "dp_shard", hw, "reduce_scatter", rb * ld.root_params, n, False, cache)
+        c["rep"] = (_coll(plan, "dp_replicate", hw, "all_reduce", grad_bytes / n, plan.dp_replicate, cx, cache)
                     if plan.dp_replicate > 1 else 0.0)
     elif plan.dp_replicate > 1:
         n = plan.dp_replicate
-        buckets = _ddp_buckets_cached(ld.param_sizes, rb) if (ld.param_sizes and dp_overlap) else (grad_bytes,)
-        c["t_ar"] = _coll_sum(plan, "dp_replicate", hw, "all_reduce", buckets, n)
+        buckets = _ddp_buckets_cached(ld.param_sizes, rb, cache) if (ld.param_sizes and dp_overlap) else (grad_bytes,)
+        c["t_ar"] = _coll_sum(plan, "dp_replicate", hw, "all_reduce", buckets, n, cache=cache)
         if cx:
             # DDP launches each bucket's all-reduce asynchronously from backward; only the wait for
             # the last one after backward blocks between compute segments
-            c["t_ar"] += (_coll(plan, "dp_replicate", hw, "all_reduce", buckets[-1], n, True)
-                          - _coll(plan, "dp_replicate", hw, "all_reduce", buckets[-1], n))
+            c["t_ar"] += (_coll(plan, "dp_replicate", hw, "all_reduce", buckets[-1], n, True, cache)
+                          - _coll(plan, "dp_replicate", hw, "all_reduce", buckets[-1], n, False, cache))
         c["n_buckets"] = len(buckets)
-        c["last"] = _coll(plan, "dp_replicate", hw, "all_reduce", min(DDP_BUCKET_BYTES, grad_bytes), n)
+        c["last"] = _coll(plan, "dp_replicate", hw, "all_reduce", min(DDP_BUCKET_BYTES, grad_bytes), n, False, cache)
         if groups:
             units = (ld.unit_sizes or (ld.params - ld.root_params,)) + (ld.root_params,)
-            c["t_ar"] = _coll_sum(plan, "dp_replicate", hw, "all_reduce", units, n, rb)
-            c["last"] = (_coll(plan, "dp_replicate", hw, "all_reduce", rb * ld.max_unit_params, n)
-                         + _coll(plan, "dp_replicate", hw, "all_reduce", rb * ld.root_params, n))
-    if len(_COMMS) > 65536:
-        _COMMS.clear()
-    _COMMS[key] = (ld, hw, c)
+            c["t_ar"] = _coll_sum(plan, "dp_replicate", hw, "all_reduce", units, n, rb, False, cache)
+            c["last"] = (_coll(plan, "dp_replicate", hw, "all_reduce", rb * ld.max_unit_params, n, False, cache)
+                         + _coll(plan, "dp_replicate", hw, "all_reduce", rb * ld.root_params, n, False, cache))
+    if cache is not None:
+        cache.comms[key] = (ld, c)
     return c
 
 

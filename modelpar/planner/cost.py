@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from modelpar.plan import ParallelPlan
+from modelpar.plan import ParallelPlan, runtime_layout
 # the collective (alpha-beta) and pipeline-bubble formulas live in formulas.py, re-exported here
 from modelpar.planner.formulas import (all_gather_time, all_reduce_time, alpha_beta_form,  # noqa: F401
                                        bubble_fraction, p2p_time)
@@ -59,6 +59,7 @@ from modelpar.planner.comms import (DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, _c
 from modelpar.planner.gpu import gpu_load_times, physics_for
 from modelpar.planner.calibration import NO_CALIBRATION
 from modelpar.planner.hardware import Hardware
+from modelpar.planner.memo import PlannerCache
 from modelpar.planner.memory import Batch, RankLoad, rank_loads
 from modelpar.planner.profile import ModelProfile
 from modelpar.planner.recompute import recompute_flops_per_sample, recompute_share
@@ -144,9 +145,6 @@ def hfu(step: StepEstimate, hw: Hardware, precision: str) -> float:
 ZERO_BUBBLE_SCHEDULES = ("interleavedzerobubble", "zbvzerobubble", "dualpipev")
 
 
-_LOAD_TIMES: dict[tuple, tuple] = {}
-
-
 def _load_times(ld: RankLoad, hw: Hardware, b: int, prec: str, mem_s: float, ew_s: float, attn_rate: float,
                 curve: bool, flops_s: float, alone: bool, phys=None, kernel=None) -> tuple[float, float]:
     """Forward and backward seconds of one micro-batch of ``b`` samples on a rank holding ``ld``
@@ -180,7 +178,8 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
               accumulation: int, optimizer: str, tp_bytes: float, dp_overlap: bool = True,
               fused_tp_optimizer: bool = False, reduce_bytes: float = 4,
               gather_bytes: float | None = None, attention_kernel: str | None = None,
-              p2p_scatter_gather: bool = False, replicate: bool | None = None) -> dict:
+              p2p_scatter_gather: bool = False, replicate: bool | None = None,
+              cache: PlannerCache | None = None) -> dict:
     """Seconds of one step on the slowest pipeline rank; ``tp_bytes`` = block output per sample.
 
     CPU-specific terms (zero where the hardware profile lacks them): fresh allocations
@@ -195,7 +194,12 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     ``replicate``: dp_replicate runs FSDP2's replicate (per-group reductions; under a pipeline once
     after the schedule) rather than torch DDP's buckets; None: modelpar's runtime (replicate under
     PP or TP, DDP otherwise); False for other runtimes' DDP (Megatron-LM rows).
+    ``cache``: the search's memo tables (`memo.PlannerCache`, bound to ``hw``); None: a fresh one.
+
+    Raises:
+        ValueError: ``cache`` serves another hardware profile.
     """
+    cache = (cache or PlannerCache()).bind(hw=hw)
     prec = plan.precision
     flops_s = hw.achievable_flops(prec)
     # ranks in lockstep (data / tensor parallel peers on one node) stream memory and fault pages at
@@ -212,7 +216,8 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     ac = plan.activation_checkpointing == "full"
     partial_ac = plan.activation_checkpointing in ("every-k", "selective")
     overlap = dp_overlap and hw.comm_overlap
-    ar_tp = _coll(plan, "tp", hw, "all_reduce", tp_bytes * b, plan.tp, not hw.comm_overlap) if plan.tp > 1 else 0.0
+    ar_tp = (_coll(plan, "tp", hw, "all_reduce", tp_bytes * b, plan.tp, not hw.comm_overlap, cache)
+             if plan.tp > 1 else 0.0)
     # DTensor's cost per sharded Linear (forward + backward): fixed + per byte of its input activation
     tp_linear = (cal.tp_linear_overhead_s + cal.tp_linear_overhead_s_per_byte * tp_bytes * b) if plan.tp > 1 else 0.0
     best = None
@@ -226,17 +231,16 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     # re-reads activations and output gradients the cache has lost; calibrated on CPU, 1 elsewhere
     zb = (cal.zero_bubble_backward_factor
           if p > 1 and plan.pp_schedule in ZERO_BUBBLE_SCHEDULES else 1.0)
+    load_times = cache.load_times
     for ld in loads:
-        key = (id(ld), id(hw), b, prec, alone, attention_kernel)
-        hit = _LOAD_TIMES.get(key)
-        if hit is not None and hit[0] is ld and hit[1] is hw:
-            t_f, t_b = hit[2]
+        key = (ld.key, b, prec, alone, attention_kernel)
+        hit = load_times.get(key)
+        if hit is not None and hit[0] is ld:
+            t_f, t_b = hit[1]
         else:
             t_f, t_b = _load_times(ld, hw, b, prec, mem_s, ew_s, attn_rate, curve, flops_s, alone, phys,
                                    attention_kernel)
-            if len(_LOAD_TIMES) > 65536:
-                _LOAD_TIMES.clear()
-            _LOAD_TIMES[key] = (ld, hw, (t_f, t_b))
+            load_times[key] = (ld, (t_f, t_b))
         if zb != 1.0:
             t_b *= zb
         t_rc = t_f if ac else 0.0
@@ -265,10 +269,11 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     wb = gather_bytes or (2 if prec == "bf16" else 4)
     # modelpar runs dp_replicate under PP or TP through FSDP2's replicate (`parallel.compose`):
     # per-group all-reduces (on devices that overlap; CPU keeps its calibrated bucket terms)
-    rep_rt = (plan.dp_shard == 1 and plan.dp_replicate > 1
-              and (replicate if replicate is not None else (p > 1 or plan.tp > 1)))
+    layout = runtime_layout(plan)
+    rep_rt = (layout.dp_wrapper == "replicate" if replicate is None
+              else (replicate and layout.dp_wrapper in ("ddp", "replicate")))
     cm = _comm_terms(ld, plan, hw, b, wb, dp_overlap, reduce_bytes, p2p_scatter_gather,
-                     rep_rt and overlap)
+                     rep_rt and overlap, cache)
     t_p2p = 2 * v * cm["p2p"] if p > 1 else 0.0
     dp_exposed, fsdp_per_mb = 0.0, 0.0
     if plan.dp_shard > 1:
@@ -320,7 +325,7 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
             dp_exposed = max(t_ar - t_b, last) + _nccl_share(plan, "dp_replicate", hw, phys) * min(t_ar, t_b)
         elif not dp_overlap:         # one all-reduce of a contiguous gradient buffer after backward
             dp_exposed = t_ar
-        elif p == 1 and plan.tp == 1:
+        elif layout.dp_wrapper == "ddp":
             # torch DDP with gradient_as_bucket_view=True (`apply_ddp`): the gradients are the
             # buckets, nothing is copied
             dp_exposed = t_ar
@@ -332,7 +337,7 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     bub = bubble_fraction(plan.pp_schedule, p, m, v) * m * (per_mb_compute + t_rc)
     local = ld.params / plan.dp_shard
     loop = optimizer == "adamw" and plan.tp > 1 and not fused_tp_optimizer
-    if hw.name == "cpu":
+    if hw.kind == "cpu":
         traffic, kernels = ((ADAMW_LOOP_TRAFFIC, ADAMW_LOOP_KERNELS) if loop
                             else (OPT_TRAFFIC_CPU[optimizer], OPT_KERNELS[optimizer]))
         opt = local * traffic / mem_s + ld.num_tensors * kernels * hw.op_overhead_s
@@ -349,14 +354,15 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
 def fsdp_sharded_accumulation(plan: ParallelPlan) -> bool:
     """FSDP without a pipeline and without ``defer_grad_sync``: each local batch of gradient
     accumulation is reduce-scattered and the shards accumulate (FSDP2's default; `ParallelModel`)."""
-    return plan.dp_shard > 1 and plan.pp == 1 and not plan.defer_grad_sync
+    return runtime_layout(plan).sharded_grad_accumulation
 
 
 def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: Hardware, *,
                   optimizer: str = "adamw", dp_overlap: bool = True,
                   fused_tp_optimizer: bool = False, reduce_bytes: float = 4,
                   gather_bytes: float | None = None, attention_kernel: str | None = None,
-                  p2p_scatter_gather: bool = False, replicate: bool | None = None) -> StepEstimate:
+                  p2p_scatter_gather: bool = False, replicate: bool | None = None,
+                  cache: PlannerCache | None = None) -> StepEstimate:
     """Predict one optimizer step of ``plan`` on ``hw`` (see module docstring for the formulas).
 
     Args:
@@ -370,21 +376,25 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
             Adam); by default they pay the single-tensor loop modelpar's TP runs (see
             `modelpar.train.step.adamw`).
         reduce_bytes, gather_bytes, attention_kernel, p2p_scatter_gather, replicate: see `rank_step`.
+        cache: memo tables (`memo.PlannerCache`) to share between estimates of one profile and
+            hardware; None: a fresh one for this call.
 
     Raises:
-        ValueError: batch sizes that do not divide, unknown optimizer or precision.
+        ValueError: batch sizes that do not divide, unknown optimizer or precision, a ``cache`` of
+            another profile or hardware.
     """
+    cache = (cache or PlannerCache()).bind(profile=profile, hw=hw)
     if optimizer not in OPT_TRAFFIC:
         raise ValueError(f"optimizer={optimizer!r} is unknown; valid: {', '.join(OPT_TRAFFIC)}")
     b = batch.micro_batch_size(plan)
     acc = batch.accumulation_steps(plan)
-    loads = rank_loads(profile, plan, act_bytes=2 if plan.precision == "bf16" else 4)
+    loads = rank_loads(profile, plan, act_bytes=2 if plan.precision == "bf16" else 4, cache=cache)
     parts = rank_step(loads, plan, hw, micro_batch_size=b, accumulation=acc, optimizer=optimizer,
                       tp_bytes=tp_bytes_per_sample(profile, plan), dp_overlap=dp_overlap,
                       fused_tp_optimizer=fused_tp_optimizer, reduce_bytes=reduce_bytes,
                       gather_bytes=gather_bytes, attention_kernel=attention_kernel,
-                      p2p_scatter_gather=p2p_scatter_gather, replicate=replicate)
-    return _finish(parts, profile, plan, batch.global_batch_size)
+                      p2p_scatter_gather=p2p_scatter_gather, replicate=replicate, cache=cache)
+    return _finish(parts, profile, plan, batch.global_batch_size, cache=cache)
 
 
 def tp_bytes_per_sample(profile: ModelProfile, plan: ParallelPlan) -> float:
@@ -395,14 +405,15 @@ def tp_bytes_per_sample(profile: ModelProfile, plan: ParallelPlan) -> float:
 
 
 def _finish(parts: dict, profile: ModelProfile, plan: ParallelPlan, global_batch: int,
-            flops: tuple[float, float] | None = None) -> StepEstimate:
-    """Wrap step parts; ``flops`` = (forward, backward) FLOPs per sample, computed if None."""
+            flops: tuple[float, float] | None = None, cache: PlannerCache | None = None) -> StepEstimate:
+    """Wrap step parts; ``flops`` = (forward, backward) FLOPs per sample, computed if None;
+    ``cache``: memo tables of ``profile`` (`memo.PlannerCache`)."""
     if flops is None:
         flops = (profile.fwd_flops_per_sample, profile.train_flops_per_sample - profile.fwd_flops_per_sample)
     fwd, bwd = flops
     model = global_batch * (fwd + bwd)
     if plan.activation_checkpointing in ("every-k", "selective"):
-        hw_flops = model + global_batch * recompute_flops_per_sample(profile, plan)
+        hw_flops = model + global_batch * recompute_flops_per_sample(profile, plan, cache)
     else:
         hw_flops = model + (global_batch * fwd if plan.activation_checkpointing == "full" else 0.0)
     return StepEstimate(**parts, model_flops=model, hardware_flops=hw_flops,

@@ -34,6 +34,7 @@ from pathlib import Path
 from modelpar.planner.calibration import SCHEMA_VERSION, Calibration
 
 GIB = 2 ** 30
+DEVICE_KINDS = ("cpu", "gpu")     # `Hardware.kind`
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,13 @@ class Hardware:
             kernel's loopback TCP), so a collective adds its time even when issued asynchronously.
         calibration: what `modelpar calibrate` measured (`modelpar.planner.calibration.Calibration`);
             None for built-in and estimated profiles.
+        kind: ``"cpu"`` (host cores: gloo collectives, single-tensor / CPU optimizer kernels, fp32
+            by default) or ``"gpu"`` (an accelerator: foreach optimizer kernels, bf16 by default).
+            The models switch on this field, never on ``name``. Profiles saved before the field
+            existed load with ``"cpu"`` when their name is ``"cpu"`` (`load_profile`).
+
+    Raises:
+        ValueError: ``kind`` is not one of `DEVICE_KINDS`.
     """
 
     name: str
@@ -76,6 +84,12 @@ class Hardware:
     comm_overlap: bool = True          # collectives run beside compute (GPU copy engines / NCCL SMs)
     source: str = ""
     calibration: Calibration | None = None
+    kind: str = "gpu"
+
+    def __post_init__(self) -> None:
+        if self.kind not in DEVICE_KINDS:
+            raise ValueError(f"hardware {self.name!r}: kind={self.kind!r} is unknown; valid: "
+                             f"{', '.join(DEVICE_KINDS)}")
 
     def achievable_flops(self, precision: str) -> float:
         """``peak_flops[precision] * gemm_fraction``, FLOP/s. Raises ValueError for an unknown precision."""
@@ -244,7 +258,7 @@ def cpu_profile(local_ranks: int = 1) -> Hardware:
     return Hardware("cpu", {"fp32": flops, "bf16": flops / 2}, total_ram_bytes() / local_ranks,
                     10e9 / local_ranks, 2e9, 50e-6, 2e9, 50e-6, max(local_ranks, 1), 0.5,
                     mem_bw_fraction=1.0, op_overhead_s=10e-6, comm_overlap=False,
-                    source="estimate (uncalibrated)")
+                    source="estimate (uncalibrated)", kind="cpu")
 
 
 def get_hardware(name_or_path: str, *, local_ranks: int = 1) -> Hardware:
@@ -288,6 +302,8 @@ def load_profile(path: str | os.PathLike) -> Hardware:
             d["calibration"] = Calibration.from_json(d["calibration"])
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"hardware profile {path}: {e}") from None
+    if "kind" not in d:                  # saved before `Hardware.kind`: only CPU profiles were named "cpu"
+        d["kind"] = "cpu" if d.get("name") == "cpu" else "gpu"
     names = {f.name for f in dataclasses.fields(Hardware)}
     unknown = sorted(set(d) - names)
     if unknown:

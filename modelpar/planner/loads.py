@@ -12,7 +12,9 @@ import functools
 from dataclasses import dataclass, field
 
 from modelpar.plan import ParallelPlan
+from modelpar.planner.memo import PlannerCache
 from modelpar.planner.profile import ModelProfile, tied_copies
+
 
 def stage_ranges(profile: ModelProfile, num_stages: int) -> list[tuple[int, int]]:
     """Block index ranges ``[start, end)`` of each pipeline stage.
@@ -103,6 +105,10 @@ class RankLoad:
     # or its input (whose gradient is sent back); hidden states, never the logits (0: no pipeline)
     p2p: float = 0.0
     attn_shape: tuple | None = None    # (seq, head dim, causal) of a transformer's attention, for GPU tables
+    # what this load is within its profile (`rank_loads`: TP degree, sequence parallel, stages, pp,
+    # activation scale, pipeline rank; `recompute.ac_load` appends its mode): the memo tables'
+    # (`memo.PlannerCache`) key for it
+    key: tuple = field(default=(), compare=False)
 
 
 def _fsdp_unit_peak(ld: RankLoad, units: list[tuple[float, float]]) -> None:
@@ -121,16 +127,21 @@ def _fsdp_unit_peak(ld: RankLoad, units: list[tuple[float, float]]) -> None:
             ld.fsdp_done = sum(p for p, _ in units[i + 1:])
 
 
-@functools.lru_cache(maxsize=4096)
-def _scaled_peaks(peaks: tuple, in_grad, ex_mul: float, g_mul: float, shr: float) -> tuple:
+def _scaled_peaks(peaks: tuple, in_grad, ex_mul: float, g_mul: float, shr: float,
+                  cache: PlannerCache | None = None) -> tuple:
     """`BlockProfile.bwd_peaks` per sample with TP applied (``in_grad``: incoming gradient bytes that
-    replace the profiled ones, None to keep them); cached, since a model's blocks repeat."""
+    replace the profiled ones, None to keep them); memoized in ``cache``, since a model's blocks repeat."""
+    if cache is not None:
+        key = (peaks, in_grad, ex_mul, g_mul, shr)
+        hit = cache.peaks.get(key)
+        if hit is None:
+            hit = cache.peaks[key] = _scaled_peaks(peaks, in_grad, ex_mul, g_mul, shr)
+        return hit
     return tuple((ex * ex_mul, (gi if in_grad is None else in_grad) * g_mul, gs * shr, gq * shr)
                  for ex, gi, gs, gq in peaks)
 
 
-@functools.lru_cache(maxsize=4096)
-def _backward_moments(recs: tuple, own: bool = False) -> tuple[tuple, tuple]:
+def _backward_moments(recs: tuple, own: bool = False, cache: PlannerCache | None = None) -> tuple[tuple, tuple]:
     """Candidate peak moments of one micro-batch's backward on a rank, from its blocks in forward
     order. ``recs``: per block (saved bytes and full-checkpointing input bytes per sample; its
     in-backward peaks as (extra bytes, incoming gradient bytes per sample, parameters whose gradient
@@ -165,7 +176,14 @@ def _backward_moments(recs: tuple, own: bool = False) -> tuple[tuple, tuple]:
     so inside block k's backward it holds blocks < k's and block k's whole saved bytes (restored by
     its recompute, or never freed); False (full checkpointing): the input of blocks <= k and block
     k's recomputed saved bytes.
+
+    ``cache``: memoized there per (``recs``, ``own``) (`memo.PlannerCache.moments`).
     """
+    if cache is not None:
+        hit = cache.moments.get((recs, own))
+        if hit is None:
+            hit = cache.moments[(recs, own)] = _backward_moments(recs, own)
+        return hit
     nb = len(recs)
     cum, cum_ac, done_u, done_r = [0.0] * (nb + 1), [0.0] * (nb + 1), [0.0] * (nb + 1), [0.0] * (nb + 1)
     prev_u, upto = [0.0] * nb, [0.0] * nb
@@ -207,25 +225,25 @@ def _backward_moments(recs: tuple, own: bool = False) -> tuple[tuple, tuple]:
     return tuple(dict.fromkeys(bwd)), tuple(dict.fromkeys(rs))
 
 
-_BLOCK_TERMS: dict[tuple, tuple] = {}
 # additive per-block fields of a `RankLoad`, in this order (summed over a stage by prefix sums)
 _SUMS = ("params", "root_params", "saved", "saved_ac", "fwd_flops", "bwd_flops", "fwd_mem", "bwd_mem",
          "ops", "fwd_ops", "fwd_gemms", "bwd_gemms", "attn_f", "attn_b", "attn_calls", "tp_linears",
          "gp_f", "gp_b", "ga_f", "ga_b", "tp_collectives")
 
 
-def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float):
-    """Per-block contributions to a `RankLoad` for TP degree ``t`` (memoized per profile, degree,
-    sequence parallel and activation scale: the search builds ~200 layouts from a few of these).
+def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: PlannerCache):
+    """Per-block contributions to a `RankLoad` for TP degree ``t`` (memoized in ``cache``, which
+    serves one profile, per degree, sequence parallel and activation scale: the search builds ~200
+    layouts from a few of these).
 
     Returns (prefix sums of the additive fields `_SUMS` over blocks, per block: (saved, saved_ac)
     corrections when the block is its stage's first, max-block saved bytes, FSDP-unit parameters
     (None for the root's embed / head), parameter numels, (generic, as a stage's first) unit
     entries, and a function giving the block's backward record for its position in the stage)."""
-    key = (id(profile), t, sp, scale)
-    hit = _BLOCK_TERMS.get(key)
-    if hit is not None and hit[0] is profile:
-        return hit[1]
+    key = (t, sp, scale)
+    hit = cache.block_terms.get(key)
+    if hit is not None:
+        return hit
     bs = profile.batch_size
     n = len(profile.blocks)
     transformer = bool(profile.arch)
@@ -278,31 +296,37 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float):
         # model's last block it is the loss's gradient of the logits (the profile's backward
         # starts from a sum, which makes none)
         peaks = _scaled_peaks(bl.bwd_peaks or ((0, bl.output_bytes, 0, 0),),
-                              bl.output_bytes if i == n - 1 else (0.0 if last else None), ex_mul, g_div, shr)
+                              bl.output_bytes if i == n - 1 else (0.0 if last else None), ex_mul, g_div, shr,
+                              cache)
         return (sv_first if first else sv, 0.0 if first else ac_in, peaks, local, is_end,
                 bl.input_bytes * g_div if i > 0 else 0.0)
 
     out = (pre, first_adj, mbs, unit_params, numels, unit_gen, unit_first, rec, ac_info)
-    if len(_BLOCK_TERMS) > 256:
-        _BLOCK_TERMS.clear()
-    _BLOCK_TERMS[key] = (profile, out)
+    cache.block_terms[key] = out
     return out
 
 
-def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float) -> list[RankLoad]:
+def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
+               cache: PlannerCache | None = None) -> list[RankLoad]:
     """One `RankLoad` per pipeline rank (``plan.pp`` of them), tensor parallel applied.
 
     ``act_bytes``: element size the activations will have (2 bf16, 4 fp32), relative to the profile's.
     A stage's sums come from per-block prefix sums (`_block_terms`), so a load costs O(stages), not
-    O(blocks), once the blocks' terms for the TP degree are known.
+    O(blocks), once the blocks' terms for the TP degree are known. ``cache``: the search's memo
+    tables (`memo.PlannerCache`, serving ``profile``); None: a fresh one.
+
+    Raises:
+        ValueError: more stages than blocks; a ``cache`` of another profile.
     """
+    cache = (cache or PlannerCache()).bind(profile=profile)
     scale = act_bytes / (2 if profile.dtype == "bf16" else 4)
     t = plan.tp
     sp = plan.sequence_parallel
     bs = profile.batch_size
     rng = stage_ranges(profile, plan.num_stages) if plan.num_stages > 1 else [(0, len(profile.blocks))]
-    pre, first_adj, mbs, unit_params, numels_b, unit_gen, unit_first, rec, ac_info = _block_terms(profile, t, sp, scale)
-    loads = [RankLoad() for _ in range(plan.pp)]
+    terms = _block_terms(profile, t, sp, scale, cache)
+    pre, first_adj, mbs, unit_params, numels_b, unit_gen, unit_first, rec, ac_info = terms
+    loads = [RankLoad(key=(t, sp, plan.num_stages, plan.pp, scale, r)) for r in range(plan.pp)]
     sums = [[0] * len(_SUMS) for _ in range(plan.pp)]
     numels: list[list[tuple[float, bool]]] = [[] for _ in range(plan.pp)]
     units: list[list[tuple[float, float]]] = [[] for _ in range(plan.pp)]
@@ -346,7 +370,7 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float) -
          gpf, gpb, gaf, gab, ld.tp_collectives) = acc
         ld.attn_flops, ld.gemm_param_bytes, ld.gemm_act_bytes = (af, ab), (gpf, gpb), (gaf, gab)
     for ld, rc, ab in zip(loads, recs, acb):
-        ld.bwd_moments, ld.rs_moments = _backward_moments(tuple(rc))
+        ld.bwd_moments, ld.rs_moments = _backward_moments(tuple(rc), False, cache)
         ld.ac_blocks = tuple(ab)
     for ld, nl, un in zip(loads, numels, units):
         sizes = [k for k, _ in nl]

@@ -26,11 +26,11 @@ gradients and fp32 reductions, computing in bf16, see `ParallelPlan`):
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, fields
 
-from modelpar.plan import ParallelPlan
+from modelpar.plan import ParallelPlan, runtime_layout
 from modelpar.planner.loads import RankLoad, rank_loads, stage_ranges  # noqa: F401  (re-exported)
+from modelpar.planner.memo import PlannerCache
 from modelpar.planner.profile import ModelProfile
 
 OPTIMIZER_BYTES = {"sgd": 0, "sgd_momentum": 4, "adamw": 8}   # fp32 state bytes per parameter
@@ -157,7 +157,6 @@ def _rs_terms(c: tuple, mode: tuple, collective: bool) -> tuple:
     return 0.0, done, A, work * done_r, gath, buf + (4 * u if gloo else 0.0), 4 * u
 
 
-@functools.lru_cache(maxsize=4096)
 def _projections(bwd_moments: tuple, rs_moments: tuple, mode: tuple) -> tuple:
     """A rank's block and reduce moments (`RankLoad.bwd_moments`, ``rs_moments``) for one ``mode``
     (`_bwd_terms`, plus gloo) as (A, K, G, (kind, terms)), total = A b + K + G / dp_shard beyond the
@@ -220,7 +219,7 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
                 overhead_bytes: float, pp_rank: int, accumulation: int = 1, global_batch_size: int = 0,
                 foreach: bool = False, recv_per_microbatch: bool = True, fused: bool = True,
                 gloo: bool = False, fused_tp_optimizer: bool = False,
-                ddp_bucket_copy: bool | None = None) -> MemoryEstimate:
+                ddp_bucket_copy: bool | None = None, cache: PlannerCache | None = None) -> MemoryEstimate:
     """Peak memory of one pipeline rank, with its parts at the moment of the peak.
 
     The largest of these moments of a training step (steady state: optimizer state exists;
@@ -250,147 +249,204 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
     (4 B/param, counted as buffers, no gradient storage beside them); True: torch DDP's default,
     the buckets a copy beside the gradients; False for a runtime that reduces the gradients in place
     (Megatron-LM's DDP: one contiguous gradient buffer).
+    ``cache``: the search's memo tables (`memo.PlannerCache`); None: nothing shared between calls
+    beyond what ``ld`` keeps.
     """
+    form = memory_form(ld, plan, optimizer=optimizer, global_batch_size=global_batch_size, foreach=foreach,
+                       recv_per_microbatch=recv_per_microbatch, fused=fused, gloo=gloo,
+                       fused_tp_optimizer=fused_tp_optimizer, ddp_bucket_copy=ddp_bucket_copy, cache=cache)
+    m = plan.n_microbatches if plan.pp > 1 else 1
+    return form.at(micro_batch_size, m, accumulation, in_flight(plan, pp_rank) if plan.pp > 1 else 1.0,
+                   pp_rank, overhead_bytes)
+
+
+class MemoryForm:
+    """`rank_memory` of one rank load and plan with the terms that do not depend on the micro-batch
+    size, the micro-batch count, the accumulation steps or the micro-batches in flight computed once
+    (`memory_form`); `at` adds those. The search evaluates one form at many of them."""
+
+    __slots__ = ("ld", "cache", "fsdp", "ws", "P", "params", "grads", "opt", "data", "work", "ac", "S", "pp",
+                 "last", "out", "rafw", "recv_mult", "comm_add", "ddp_view", "sharded_layout", "cast_cache",
+                 "root_g", "po", "pgo_d", "pgos_d", "key0", "keep", "step_tmp", "gloo")
+
+    def at(self, b: int, m: int, accumulation: int, W: float, pp_rank: int,
+           overhead_bytes: float) -> MemoryEstimate:
+        """The estimate at micro-batch size ``b``, ``m`` micro-batches (1 without a pipeline),
+        ``accumulation`` local batches, ``W`` micro-batches in flight on the rank (`in_flight`)."""
+        ld, fsdp, ws, P, pp, last = self.ld, self.fsdp, self.ws, self.P, self.pp, self.last
+        out, rafw = self.out, self.rafw
+        params, grads, opt, data, work, keep = self.params, self.grads, self.opt, self.data, self.work, self.keep
+        # buffers that live through the whole step (see `memory_form`)
+        comm_persist = ((m if self.recv_mult else 2) * ld.recv * b) if pp else 0.0
+        if self.comm_add:
+            comm_persist += self.comm_add
+        # FSDP without a pipeline accumulates sharded gradients (reduce-scatter every local batch) unless
+        # the plan defers the sync (`ParallelPlan.defer_grad_sync`: unsharded gradients accumulate)
+        sharded_acc = self.sharded_layout and accumulation > 1
+        root_g = self.root_g
+        fixed = self.po + comm_persist + data + self.cast_cache
+
+        # variants: the step's first backward on this rank (no gradients yet, unless an earlier local
+        # batch of gradient accumulation made them; W micro-batches in flight), and, in a pipeline, a
+        # later one with every gradient present: 1F1B keeps W in flight while forwards remain (W < m),
+        # GPipe has finished one backward (m - 1 left)
+        # torch.distributed.pipelining's last stage keeps each micro-batch's output (below); Megatron-LM
+        # (``recv_per_microbatch=False``) drops it after the loss
+        if pp:
+            variants = ((W, W if keep else 1.0, accumulation > 1),)
+            if m > 1:
+                variants += ((W if W < m else m - 1.0, float(m) if keep else 1.0, True),)
+        else:
+            # DDP's stored gradients are bucket views (always there); sharded FSDP accumulation: the
+            # earlier local batches' sharded gradients (in `grads`), the moments of a first backward
+            variants = ((1.0, 1.0, (accumulation > 1 or self.ddp_view) and not sharded_acc),)
+        bS = b * self.S
+        bout = b * out
+        # other micro-batches in flight keep their saved bytes and, on the last stage, the loss's saved
+        # log-softmax; the last stage keeps every micro-batch's output it has computed (the schedule
+        # returns them merged: ``PipelineStage.output_chunks``), a non-last stage each in-flight
+        # micro-batch's stage output (``fwd_cache``, until its backward); without a pipeline the caller
+        # holds the model output through backward
+        per_other, per_out = (bS + bout, bout) if last else (bS, b * ld.boundary if pp else 0.0)
+        best_total, best = -1.0, None
+        for F, n_out, prev in variants:
+            held = (F - 1) * per_other + (n_out if last else F) * per_out
+            # gradients of earlier micro-batches: sharded, or (FSDP without gradient sync) unsharded
+            g0 = (4 * P if fsdp else grads) if prev else (grads if sharded_acc else 0.0)
+            # a pipeline under FSDP keeps every unit gathered after its first backward
+            gath0 = root_g + work * (P - ld.root_params) if (fsdp and pp and prev and rafw) else root_g
+            base = fixed + held + g0 + gath0
+            if last:
+                # the loss's backward: logits, log-softmax output (saved), and the gradients of both;
+                # FSDP has gathered nothing for backward yet (the root's pre-backward hook, which starts
+                # the first unit's all-gather, fires when the logits' gradient is complete)
+                tot = base + bS + 3 * bout
+                if tot > best_total:
+                    best_total, best = tot, (held, g0, gath0, prev, None)
+            # the block / reduce moments, as totals b * A + K + G / dp_shard (see `_projections`)
+            key = self.key0 + 4 * prev + 128 * sharded_acc
+            proj = ld.projections.get(key)
+            if proj is None:
+                proj = ld.projections[key] = self._projections(prev, sharded_acc)
+            for A, K, G, c in proj:
+                tot = base + b * A + K + ws * G
+                if tot > best_total:
+                    best_total, best = tot, (held, g0, gath0, prev, c)
+        # the last stage's outputs stay referenced until the next step starts
+        # (``clear_runtime_states``); when the schedule ends it also merges them into one batch
+        held_end = m * out * b if (keep and last) else 0.0
+        end_total = self.pgo_d + comm_persist + 2 * held_end
+        opt_total = self.pgos_d + held_end + comm_persist
+        if opt_total >= best_total and opt_total >= end_total:
+            return MemoryEstimate(params, grads, opt + self.step_tmp, data + held_end, 0.0, comm_persist,
+                                  overhead_bytes, pp_rank, "optimizer")
+        if end_total > best_total:
+            return MemoryEstimate(params, grads, opt, data + 2 * held_end, 0.0, comm_persist, overhead_bytes,
+                                  pp_rank, "pipeline_end")
+        held, g0, gath0, prev, c = best
+        acts = data + self.cast_cache + held
+        if c is None:
+            return MemoryEstimate(params, g0, opt, acts + bS + 3 * bout, gath0, comm_persist, overhead_bytes,
+                                  pp_rank, "loss")
+        kind, (gK, gG, aA, aK, tK, cK, cG) = c
+        return MemoryEstimate(params, g0 + gK + gG * ws, opt, acts + aA * b + aK, gath0 + tK,
+                              comm_persist + cK + cG * ws, overhead_bytes, pp_rank, kind)
+
+    def _projections(self, prev: bool, sharded_acc: bool) -> tuple:
+        ld, cache = self.ld, self.cache
+        mode = (self.fsdp, self.ac, prev, self.rafw, self.work, self.pp, self.gloo, sharded_acc)
+        pkey = (ld.bwd_moments, ld.rs_moments, mode)
+        proj = cache.projections.get(pkey) if cache is not None else None
+        if proj is None:
+            proj = _projections(ld.bwd_moments, ld.rs_moments, mode)
+            if cache is not None:
+                cache.projections[pkey] = proj
+        return proj
+
+
+def memory_form(ld: RankLoad, plan: ParallelPlan, *, optimizer: str, global_batch_size: int = 0,
+                foreach: bool = False, recv_per_microbatch: bool = True, fused: bool = True,
+                gloo: bool = False, fused_tp_optimizer: bool = False, ddp_bucket_copy: bool | None = None,
+                cache: PlannerCache | None = None) -> MemoryForm:
+    """`rank_memory`'s terms of ``ld`` under ``plan`` that hold for every micro-batch size, micro-batch
+    count, accumulation and pipeline rank position (arguments as `rank_memory`); ``plan``'s
+    ``n_microbatches`` is not read."""
     if plan.activation_checkpointing in ("selective", "every-k"):
         from modelpar.planner.recompute import ac_load
-        ld = ac_load(ld, plan)
+        ld = ac_load(ld, plan, cache)
+    f = MemoryForm()
+    f.ld, f.cache, f.gloo = ld, cache, gloo
     shard = plan.dp_shard
-    fsdp = shard > 1
-    ws = 1.0 / shard
-    b = micro_batch_size
-    P = ld.params
-    params = 4 * P * ws
+    f.fsdp = fsdp = shard > 1
+    f.ws = 1.0 / shard
+    f.P = P = ld.params
+    f.params = params = 4 * P * f.ws
     grads = params
-    opt = OPTIMIZER_BYTES[optimizer] * P * ws
-    data = ld.data * global_batch_size
+    f.opt = opt = OPTIMIZER_BYTES[optimizer] * P * f.ws
+    f.data = data = ld.data * global_batch_size
     bf16 = plan.precision == "bf16"
-    work = 2 if bf16 else 4                  # bytes of a gathered / working parameter (and its gradient)
+    f.work = work = 2 if bf16 else 4         # bytes of a gathered / working parameter (and its gradient)
     # checkpointing: the ``saved_ac`` column holds what the mode keeps (full: block inputs;
     # selective / every-k: `modelpar.planner.recompute.ac_load`)
-    ac = plan.activation_checkpointing != "none"
-    S = ld.saved_ac if ac else ld.saved      # one micro-batch's saved bytes per sample
-    pp = plan.pp > 1
-    m = plan.n_microbatches if pp else 1
-    last = ld.is_last
-    out = ld.out
-    rafw = plan.reshard_after_forward
+    f.ac = ac = plan.activation_checkpointing != "none"
+    f.S = ld.saved_ac if ac else ld.saved    # one micro-batch's saved bytes per sample
+    f.pp = pp = plan.pp > 1
+    f.last = ld.is_last
+    f.out = ld.out
+    f.rafw = rafw = plan.reshard_after_forward
     # buffers that live through the whole step: torch.distributed.pipelining's receive buffers, one
     # per micro-batch and stage (activations on non-first stages, gradients on non-last stages;
     # Megatron-LM reuses 2), and DDP's gradient buckets (below)
-    comm_persist = ((m if recv_per_microbatch else 2) * ld.recv * b) if pp else 0.0
+    f.recv_mult = recv_per_microbatch
     # DDP's buckets (4 B/param, from construction on). modelpar's runtime (``ddp_bucket_copy=None``):
     # `apply_ddp` makes the gradients views into them (gradient_as_bucket_view=True), so no gradient
     # storage beside them. Under PP or TP it runs FSDP2's replicate instead
-    # (`parallel.compose.parallelize`, `data_parallel.apply_replicate`): no buckets; each block's
+    # (`plan.runtime_layout`, which `parallel.compose.parallelize` applies): no buckets; each block's
     # (and last the root's) unsharded gradients are copied into one flat fp32 buffer
     # (reduce_dtype=float32), all-reduced and written into the replicated fp32 gradients, the
     # unsharded ones then freed, so beside the gradients (4 B/param) one group's buffer exists at a
     # time; counted as a buffer of the largest group through the step (at most a block's worth
     # more than at the optimizer step). True: torch DDP's default, the buckets a copy beside the
     # gradients; False: gradients reduced in place (Megatron-LM's contiguous gradient buffer).
-    ddp = plan.dp_replicate > 1 and not fsdp
-    replicate = ddp and ddp_bucket_copy is None and (pp or plan.tp > 1)
-    ddp_view = ddp and ddp_bucket_copy is None and not replicate
+    layout = runtime_layout(plan)            # the wrapper `parallelize` applies (modelpar's runtime)
+    ddp = layout.dp_wrapper in ("ddp", "replicate")
+    replicate = ddp_bucket_copy is None and layout.dp_wrapper == "replicate"
+    f.ddp_view = ddp_view = ddp_bucket_copy is None and layout.dp_wrapper == "ddp"
+    f.comm_add = 0.0
     if replicate:
-        comm_persist += 4 * max(ld.max_unit_params, ld.root_params)
+        f.comm_add = 4 * max(ld.max_unit_params, ld.root_params)
     elif ddp and ddp_bucket_copy is not False:
-        comm_persist += 4 * P
+        f.comm_add = 4 * P
     if ddp_view:
         grads = 0.0
-    # FSDP without a pipeline accumulates sharded gradients (reduce-scatter every local batch) unless
-    # the plan defers the sync (`ParallelPlan.defer_grad_sync`: unsharded gradients accumulate)
-    sharded_acc = fsdp and not pp and not plan.defer_grad_sync and accumulation > 1
+    f.grads = grads
+    f.sharded_layout = layout.sharded_grad_accumulation
     # autocast keeps a bf16 copy of every weight it cast, from forward to the end of backward
-    cast_cache = 2 * P if (bf16 and not fsdp) else 0.0
+    f.cast_cache = 2 * P if (bf16 and not fsdp) else 0.0
     # FSDP's root parameters (embed/head) stay gathered from forward to the end of backward
     # (reshard_after_forward=False on the root); with reshard_after_forward=False every unit does
-    root_g = work * (ld.root_params + (0.0 if rafw else P - ld.root_params)) if fsdp else 0.0
-    fixed = params + opt + comm_persist + data + cast_cache
-    key0 = fsdp + 2 * ac + 8 * rafw + 16 * pp + 32 * gloo + 64 * bf16     # `_projections` cache key
-
-    # variants: the step's first backward on this rank (no gradients yet, unless an earlier local
-    # batch of gradient accumulation made them; W micro-batches in flight), and, in a pipeline, a
-    # later one with every gradient present: 1F1B keeps W in flight while forwards remain (W < m),
-    # GPipe has finished one backward (m - 1 left)
-    # torch.distributed.pipelining's last stage keeps each micro-batch's output (below); Megatron-LM
-    # (``recv_per_microbatch=False``) drops it after the loss
-    keep = pp and recv_per_microbatch
-    if pp:
-        W = in_flight(plan, pp_rank)
-        variants = ((W, W if keep else 1.0, accumulation > 1),)
-        if m > 1:
-            variants += ((W if W < m else m - 1.0, float(m) if keep else 1.0, True),)
-    else:
-        # DDP's stored gradients are bucket views (always there); sharded FSDP accumulation: the
-        # earlier local batches' sharded gradients (in `grads`), the moments of a first backward
-        variants = ((1.0, 1.0, (accumulation > 1 or ddp_view) and not sharded_acc),)
-    bS = b * S
-    bout = b * out
-    # other micro-batches in flight keep their saved bytes and, on the last stage, the loss's saved
-    # log-softmax; the last stage keeps every micro-batch's output it has computed (the schedule
-    # returns them merged: ``PipelineStage.output_chunks``), a non-last stage each in-flight
-    # micro-batch's stage output (``fwd_cache``, until its backward); without a pipeline the caller
-    # holds the model output through backward
-    per_other, per_out = (bS + bout, bout) if last else (bS, b * ld.boundary if pp else 0.0)
-    best_total, best = -1.0, None
-    for F, n_out, prev in variants:
-        held = (F - 1) * per_other + (n_out if last else F) * per_out
-        # gradients of earlier micro-batches: sharded, or (FSDP without gradient sync) unsharded
-        g0 = (4 * P if fsdp else grads) if prev else (grads if sharded_acc else 0.0)
-        # a pipeline under FSDP keeps every unit gathered after its first backward
-        gath0 = root_g + work * (P - ld.root_params) if (fsdp and pp and prev and rafw) else root_g
-        base = fixed + held + g0 + gath0
-        if last:
-            # the loss's backward: logits, log-softmax output (saved), and the gradients of both;
-            # FSDP has gathered nothing for backward yet (the root's pre-backward hook, which starts
-            # the first unit's all-gather, fires when the logits' gradient is complete)
-            tot = base + bS + 3 * bout
-            if tot > best_total:
-                best_total, best = tot, (held, g0, gath0, prev, None)
-        # the block / reduce moments, as totals b * A + K + G / dp_shard (see `_projections`)
-        key = key0 + 4 * prev + 128 * sharded_acc
-        proj = ld.projections.get(key)
-        if proj is None:
-            proj = ld.projections[key] = _projections(ld.bwd_moments, ld.rs_moments,
-                                                      (fsdp, ac, prev, rafw, work, pp, gloo, sharded_acc))
-        for A, K, G, c in proj:
-            tot = base + b * A + K + ws * G
-            if tot > best_total:
-                best_total, best = tot, (held, g0, gath0, prev, c)
-    # the last stage's outputs stay referenced until the next step starts
-    # (``clear_runtime_states``); when the schedule ends it also merges them into one batch
-    held_end = m * out * b if (keep and last) else 0.0
-    end_total = params + grads + opt + data + comm_persist + 2 * held_end
+    f.root_g = work * (ld.root_params + (0.0 if rafw else P - ld.root_params)) if fsdp else 0.0
+    f.po = params + opt
+    f.key0 = fsdp + 2 * ac + 8 * rafw + 16 * pp + 32 * gloo + 64 * bf16     # `_projections` cache key
+    f.keep = pp and recv_per_microbatch
     # modelpar's TP leaves some parameters plain tensors, and torch's fused kernel refuses mixed
     # lists, so tensor-parallel plans step with the single-tensor loop (`modelpar.train.step.adamw`)
     if optimizer == "adamw" and not (fused and (plan.tp == 1 or fused_tp_optimizer)):
         if not foreach and ld.opt_temp < 0:
             ld.opt_temp = _adamw_temp(list(ld.numels))
-        step_tmp = (ld.params if foreach else ld.opt_temp) * 4 / shard
+        f.step_tmp = (ld.params if foreach else ld.opt_temp) * 4 / shard
     else:
-        step_tmp = 0.0     # fused AdamW and in-place SGD; the gradient norm copies nothing either
-    opt_total = params + grads + opt + step_tmp + data + held_end + comm_persist
-    if opt_total >= best_total and opt_total >= end_total:
-        return MemoryEstimate(params, grads, opt + step_tmp, data + held_end, 0.0, comm_persist,
-                              overhead_bytes, pp_rank, "optimizer")
-    if end_total > best_total:
-        return MemoryEstimate(params, grads, opt, data + 2 * held_end, 0.0, comm_persist, overhead_bytes,
-                              pp_rank, "pipeline_end")
-    held, g0, gath0, prev, c = best
-    acts = data + cast_cache + held
-    if c is None:
-        return MemoryEstimate(params, g0, opt, acts + bS + 3 * bout, gath0, comm_persist, overhead_bytes,
-                              pp_rank, "loss")
-    kind, (gK, gG, aA, aK, tK, cK, cG) = c
-    return MemoryEstimate(params, g0 + gK + gG * ws, opt, acts + aA * b + aK, gath0 + tK,
-                          comm_persist + cK + cG * ws, overhead_bytes, pp_rank, kind)
+        f.step_tmp = 0.0   # fused AdamW and in-place SGD; the gradient norm copies nothing either
+    f.pgo_d = params + grads + opt + data
+    f.pgos_d = params + grads + opt + f.step_tmp + data
+    return f
 
 
 def estimate_memory(profile: ModelProfile, plan: ParallelPlan, batch: Batch, *,
                     optimizer: str = "adamw", overhead_bytes: float = 0.0, foreach: bool = False,
                     recv_per_microbatch: bool = True, fused: bool = True,
                     gloo: bool = False, fused_tp_optimizer: bool = False,
-                    ddp_bucket_copy: bool | None = None) -> MemoryEstimate:
+                    ddp_bucket_copy: bool | None = None, cache: PlannerCache | None = None) -> MemoryEstimate:
     """Peak memory per rank for ``plan``: the most loaded pipeline rank, with its parts (bytes).
 
     Args:
@@ -409,19 +465,23 @@ def estimate_memory(profile: ModelProfile, plan: ParallelPlan, batch: Batch, *,
             tensor-parallel plans still use the single-tensor loop (modelpar's TP mixes plain tensors
             and DTensors) unless ``fused_tp_optimizer`` (Megatron-LM's fused Adam).
         ddp_bucket_copy: see `rank_memory`.
+        cache: memo tables (`memo.PlannerCache`) to share between estimates of one profile; None: a
+            fresh one for this call.
 
     Raises:
-        ValueError: unknown optimizer, batch sizes that do not divide, more stages than blocks.
+        ValueError: unknown optimizer, batch sizes that do not divide, more stages than blocks, a
+            ``cache`` of another profile.
     """
     if optimizer not in OPTIMIZER_BYTES:
         raise ValueError(f"optimizer={optimizer!r} is unknown; valid: {', '.join(OPTIMIZER_BYTES)}")
     b = batch.micro_batch_size(plan)
     acc = batch.accumulation_steps(plan)
-    loads = rank_loads(profile, plan, act_bytes=2 if plan.precision == "bf16" else 4)
+    cache = (cache or PlannerCache()).bind(profile=profile)
+    loads = rank_loads(profile, plan, act_bytes=2 if plan.precision == "bf16" else 4, cache=cache)
     ests = [rank_memory(ld, plan, micro_batch_size=b, optimizer=optimizer, overhead_bytes=overhead_bytes,
                         pp_rank=r, accumulation=acc, global_batch_size=batch.global_batch_size, foreach=foreach,
                         recv_per_microbatch=recv_per_microbatch, fused=fused, gloo=gloo,
-                        fused_tp_optimizer=fused_tp_optimizer, ddp_bucket_copy=ddp_bucket_copy)
+                        fused_tp_optimizer=fused_tp_optimizer, ddp_bucket_copy=ddp_bucket_copy, cache=cache)
             for r, ld in enumerate(loads)]
     return max(ests, key=lambda e: e.total)
 

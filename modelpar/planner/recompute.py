@@ -37,10 +37,11 @@ def is_checkpointed(layer: int, plan: ParallelPlan) -> bool:
     return mode == "full" or (mode == "every-k" and layer % plan.ac_every == 0)
 
 
-def ac_load(ld, plan: ParallelPlan):
+def ac_load(ld, plan: ParallelPlan, cache=None):
     """``ld`` (a `loads.RankLoad`) as ``plan``'s checkpointing mode leaves it: ``saved_ac`` = bytes
-    per sample one micro-batch keeps, and the backward moments for it; cached on ``ld`` per mode.
-    none / full: ``ld`` itself (its ``saved`` / ``saved_ac`` columns)."""
+    per sample one micro-batch keeps, and the backward moments for it; cached on ``ld`` per mode
+    (``cache``: the search's `memo.PlannerCache`, for the moments). none / full: ``ld`` itself (its
+    ``saved`` / ``saved_ac`` columns)."""
     mode = plan.activation_checkpointing
     if mode not in ("selective", "every-k"):
         return ld
@@ -59,9 +60,9 @@ def ac_load(ld, plan: ParallelPlan):
             kept = ac_in if is_checkpointed(layer, plan) else sv
         recs.append((sv, kept) + tuple(rec[2:]))
         kept_total += kept
-    bwd, rs = _backward_moments(tuple(recs), True)
+    bwd, rs = _backward_moments(tuple(recs), True, cache)
     out = dataclasses.replace(ld, saved_ac=kept_total, bwd_moments=bwd, rs_moments=rs, projections={},
-                              ac_variants={})
+                              ac_variants={}, key=ld.key + key)
     ld.ac_variants[key] = out
     return out
 
@@ -88,23 +89,20 @@ def recompute_share(ld, plan: ParallelPlan) -> tuple[float, float]:
     return out
 
 
-_FLOPS: dict[tuple, tuple] = {}
-
-
-def recompute_flops_per_sample(profile, plan: ParallelPlan) -> float:
+def recompute_flops_per_sample(profile, plan: ParallelPlan, cache=None) -> float:
     """Forward FLOPs per sample recomputed in backward (for HFU, PaLM App. B): the whole forward
-    (full), the checkpointed blocks' (every-k), the attention cores' (selective), 0 (none)."""
+    (full), the checkpointed blocks' (every-k), the attention cores' (selective), 0 (none).
+    ``cache``: a `memo.PlannerCache` of ``profile`` to memoize in (None: computed)."""
     mode = plan.activation_checkpointing
     if mode == "none":
         return 0.0
-    key = (id(profile), mode, plan.ac_every)
-    hit = _FLOPS.get(key)
-    if hit is not None and hit[0] is profile:
-        return hit[1]
-    if len(_FLOPS) > 1024:
-        _FLOPS.clear()
-    val = _recompute_flops(profile, plan)
-    _FLOPS[key] = (profile, val)
+    if cache is None:
+        return _recompute_flops(profile, plan)
+    cache.bind(profile=profile)
+    key = (mode, plan.ac_every)
+    val = cache.recompute_flops.get(key)
+    if val is None:
+        val = cache.recompute_flops[key] = _recompute_flops(profile, plan)
     return val
 
 

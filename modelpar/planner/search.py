@@ -21,7 +21,8 @@ from modelpar.plan import AC_MODES, PP_SCHEDULES, ParallelPlan
 from modelpar.planner.cost import StepEstimate, _finish, rank_step, tp_bytes_per_sample
 from modelpar.planner.hardware import Hardware
 from modelpar.planner.legality import tp_violations
-from modelpar.planner.memory import OPTIMIZER_BYTES, Batch, MemoryEstimate, in_flight, rank_loads, rank_memory
+from modelpar.planner.memo import PlannerCache
+from modelpar.planner.memory import OPTIMIZER_BYTES, Batch, MemoryEstimate, in_flight, memory_form, rank_loads
 from modelpar.planner.profile import ModelProfile
 
 VIRTUAL_STAGES = (2, 4, 8)
@@ -184,18 +185,28 @@ def _plan(plans: dict, dr, ds, tp, pp, sched, m, v, ac, k, defer, precision, sp)
     return plan
 
 
-def _plan_memory(plan: ParallelPlan, reps, b: int, acc: int, kw: dict, budget: float, memo: dict):
+def _plan_memory(plan: ParallelPlan, reps, b: int, acc: int, kw: dict, budget: float, memo: dict,
+                 forms: dict, overhead: float):
     """(estimate, total) of the most loaded representative rank; stops at the first rank over
     ``budget`` (the total is then a lower bound, enough to prune). A rank's memory depends on the
     schedule only through the micro-batches it holds in flight, so schedules that agree on that
-    share the estimate (``memo``, one per layout)."""
+    share the estimate (``memo``, one per layout: its loads differ only by the virtual stages), and
+    on (b, m, accumulation, in flight) only through `memory.MemoryForm.at`: one form per rank and
+    checkpointing / sync variant (``forms``, one per layout), the same numbers as `rank_memory`."""
     mem, mem_total = None, 0.0
+    v, m, ac, k, defer = (plan.virtual_stages, plan.n_microbatches, plan.activation_checkpointing, plan.ac_every,
+                          plan.defer_grad_sync)
+    pp = plan.pp > 1
     for r, ld in reps:
-        mkey = (id(ld), r, b, acc, plan.n_microbatches, plan.activation_checkpointing, plan.ac_every,
-                plan.defer_grad_sync, in_flight(plan, r))
+        w = in_flight(plan, r)
+        mkey = (v, r, b, acc, m, ac, k, defer, w)
         hit = memo.get(mkey)
         if hit is None:
-            e = rank_memory(ld, plan, micro_batch_size=b, pp_rank=r, accumulation=acc, **kw)
+            fkey = (v, r, ac, k, defer)
+            form = forms.get(fkey)
+            if form is None:
+                form = forms[fkey] = memory_form(ld, plan, **kw)
+            e = form.at(b, m if pp else 1, acc, w if pp else 1.0, r, overhead)
             hit = memo[mkey] = (e, e.total)
         e, e_total = hit
         if mem is None or e_total > mem_total:
@@ -252,11 +263,12 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
     if optimizer not in OPTIMIZER_BYTES:
         raise ValueError(f"optimizer={optimizer!r} is unknown; valid: {', '.join(OPTIMIZER_BYTES)}")
     budget = hw.memory_bytes * memory_fraction
-    foreach = hw.name != "cpu"             # torch's optimizers use foreach kernels on accelerators
-    gloo = hw.name == "cpu"                # CPU ranks communicate over gloo (its reduce-scatter copies)
+    foreach = hw.kind != "cpu"             # torch's optimizers use foreach kernels on accelerators
+    gloo = hw.kind == "cpu"                # CPU ranks communicate over gloo (its reduce-scatter copies)
     arch = profile.arch
     num_layers = len(profile.blocks) - 2 if arch and len(profile.blocks) >= 3 else len(profile.blocks)
     rep = SearchReport(num_devices)
+    cache = PlannerCache(profile, hw)        # the memo tables of this search (`memo.PlannerCache`)
     load_cache: dict[tuple, tuple] = {}
     act_bytes = 2 if precision == "bf16" else 4
     flops = (profile.fwd_flops_per_sample, profile.train_flops_per_sample - profile.fwd_flops_per_sample)
@@ -281,8 +293,8 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
     sort_keys: list[tuple[float, float]] = []
     overhead = hw.framework_overhead_bytes
     state_bytes = 8 + OPTIMIZER_BYTES[optimizer]
-    mem_kw = dict(optimizer=optimizer, overhead_bytes=overhead, global_batch_size=global_batch_size,
-                  foreach=foreach, recv_per_microbatch=recv_per_microbatch, gloo=gloo)
+    mem_kw = dict(optimizer=optimizer, global_batch_size=global_batch_size,
+                  foreach=foreach, recv_per_microbatch=recv_per_microbatch, gloo=gloo, cache=cache)
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -308,6 +320,8 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                 continue
             sp = sequence_parallel and tp > 1
             mem_memo: dict[tuple, tuple] = {}     # rank memory of this layout's plans (see below)
+            forms: dict[tuple, object] = {}      # and its `memory.MemoryForm`s
+            mem_args = (mem_kw, budget, mem_memo, forms, overhead)
             # (b, m, accumulation steps, local batch size): the same for every schedule of the layout
             inner_acc = [(b, m, global_batch_size // (b * m * dp), b * m) for b, m in inner]
             for sched, v in scheds:
@@ -319,7 +333,7 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                 if cached is None:
                     plan0 = ParallelPlan(tp=tp, pp=pp, virtual_stages=v, sequence_parallel=sp,
                                          pp_schedule=sched, precision=precision)
-                    reps = _representatives(rank_loads(profile, plan0, act_bytes=act_bytes))
+                    reps = _representatives(rank_loads(profile, plan0, act_bytes=act_bytes, cache=cache))
                     cached = load_cache[key] = (reps, [ld for _, ld in reps],
                                                 max(ld.params for _, ld in reps), _ac_bounds(reps))
                 reps, loads, max_params, (core_bound, neg_bound, in_bound) = cached
@@ -355,15 +369,15 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                             continue
                         if ac == "every-k" and has_full:
                             if full_res is None:
-                                full_res = _plan_memory(_plan(plans, dr, ds, tp, pp, sched, m, v, "full", 1, False,
-                                                              precision, sp), reps, b, acc, mem_kw, budget, mem_memo)
+                                fplan = _plan(plans, dr, ds, tp, pp, sched, m, v, "full", 1, False, precision, sp)
+                                full_res = _plan_memory(fplan, reps, b, acc, *mem_args)
                             if full_res[1] - budget > b * (m * neg_bound + in_bound):
                                 pruned["activations exceed memory"] += per
                                 continue
                         plan = (plans.get((m, ac, k, False))
                                 or _plan(plans, dr, ds, tp, pp, sched, m, v, ac, k, False, precision, sp))
                         mem, mem_total = (full_res if (ac == "full" and full_res is not None)
-                                          else _plan_memory(plan, reps, b, acc, mem_kw, budget, mem_memo))
+                                          else _plan_memory(plan, reps, b, acc, *mem_args))
                         if mem_total > budget:
                             pruned["activations exceed memory"] += per
                             if ac == "none":
@@ -374,7 +388,7 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                         variants = [(plan, mem, mem_total)]
                         if can_defer:           # more memory than the plan without it: only if that fits
                             dplan = _plan(plans, dr, ds, tp, pp, sched, m, v, ac, k, True, precision, sp)
-                            dmem, dtot = _plan_memory(dplan, reps, b, acc, mem_kw, budget, mem_memo)
+                            dmem, dtot = _plan_memory(dplan, reps, b, acc, *mem_args)
                             if dtot > budget:
                                 pruned["activations exceed memory"] += 1
                             else:
@@ -383,8 +397,9 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                             if tpb is None:
                                 tpb = tp_bytes_per_sample(profile, pl)
                             parts = rank_step(loads, pl, hw, micro_batch_size=b, accumulation=acc,
-                                              optimizer=optimizer, tp_bytes=tpb, dp_overlap=dp_overlap)
-                            st = _finish(parts, profile, pl, global_batch_size, flops)
+                                              optimizer=optimizer, tp_bytes=tpb, dp_overlap=dp_overlap,
+                                              cache=cache)
+                            st = _finish(parts, profile, pl, global_batch_size, flops, cache)
                             ranked.append(Candidate(pl, Batch(global_batch_size, local), mm, st))
                             sort_keys.append((st.total, mt))
     finally:

@@ -136,9 +136,8 @@ def read_checkpoint_meta(path: str | os.PathLike) -> dict:
 # ---- state dicts ----------------------------------------------------------------------------------
 def checkpoint_module(modules: list[nn.Module], ties: list[tuple[str, ...]] | None = None) -> nn.Module:
     """One module holding this rank's parameters (and persistent buffers) under their original names,
-    the same objects the optimizer holds. Build it right after `parallelize` and the optimizer, before
-    the first forward: DDP over TP swaps the registered parameters for DTensors during forward (torch's
-    ``_pre_dp_module_transform``), and pipeline ranks may hold several stage modules.
+    the same objects the optimizer holds (pipeline ranks may hold several stage modules). Build it
+    right after `parallelize` and the optimizer.
 
     ``ties`` (`ParallelModel.ties`, case C13): a tied parameter is held under its first name whichever
     copy this rank has (a last pipeline stage's ``head.out.weight`` is stored as ``embed.tok.weight``),
@@ -178,46 +177,6 @@ def _options():
     return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def _tp_specs(holder: nn.Module) -> dict[str, object]:
-    """fqn -> DTensorSpec of parameters that DDP x TP keeps as local tensors between forwards."""
-    return {n: p._st_info for n, p in holder.named_parameters() if getattr(p, "_st_info", None) is not None}
-
-
-def _as_dtensors(state: dict, specs: dict) -> dict:
-    """Local TP shards (DDP x TP) -> DTensors with their global shape, so DCP stores the whole tensor
-    (sharing storage: loading into them writes the local tensors)."""
-    if not specs:
-        return state
-    from torch.distributed.tensor import DTensor
-
-    def wrap(t, spec):
-        return DTensor.from_local(t, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
-                                  stride=spec.stride)
-
-    out = {"model": {k: wrap(v, specs[k]) if k in specs else v for k, v in state["model"].items()}}
-    if "optim" in state:
-        osd = {}
-        for k, v in state["optim"].items():
-            fqn = k[len("state."):].rsplit(".", 1)[0] if k.startswith("state.") else None
-            spec = specs.get(fqn)
-            osd[k] = wrap(v, spec) if spec is not None and torch.is_tensor(v) and v.dim() > 0 else v
-        out["optim"] = osd
-    return out
-
-
-def _as_local(wrapped: dict, plain: dict) -> None:
-    """Copy what DCP loaded into DTensor wrappers back into the plain tensors they wrap."""
-    from torch.distributed.tensor import DTensor
-
-    for part in plain:
-        for k, v in wrapped[part].items():
-            if isinstance(v, DTensor) and not isinstance(plain[part][k], DTensor):
-                if v._local_tensor.data_ptr() != plain[part][k].data_ptr():
-                    plain[part][k].copy_(v._local_tensor)
-            else:
-                plain[part][k] = v
-
-
 def get_train_state(holder: nn.Module, opt: torch.optim.Optimizer | None) -> dict:
     """``{"model": ..., "optim": ...}`` of a `checkpoint_module` under original names (DTensor shards
     stay sharded). An optimizer that has not stepped yet is left out (taking its state dict would
@@ -232,8 +191,7 @@ def get_train_state(holder: nn.Module, opt: torch.optim.Optimizer | None) -> dic
 
 def _param_shapes(holder: nn.Module) -> dict[str, list[int]]:
     """Every parameter of the whole model (all ranks) -> global shape."""
-    specs = _tp_specs(holder)
-    local = {n: list(specs[n].shape if n in specs else p.shape) for n, p in holder.named_parameters()}
+    local = {n: list(p.shape) for n, p in holder.named_parameters()}     # a DTensor's shape is the global one
     if dist.is_initialized() and dist.get_world_size() > 1:
         parts = [None] * dist.get_world_size()
         dist.all_gather_object(parts, local)
@@ -323,8 +281,7 @@ class Checkpointer:
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
         torch.save(rng, tmp / "rng" / f"rank-{rank}.pt")
-        state = canonical_state(_as_dtensors(get_train_state(holder, opt), _tp_specs(holder)),
-                                getattr(holder, "_modelpar_perms", {}))
+        state = canonical_state(get_train_state(holder, opt), getattr(holder, "_modelpar_perms", {}))
         info = {"format": FORMAT, "version": VERSION, "step": step, "world_size": _world(),
                 "params": _param_shapes(holder), "optimizer_state": "optim" in state,
                 "optimizer": type(opt).__name__ if opt is not None else None,
@@ -420,11 +377,9 @@ def load_checkpoint(holder: nn.Module, opt: torch.optim.Optimizer | None, path: 
         plain = {"model": msd, "optim": osd}
     else:
         plain = get_train_state(holder, None)
-    wrapped = _as_dtensors(plain, _tp_specs(holder))
     with single_process_dcp():
-        dcp.load(wrapped, checkpoint_id=p, no_dist=not dist.is_initialized())
-    restore_layout(wrapped, getattr(holder, "_modelpar_perms", {}))    # original order -> this layout's
-    _as_local(wrapped, plain)
+        dcp.load(plain, checkpoint_id=p, no_dist=not dist.is_initialized())
+    restore_layout(plain, getattr(holder, "_modelpar_perms", {}))    # original order -> this layout's
     if with_optim:
         set_state_dict(holder, opt, model_state_dict=plain["model"], optim_state_dict=plain["optim"],
                        options=_options())

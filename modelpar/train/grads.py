@@ -25,13 +25,6 @@ def global_grad_norm(params, *, pp_group=None) -> torch.Tensor:
         g = p.grad
         if g is None:
             continue
-        spec = getattr(p, "_st_info", None)
-        if spec is not None and not isinstance(g, DTensor):
-            # DDP x TP keeps TP shards as local tensors between forwards (torch's
-            # _pre_dp_module_transform) with their DTensor spec in _st_info: view the gradient
-            # as the DTensor it is, or its norm would count this rank's shard as the whole
-            g = DTensor.from_local(g, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
-                                   stride=spec.stride)
         if isinstance(g, DTensor):
             groups[(id(g.device_mesh), g.placements)].append(g)
         else:

@@ -104,8 +104,7 @@ def install_first_step_checks(named_params, opt: torch.optim.Optimizer):
     (removed after the first step).
 
     Args:
-        named_params: ``(name, parameter)`` pairs of this rank's modules, taken before the first
-            forward (DDP over TP swaps the registered parameters for DTensors during forward).
+        named_params: ``(name, parameter)`` pairs of this rank's modules, taken right after wrapping.
 
     Raises (from ``opt.step()``):
         ValueError: naming parameters without a gradient, the same on every rank.
@@ -128,40 +127,3 @@ def install_first_step_checks(named_params, opt: torch.optim.Optimizer):
 
     handle = opt.register_step_pre_hook(hook)
     return handle
-
-
-def rebind_replaced_params(modules, named_params) -> int:
-    """Handle case C9 for DDP over TP on purpose: put back the parameters a no-grad forward replaced.
-
-    torch's DDP x TP composition (``_pre_dp_module_transform``) keeps TP weights as local tensors
-    between forwards and, in the first forward, sets each module attribute to a DTensor made from
-    them. If that first forward runs under ``no_grad`` (a validation pass before training), the
-    DTensor is detached from the parameter the optimizer holds, so that parameter would never get a
-    gradient. Re-registering the original parameters makes the next forward rebuild connected
-    DTensors. Call after any forward that may precede the first training step.
-
-    Args:
-        named_params: ``(name, parameter)`` pairs taken before the first forward.
-
-    Returns:
-        How many parameters were put back (0 outside DDP x TP).
-    """
-    n = 0
-    for name, p in named_params:
-        if getattr(p, "_st_info", None) is None:
-            continue
-        owner_path, _, leaf = name.rpartition(".")
-        for m in modules:
-            try:
-                owner = m.get_submodule(owner_path) if owner_path else m
-            except AttributeError:
-                continue
-            if owner._parameters.get(leaf) is not p:
-                if leaf in owner._parameters:
-                    del owner._parameters[leaf]
-                elif hasattr(owner, leaf):
-                    delattr(owner, leaf)
-                owner.register_parameter(leaf, p)
-                n += 1
-            break
-    return n

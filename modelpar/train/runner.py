@@ -18,8 +18,7 @@ from modelpar.train.config import TrainConfig
 from modelpar.train.health import guard, start_heartbeat
 from modelpar.train.loop import build_optimizer, evaluate, gather_full_state_dict, lr_at, preflight, reduce_loss
 from modelpar.train.metrics import PeakTensorMemory, RunRecord, StepMemory, peak_rss_bytes
-from modelpar.train.preflight_checks import (check_optimizer_params, check_same_steps, install_first_step_checks,
-                                             rebind_replaced_params)
+from modelpar.train.preflight_checks import check_optimizer_params, check_same_steps, install_first_step_checks
 from modelpar.train.step import train_step
 from modelpar.parallel.parts import split_points_of
 from modelpar.train.task import build_task, example_input
@@ -118,12 +117,10 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
         ckpt = TrainCheckpoints(cfg, pm, opt, say=say)    # loads the checkpoint cfg.resume names, on any layout
         check_same_steps(cfg.steps - ckpt.start_step)     # preflight checks: C2, C9; C1/C8 at the first step
         check_optimizer_params(pm.named_parameters(), opt)
-        named_params = list(pm.named_parameters())       # before any forward (DDP x TP swaps them)
-        install_first_step_checks(named_params, opt)
+        install_first_step_checks(list(pm.named_parameters()), opt)
         heartbeat = start_heartbeat(rank, world, timeout_s=cfg.timeout_s)
 
         val_before = evaluate(pm, task, batches)
-        rebind_replaced_params(pm.modules, named_params)  # case C9 under DDP x TP: the no-grad pass above
         say(f"  validation loss before training: {val_before:.4f}")
         record.log(0, val_loss=val_before)
 

@@ -1,4 +1,4 @@
-"""Launch `tests/ckpt_worker.py` scenarios on N ranks and read their results."""
+"""Launch `tests/helpers/ckpt_worker.py` scenarios on N ranks and read their results."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def launch(nproc: int, specs: list[dict], work: Path, tag: str) -> dict:
     spec_file.write_text(json.dumps(specs))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = ["timeout", "-k", "10", str(LAUNCH_TIMEOUT_S),
-           *torchrun_cmd(nproc, [str(ROOT / "tests" / "ckpt_worker.py"), str(out), str(spec_file)])]
+           *torchrun_cmd(nproc, [str(ROOT / "tests" / "helpers" / "ckpt_worker.py"), str(out), str(spec_file)])]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=LAUNCH_TIMEOUT_S + 30)
     if proc.returncode != 0 or not out.exists():
         pytest.fail(f"launch {tag} ({nproc} ranks) failed, rc {proc.returncode}:\n{proc.stderr[-4000:]}")

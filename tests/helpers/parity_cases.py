@@ -1,6 +1,6 @@
 """Parity cases run inside one multi-process launch per world size (process groups are shared).
 
-Run by `tests/dist_worker.py` under torchrun; results are written as JSON for the pytest side to
+Run by `tests/helpers/dist_worker.py` under torchrun; results are written as JSON for the pytest side to
 assert on. Every case trains the same tiny model from the same initial weights for ``steps`` steps
 under a plan and on one process, and compares them with `modelpar.verify.compare` (losses, final
 parameters, and the logged global gradient norm of every step, case C3).
@@ -278,6 +278,21 @@ _case("gpt4-pp2xfsdp2xtp2-sp-interleaved", 8, "gpt", dict(_V2, dp_shard=2, tp=2,
       n_layer=4, clip=0.05)
 
 
+# the one-process reference runs of this process (rank 0 of a launch), by what determines them: the
+# model (built from a fixed seed, dropout 0) and batches of a task, the batch, loss, steps, optimizer,
+# learning rate and clip. Many cases share one (every plan of gpt / mlp at the defaults), so it is
+# computed once; it is deterministic (one thread, no randomness after the seeded build), so reusing
+# it gives the very numbers a recomputation would.
+_REFERENCES: dict[tuple, object] = {}
+
+
+def reference(key: tuple, run):
+    """The cached result of ``run()`` (a `RunResult`, never mutated by `compare`) for ``key``."""
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run()
+    return _REFERENCES[key]
+
+
 def run_case(name: str, mesh=None, device=None):
     """Run one case on this rank; returns the ParityReport dict on rank 0, None elsewhere."""
     import torch.distributed as dist
@@ -320,8 +335,10 @@ def run_case(name: str, mesh=None, device=None):
                     probe=lambda pm: _attach_shape_probes(pm, seen), **kw)
     if dist.get_rank() != 0:
         return None
-    # the reference: one process, fp32, the whole global batch in one forward/backward
-    ref = run_steps(model, ParallelPlan(), local_batch_size=gb, mesh=MeshInfo(mesh=None), **kw)
+    # the reference: one process, fp32, the whole global batch in one forward/backward (computed once
+    # per model and training setting: the cases of one launch share it)
+    ref = reference(("base", c.task, c.n_layer, gb, c.loss, c.steps, c.optimizer, lr, c.clip),
+                    lambda: run_steps(model, ParallelPlan(), local_batch_size=gb, mesh=MeshInfo(mesh=None), **kw))
     if c.check == "bf16":
         rep = compare_low_precision(name, ref, got, first_step=20, loss_rtol=0.02)
     else:
@@ -425,7 +442,7 @@ _case("gpt-hsdp2x2-accum2-clip", 4, "gpt", dict(dp_replicate=2, dp_shard=2), loc
 _case("gpt-fsdp2xtp2-selective", 4, "gpt", dict(dp_shard=2, tp=2, activation_checkpointing="selective"))
 
 
-# ---- h-pp (issue 12): Hugging Face models (tests/hf_tiny.py, dropout 0) split into pipeline stages; each
+# ---- h-pp (issue 12): Hugging Face models (tests/helpers/hf_tiny.py, dropout 0) split into pipeline stages; each
 # stage runs the model's own forward around its blocks (modelpar.parallel.stages)
 HF_PP_TASKS = ("hf-llama", "hf-gpt2", "hf-vit")
 HF_PP_STEPS = 6          # as the h-tp rows below: HF rows are the slowest of the shared launches
@@ -433,7 +450,7 @@ HF_PP_STEPS = 6          # as the h-tp rows below: HF rows are the slowest of th
 
 def hf_pp_task(task: str):
     """The tiny HF model of ``task`` (4 blocks) and its batches: token ids (vocab 128) or 8x8 images."""
-    from hf_tiny import build
+    from helpers.hf_tiny import build
 
     name = task[3:]
     model = build(name, seed=0, dropout=0.0)
@@ -467,7 +484,7 @@ _case("hf-gpt2-pp2xfsdp2xtp2", 8, "hf-gpt2", dict(pp=2, dp_shard=2, tp=2, n_micr
 _case("hf-llama-pp2xtp2", 4, "hf-llama", dict(pp=2, tp=2, n_microbatches=2), steps=HF_PP_STEPS)
 
 
-# ---- issue 12 (h-tp): Hugging Face models (tests/hf_tiny.py, dropout 0) under ddp, fsdp, tp, tp + SP.
+# ---- issue 12 (h-tp): Hugging Face models (tests/helpers/hf_tiny.py, dropout 0) under ddp, fsdp, tp, tp + SP.
 # Llama: its own _tp_plan translated (GQA: 4 query / 2 key-value heads, RoPE); GPT-2: the derived plan
 # (Conv1D, fused c_attn permuted per rank, tied wte / lm_head vocab-parallel); ViT under ddp / fsdp.
 # 6 steps (not 10): these rows are the slowest of the shared launches (DTensor dispatch on CPU).
@@ -487,8 +504,8 @@ _case("hf-gpt2-ddp2xtp2", 4, "hf-gpt2", dict(dp_replicate=2, tp=2), steps=HF_STE
 
 
 def hf_task(family: str):
-    """A tiny HF model (`tests/hf_tiny.py`, dropout 0) and its batches: token ids (vocab 128) or pixels."""
-    import hf_tiny
+    """A tiny HF model (`tests/helpers/hf_tiny.py`, dropout 0) and its batches: token ids (vocab 128) or pixels."""
+    from helpers import hf_tiny
 
     model = hf_tiny.build(family, seed=0, dropout=0.0)
     if family == "vit":
@@ -544,7 +561,8 @@ def run_hf_case(name: str) -> dict | None:
     got = run_steps(model, plan, local_batch_size=GLOBAL_BATCH // plan.dp, probe=probe, **kw)
     if dist.get_rank() != 0:
         return None
-    ref = run_steps(model, ParallelPlan(), local_batch_size=GLOBAL_BATCH, mesh=MeshInfo(mesh=None), **kw)
+    ref = reference(("hf", family, c.steps, c.optimizer, c.lr or 1e-3, c.clip),
+                    lambda: run_steps(model, ParallelPlan(), local_batch_size=GLOBAL_BATCH, mesh=MeshInfo(mesh=None), **kw))
     out = compare(name, ref, got, optimizer=c.optimizer).to_dict()
     out["local_shapes"] = {k: sorted(v) if isinstance(v, set) else v for k, v in seen.items()}
 

@@ -1,7 +1,7 @@
 """Entry point run by torchrun (or plainly, for one process) for the checkpoint, fault and preflight
 tests: runs a list of scenarios in one launch (the process group is shared) and writes their results.
 
-usage: torchrun --nproc-per-node N tests/ckpt_worker.py OUT.json SPEC.json
+usage: torchrun --nproc-per-node N tests/helpers/ckpt_worker.py OUT.json SPEC.json
 SPEC.json: a list of {"name": ..., "kind": "train" | "c1" | "c2" | "c9", "cfg": {TrainConfig fields},
 "run_dir": ...}. Every rank's error message is kept (``errors``: rank -> message), so a test can
 check that all ranks raised the same one.
@@ -13,7 +13,7 @@ import sys
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/: `helpers.*`
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -48,7 +48,7 @@ def main() -> None:
     specs = json.loads(Path(spec_file).read_text())
     torch.set_num_threads(1)
     rank, world = init_distributed(timeout_s=90)
-    import preflight_cases
+    from helpers import preflight_cases
 
     results = {}
     for spec in specs:
@@ -66,7 +66,7 @@ def main() -> None:
         results[spec["name"]] = {"result": res, "errors": {str(r): e for r, e in enumerate(errors) if e}}
         if rank == 0:
             Path(out).write_text(json.dumps(results, indent=1))
-    from modelpar.parallel.mesh import exit_rank
+    from modelpar.launch import exit_rank
 
     exit_rank(0)        # every result is written: leave without gloo teardown (see exit_rank)
 

@@ -1,4 +1,4 @@
-"""Preflight scenarios (cases C1, C2, C9, C12, C15, frozen DDP parameters) run inside a multi-process launch by tests/ckpt_worker.py."""
+"""Preflight scenarios (cases C1, C2, C9, C12, C15, frozen DDP parameters) run inside a multi-process launch by tests/helpers/ckpt_worker.py."""
 
 from __future__ import annotations
 
