@@ -43,7 +43,7 @@ def test_planner_boundaries_match_stage_ranges():
     assert planner_boundaries("mlp-large", ParallelPlan(pp=2, n_microbatches=2)) == (2,)
     assert planner_boundaries("gpt-1m", ParallelPlan()) is None
     pytest.importorskip("transformers")
-    from tests.hf_tiny import TINY
+    from helpers.hf_tiny import TINY
     spec, cfg = TINY["llama"]                                                           # 4 layers
     assert planner_boundaries(spec, ParallelPlan(pp=2, n_microbatches=2), cfg) == (2,)
     assert planner_boundaries(spec, ParallelPlan(pp=4, n_microbatches=4), {**cfg, "num_hidden_layers": 6}) == (1, 3, 4)

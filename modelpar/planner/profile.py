@@ -42,10 +42,12 @@ from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.module_tracker import ModuleTracker
 
 from modelpar.plan import CORE_ATTR
-from modelpar.planner.profile_ops import (_FLOP_FORMULAS, _FlashAttention, _Lifetimes, _nbytes, _OpCounter,
-                                          count_elementwise_bytes)
+from modelpar.planner.profile_ops import (_FLOP_FORMULAS, _FlashAttention, _hook_partial_grads,  # noqa: F401
+                                          _Lifetimes, _nbytes, _OpCounter, _Outside, count_elementwise_bytes,
+                                          tied_copies)
 
-__all__ = ["BlockProfile", "ModelProfile", "count_elementwise_bytes", "default_blocks", "profile_model"]
+__all__ = ["BlockProfile", "ModelProfile", "count_elementwise_bytes", "default_blocks", "profile_model",
+           "tied_copies"]
 
 @dataclass(frozen=True)
 class BlockProfile:
@@ -143,24 +145,6 @@ class ModelProfile:
                                             "tied_numels": tuple(tuple(x) for x in b.get("tied_numels", ()))})
                             for b in d["blocks"])
         return cls(**d)
-
-
-def tied_copies(profile: ModelProfile, ranges: list[tuple[int, int]], pp: int, tp: int) -> list[list[tuple]]:
-    """Per pipeline rank, the parameter copies it holds beyond the blocks' own (`BlockProfile.tied_numels`):
-    a tie whose owner block is on another rank's stage, as (elements after the TP split, is a matrix,
-    held by an embed / head block (an FSDP root parameter)). ``ranges``: the stages' block ranges
-    (`loads.stage_ranges`), stage s on rank s mod ``pp``."""
-    held: list[set[int]] = [set() for _ in range(pp)]
-    for s, (a, b) in enumerate(ranges):
-        held[s % pp].update(range(a, b))
-    n = len(profile.blocks)
-    out: list[list[tuple]] = [[] for _ in range(pp)]
-    for r in range(pp):
-        for i in sorted(held[r]):
-            for owner, k, mat, sh in profile.blocks[i].tied_numels:
-                if owner not in held[r]:
-                    out[r].append((k / tp if sh else k, mat, bool(profile.arch) and i in (0, n - 1)))
-    return out
 
 
 def default_blocks(model: nn.Module, container: str | None = None) -> list[tuple[str, nn.Module | None]]:
@@ -284,36 +268,6 @@ def profile_model(model: nn.Module, example_input: torch.Tensor | Sequence[torch
             fake_mode.__exit__(None, None, None)
 
 
-class _Outside:
-    """Where an op outside every block module goes, when the first / last block is the rest of the
-    model (None in `profile_model`'s blocks): forward, the first block until a block module ran,
-    then the block that last finished (the last block once the last module block finished);
-    backward, the reverse (the last block until a block module's backward ran, then the block seen
-    last, the first block once the first module block's backward ran). None: dropped, as before."""
-
-    def __init__(self, blocks):
-        n = len(blocks)
-        named = [i for i, (_, m) in enumerate(blocks) if m is not None]
-        self.pre = blocks[0][1] is None
-        self.post = blocks[-1][1] is None and n > 1
-        self.first, self.last, self.n = named[0], named[-1], n
-        self.fwd = 0 if self.pre else None
-        self.bwd = n - 1 if self.post else None
-
-    @property
-    def active(self) -> bool:
-        return self.pre or self.post
-
-    def ended(self, i: int) -> None:                 # forward of block module i finished
-        self.fwd = self.n - 1 if (i == self.last and self.post) else i
-
-    def seen(self, i: int) -> None:                  # backward op in block module i
-        self.bwd = 0 if (i == self.first and self.pre) else i
-
-    def __call__(self, is_bw: bool):
-        return self.bwd if is_bw else self.fwd
-
-
 def _block_params(model, blocks, fqn, owner, block_of):
     """Per block, ``[(owner module path, leaf name, parameter)]``: a module block's parameters; for a
     None block, those of the modules outside every block module that ran while it was current
@@ -335,39 +289,6 @@ def _block_params(model, blocks, fqn, owner, block_of):
                 rows += [(fqn[m], pn, p) for pn, p in m.named_parameters(recurse=False)]
         out.append(rows)
     return out
-
-
-def _hook_partial_grads(outs, life) -> list:
-    """Hooks on the autograd nodes that feed a parameter used more than once (a tied embedding and
-    head: two edges into its AccumulateGrad node), so each use's gradient is known to `life` as a
-    partial gradient (`_Lifetimes.partial_grad`). Returns the hook handles."""
-    edges: dict[object, list[tuple[object, int]]] = {}
-    seen, todo = set(), [o.grad_fn for o in outs if o.grad_fn is not None]
-    while todo:
-        node = todo.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        for j, (nxt, _) in enumerate(node.next_functions):
-            if nxt is None:
-                continue
-            if hasattr(nxt, "variable"):          # AccumulateGrad of a leaf
-                edges.setdefault(nxt, []).append((node, j))
-            else:
-                todo.append(nxt)
-    hooks: dict[object, list[int]] = {}
-    for acc, uses in edges.items():
-        if len(uses) > 1:
-            for node, j in uses:
-                hooks.setdefault(node, []).append(j)
-
-    def hook(js):
-        def fn(grad_inputs, grad_outputs):
-            for j in js:
-                if grad_inputs[j] is not None:
-                    life.partial_grad(grad_inputs[j])
-        return fn
-    return [node.register_hook(hook(js)) for node, js in hooks.items()]
 
 
 def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=None) -> ModelProfile:
