@@ -119,10 +119,6 @@ class ParallelPlan:
         return self.dp_shard > 1
 
     @property
-    def ddp_enabled(self) -> bool:
-        return self.dp_replicate > 1 and self.dp_shard == 1
-
-    @property
     def hsdp_enabled(self) -> bool:
         return self.dp_replicate > 1 and self.dp_shard > 1
 
@@ -337,12 +333,6 @@ def gradient_accumulation_steps(global_batch_size: int, local_batch_size: int, d
         raise ValueError(f"global_batch_size={global_batch_size} is not divisible by local_batch_size x "
                          f"data-parallel degree = {local_batch_size} x {dp_degree} = {per_step}")
     return global_batch_size // per_step
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 
 
 # ---- the runtime's data-parallel wrappers ------------------------------------------------------

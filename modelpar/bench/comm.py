@@ -283,9 +283,6 @@ class CommProfile:
     def share(self) -> float:
         return self.exposed_s / self.step_s if self.step_s > 0 else 0.0
 
-    def bytes_of(self, kind: str) -> int:
-        return self.kinds[kind].bytes if kind in self.kinds else 0
-
     def to_dict(self) -> dict:
         return {"step_s": self.step_s, "recorded_s": self.recorded_s, "exposed_s": self.exposed_s,
                 "share": self.share, "kinds": {k: asdict(v) for k, v in self.kinds.items()}}
