@@ -8,8 +8,9 @@ load changes on the shared machine hit all plans alike, and compared with
 only; never fitted to these runs). Only steps of 200 ms or more count towards the goal (median
 |error| <= 10%, largest <= 20%); shorter ones are printed for information.
 
-Hugging Face models from config (``hf-llama``: GQA, ``hf-gpt2``: tied head; `HF_TIME_MODELS`) have ddp,
-fsdp and tp rows (`HF_PLANS`).
+Hugging Face models from config (``hf-llama``: GQA, ``hf-gpt2``: tied head; `HF_TIME_MODELS`) have the
+same rows (`HF_PLANS`); their pipelines split the layers where the planner does
+(`modelpar.measure.planner_boundaries`).
 
 Run: ``.venv/bin/python benchmarks/planner_accuracy_time.py [--models gpt-3m,gpt-10m,mlp-large,hf-llama] [--rounds 3]``
 (run ``modelpar calibrate`` first; ``$MODELPAR_CALIBRATION`` picks the file)
@@ -24,10 +25,8 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from modelpar.plan import ParallelPlan  # noqa: E402
-from modelpar.measure import Case, launch  # noqa: E402
+from modelpar.plan import ParallelPlan
+from modelpar.measure import Case, launch
 
 PLANS = {"ddp": dict(dp_replicate=2), "fsdp": dict(dp_shard=2), "tp": dict(tp=2),
          "pp_gpipe": dict(pp=2, pp_schedule="gpipe", n_microbatches=4),
@@ -42,7 +41,7 @@ HF_TIME_MODELS = {
     "hf-gpt2": ("hf:gpt2", {"n_embd": 256, "n_layer": 4, "n_head": 8, "vocab_size": 512, "n_positions": 256,
                             "bos_token_id": 0, "eos_token_id": 0}, 128),
 }
-HF_PLANS = ("ddp", "fsdp", "tp")     # pp: `measure.planner_boundaries` knows built-in presets only
+HF_PLANS = tuple(PLANS)
 
 
 def load_hardware(path: str | None = None):
@@ -67,8 +66,7 @@ def cases_for(model: str, plans=PLANS) -> list[Case]:
 
 
 def predict_seconds(case: Case, hw) -> float:
-    from planner_accuracy_memory import profile_for
-
+    from modelpar.measure.memory import profile_for
     from modelpar.planner.cost import estimate_step
     from modelpar.planner.memory import Batch
     return estimate_step(profile_for(case.model, case.model_config, case.seq_len), ParallelPlan.from_dict(case.plan),

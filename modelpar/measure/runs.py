@@ -10,9 +10,12 @@ Memory (CPU): torch's MemTracker (``torch.distributed._tools.mem_tracker``, a pr
 ``tests/test_planner_accuracy.py``) is entered *before* the model is built, so it sees every storage
 (DDP buckets and pipeline buffers included); it stays active for the warm-up steps and is re-entered
 for the measured step, which resets its peak to the live bytes at that point (``__enter__``). The
-peak snapshot gives bytes by reference type at the moment of the peak: Parameter, Gradient,
-Optstate, Activation (forward-created tensors, FSDP's gathered parameters included), Temp (tensors
-made in backward: activation gradients), Buffer, Other.
+peak snapshot gives bytes by reference type at the moment of the peak: Parameter (FSDP's gathered
+parameters included: FSDP2 gathers a unit into the same storages every step, which MemTracker types
+Parameter at the first tracked forward of the modules inside the unit), Gradient, Optstate,
+Activation (forward-created tensors; FSDP's flat all-gather buffers), Temp (tensors made in backward:
+activation gradients, weight gradients not yet stored), Buffer, Other. The parts are compared with
+the planner's in `modelpar.measure.memory`.
 
 Step time: wall clock of whole optimizer steps between barriers, plans interleaved round by round
 (`time_cases`), so slow phases of a shared machine hit every plan alike.
@@ -57,15 +60,27 @@ class Case:
         return self.__dict__.copy()
 
 
-def planner_boundaries(model_name: str, plan: ParallelPlan) -> tuple[int, ...] | None:
+def planner_boundaries(model_name: str, plan: ParallelPlan,
+                       model_config: dict | None = None) -> tuple[int, ...] | None:
     """The stage boundaries (`ParallelPlan.stage_boundaries`, in model-part block indices) that the
-    planner's `loads.stage_ranges` assumes, so a measured pipeline splits where the prediction does."""
+    planner's `loads.stage_ranges` assumes, so a measured pipeline splits where the prediction does.
+
+    ``model_name``: a built-in preset, or a Hugging Face model (``hf:<type>`` with ``model_config``
+    overrides), whose repeated blocks (`parallel.parts.find_blocks`, built on the meta device) are
+    split as the planner splits a transformer's layers (the parent's glue before / after them joins
+    the first / last stage).
+    """
     if plan.pp <= 1:
         return None
     from modelpar.models import MLP_PRESETS, PRESETS
     from modelpar.planner.memory import stage_ranges
     from modelpar.planner.profile import BlockProfile, ModelProfile
-    if model_name in PRESETS:
+    if is_hf_name(model_name):
+        from modelpar.models.hf import build_hf
+        from modelpar.parallel.parts import find_blocks
+        layers = len(find_blocks(build_hf(model_name, model_config, device="meta", seed=None))[1])
+        n, arch, off = layers + 2, {"n_layer": layers}, 1
+    elif model_name in PRESETS:
         n, arch = PRESETS[model_name].n_layer + 2, {"n_layer": PRESETS[model_name].n_layer}
         off = 1
     else:
@@ -116,7 +131,8 @@ def build_case(case: Case, *, active: bool = True) -> Built | None:
         return None
     plan = ParallelPlan.from_dict(case.plan)
     if plan.pp > 1 and plan.stage_boundaries is None:
-        plan = ParallelPlan.from_dict({**plan.to_dict(), "stage_boundaries": planner_boundaries(case.model, plan)})
+        bounds = planner_boundaries(case.model, plan, case.model_config)
+        plan = ParallelPlan.from_dict({**plan.to_dict(), "stage_boundaries": bounds})
     cfg = _config(case)
     task = _hf_task(case) if is_hf_name(case.model) else build_task(cfg, load_data=False)
     dev = get_device()
@@ -193,6 +209,16 @@ def measure_memory(case: Case, *, active: bool = True) -> dict | None:
         b = build_case(case, active=active)
         if b is not None:
             mt.track_external(*b.pm.modules, b.opt)
+            plan = ParallelPlan.from_dict(case.plan)
+            if plan.dp_shard > 1 and plan.pp == 1:
+                # forget the modules a forward during the build registered (`parts.get_model_parts`
+                # traces a Hugging Face model's forward to order its parts, before FSDP wraps it):
+                # MemTracker types a module's parameters once, at its first tracked forward, so those
+                # modules would keep the pre-FSDP tensors and FSDP's gathered parameters would stay
+                # typed Activation (as they were made in forward) where the built-in GPT's are
+                # Parameter. Not for pipelines: their stage modules' backward hooks need the entries
+                # the build made (a KeyError in MemTracker's post-backward hook otherwise).
+                mt.reset_mod_stats()
             # step 1 without the module hooks: the pipeline runtime's first step infers gradient
             # shapes with autograd.grad, which the tracker's multi-grad hooks refuse; storages are
             # still tracked (the dispatch mode stays on)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from modelpar.plan import ParallelPlan
 from modelpar.planner.memo import PlannerCache
-from modelpar.planner.profile import ModelProfile
+from modelpar.planner.profile import ModelProfile, tied_copies
 
 
 def stage_ranges(profile: ModelProfile, num_stages: int) -> list[tuple[int, int]]:
@@ -360,6 +360,10 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
             ld.recv += ld.boundary
             ld.p2p = max(ld.p2p, ld.boundary)
         ld.data = data
+    for r, extra in enumerate(tied_copies(profile, rng, plan.pp, t)):    # a tie's copy on a later stage
+        for k, mat, end in extra:
+            sums[r][0], sums[r][1] = sums[r][0] + k, sums[r][1] + (k if end else 0.0)
+            numels[r].append((k, mat))
     for ld, acc in zip(loads, sums):
         (ld.params, ld.root_params, ld.saved, ld.saved_ac, ld.fwd_flops, ld.bwd_flops, ld.fwd_mem, ld.bwd_mem,
          ld.ops, ld.fwd_ops, ld.fwd_gemms, ld.bwd_gemms, af, ab, ld.attn_calls, ld.tp_linears,

@@ -42,10 +42,12 @@ from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.module_tracker import ModuleTracker
 
 from modelpar.plan import CORE_ATTR
-from modelpar.planner.profile_ops import (_FLOP_FORMULAS, _FlashAttention, _Lifetimes, _nbytes, _OpCounter,
-                                          count_elementwise_bytes)
+from modelpar.planner.profile_ops import (_FLOP_FORMULAS, _FlashAttention, _hook_partial_grads,  # noqa: F401
+                                          _Lifetimes, _nbytes, _OpCounter, _Outside, count_elementwise_bytes,
+                                          tied_copies)
 
-__all__ = ["BlockProfile", "ModelProfile", "count_elementwise_bytes", "default_blocks", "profile_model"]
+__all__ = ["BlockProfile", "ModelProfile", "count_elementwise_bytes", "default_blocks", "profile_model",
+           "tied_copies"]
 
 @dataclass(frozen=True)
 class BlockProfile:
@@ -97,6 +99,11 @@ class BlockProfile:
     # output projection's saved input; the unfused math path: the (seq x seq) scores too); inside
     # the TP-sharded region (heads split), so sharded by the TP degree
     attn_core_saved_bytes: int = 0
+    # parameters this block uses that an earlier block owns (a tied embedding and head, counted once,
+    # in the earlier block): (owner block index, elements, is a matrix, TP-sharded) each. A pipeline
+    # stage that holds this block but not the owner keeps its own copy (`parallel.ties`: the copies'
+    # gradients are summed across the stages), with its gradient and optimizer state
+    tied_numels: tuple[tuple[int, int, bool, bool], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -134,7 +141,8 @@ class ModelProfile:
     def from_dict(cls, d: dict[str, Any]) -> "ModelProfile":
         d = dict(d)
         d["blocks"] = tuple(BlockProfile(**{**b, "param_numels": tuple(tuple(x) for x in b.get("param_numels", ())),
-                                            "bwd_peaks": tuple(tuple(x) for x in b.get("bwd_peaks", ()))})
+                                            "bwd_peaks": tuple(tuple(x) for x in b.get("bwd_peaks", ())),
+                                            "tied_numels": tuple(tuple(x) for x in b.get("tied_numels", ()))})
                             for b in d["blocks"])
         return cls(**d)
 
@@ -258,36 +266,6 @@ def profile_model(model: nn.Module, example_input: torch.Tensor | Sequence[torch
             flash.__exit__(None, None, None)
         if fake_mode is not None:
             fake_mode.__exit__(None, None, None)
-
-
-class _Outside:
-    """Where an op outside every block module goes, when the first / last block is the rest of the
-    model (None in `profile_model`'s blocks): forward, the first block until a block module ran,
-    then the block that last finished (the last block once the last module block finished);
-    backward, the reverse (the last block until a block module's backward ran, then the block seen
-    last, the first block once the first module block's backward ran). None: dropped, as before."""
-
-    def __init__(self, blocks):
-        n = len(blocks)
-        named = [i for i, (_, m) in enumerate(blocks) if m is not None]
-        self.pre = blocks[0][1] is None
-        self.post = blocks[-1][1] is None and n > 1
-        self.first, self.last, self.n = named[0], named[-1], n
-        self.fwd = 0 if self.pre else None
-        self.bwd = n - 1 if self.post else None
-
-    @property
-    def active(self) -> bool:
-        return self.pre or self.post
-
-    def ended(self, i: int) -> None:                 # forward of block module i finished
-        self.fwd = self.n - 1 if (i == self.last and self.post) else i
-
-    def seen(self, i: int) -> None:                  # backward op in block module i
-        self.bwd = 0 if (i == self.first and self.pre) else i
-
-    def __call__(self, is_bw: bool):
-        return self.bwd if is_bw else self.fwd
 
 
 def _block_params(model, blocks, fqn, owner, block_of):
@@ -444,6 +422,7 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
             for bi, rows in enumerate(block_params):
                 if blocks[bi][1] is None:
                     hook_grads(bi, rows)
+            handles += _hook_partial_grads(outs, life)
             # a reduction after the model, so the last block's backward hooks see a gradient arrive
             torch.autograd.backward([o.sum() for o in outs])
     finally:
@@ -457,14 +436,16 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
     rows = []
     cum_saved = 0
     esize = torch.empty((), dtype=dtype).element_size()
-    counted: set[int] = set()                 # parameters already in an earlier block (ties once)
+    counted: dict[int, int] = {}              # parameters already in an earlier block (ties once) -> it
     for i, ((name, mod), bparams) in enumerate(zip(blocks, block_params)):
-        numels = []
+        numels, tied = [], []
         for path, leaf, p in bparams:
-            if id(p) in counted:
-                continue
-            counted.add(id(p))
             st = styles.get(path)
+            if id(p) in counted:
+                if counted[id(p)] != i:
+                    tied.append((counted[id(p)], p.numel(), p.dim() >= 2, st == "colwise" or st == "rowwise"))
+                continue
+            counted[id(p)] = i
             numels.append((p.numel(), p.dim() >= 2, st == "colwise" or (st == "rowwise" and leaf == "weight")))
         count = sum(k for k, _, _ in numels)
         if mod is not None:
@@ -485,7 +466,7 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
             fwd_attn_flops=counter.attn[i][0], bwd_attn_flops=counter.attn[i][1], attn_calls=counter.attn[i][2],
             bwd_peaks=tuple((own - cum_saved - saved[i], inn, g // esize, pend // esize)
                             for own, inn, g, pend in peaks[i]),
-            saved_input_bytes=saved_in[i], attn_core_saved_bytes=core_saved[i]))
+            saved_input_bytes=saved_in[i], attn_core_saved_bytes=core_saved[i], tied_numels=tuple(tied)))
         cum_saved += saved[i]
     x0 = inputs[0]
     tokens = x0.shape[1] if (x0.dim() == 2 and not x0.is_floating_point()) else 1

@@ -3,11 +3,16 @@ byte counters, the fused-attention routing and the FLOP formulas torch's counter
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.module_tracker import ModuleTracker
+
+if TYPE_CHECKING:
+    from modelpar.planner.profile import ModelProfile
 
 _VIEW_OPS = {"view", "_unsafe_view", "t", "transpose", "expand", "detach", "permute", "unsqueeze",
              "squeeze", "slice", "select", "alias", "as_strided", "split", "unbind", "lift_fresh",
@@ -40,6 +45,7 @@ class _Lifetimes:
         self.events: list[tuple[int, int]] = []   # (+1 new / -1 free / 0 op, serial or block)
         self.saved: set[int] = set()          # serials saved for backward
         self.grad_block: dict[int, int] = {}  # serial -> block, for storages that became parameter grads
+        self.partial: set[int] = set()        # serials of partial gradients of a parameter used twice
 
     def add(self, t: torch.Tensor, creator: int) -> int:
         import weakref
@@ -76,12 +82,23 @@ class _Lifetimes:
                 self.grad_block[s] = block
                 self.events.append((2, s))
 
+    def partial_grad(self, t: torch.Tensor) -> None:
+        """``t`` is one use's gradient of a parameter used more than once (a tied embedding and head):
+        autograd holds it in the parameter's AccumulateGrad input buffer until the last use's
+        gradient arrives and the sum is stored. Its size is the parameter's, not the batch's, so
+        `block_peaks` counts it with the pending weight gradients, not with the activations."""
+        self.partial.add(self.add(t, -1))
+
     def block_peaks(self) -> list[list[tuple[int, int, int, int]]]:
         """Per block, the backward ops no other op of the block beats on both live activation bytes
         and live gradient bytes of the block's parameters: (own live bytes, incoming-gradient live
         bytes, stored gradient bytes, computed-not-yet-stored gradient bytes), by increasing gradient
-        bytes."""
+        bytes. The computed-not-yet-stored bytes include the live partial gradients of parameters
+        used more than once (`partial_grad`), whichever block owns them: they are alive while the
+        blocks between the two uses run their backward."""
         saved, grad_block, size, creator = self.saved, self.grad_block, self.size, self.creator
+        partial = self.partial - set(grad_block)    # a partial that became the .grad is a gradient
+        partial_live = 0
         cur_saved = 0
         bw_total = 0
         bw_by = [0] * self.n
@@ -92,11 +109,13 @@ class _Lifetimes:
         stored: set[int] = set()              # gradients AccumulateGrad has stored
 
         def count(s: int, nb: int) -> None:
-            nonlocal cur_saved, bw_total
+            nonlocal cur_saved, bw_total, partial_live
             if s in stored:
                 grads_by[grad_block[s]] += nb
             elif s in grad_block:
                 pending_by[grad_block[s]] += nb
+            elif s in partial:
+                partial_live += nb
             elif s in saved:
                 cur_saved += nb
             elif creator[s] >= 0:
@@ -107,11 +126,11 @@ class _Lifetimes:
             if kind == 0:
                 own = cur_saved + bw_by[x]
                 tot = cur_saved + bw_total
-                g = grads_by[x] + pending_by[x]
+                g = grads_by[x] + pending_by[x] + partial_live
                 f = fronts[x]
                 if not any(e[0] >= tot and e[1] >= g for e in f):
                     f[:] = [e for e in f if not (tot >= e[0] and g >= e[1])] + [
-                        (tot, g, own, tot - own, grads_by[x], pending_by[x])]
+                        (tot, g, own, tot - own, grads_by[x], pending_by[x] + partial_live)]
             elif kind == 2:                   # became a parameter's .grad
                 if x in alive:
                     count(x, -size[x])
@@ -266,3 +285,84 @@ def _cpu_flash_bwd(grad_out, q, k, v, *args, out_shape=None, **kwargs) -> int:
 # torch's counter has no formula for the CPU flash kernel (used on CPU and by attention="flash")
 _FLOP_FORMULAS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_fwd,
                   torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_bwd}
+
+
+class _Outside:
+    """Where an op outside every block module goes, when the first / last block is the rest of the
+    model (None in `profile_model`'s blocks): forward, the first block until a block module ran,
+    then the block that last finished (the last block once the last module block finished);
+    backward, the reverse (the last block until a block module's backward ran, then the block seen
+    last, the first block once the first module block's backward ran). None: dropped, as before."""
+
+    def __init__(self, blocks):
+        n = len(blocks)
+        named = [i for i, (_, m) in enumerate(blocks) if m is not None]
+        self.pre = blocks[0][1] is None
+        self.post = blocks[-1][1] is None and n > 1
+        self.first, self.last, self.n = named[0], named[-1], n
+        self.fwd = 0 if self.pre else None
+        self.bwd = n - 1 if self.post else None
+
+    @property
+    def active(self) -> bool:
+        return self.pre or self.post
+
+    def ended(self, i: int) -> None:                 # forward of block module i finished
+        self.fwd = self.n - 1 if (i == self.last and self.post) else i
+
+    def seen(self, i: int) -> None:                  # backward op in block module i
+        self.bwd = 0 if (i == self.first and self.pre) else i
+
+    def __call__(self, is_bw: bool):
+        return self.bwd if is_bw else self.fwd
+
+
+def _hook_partial_grads(outs, life) -> list:
+    """Hooks on the autograd nodes that feed a parameter used more than once (a tied embedding and
+    head: two edges into its AccumulateGrad node), so each use's gradient is known to `life` as a
+    partial gradient (`_Lifetimes.partial_grad`). Returns the hook handles."""
+    edges: dict[object, list[tuple[object, int]]] = {}
+    seen, todo = set(), [o.grad_fn for o in outs if o.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for j, (nxt, _) in enumerate(node.next_functions):
+            if nxt is None:
+                continue
+            if hasattr(nxt, "variable"):          # AccumulateGrad of a leaf
+                edges.setdefault(nxt, []).append((node, j))
+            else:
+                todo.append(nxt)
+    hooks: dict[object, list[int]] = {}
+    for acc, uses in edges.items():
+        if len(uses) > 1:
+            for node, j in uses:
+                hooks.setdefault(node, []).append(j)
+
+    def hook(js):
+        def fn(grad_inputs, grad_outputs):
+            for j in js:
+                if grad_inputs[j] is not None:
+                    life.partial_grad(grad_inputs[j])
+        return fn
+    return [node.register_hook(hook(js)) for node, js in hooks.items()]
+
+
+def tied_copies(profile: ModelProfile, ranges: list[tuple[int, int]], pp: int, tp: int) -> list[list[tuple]]:
+    """Per pipeline rank, the parameter copies it holds beyond the blocks' own (`BlockProfile.tied_numels`):
+    a tie whose owner block is on another rank's stage, as (elements after the TP split, is a matrix,
+    held by an embed / head block (an FSDP root parameter)). ``ranges``: the stages' block ranges
+    (`loads.stage_ranges`), stage s on rank s mod ``pp``."""
+    held: list[set[int]] = [set() for _ in range(pp)]
+    for s, (a, b) in enumerate(ranges):
+        held[s % pp].update(range(a, b))
+    n = len(profile.blocks)
+    out: list[list[tuple]] = [[] for _ in range(pp)]
+    for r in range(pp):
+        for i in sorted(held[r]):
+            for owner, k, mat, sh in profile.blocks[i].tied_numels:
+                if owner not in held[r]:
+                    out[r].append((k / tp if sh else k, mat, bool(profile.arch) and i in (0, n - 1)))
+    return out
