@@ -17,12 +17,6 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
 BENCHMARKS = ROOT / "benchmarks"
 
-# loads of benchmark scripts that their owners are moving out this round (h-hf:
-# planner_accuracy_memory; h-pub's planner_published has moved to modelpar.planner.published); the lead empties this set once their branches are merged, and the
-# test below fails if an entry is no longer needed, so it cannot outlive them
-PENDING = {
-    ("test_planner_accuracy.py", "benchmarks/planner_accuracy_memory.py"),
-}
 
 
 def _walk(tree: ast.AST, functions: bool):
@@ -89,11 +83,8 @@ def suite_layout_offences(tests: Path = TESTS, benchmarks: Path = BENCHMARKS) ->
 
 def test_tests_import_no_test_module_and_no_benchmark():
     found = suite_layout_offences()
-    new = found - PENDING
-    assert not new, ("test files load other test modules or benchmark scripts (move the shared code to "
-                     f"tests/helpers/ or the package): {sorted(new)}")
-    gone = PENDING - found
-    assert not gone, f"PENDING lists loads that are gone; remove them from PENDING: {sorted(gone)}"
+    assert not found, ("test files load other test modules or benchmark scripts (move the shared code to "
+                       f"tests/helpers/ or the package): {sorted(found)}")
 
 
 def test_layout_check_sees_each_kind_of_load(tmp_path):
