@@ -27,10 +27,9 @@ import time
 
 from modelpar.plan import ParallelPlan
 from modelpar.measure import Case, launch
+from modelpar.measure.memory import STRATEGIES_2
 
-PLANS = {"ddp": dict(dp_replicate=2), "fsdp": dict(dp_shard=2), "tp": dict(tp=2),
-         "pp_gpipe": dict(pp=2, pp_schedule="gpipe", n_microbatches=4),
-         "pp_1f1b": dict(pp=2, pp_schedule="1f1b", n_microbatches=4)}
+PLANS = STRATEGIES_2       # the memory benchmark's 2-rank strategies (modelpar.measure.memory)
 GLOBAL_BATCH = 32          # TrainConfig's default
 # Hugging Face models from config: name -> (--model, --model-config, seq_len), sized for
 # steps of 200 ms or more on one CPU thread per rank; dropout forced to 0.
