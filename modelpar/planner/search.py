@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from modelpar.plan import AC_MODES, PP_SCHEDULES, ParallelPlan
-from modelpar.planner.cost import StepEstimate, _finish, rank_step, tp_bytes_per_sample
+from modelpar.planner.cost import StepEstimate, _finish, step_form, tp_bytes_per_sample
 from modelpar.planner.hardware import Hardware
 from modelpar.planner.legality import tp_violations
 from modelpar.planner.memo import PlannerCache
@@ -342,7 +342,7 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                     continue
                 interleaved = sched.startswith("interleaved")
                 plans: dict[tuple[int, str], ParallelPlan] = {}
-                tpb = None
+                sform = None
                 for b, m, acc, local in inner_acc:
                     if interleaved and m % pp:
                         pruned["interleaved needs n_microbatches divisible by pp"] += n_ac
@@ -394,11 +394,11 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                             else:
                                 variants.append((dplan, dmem, dtot))
                         for pl, mm, mt in variants:
-                            if tpb is None:
-                                tpb = tp_bytes_per_sample(profile, pl)
-                            parts = rank_step(loads, pl, hw, micro_batch_size=b, accumulation=acc,
-                                              optimizer=optimizer, tp_bytes=tpb, dp_overlap=dp_overlap,
-                                              cache=cache)
+                            if sform is None:       # `cost.rank_step` of this layout's candidates
+                                sform = step_form(loads, pl, hw, optimizer=optimizer,
+                                                  tp_bytes=tp_bytes_per_sample(profile, pl),
+                                                  dp_overlap=dp_overlap, cache=cache)
+                            parts = sform.at(pl, b, acc)
                             st = _finish(parts, profile, pl, global_batch_size, flops, cache)
                             ranked.append(Candidate(pl, Batch(global_batch_size, local), mm, st))
                             sort_keys.append((st.total, mt))
