@@ -283,3 +283,30 @@ def test_master_weights_optimizer_traffic():
     assert m.optimizer - a.optimizer == pytest.approx(20 * ld.params / (hw.mem_bandwidth * A100.hbm_fraction))
     cpu, p1 = cpu_profile(1), ParallelPlan()
     assert estimate_step(prof, p1, Batch(2, 2), cpu, master_weights=True) == estimate_step(prof, p1, Batch(2, 2), cpu)
+
+
+def test_unfused_core_products_priced_at_their_own_roofline(bench):
+    # the per-kernel roofline (Williams et al. 2009) for Megatron-LM's core products: with the
+    # layer's matmuls compute-bound in sum, the products' bytes (intensity ~ head dim 96, below
+    # the A100's ridge ~155 FLOP/B) add B_c / W - F_c / R per layer and direction
+    from modelpar.planner.runtimes import core_products, core_roofline_excess
+    prof = bench.gpt_profile(51200, 2048, 4, 24, 2304, attention="megatron", dropout=0.1)
+    plan = ParallelPlan(precision="bf16", activation_checkpointing="full")
+    ld = rank_loads(prof, plan, act_bytes=2)[0]
+    core = core_products(prof, micro_batch=16, tp=1)
+    f, byt = core["fwd"]
+    assert math.isclose(f, 4 * 16 * 24 * 2048 ** 2 * 96) and math.isclose(byt, 2 * 16 * 24 * (2 * 2048 ** 2 + 4 * 2048 * 96))
+    R, W = A100.mamf_bf16, BUILTIN["A100-80GB"].mem_bandwidth * A100.hbm_fraction
+    ex_f, ex_b = core_roofline_excess(ld, prof, BUILTIN["A100-80GB"], micro_batch=16, tp=1)
+    assert math.isclose(ex_f, 4 * (byt / W - f / R), rel_tol=1e-9) and ex_f > 0
+    assert math.isclose(ex_b, 4 * (2 * byt / W - 2 * f / R), rel_tol=1e-9)
+    # it reaches the step: the Megatron estimate is slower by exactly the excess (+ the replay)
+    base = estimate_step(prof, plan, Batch(16, 16), BUILTIN["A100-80GB"], reduce_bytes=2, replicate=False,
+                         autocast_weights=False, master_weights=True, p2p_scatter_gather=True,
+                         optimizer="adamw", fused_tp_optimizer=True)
+    st, _ = bench.megatron_estimate(prof, plan, Batch(16, 16), ddp="torch", selective=False, micro=16)
+    assert math.isclose(st.total - base.total, 2 * ex_f + ex_b, rel_tol=1e-6)
+    # a fused-attention profile has no such products
+    flash = bench.gpt_profile(50368, 2048, 4, 24, 2304, attention="flash", dropout=0.0)
+    assert core_roofline_excess(rank_loads(flash, plan, act_bytes=2)[0], flash, BUILTIN["A100-80GB"],
+                                micro_batch=16, tp=1) == (0.0, 0.0)

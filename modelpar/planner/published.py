@@ -30,6 +30,9 @@ Each row is predicted for the runtime it ran on; describing that runtime is not 
   DDP for PP = 1 (overlapped, bucket copy). Selective
   recomputation: `runtimes.selective_recompute_profile` (memory) and
   `runtimes.attention_core_seconds` (the extra forward of the core, per layer and micro-batch).
+  The unfused core's matmuls (``baddbmm`` Q K^T and ``bmm`` with V, and their backward) are
+  priced at their own roofline, not inside the sum of the rank's matmuls where the weight GEMMs
+  hide their bytes (`runtimes.core_roofline_excess`: the roofline is a per-kernel bound).
   Its fp16 modules hold 16-bit weights (``autocast_weights=False``) beside fp32 main weights in
   its fp16 optimizer (``master_weights``: gradient copy, unscale and inf check, main-to-model
   weight copy per step).
@@ -82,8 +85,8 @@ from modelpar.planner.cost import bubble_fraction, estimate_step
 from modelpar.planner.hardware import BUILTIN
 from modelpar.planner.memory import Batch, estimate_memory, rank_loads
 from modelpar.planner.profile import profile_model
-from modelpar.planner.runtimes import (attention_core_seconds, selective_recompute_profile,
-                                       vocab_parallel_profile)
+from modelpar.planner.runtimes import (attention_core_seconds, core_roofline_excess,
+                                       selective_recompute_profile, vocab_parallel_profile)
 
 A100 = BUILTIN["A100-80GB"]
 GIB = 2 ** 30
@@ -230,15 +233,23 @@ def megatron_estimate(profile, plan, batch, *, ddp: str, selective: bool, micro:
     st = estimate_step(prof, plan, batch, A100, dp_overlap=(ddp == "torch"), reduce_bytes=2,
                        p2p_scatter_gather=True, replicate=False, autocast_weights=False, master_weights=True,
                        **MEGATRON_RUNTIME)
+    m = plan.n_microbatches if plan.pp > 1 else 1
+    acc = batch.accumulation_steps(plan)
+    bubble = bubble_fraction(plan.pp_schedule, plan.pp, m, plan.virtual_stages) * m * acc
+    # the unfused core's products at their own roofline (`runtimes.core_roofline_excess`), forward,
+    # backward and (full recomputation) the replayed forward; the slowest rank's figure
+    full = plan.activation_checkpointing == "full"
+    ex = max((core_roofline_excess(ld, prof, A100, micro_batch=micro, tp=plan.tp)
+              for ld in rank_loads(prof, plan, act_bytes=2)), key=lambda e: e[0] * (2 if full else 1) + e[1])
+    st = dataclasses.replace(st, compute=st.compute + acc * m * (ex[0] + ex[1]),
+                             recompute=st.recompute + (acc * m * ex[0] if full else 0.0),
+                             bubble=st.bubble + bubble * (ex[0] * (2 if full else 1) + ex[1]))
     if selective:
         # the attention core's extra forward, per layer and micro-batch, on every rank's layers;
         # the pipeline's idle time grows with the per-micro-batch work (cost.rank_step's bubble)
         layers = (len(prof.blocks) - 2) / plan.pp
-        m = plan.n_microbatches if plan.pp > 1 else 1
-        acc = batch.accumulation_steps(plan)
         per_mb = layers * attention_core_seconds(prof, A100, micro_batch=micro, tp=plan.tp, dropout=True)
-        bub = bubble_fraction(plan.pp_schedule, plan.pp, m, plan.virtual_stages) * m * per_mb * acc
-        st = dataclasses.replace(st, recompute=st.recompute + acc * m * per_mb, bubble=st.bubble + bub)
+        st = dataclasses.replace(st, recompute=st.recompute + acc * m * per_mb, bubble=st.bubble + bubble * per_mb)
     return st, mem
 
 
