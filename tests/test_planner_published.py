@@ -36,13 +36,14 @@ def test_fast_published_rows_fit_and_stay_within_reached_errors(bench):
     assert all(r.fits for r in results), [(r.name, r.memory.total / 2**30) for r in results if not r.fits]
     # factor 1 (no fitted constant): the errors this model reaches on these rows (full benchmark:
     # docs/planner.md); predictions err on the fast side (kernels below their published peaks)
-    assert one["largest"] <= 0.30, one["errors"]
+    assert one["largest"] <= 0.21, one["errors"]        # 20.2% (SC'21 1.7B; 27.5% before the core roofline)
     # one leave-one-out factor per framework (fitted on the other rows of the subset)
     assert loo["median"] <= 0.05 and loo["largest"] <= 0.15, loo["errors"]
-    # Korthikanti 22B: factor 1 mean 12.4% here (15.7% before this session's optimizer and recompute
-    # terms); its leave-one-out factor in this 3-row Megatron subset is set mostly by the 1.7B row
-    assert one["mean_by_source"]["korthikanti"] <= 0.13
-    assert loo["mean_by_source"]["korthikanti"] <= 0.065
+    # Korthikanti 22B: factor 1 mean 9.6% here (12.4% before the unfused core's per-kernel roofline,
+    # 15.7% before session 6's optimizer and recompute terms); its leave-one-out factor in this 3-row
+    # Megatron subset is set mostly by the 1.7B row (4.5% here, 6.1% before)
+    assert one["mean_by_source"]["korthikanti"] <= 0.10
+    assert loo["mean_by_source"]["korthikanti"] <= 0.05
 
 
 def test_leave_one_out_factor_excludes_the_row(bench):
