@@ -311,3 +311,29 @@ def test_unfused_core_products_priced_at_their_own_roofline(bench):
     flash = bench.gpt_profile(50368, 2048, 4, 24, 2304, attention="flash", dropout=0.0)
     assert core_roofline_excess(rank_loads(flash, plan, act_bytes=2)[0], flash, BUILTIN["A100-80GB"],
                                 micro_batch=16, tp=1) == (0.0, 0.0)
+
+
+def test_megatron_async_tp_backward_overlaps_column_parallel_collectives(bench):
+    # Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication: without SP the input-gradient
+    # all-reduce runs beside the weight-gradient GEMM; with SP the re-gather and the reduce-scatter
+    # run beside the GEMMs and the row-parallel output gradients' all-gathers stay exposed
+    from modelpar.planner.runtimes import tp_backward_overlap_delta
+    prof = bench.gpt_profile(51200, 2048, 4, 64, 6144, attention="megatron", dropout=0.1)
+    hw = BUILTIN["A100-80GB"]
+    share = A100.nccl_sm_share
+    ar = 1e-4                        # shorter than every GEMM (QKV wgrad of b 4 x s 2048 x h 6144 / 8: ~0.9 ms)
+    d = tp_backward_overlap_delta(prof, hw, micro_batch=4, tp=8, sequence_parallel=False, layers=3, all_reduce_s=ar)
+    assert math.isclose(d, 3 * (2 * share * ar - 2 * ar))
+    d_sp = tp_backward_overlap_delta(prof, hw, micro_batch=4, tp=8, sequence_parallel=True, layers=3, all_reduce_s=ar)
+    assert math.isclose(d_sp, 3 * (ar + 4 * share * ar / 2 - 2 * ar))
+    # a collective longer than its GEMM exposes the excess
+    big = 1.0
+    w_qkv = 2 * 4 * 2048 * 6144 * 3 * 6144 / 8 / A100.mamf_bf16
+    w_mlp = 2 * 4 * 2048 * 6144 * 4 * 6144 / 8 / A100.mamf_bf16
+    d_big = tp_backward_overlap_delta(prof, hw, micro_batch=4, tp=8, sequence_parallel=False, layers=1, all_reduce_s=big)
+    assert math.isclose(d_big, (big - w_qkv + share * w_qkv) + (big - w_mlp + share * w_mlp) - 2 * big)
+    # wired into the Korthikanti rows' estimate (TP 8): less exposed TP time than the synchronous model
+    plan = ParallelPlan(tp=8, activation_checkpointing="full", precision="bf16")
+    sync, _ = bench.megatron_estimate(prof, plan, Batch(4, 4), ddp="local", selective=False, micro=4)
+    asy, _ = bench.megatron_estimate(prof, plan, Batch(4, 4), ddp="local", selective=False, micro=4, async_tp=True)
+    assert asy.tp_comm < sync.tp_comm and asy.compute == sync.compute

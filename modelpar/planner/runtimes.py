@@ -189,3 +189,45 @@ def attention_core_seconds(profile: ModelProfile, hw, *, micro_batch: int, tp: i
     elems = a * s * s * b / tp
     f, byt = core_products(profile, micro_batch=micro_batch, tp=tp)["fwd"]
     return max(f / flops_s, byt / mem_s) + (9 if dropout else 4) * elems / mem_s
+
+
+def tp_backward_overlap_delta(profile: ModelProfile, hw, *, micro_batch: int, tp: int, sequence_parallel: bool,
+                              layers: float, all_reduce_s: float) -> float:
+    """Seconds per micro-batch that Megatron-LM's asynchronous tensor-parallel backward changes on a
+    rank of ``layers`` transformer layers, against the step model's exposed backward collectives
+    (two all-reduces of the block output per layer, ``all_reduce_s`` each, for ``micro_batch``
+    samples; `cost.rank_step`'s ``t_tp``). Negative: less is exposed.
+
+    Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication`` (read in the copy of its
+    tensor-parallel layers that NVIDIA ships as apex ``transformer/tensor_parallel/layers.py``) runs
+    the backward of each column-parallel linear (per layer: the QKV projection and the first MLP
+    matmul) as follows. Without sequence parallelism the all-reduce of the input gradient is issued
+    asynchronously and overlaps that linear's weight-gradient GEMM (``async_grad_allreduce``; the
+    row-parallel linears have no backward collective). With sequence parallelism the layer input is
+    all-gathered again (asynchronously, overlapping the input-gradient GEMM) and the input gradient
+    is reduce-scattered (asynchronously, overlapping the weight-gradient GEMM); the row-parallel
+    linears' backward all-gathers their output gradient before any GEMM (exposed). A collective of c
+    seconds beside a GEMM of w seconds exposes max(0, c - w), and the GEMM loses NCCL's share of the
+    SMs for min(c, w) (`gpu.GpuPhysics.nccl_sm_share`). The GEMMs: 2 b s h n / t FLOPs (n = 3 h for
+    QKV, the FFN width for the MLP) at the achievable GEMM rate; all-gather and reduce-scatter of
+    the block output are each half an all-reduce (Thakur et al. 2005: all-reduce = reduce-scatter +
+    all-gather). The embedding and output layer keep the model's terms."""
+    from modelpar.planner.gpu import physics_for
+    arch = profile.arch
+    s, h, b = profile.tokens_per_sample, arch["d_model"], micro_batch
+    ffn = arch.get("ffn", 4 * h)
+    flops_s, _ = _rates(hw)
+    phys = physics_for(hw)
+    share = phys.nccl_sm_share if phys else 0.0
+    gemms = [2 * b * s * h * n / tp / flops_s for n in (3 * h, ffn)]   # weight- (= input-) gradient GEMMs
+
+    def beside(c: float, w: float) -> float:
+        return max(0.0, c - w) + share * min(c, w)
+
+    ar = all_reduce_s
+    if sequence_parallel:
+        half = ar / 2
+        new = 2 * half + sum(beside(half, w) + beside(half, w) for w in gemms)
+    else:
+        new = sum(beside(ar, w) for w in gemms)
+    return layers * (new - 2 * ar)
