@@ -39,11 +39,12 @@ def test_fast_published_rows_fit_and_stay_within_reached_errors(bench):
     assert one["largest"] <= 0.21, one["errors"]        # 20.2% (SC'21 1.7B; 27.5% before the core roofline)
     # one leave-one-out factor per framework (fitted on the other rows of the subset)
     assert loo["median"] <= 0.05 and loo["largest"] <= 0.15, loo["errors"]
-    # Korthikanti 22B: factor 1 mean 9.6% here (12.4% before the unfused core's per-kernel roofline,
-    # 15.7% before session 6's optimizer and recompute terms); its leave-one-out factor in this 3-row
-    # Megatron subset is set mostly by the 1.7B row (4.5% here, 6.1% before)
-    assert one["mean_by_source"]["korthikanti"] <= 0.10
-    assert loo["mean_by_source"]["korthikanti"] <= 0.05
+    # Korthikanti 22B: factor 1 mean 13.9% here (9.6% with the unfused core's per-kernel roofline
+    # alone, 12.4% before it; Megatron's asynchronous TP backward hides ~5% of the 22B step, so
+    # factor 1 moved away); its leave-one-out factor in this 3-row Megatron subset is set mostly by
+    # the 1.7B row (2.7% here; 4.5% and 6.1% before the two terms)
+    assert one["mean_by_source"]["korthikanti"] <= 0.14
+    assert loo["mean_by_source"]["korthikanti"] <= 0.03
 
 
 def test_leave_one_out_factor_excludes_the_row(bench):
