@@ -176,7 +176,8 @@ def step_form(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, optimi
     form at every candidate of a layout."""
     f = StepForm()
     f.loads, f.hw, f.tp_bytes, f.dp_overlap, f.reduce_bytes = loads, hw, tp_bytes, dp_overlap, reduce_bytes
-    f.attention_kernel, f.p2p_scatter_gather, f.fsdp_stream_copies = attention_kernel, p2p_scatter_gather, fsdp_stream_copies
+    f.attention_kernel, f.p2p_scatter_gather = attention_kernel, p2p_scatter_gather
+    f.fsdp_stream_copies = fsdp_stream_copies
     f.cache = cache = (cache or PlannerCache()).bind(hw=hw)
     f.prec = prec = plan.precision
     f.flops_s = hw.achievable_flops(prec)
@@ -256,7 +257,8 @@ class StepForm:
         ar_tp = (_coll(plan, "tp", hw, "all_reduce", tp_bytes * b, plan.tp, not hw.comm_overlap, cache)
                  if plan.tp > 1 else 0.0)
         # DTensor's cost per sharded Linear (forward + backward): fixed + per byte of its input activation
-        tp_linear = (cal.tp_linear_overhead_s + cal.tp_linear_overhead_s_per_byte * tp_bytes * b) if plan.tp > 1 else 0.0
+        tp_linear = ((cal.tp_linear_overhead_s + cal.tp_linear_overhead_s_per_byte * tp_bytes * b)
+                     if plan.tp > 1 else 0.0)
         load_times = cache.load_times
         times = []
         for ld in self.loads:

@@ -214,11 +214,13 @@ def _backward_moments(recs: tuple, own: bool = False, cache: PlannerCache | None
         sv, _, peaks, pk, root, gin_in = recs[k]
         kept: list[tuple] = []
         for ex, gi, gs, gq in peaks:
-            if any(a - (ex + gi) >= 4 * (gs + gq - g) for a, g in kept):
-                continue
-            kept.append((ex + gi, gs + gq))
-            bwd.append((cum[k + 1] + ex + gi, cum_ac[k + (0 if own else 1)] + sv + ex + gi, done_u[k], done_r[k], gs,
-                        0.0 if root else pk, prev_u[k], next_u[k], upto[k], gq))
+            for a, g in kept:       # an earlier peak beats this one (a loop: no generator per peak)
+                if a - (ex + gi) >= 4 * (gs + gq - g):
+                    break
+            else:
+                kept.append((ex + gi, gs + gq))
+                bwd.append((cum[k + 1] + ex + gi, cum_ac[k + (0 if own else 1)] + sv + ex + gi, done_u[k], done_r[k],
+                            gs, 0.0 if root else pk, prev_u[k], next_u[k], upto[k], gq))
         if not root:
             rs.append((cum[k] + gin_in, cum_ac[k] + gin_in, done_u[k], done_r[k], pk, prev_u[k],
                        upto[k] - pk))

@@ -176,7 +176,11 @@ def _projections(bwd_moments: tuple, rs_moments: tuple, mode: tuple) -> tuple:
     if any(x[2] for x in cands):
         keep: list[tuple] = []
         for x in cands:         # by decreasing A: a candidate bounding x in all three comes first
-            if not any(y[1] >= x[1] and y[2] >= x[2] for y in keep):
+            k1, g1 = x[1], x[2]
+            for y in keep:      # (a loop: no generator per candidate)
+                if y[1] >= k1 and y[2] >= g1:
+                    break
+            else:
                 keep.append(x)
         return tuple(keep)
     # max over points of A b + K for b >= 1: the upper hull, from the largest A down to the vertex
