@@ -267,6 +267,9 @@ def test_a_later_stage_holds_only_its_own_parameters(name):
     parts = get_model_parts(m, example_input=x)
     first, last = pipeline.build_stage_modules(parts, [(0, 2), (2, 4)], [0, 1])
     embed = m.hf.get_input_embeddings().weight
+    full = list(m.state_dict())
+    keys = [list(st.state_dict()) for st in (first, last)]
+    assert sorted(keys[0] + keys[1]) == sorted(full)       # what a checkpoint saves: none missing, none twice
     del m, parts
     gc.collect()
     for st in (first, last):
