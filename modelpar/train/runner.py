@@ -111,7 +111,7 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
         if cfg.meta_init:           # built on meta: this rank's shards get memory and values now
             from modelpar.train.materialise import materialise
 
-            materialise(pm.modules, cfg, device)
+            materialise(pm.modules, cfg, device, ties=pm.ties)
         note = dropout_note(pm.modules, plan, cfg.dropout)
         if note:
             say(note)
