@@ -35,6 +35,11 @@ GROUPS = {
     "TP Linear overhead": ((), ("tp_linear_overhead_s", "tp_linear_overhead_s_per_byte")),
     "FSDP unit/tensor overhead": ((), ("fsdp_unit_overhead_s", "fsdp_tensor_overhead_s")),
     "collectives": (("intra_bw", "intra_latency", "inter_bw", "inter_latency"), ("collectives",)),
+    # parts of the collective tables (`swap`): calls between compute segments up to 1 MiB (the pooled
+    # wait), above 1 MiB, and the back-to-back tables with their alpha-beta fits
+    "collectives in context <= 1 MiB": ((), ("collectives",)),
+    "collectives in context > 1 MiB": ((), ("collectives",)),
+    "collectives back to back": (("intra_bw", "intra_latency", "inter_bw", "inter_latency"), ("collectives",)),
     "zero-bubble factor": ((), ("zero_bubble_backward_factor",)),
 }
 
@@ -58,9 +63,28 @@ def scalar_terms(hw) -> dict[str, float]:
     return out
 
 
+def _mix_tables(ref, other, group: str) -> dict:
+    """``ref``'s collective tables with the part ``group`` names taken from ``other``."""
+    from modelpar.planner.calibration import CollectiveTable
+    out = {}
+    for op, t in ref.collectives.items():
+        o = other.collectives.get(op, t)
+        ctx = dict(t.in_context)
+        if group.startswith("collectives in context"):
+            small = group.endswith("<= 1 MiB")
+            ctx.update({b: s for b, s in o.in_context.items() if (b <= 2 ** 20) == small})
+            out[op] = CollectiveTable(t.latency_s, t.bandwidth, dict(t.seconds), ctx)
+        else:
+            out[op] = CollectiveTable(o.latency_s, o.bandwidth, dict(o.seconds), ctx)
+    return out
+
+
 def swap(ref, other, group: str):
     """``ref`` with the terms of ``group`` taken from ``other``."""
     top, cal = GROUPS[group]
+    if group.startswith("collectives "):
+        c = dataclasses.replace(ref.calibration, collectives=_mix_tables(ref.calibration, other.calibration, group))
+        return dataclasses.replace(ref, calibration=c, **{k: getattr(other, k) for k in top})
     c = dataclasses.replace(ref.calibration, **{k: getattr(other.calibration, k) for k in cal
                                                  if hasattr(ref.calibration, k)})
     return dataclasses.replace(ref, calibration=c, **{k: getattr(other, k) for k in top})
