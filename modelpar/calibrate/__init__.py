@@ -82,6 +82,8 @@ def calibrate(out: str | os.PathLike | None = None, ranks: int = 2, *, collectiv
     share = min(1.0, (os.cpu_count() or 1) / ranks)
     if share < 1.0:
         c["matmul_flops"] = {n: f * share for n, f in c["matmul_flops"].items()}
+        c["matmul_shapes"] = {lay: {k: f * share for k, f in g.items()}
+                              for lay, g in c.get("matmul_shapes", {}).items()}
         for k in ("matmul_peak", "attention_flops", "elementwise_bw"):
             c[k] *= share
         c["op_overhead_s"] /= share
@@ -92,7 +94,8 @@ def calibrate(out: str | os.PathLike | None = None, ranks: int = 2, *, collectiv
     cal = dict(matmul_flops=dict(c["matmul_flops"]), attention_flops=c["attention_flops"],
                elementwise_bw=c["elementwise_bw"], core_share=share,
                zero_bubble_backward_factor=c["zero_bubble_backward_factor"],
-               rounds=int(c.get("rounds", 1)), spread=dict(c.get("spread", {})))
+               rounds=int(c.get("rounds", 1)), spread=dict(c.get("spread", {})),
+               matmul_shapes={lay: dict(g) for lay, g in c.get("matmul_shapes", {}).items()})
     coll = {}
     if collectives and ranks > 1:
         coll = measure_collectives(ranks)
@@ -154,6 +157,11 @@ def summary_lines(hw: Hardware, times: dict[str, dict[int, float]] | None = None
            f"  matmul peak (same operands repeated){'':<2}{hw.peak_flops['fp32'] / 1e9:>9.1f} GFLOP/s{_sp(cal, 'matmul_peak')}"]
     for n, f in sorted(cal.matmul_flops.items()):
         out.append(f"  matmul {n:>5}^3 (a Linear's 3 products){'':<0}{f / 1e9:>9.1f} GFLOP/s{_sp(cal, f'matmul_flops[{n}]')}")
+    for lay, g in sorted(cal.matmul_shapes.items()):
+        lo, hi = min(g, key=g.get), max(g, key=g.get)
+        out.append(f"  matmul shapes {lay} ({len(g)} M x K x N){'':<11}{g[lo] / 1e9:>5.1f}-{g[hi] / 1e9:.1f} GFLOP/s"
+                   f"{_sp(cal, f'matmul_shapes[{lay}]')}  (slowest {'x'.join(map(str, lo))}, fastest "
+                   f"{'x'.join(map(str, hi))})")
     out += [f"  attention (causal, fused, counted){'':<4}{cal.attention_flops / 1e9:>9.1f} GFLOP/s{_sp(cal, 'attention_flops')}",
             f"  element-wise operators (counted){'':<6}{(cal.elementwise_bw or 0) / 1e9:>9.1f} GB/s   {_sp(cal, 'elementwise_bw')}",
             f"  per-op overhead{'':<23}{hw.op_overhead_s * 1e6:>9.1f} us     {_sp(cal, 'op_overhead_s')}",

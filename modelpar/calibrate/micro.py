@@ -51,7 +51,7 @@ def robust(values) -> tuple[float, float]:
 def measure_compute(sizes=MATMUL_SIZES, rounds: int = ROUNDS) -> dict:
     """Matmul FLOP/s of N x N x N fp32 products over ``sizes``: the peak (``matmul_peak``: the best
     rate of a product repeated on the same operands) and the curve the cost model interpolates
-    (`_linear_matmul_rate`); per-op overhead (a tiny add), copy bandwidth, element-wise and fused
+    (`_linear_matmul_rate`); the shape grid (``matmul_shapes``, `measure_shapes`); per-op overhead (a tiny add), copy bandwidth, element-wise and fused
     attention rates. Each term is measured once per round, the rounds alternating over all terms
     (a burst of load on a shared machine spoils one round of several terms rather than every
     measurement of one) and kept by `robust` (median over rounds); ``spread`` holds each term's
@@ -81,11 +81,13 @@ def measure_compute(sizes=MATMUL_SIZES, rounds: int = ROUNDS) -> dict:
         add("mem_bandwidth", 3 * a.numel() * 4 / _time(lambda: torch.add(a, b, out=c), 5))  # read 2 + write 1
     del a, b, c
     zb, zb_spread = measure_zero_bubble_backward(with_spread=True)
+    shapes, shape_spread = measure_shapes()
     kept = {k: robust(v) for k, v in per.items()}
     flops = {n: kept[f"matmul_flops[{n}]"][0] for n in sizes}
     spread = {k: s for k, (_, s) in kept.items()}
     spread["zero_bubble_backward_factor"] = zb_spread
-    return {"matmul_flops": flops, "matmul_peak": max(kept["matmul_peak"][0], *flops.values()),
+    spread.update(shape_spread)
+    return {"matmul_shapes": shapes, "matmul_flops": flops, "matmul_peak": max(kept["matmul_peak"][0], *flops.values()),
             "op_overhead_s": kept["op_overhead_s"][0], "mem_bandwidth": kept["mem_bandwidth"][0],
             "attention_flops": kept["attention_flops"][0], "fresh": fresh,
             "elementwise_bw": kept["elementwise_bw"][0], "zero_bubble_backward_factor": zb,
@@ -126,6 +128,53 @@ def _linear_matmul_rate(n: int, pool_bytes: int = 64 * 2 ** 20, passes: int = 3)
             ts.append(time.perf_counter() - t)
         total += statistics.median(ts) / sets
     return 3 * 2 * n ** 3 / total
+
+
+# the shape grid (`measure_shapes`): every M, K, N from these, in each layout a Linear runs
+SHAPE_DIMS = (64, 256, 1024)
+SHAPE_LAYOUTS = ("NT", "NN", "TN")
+
+
+def measure_shapes(dims=SHAPE_DIMS, layouts=SHAPE_LAYOUTS, pool_bytes: int = 32 * 2 ** 20,
+                   passes: int = 2) -> tuple[dict[str, dict[tuple[int, int, int], float]], dict[str, float]]:
+    """FLOP/s of fp32 ``M x K @ K x N`` products over the grid ``dims`` x ``dims`` x ``dims`` in each
+    layout (``"NT"``: ``x @ W.T``, a Linear's forward; ``"NN"``: ``dy @ W``, its input gradient;
+    ``"TN"``: ``dy.T @ x``, its weight gradient), with operands from memory as in
+    `_linear_matmul_rate` (each call takes the next of as many operand sets as fill ``pool_bytes``).
+    Per shape the median of ``passes`` passes after a warm-up. Thin products (one small dimension)
+    run well below the square curve at equal FLOPs (36-65 GFLOP/s vs 67-72 for (2048 x 688) x
+    (688 x 256) on this host kind, issue 12's finding), which a FLOPs-only curve cannot see.
+    Returns ({layout: {(M, K, N): FLOP/s}}, {"matmul_shapes[<layout>]": the largest relative spread
+    over the passes of any shape of that layout})."""
+    import statistics
+    rates: dict[str, dict[tuple[int, int, int], float]] = {}
+    spread: dict[str, float] = {}
+    for lay in layouts:
+        rates[lay], worst = {}, 0.0
+        for m in dims:
+            for k in dims:
+                for n in dims:
+                    a_src = torch.randn(k, m).t() if lay[0] == "T" else torch.randn(m, k)
+                    b_src = torch.randn(n, k).t() if lay[1] == "T" else torch.randn(k, n)
+                    sets = max(2, pool_bytes // (4 * (m * k + k * n + m * n)))
+                    ops = [(a_src.clone() if lay[0] == "N" else a_src.t().clone().t(),
+                            b_src.clone() if lay[1] == "N" else b_src.t().clone().t(), torch.empty(m, n))
+                           for _ in range(sets)]
+
+                    def run():
+                        for a, b, o in ops:
+                            torch.mm(a, b, out=o)
+                    run()
+                    ts = []
+                    for _ in range(passes):
+                        t = time.perf_counter()
+                        run()
+                        ts.append((time.perf_counter() - t) / sets)
+                    med, sp = robust(ts)
+                    rates[lay][(m, k, n)] = 2.0 * m * k * n / med
+                    worst = max(worst, sp)
+        spread[f"matmul_shapes[{lay}]"] = worst
+    return rates, spread
 
 
 def measure_elementwise(tokens: int = 2048, width: int = 256, reps: int = 9) -> float:

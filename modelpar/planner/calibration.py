@@ -70,6 +70,10 @@ class Calibration:
             (forward + backward) and per input byte.
         fsdp_unit_overhead_s / fsdp_tensor_overhead_s: framework time per FSDP2 unit and per
             parameter tensor.
+        matmul_shapes: ``{layout: {(M, K, N): FLOP/s}}``: a grid of M x K x N fp32 products per
+            layout (``"NT"`` a Linear's forward, ``"NN"`` its input gradient, ``"TN"`` its weight
+            gradient) on operands from memory (`modelpar.calibrate.micro.measure_shapes`); empty
+            for files from before schema 3, where the square curve prices every product.
         rounds: rounds each term was measured in (the median kept; 1: a file from before
             schema 3, whose terms had no repeats at this level).
         spread: ``{term: relative spread}`` over those rounds, ``(max - min) / |median|``
@@ -94,6 +98,7 @@ class Calibration:
     tp_linear_overhead_s_per_byte: float = 0.0
     fsdp_unit_overhead_s: float = 0.0
     fsdp_tensor_overhead_s: float = 0.0
+    matmul_shapes: dict[str, dict[tuple[int, int, int], float]] = field(default_factory=dict)
     rounds: int = 1
     spread: dict[str, float] = field(default_factory=dict)
 
@@ -112,6 +117,8 @@ class Calibration:
         if d["fresh_alloc_min_bytes"] == float("inf"):
             d["fresh_alloc_min_bytes"] = None
         d["spread"] = {k: (v if math.isfinite(v) else None) for k, v in self.spread.items()}
+        d["matmul_shapes"] = {lay: {"x".join(map(str, mkn)): r for mkn, r in sorted(g.items())}
+                              for lay, g in self.matmul_shapes.items()}
         return d
 
     @classmethod
@@ -141,6 +148,8 @@ class Calibration:
             d["fresh_alloc_min_bytes"] = float("inf")
         d["spread"] = {str(k): (float("inf") if v is None else float(v)) for k, v in d.get("spread", {}).items()}
         d["rounds"] = int(d.get("rounds", 1))
+        d["matmul_shapes"] = {lay: {tuple(int(x) for x in k.split("x")): float(v) for k, v in g.items()}
+                              for lay, g in d.get("matmul_shapes", {}).items()}
         return cls(**d)
 
     @classmethod
