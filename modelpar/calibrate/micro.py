@@ -94,13 +94,14 @@ def measure_compute(sizes=MATMUL_SIZES, rounds: int = ROUNDS) -> dict:
             "spread": spread, "rounds": rounds}
 
 
-def _linear_matmul_rate(n: int, pool_bytes: int = 64 * 2 ** 20, passes: int = 3) -> float:
+def _linear_matmul_rate(n: int, pool_bytes: int = 64 * 2 ** 20, passes: int = 3, timer=time.perf_counter) -> float:
     """FLOP/s of the three products a Linear layer runs on ``n x n`` operands -- forward ``x @ W.T``,
     input gradient ``dy @ W``, weight gradient ``dy.T @ x`` -- with operands that are not in cache:
     each call takes the next of as many operand sets as fill ``pool_bytes`` (past the last-level
     cache), as in a training step, where a product's inputs were written by earlier operators long
     evicted. Harmonic mean over the three layouts (equal FLOPs each); the median of ``passes``
-    passes (one above n = 512, after a warm-up pass at or below it).
+    passes (one above n = 512, after a warm-up pass at or below it). ``timer``: the clock
+    (``time.thread_time`` for CPU-time replays on a shared machine, `benchmarks/step_time_ops.py`).
     1 thread, this machine: n=128 75, n=256 94, n=512 101, n=1024 106 GFLOP/s vs 101-108 for the
     same products repeated on the same operands."""
     import statistics
@@ -123,9 +124,9 @@ def _linear_matmul_rate(n: int, pool_bytes: int = 64 * 2 ** 20, passes: int = 3)
             run()
         ts = []
         for _ in range(1 if big else passes):
-            t = time.perf_counter()
+            t = timer()
             run()
-            ts.append(time.perf_counter() - t)
+            ts.append(timer() - t)
         total += statistics.median(ts) / sets
     return 3 * 2 * n ** 3 / total
 
@@ -136,7 +137,8 @@ SHAPE_LAYOUTS = ("NT", "NN", "TN")
 
 
 def measure_shapes(dims=SHAPE_DIMS, layouts=SHAPE_LAYOUTS, pool_bytes: int = 32 * 2 ** 20,
-                   passes: int = 2) -> tuple[dict[str, dict[tuple[int, int, int], float]], dict[str, float]]:
+                   passes: int = 2, timer=time.perf_counter) -> tuple[dict[str, dict[tuple[int, int, int], float]],
+                                                                      dict[str, float]]:
     """FLOP/s of fp32 ``M x K @ K x N`` products over the grid ``dims`` x ``dims`` x ``dims`` in each
     layout (``"NT"``: ``x @ W.T``, a Linear's forward; ``"NN"``: ``dy @ W``, its input gradient;
     ``"TN"``: ``dy.T @ x``, its weight gradient), with operands from memory as in
@@ -145,7 +147,7 @@ def measure_shapes(dims=SHAPE_DIMS, layouts=SHAPE_LAYOUTS, pool_bytes: int = 32 
     run well below the square curve at equal FLOPs (36-65 GFLOP/s vs 67-72 for (2048 x 688) x
     (688 x 256) on this host kind, issue 12's finding), which a FLOPs-only curve cannot see.
     Returns ({layout: {(M, K, N): FLOP/s}}, {"matmul_shapes[<layout>]": the largest relative spread
-    over the passes of any shape of that layout})."""
+    over the passes of any shape of that layout}). ``timer``: as in `_linear_matmul_rate`."""
     import statistics
     rates: dict[str, dict[tuple[int, int, int], float]] = {}
     spread: dict[str, float] = {}
@@ -167,9 +169,9 @@ def measure_shapes(dims=SHAPE_DIMS, layouts=SHAPE_LAYOUTS, pool_bytes: int = 32 
                     run()
                     ts = []
                     for _ in range(passes):
-                        t = time.perf_counter()
+                        t = timer()
                         run()
-                        ts.append((time.perf_counter() - t) / sets)
+                        ts.append((timer() - t) / sets)
                     med, sp = robust(ts)
                     rates[lay][(m, k, n)] = 2.0 * m * k * n / med
                     worst = max(worst, sp)

@@ -14,9 +14,10 @@ Sources:
 - Compute: matmul-class FLOPs / (peak x achievable GEMM fraction) + memory-bound bytes /
   (bandwidth x fraction) + ops x per-op overhead (a roofline split, Williams et al., CACM 2009).
   On CPU the achievable rate is calibrated: each 2-D product the profile recorded by shape and
-  layout (`BlockProfile.gemm_shapes`) at its M x K x N from the calibrated grid
-  (`Hardware.shape_flops`, log-space interpolation), the other matmul FLOPs at the square-product
-  curve (`Hardware.gemm_flops`) at their mean call; files without the grid, TP loads and GPUs
+  layout (`BlockProfile.gemm_shapes`) at the square-product curve's rate for its FLOPs
+  (`Hardware.gemm_flops`) times its shape's factor from the calibrated grid
+  (`Hardware.shape_factor`, log-space interpolation), the other matmul FLOPs at the curve at their
+  mean call; files without the grid, TP loads and GPUs
   price every matmul the old way.
 - Full recompute adds the blocks' forward per micro-batch (Chen et al. 2016; Korthikanti Sec. 5; a
   transformer's embedding, head and loss are not checkpointed, so they run once); every-k the
@@ -191,9 +192,10 @@ def _load_times(ld: RankLoad, hw: Hardware, b: int, prec: str, mem_s: float, ew_
 
 def _shape_seconds(ld: RankLoad, hw: Hardware, b: int, prec: str) -> tuple:
     """((fwd, bwd) seconds, (fwd, bwd) FLOPs, (fwd, bwd) calls) of the rank's 2-D products that the
-    calibrated shape grid prices (`Hardware.shape_flops`: each product's M x K x N at ``b``
-    samples, its batch dimension scaled, in its layout); zeros where the load has no shapes (TP)
-    or the calibration no grid (files before schema 3, GPU presets), so the curve prices it all."""
+    calibrated shape grid prices: each product's M x K x N at ``b`` samples (its batch dimension
+    scaled), at the square curve's rate for its FLOPs (`Hardware.gemm_flops`) times its shape and
+    layout's factor (`Hardware.shape_factor`); zeros where the load has no shapes (TP) or the
+    calibration no grid (files before schema 3, GPU presets), so the curve prices it all."""
     cal = hw.calibration
     if not ld.gemm_shapes or cal is None or not cal.matmul_shapes:
         return (0.0, 0.0), (0.0, 0.0), (0, 0)
@@ -201,11 +203,11 @@ def _shape_seconds(ld: RankLoad, hw: Hardware, b: int, prec: str) -> tuple:
     for (ph, lay, m, k, n, dim), c in ld.gemm_shapes:
         d = [m, k, n]
         d[dim] *= b
-        rate = hw.shape_flops(prec, lay, *d)
-        if rate is None:
+        factor = hw.shape_factor(lay, *d)
+        if factor is None:
             continue
         f = 2.0 * d[0] * d[1] * d[2] * c
-        sec[ph] += f / rate
+        sec[ph] += f / (hw.gemm_flops(prec, f / c) * factor)
         fl[ph] += f
         calls[ph] += c
     return tuple(sec), tuple(fl), tuple(calls)

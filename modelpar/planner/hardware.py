@@ -157,6 +157,22 @@ class Hardware:
         scale = self.peak_flops[precision] / self.peak_flops.get("fp32", self.peak_flops[precision])
         return math.exp(acc) * scale
 
+    def shape_factor(self, layout: str, m: float, k: float, n: float) -> float | None:
+        """How much faster (> 1) or slower (< 1) an ``m x k @ k x n`` product of ``layout`` runs than
+        square products of the same FLOPs, both from the calibrated grid (`shape_flops`): the
+        product's rate over the harmonic mean of the grid's three layouts at the equivalent square
+        size ``(m k n) ** (1/3)`` (the curve's own definition, `micro._linear_matmul_rate`). A ratio
+        of two rates measured the same way in the same run: what the grid's method and moment add to
+        its rates cancels, and the square curve keeps setting the level. None without a grid."""
+        r = self.shape_flops("fp32", layout, m, k, n)
+        if r is None:
+            return None
+        sq = (m * k * n) ** (1 / 3)
+        sq_rates = [self.shape_flops("fp32", lay, sq, sq, sq) for lay in ("NT", "NN", "TN")]
+        if any(x is None for x in sq_rates):
+            return None
+        return r * sum(1 / x for x in sq_rates) / len(sq_rates)     # r / harmonic mean
+
     def matmul_curve(self) -> list[tuple[int, float]]:
         """The calibrated ``(N, FLOP/s)`` points of N x N x N products, sorted by N ([] if none)."""
         return self.calibration.matmul_points if self.calibration is not None else []
