@@ -52,10 +52,14 @@ HF_ONLY_2 = {"tp_sp": dict(tp=2, sequence_parallel=True)}
 # GPT-2's wpe stayed allocated there: params -23.5% / -5.8% on the last stage). TP + SP at the
 # activation-dominated batch misses: activations predicted 13.4 / 18.6 MiB, measured 15.6 / 20.8
 # (hf-llama -13.9%, hf-gpt2 -11.0%). The model's SP saving over TP is 4.25 / 2.52 MiB, the measured
-# one 2.51 / 1.27 MiB (the 3.03 MiB of Temp at the peak are the same with and without SP). Not
-# verified: that the gap is the inputs the attention / MLP gather to full length and their
-# projections keep for backward (DTensor saves the gathered input; Korthikanti et al.'s 1/t
-# assumes Megatron's re-gather in backward).
+# one 2.51 / 1.27 MiB (the 3.03 MiB of Temp at the peak are the same with and without SP). The
+# tensors autograd saves in hf-llama's forward (a saved_tensors_hook, local batch 16 x 64 tokens,
+# deduplicated by storage): 13.06 MiB under TP, 10.55 under TP + SP, the measured 2.51 MiB saving.
+# Under SP, seven (b s, h) fp32 inputs of the projections stay full length (3.5 MiB, as under TP):
+# the colwise projections and the head keep the sequence all-gather's output for backward
+# (DTensor), where Korthikanti et al.'s 1/t counts assume Megatron's re-gather in backward. Five of
+# them are such gathered inputs (attention and MLP input per block, the head's): 5 x 0.25 MiB =
+# 1.25 of the 1.74 MiB SP-only gap (the TP row is 0.43 MiB under); 0.5 MiB is not accounted for.
 HF_STRATEGIES_2 = ("ddp", "fsdp", "tp", "tp_sp", "pp_gpipe", "pp_1f1b")
 PARTS = ("params", "grads", "optimizer", "activations", "total")
 
