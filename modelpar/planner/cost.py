@@ -67,9 +67,9 @@ from modelpar.planner.hardware import Hardware
 from modelpar.planner.memo import PlannerCache
 from modelpar.planner.memory import Batch, RankLoad, rank_loads
 from modelpar.planner.profile import ModelProfile
-from modelpar.planner.recompute import recompute_flops_per_sample, recompute_share
-# the result type and MFU / HFU live in step_estimate.py, re-exported here
-from modelpar.planner.step_estimate import StepEstimate, hfu, mfu  # noqa: F401
+from modelpar.planner.recompute import recompute_share
+# the result type, MFU / HFU and the wrapping of step parts live in step_estimate.py, re-exported here
+from modelpar.planner.step_estimate import StepEstimate, _finish, hfu, mfu, tp_bytes_per_sample  # noqa: F401
 
 # bytes read + written per parameter by the optimizer step: torch's fused AdamW (modelpar's default,
 # `modelpar.train.step.adamw`, on GPUs and CPUs) reads param, grad and both moments and writes param and
@@ -485,24 +485,3 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
                       autocast_weights=autocast_weights, fsdp_stream_copies=fsdp_stream_copies,
                       master_weights=master_weights, cache=cache)
     return _finish(parts, profile, plan, batch.global_batch_size, cache=cache)
-
-
-def tp_bytes_per_sample(profile: ModelProfile, plan: ParallelPlan) -> float:
-    """Bytes of one TP all-reduce per sample: a middle block's output at the plan's precision."""
-    mid = profile.blocks[len(profile.blocks) // 2]
-    scale = (2 if plan.precision == "bf16" else 4) / (2 if profile.dtype == "bf16" else 4)
-    return mid.output_bytes * scale / profile.batch_size
-
-
-def _finish(parts: dict, profile: ModelProfile, plan: ParallelPlan, global_batch: int,
-            flops: tuple[float, float] | None = None, cache: PlannerCache | None = None) -> StepEstimate:
-    """Wrap step parts; ``flops`` = (forward, backward) FLOPs per sample, computed if None;
-    ``cache``: memo tables of ``profile`` (`memo.PlannerCache`)."""
-    if flops is None:
-        flops = (profile.fwd_flops_per_sample, profile.train_flops_per_sample - profile.fwd_flops_per_sample)
-    fwd, bwd = flops
-    model = global_batch * (fwd + bwd)
-    hw_flops = model + global_batch * recompute_flops_per_sample(profile, plan, cache)
-    return StepEstimate(**parts, model_flops=model, hardware_flops=hw_flops,
-                        num_devices=plan.world_size, samples=global_batch,
-                        tokens_per_sample=profile.tokens_per_sample)

@@ -1,12 +1,17 @@
 """The step-time model's result: `StepEstimate` (seconds of one optimizer step by part, FLOPs) and
 MFU / HFU (Chowdhery et al., "PaLM" (2022), App. B: model FLOPs count each forward once, hardware
-FLOPs include the recomputed forward). Split out of `cost.py` unchanged; `cost` re-exports them."""
+FLOPs include the recomputed forward); `_finish` wraps `cost.rank_step`'s parts into one, and
+`tp_bytes_per_sample` sizes TP's all-reduces. Split out of `cost.py` unchanged; `cost` re-exports them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from modelpar.plan import ParallelPlan
 from modelpar.planner.hardware import Hardware
+from modelpar.planner.memo import PlannerCache
+from modelpar.planner.profile import ModelProfile
+from modelpar.planner.recompute import recompute_flops_per_sample
 
 
 @dataclass(slots=True)
@@ -69,3 +74,24 @@ def mfu(step: StepEstimate, hw: Hardware, precision: str) -> float:
 def hfu(step: StepEstimate, hw: Hardware, precision: str) -> float:
     """Hardware FLOPs utilization: as `mfu` but counting the recomputed forward."""
     return step.hardware_flops / (step.total * step.num_devices * hw.peak_flops[precision])
+
+
+def tp_bytes_per_sample(profile: ModelProfile, plan: ParallelPlan) -> float:
+    """Bytes of one TP all-reduce per sample: a middle block's output at the plan's precision."""
+    mid = profile.blocks[len(profile.blocks) // 2]
+    scale = (2 if plan.precision == "bf16" else 4) / (2 if profile.dtype == "bf16" else 4)
+    return mid.output_bytes * scale / profile.batch_size
+
+
+def _finish(parts: dict, profile: ModelProfile, plan: ParallelPlan, global_batch: int,
+            flops: tuple[float, float] | None = None, cache: PlannerCache | None = None) -> StepEstimate:
+    """Wrap step parts; ``flops`` = (forward, backward) FLOPs per sample, computed if None;
+    ``cache``: memo tables of ``profile`` (`memo.PlannerCache`)."""
+    if flops is None:
+        flops = (profile.fwd_flops_per_sample, profile.train_flops_per_sample - profile.fwd_flops_per_sample)
+    fwd, bwd = flops
+    model = global_batch * (fwd + bwd)
+    hw_flops = model + global_batch * recompute_flops_per_sample(profile, plan, cache)
+    return StepEstimate(**parts, model_flops=model, hardware_flops=hw_flops,
+                        num_devices=plan.world_size, samples=global_batch,
+                        tokens_per_sample=profile.tokens_per_sample)
