@@ -3,6 +3,8 @@
 Needs only torch and modelpar's library modules (models, plan, parallel, planner; not the CLI's
 dependencies: no jsonargparse, yaml, tqdm, numpy, transformers). On a machine with a CUDA GPU it:
 
+0. checks that every torch API modelpar uses exists in this torch (`modelpar.bench.gpu.TORCH_APIS`:
+   FSDP2, replicate, DTensor / TP, pipelining schedules, DCP, MemTracker, ...), and lists any missing;
 1. trains, for GPTs of about 125M, 1B and 3B parameters (`modelpar.bench.gpu.SWEEP_MODELS`: 124M,
    1.02B, 2.91B), in bf16 (autocast, fp32 master weights, fused-attention SDPA, fused AdamW), with
    and without full activation checkpointing, at two sequence lengths (1,024 and 4,096; the
@@ -41,7 +43,8 @@ from pathlib import Path
 import torch
 
 from modelpar.bench.gpu import (DENSE_BF16_PEAK, GOAL_MFU, SWEEP_MODELS, SWEEP_SEQS, TINY_MODELS, TINY_SEQS,
-                                hardware_for_device, placement_check, run_sweep, sweep_rows, sweep_table)
+                                TORCH_APIS, audit_torch_apis, hardware_for_device, placement_check, run_sweep,
+                                sweep_rows, sweep_table)
 
 
 def _ints(s: str) -> tuple[int, ...]:
@@ -94,13 +97,20 @@ def main(argv: list[str]) -> int:
         hw = hardware_for_device("NVIDIA H200")             # the prediction path only; numbers mean nothing
         where = "CPU (dry run: the planner's numbers are an H200's, the measured ones this CPU's)"
     print(f"gpu_check: torch {torch.__version__} on {where}; planner profile {hw.name}", flush=True)
+    missing = audit_torch_apis()
+    print(f"torch API audit: {len(TORCH_APIS) - len(missing)} of {len(TORCH_APIS)} APIs modelpar uses are present"
+          + "".join(f"\n  MISSING {n}: {why}" for n, why in missing), flush=True)
     rows = sweep_rows(args.model_table, args.seqs, args.acs, args.tokens)
     print(f"sweep: {len(rows)} rows, {args.warmup} warm-up + {args.steps} timed steps each, "
           f"budget {args.budget_s:.0f} s", flush=True)
+    def save(partial: dict) -> None:           # after every row: a killed run still leaves its rows
+        (out / "gpu_check.json").write_text(json.dumps({**partial, "partial": True}, indent=1, default=str) + "\n")
+
     result = run_sweep(rows, "cuda:0" if args.device == "cuda" else "cpu", hw, budget_s=args.budget_s,
                        steps=args.steps, warmup=args.warmup, models=args.model_table,
-                       log=lambda s: print(s, flush=True))
+                       log=lambda s: print(s, flush=True), on_row=save)
     result["torch"], result["cuda"], result["where"] = torch.__version__, torch.version.cuda, where
+    result["torch_api_missing"] = missing
     table = sweep_table(result)
     print("\n" + table + "\n")
     for r in result["rows"]:

@@ -144,6 +144,13 @@ SWEEP_AC = ("none", "full")
 TINY_SEQS = (32, 64)
 
 
+def sweep_config(name: str, seq: int, *, models: dict | None = None):
+    """The `GPTConfig` of sweep row ``name`` with ``seq`` positions (builds nothing)."""
+    from modelpar.models.gpt import PRESETS, GPTConfig
+    base, over = (models or {**SWEEP_MODELS, **TINY_MODELS})[name]
+    return GPTConfig(**{**PRESETS[base].__dict__, **over, "seq_len": seq})
+
+
 def sweep_model(name: str, seq: int, device: str = "meta", *, models: dict | None = None, seed: int = 0):
     """The GPT of sweep row ``name`` with ``seq`` positions on ``device`` (weights initialised there)."""
     from modelpar.models import build_model
@@ -243,14 +250,16 @@ def sweep_rows(models: dict, seqs=SWEEP_SEQS, acs=SWEEP_AC, tokens: int = 16384)
 
 
 def run_sweep(rows, device: str, hw, *, budget_s: float = 300.0, steps: int = 4, warmup: int = 2,
-              models: dict | None = None, peak_flops: float = DENSE_BF16_PEAK, log=print) -> dict:
+              models: dict | None = None, peak_flops: float = DENSE_BF16_PEAK, log=print,
+              on_row=None) -> dict:
     """Measure and predict every row in ``rows`` within ``budget_s`` seconds of wall time.
 
     A row starts only if the time left covers its predicted cost (``warmup + steps`` predicted steps,
     x 3 for the first-step and build overheads the planner does not model, + 5 s); otherwise it is
     reported ``"skipped: over budget"``, and so are all later rows. A row that runs out of device
     memory is reported ``"oom"`` (its memory is freed, the sweep goes on); any other exception is
-    reported ``"error: ..."`` and the sweep goes on.
+    reported ``"error: ..."`` and the sweep goes on. ``on_row(result)`` is called after every row
+    (e.g. to save the partial result, in case the process is killed).
 
     Returns ``{"device", "hardware", "peak_flops", "budget_s", "elapsed_s", "over_budget", "rows": [...]}``;
     each row has the prediction (`predict_row`), the measurement (`measure_row`), and
@@ -275,6 +284,8 @@ def run_sweep(rows, device: str, hw, *, budget_s: float = 300.0, steps: int = 4,
             out["over_budget"] = True
             row["status"] = f"skipped: over budget ({left:.0f} s left, row needs ~{cost:.0f} s)"
             log(_row_line(row))
+            if on_row is not None:
+                on_row(out)
             continue
         failed = None
         try:
@@ -297,6 +308,9 @@ def run_sweep(rows, device: str, hw, *, budget_s: float = 300.0, steps: int = 4,
             if meas["peak_bytes"]:
                 row["memory_error"] = pred["peak_bytes"] / meas["peak_bytes"] - 1
         log(_row_line(row))
+        out["elapsed_s"] = time.monotonic() - start
+        if on_row is not None:
+            on_row(out)
     out["elapsed_s"] = time.monotonic() - start
     return out
 
@@ -336,3 +350,64 @@ def sweep_table(result: dict) -> str:
             f(p.get("peak_bytes", 0) / gib if p else None, ".2f"), f(r.get("memory_error"), "+.1%"),
             f(r.get("mfu"), ".1%"), f(r.get("mfu_predicted"), ".1%"), r["status"]]) + " |")
     return "\n".join(lines)
+
+
+# ---- torch API audit: every torch API the GPU check's paths use, by import path ----------------------
+# (module, attribute or None). The project requires torch >= 2.11 (pyproject.toml); the GPU machine
+# runs torch 2.11 while the development machine runs 2.13, so device_check.sh prints this first.
+TORCH_APIS: tuple[tuple[str, str | None], ...] = (
+    ("torch.distributed.fsdp", "fully_shard"), ("torch.distributed.fsdp", "FSDPModule"),
+    ("torch.distributed.fsdp", "MixedPrecisionPolicy"), ("torch.distributed.fsdp", "CPUOffloadPolicy"),
+    ("torch.distributed.fsdp", "OffloadPolicy"),
+    ("torch.distributed._composable.replicate_with_fsdp", "replicate"),
+    ("torch.distributed.device_mesh", "init_device_mesh"),
+    ("torch.distributed.tensor", "DTensor"), ("torch.distributed.tensor", "distribute_tensor"),
+    ("torch.distributed.tensor", "Shard"), ("torch.distributed.tensor", "Replicate"),
+    ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"),
+    ("torch.distributed.tensor.parallel", "parallelize_module"), ("torch.distributed.tensor.parallel", "loss_parallel"),
+    ("torch.distributed.tensor.parallel", "ColwiseParallel"), ("torch.distributed.tensor.parallel", "RowwiseParallel"),
+    ("torch.distributed.tensor.parallel", "PrepareModuleInput"),
+    ("torch.distributed.tensor.parallel", "PrepareModuleOutput"),
+    ("torch.distributed.pipelining", "PipelineStage"),
+    ("torch.distributed.pipelining.schedules", "ScheduleGPipe"), ("torch.distributed.pipelining.schedules", "Schedule1F1B"),
+    ("torch.distributed.pipelining.schedules", "ScheduleInterleaved1F1B"),
+    ("torch.distributed.pipelining.schedules", "ScheduleLoopedBFS"),
+    ("torch.distributed.pipelining.schedules", "ScheduleInterleavedZeroBubble"),
+    ("torch.distributed.pipelining.schedules", "ScheduleZBVZeroBubble"),
+    ("torch.distributed.pipelining.schedules", "ScheduleDualPipeV"),
+    ("torch.distributed.pipelining._backward", "stage_backward_input"),
+    ("torch.distributed.pipelining._backward", "stage_backward_weight"),
+    ("torch.distributed.checkpoint", "save"), ("torch.distributed.checkpoint", "load"),
+    ("torch.distributed.checkpoint", "async_save"),
+    ("torch.distributed.checkpoint.state_dict", "get_state_dict"),
+    ("torch.distributed.checkpoint.state_dict", "set_state_dict"),
+    ("torch.distributed.checkpoint.state_dict", "get_model_state_dict"),
+    ("torch.distributed.checkpoint.state_dict", "set_model_state_dict"),
+    ("torch.distributed.checkpoint.state_dict", "StateDictOptions"),
+    ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+    ("torch.distributed._tools.mem_tracker", "MemTracker"),
+    ("torch.nn.parallel", "DistributedDataParallel"),
+    ("torch.utils.checkpoint", "checkpoint"),
+    ("torch.utils.flop_counter", "FlopCounterMode"), ("torch.utils.flop_counter", "sdpa_flop_count"),
+    ("torch.utils.module_tracker", "ModuleTracker"),
+    ("torch._subclasses.fake_tensor", "FakeTensorMode"),
+    ("torch.utils._triton", "has_triton"),
+    ("torch", "OutOfMemoryError"),
+)
+
+
+def audit_torch_apis(apis=TORCH_APIS) -> list[tuple[str, str]]:
+    """The entries of ``apis`` this torch lacks: ``[(module.attr, why), ...]`` (empty: all present).
+    Imports each module; nothing is called."""
+    import importlib
+    missing = []
+    for mod, attr in apis:
+        name = f"{mod}.{attr}" if attr else mod
+        try:
+            m = importlib.import_module(mod)
+        except Exception as e:       # noqa: BLE001 -- any import failure is a finding
+            missing.append((name, f"import {mod} failed: {type(e).__name__}: {e}"))
+            continue
+        if attr and not hasattr(m, attr):
+            missing.append((name, f"{mod} has no {attr}"))
+    return missing
