@@ -13,7 +13,7 @@
 # Then a summary of every stage's exit status (also in $OUT/summary.txt). Exit status: 0 when every
 # stage passed, else 1. Without CUDA it says so after stage 1 and exits 0.
 #
-# Time (worst case, every stage running to its timeout): 30 + 150 + 300 s = 8 minutes. Override with
+# Time (worst case, every stage running to its timeout): 45 + 180 + 255 s = 8 minutes. Override with
 # TESTS_TIMEOUT_S, SWEEP_TIMEOUT_S, SWEEP_BUDGET_S (the sweep stops starting rows after it: keep it
 # ~60 s under SWEEP_TIMEOUT_S, which covers the placement check and the JSON).
 # DEVICE_CHECK_DRY_RUN=1 runs stages 2 and 3 on the CPU (tests with gloo, a tiny sweep): a check of the
@@ -28,9 +28,9 @@ PY=${PYTHON:-python3}
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export MODELPAR_AUTO_CALIBRATE=0
-TESTS_TIMEOUT_S=${TESTS_TIMEOUT_S:-150}
-SWEEP_TIMEOUT_S=${SWEEP_TIMEOUT_S:-300}
-SWEEP_BUDGET_S=${SWEEP_BUDGET_S:-240}
+TESTS_TIMEOUT_S=${TESTS_TIMEOUT_S:-180}
+SWEEP_TIMEOUT_S=${SWEEP_TIMEOUT_S:-255}
+SWEEP_BUDGET_S=${SWEEP_BUDGET_S:-195}
 DRY=${DEVICE_CHECK_DRY_RUN:-0}
 
 declare -a NAMES=() CODES=() SECS=()
@@ -77,15 +77,22 @@ import importlib.util, platform, sys
 import torch
 print("python", platform.python_version(), sys.executable)
 print("torch", torch.__version__, "| CUDA build", torch.version.cuda, "| available", torch.cuda.is_available())
+def show(label, f):
+    try:
+        print(label, f())
+    except Exception as e:
+        print(label, "could not be read:", type(e).__name__, e)
 if torch.cuda.is_available():
-    p = torch.cuda.get_device_properties(0)
-    print("device 0:", torch.cuda.get_device_name(0), f"| {p.total_memory / 2**30:.1f} GiB | sm {p.major}.{p.minor}"
-          f" | {p.multi_processor_count} SMs | count {torch.cuda.device_count()}")
-    import torch.distributed as dist
-    print("nccl", ".".join(map(str, torch.cuda.nccl.version())), "| nccl backend", dist.is_nccl_available())
-    print("bf16 supported", torch.cuda.is_bf16_supported())
-from torch.utils._triton import has_triton
-print("triton", has_triton())
+    show("device 0:", lambda: torch.cuda.get_device_name(0))
+    show("properties:", lambda: torch.cuda.get_device_properties(0))
+    show("device count:", torch.cuda.device_count)
+    show("nccl version:", torch.cuda.nccl.version)
+    show("nccl backend available:", lambda: torch.distributed.is_nccl_available())
+    show("bf16 supported:", torch.cuda.is_bf16_supported)
+def triton():
+    from torch.utils._triton import has_triton
+    return has_triton()
+show("triton usable:", triton)
 for m in ("pytest", "numpy", "yaml", "jsonargparse", "tqdm", "safetensors", "transformers", "rich"):
     print("  " + m + ":", "yes" if importlib.util.find_spec(m) else "no")
 try:
@@ -98,12 +105,12 @@ except Exception as e:
     print("modelpar.bench.gpu does not import:", type(e).__name__, e)
     raise
 '
-run_stage env 30 "$OUT/env.txt" "$PY" -c "$ENV_PY"
+run_stage env 45 "$OUT/env.txt" "$PY" -c "$ENV_PY"
 if command -v nvidia-smi >/dev/null 2>&1; then
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv 2>&1 | tee -a "$OUT/env.txt"
 fi
-if [ "${CODES[0]}" -ne 0 ]; then
-    echo "device_check: python / torch could not start (exit ${CODES[0]}); nothing else can run."
+if ! "$PY" -c 'import torch' >/dev/null 2>&1; then
+    echo "device_check: '$PY -c \"import torch\"' fails; nothing else can run." | tee -a "$OUT/env.txt"
     summary
     exit 1
 fi
@@ -132,7 +139,7 @@ fi
 
 # 3. the sweep (writes gpu_check.json after every row, and gpu_check.md at the end)
 run_stage sweep "$SWEEP_TIMEOUT_S" "$OUT/gpu_check.log" \
-    "$PY" benchmarks/gpu_check.py --out "$OUT" --budget-s "$SWEEP_BUDGET_S" "${SWEEP_ARGS[@]}"
+    "$PY" benchmarks/gpu_check.py --out "$OUT" --budget-s "$SWEEP_BUDGET_S" ${SWEEP_ARGS[@]+"${SWEEP_ARGS[@]}"}
 
 summary
 exit $?

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from modelpar.bench.gpu import (DENSE_BF16_PEAK, GOAL_MFU, SWEEP_MODELS, SWEEP_SEQS, TINY_MODELS, TINY_SEQS,
-                                TORCH_APIS, audit_torch_apis, hardware_for_device, placement_check, run_sweep,
+                                TORCH_APIS, audit_torch_apis, hardware_for_device, matmul_flops, placement_check, run_sweep,
                                 sweep_rows, sweep_table)
 
 
@@ -100,17 +100,23 @@ def main(argv: list[str]) -> int:
     missing = audit_torch_apis()
     print(f"torch API audit: {len(TORCH_APIS) - len(missing)} of {len(TORCH_APIS)} APIs modelpar uses are present"
           + "".join(f"\n  MISSING {n}: {why}" for n, why in missing), flush=True)
+    dev = "cuda:0" if args.device == "cuda" else "cpu"
+    mm = matmul_flops(dev, n=8192 if args.device == "cuda" else 256)
+    print(f"bf16 matmul {'8192' if args.device == 'cuda' else '256'}^3: {mm / 1e12:.1f} TFLOP/s achieved "
+          f"({mm / DENSE_BF16_PEAK:.0%} of the {DENSE_BF16_PEAK / 1e12:.0f} TFLOP/s datasheet peak MFU is taken against)",
+          flush=True)
     rows = sweep_rows(args.model_table, args.seqs, args.acs, args.tokens)
     print(f"sweep: {len(rows)} rows, {args.warmup} warm-up + {args.steps} timed steps each, "
           f"budget {args.budget_s:.0f} s", flush=True)
     def save(partial: dict) -> None:           # after every row: a killed run still leaves its rows
         (out / "gpu_check.json").write_text(json.dumps({**partial, "partial": True}, indent=1, default=str) + "\n")
 
-    result = run_sweep(rows, "cuda:0" if args.device == "cuda" else "cpu", hw, budget_s=args.budget_s,
+    result = run_sweep(rows, dev, hw, budget_s=args.budget_s,
                        steps=args.steps, warmup=args.warmup, models=args.model_table,
                        log=lambda s: print(s, flush=True), on_row=save)
     result["torch"], result["cuda"], result["where"] = torch.__version__, torch.version.cuda, where
     result["torch_api_missing"] = missing
+    result["matmul_flops"] = mm
     table = sweep_table(result)
     print("\n" + table + "\n")
     for r in result["rows"]:

@@ -158,6 +158,9 @@ def sweep_model(name: str, seq: int, device: str = "meta", *, models: dict | Non
     return build_model(base, device=device, seed=None if device == "meta" else seed, **{**over, "seq_len": seq})
 
 
+_PROFILES: dict = {}
+
+
 def predict_row(name: str, seq: int, micro_batch: int, ac: str, hw, *, models: dict | None = None) -> dict:
     """The planner's one-device bf16 prediction of one sweep row (fused AdamW, fused attention):
     step seconds by part, peak bytes by part, model FLOPs per step and the parameter count."""
@@ -165,9 +168,12 @@ def predict_row(name: str, seq: int, micro_batch: int, ac: str, hw, *, models: d
     from modelpar.planner.cost import estimate_step
     from modelpar.planner.memory import Batch, estimate_memory
     from modelpar.planner.profile import profile_model
-    m = sweep_model(name, seq, "meta", models=models)
-    prof = profile_model(m, torch.zeros(1, seq, dtype=torch.long, device="meta"), dtype=torch.bfloat16,
-                         attention="flash")
+    key = (name, seq, repr((models or {**SWEEP_MODELS, **TINY_MODELS})[name]))
+    prof = _PROFILES.get(key)
+    if prof is None:             # the profile does not depend on the checkpointing mode: once per shape
+        m = sweep_model(name, seq, "meta", models=models)
+        prof = _PROFILES[key] = profile_model(m, torch.zeros(1, seq, dtype=torch.long, device="meta"),
+                                              dtype=torch.bfloat16, attention="flash")
     plan = ParallelPlan(precision="bf16", activation_checkpointing=ac)
     batch = Batch(micro_batch, micro_batch)
     mem = estimate_memory(prof, plan, batch, optimizer="adamw")
@@ -175,6 +181,23 @@ def predict_row(name: str, seq: int, micro_batch: int, ac: str, hw, *, models: d
     return {"params": prof.num_params, "model_flops": step.model_flops, "hardware_flops": step.hardware_flops,
             "step_s": step.total, "step_parts_s": step.parts(), "peak_bytes": mem.total,
             "memory_parts_bytes": mem.parts(), "memory_phase": mem.phase}
+
+
+def matmul_flops(device: str = "cuda:0", n: int = 8192, reps: int = 10, dtype=torch.bfloat16) -> float:
+    """Achieved FLOP/s of an ``n`` x ``n`` x ``n`` matmul on ``device`` (random data, 3 warm-ups, mean of
+    ``reps``): the ceiling a training step can reach there, beside the datasheet peak."""
+    dev = torch.device(device)
+    a, b = (torch.randn(n, n, device=dev, dtype=dtype) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return 2 * n ** 3 * reps / (time.perf_counter() - t)
 
 
 def _oom_types() -> tuple[type, ...]:
