@@ -144,7 +144,7 @@ def sgd_losses(fwd, params, x, y, steps: int = 3, lr: float = 0.1) -> list[float
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        out.append(float(loss))
+        out.append(float(loss.detach()))
     return out
 
 
@@ -427,7 +427,7 @@ def _checkpoint_round_trip(tmp_path, fsdp: bool) -> None:
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            out.append(float(loss))
+            out.append(float(loss.detach()))
         return out
 
     with exact_fp32():
