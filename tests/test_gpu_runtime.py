@@ -22,7 +22,8 @@ fp32 comparisons turn TF32 off. Tolerances are stated where used.
 Without pytest (the GPU machine may lack it): ``PYTHONPATH=. python tests/test_gpu_runtime.py [-k SUBSTR]``
 runs the same functions with a small runner and prints ``N passed, N failed, N skipped``; exit status 1
 if any failed. ``--device cpu`` runs them on the CPU with gloo (a dry run of the test code itself;
-the CUDA-only assertions are skipped).
+the CUDA-only assertions are skipped); ``MODELPAR_GPU_TEST_DEVICE=cpu pytest tests/test_gpu_runtime.py``
+does the same under pytest.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import tempfile
 import time
 import traceback
 import uuid
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -60,7 +62,9 @@ def _skip(reason: str):
 
 
 def _mark(f):
-    if pytest is not None:
+    """``gpu``-marked, except in a CPU dry run under pytest (``MODELPAR_GPU_TEST_DEVICE=cpu pytest ...``:
+    the same tests on gloo, with the suite's guards on leaked process groups, threads and processes)."""
+    if pytest is not None and not os.environ.get(DEVICE_ENV, "cuda").startswith("cpu"):
         return pytest.mark.gpu(f)
     return f
 
@@ -75,13 +79,14 @@ def _cuda() -> bool:
 
 @contextlib.contextmanager
 def world1(tmp):
-    """A world-size-1 default process group (NCCL on CUDA, gloo on CPU) through a FileStore in ``tmp``."""
+    """A world-size-1 default process group (NCCL on CUDA, gloo on CPU) through a FileStore in ``tmp``;
+    collectives time out after 120 s (not NCCL's default 10 minutes), so a hang fails the test."""
     dev = _dev()
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
                             init_method=f"file://{os.path.join(str(tmp), 'pg-' + uuid.uuid4().hex)}",
-                            rank=0, world_size=1)
+                            rank=0, world_size=1, timeout=timedelta(seconds=120))
     try:
         yield
     finally:
