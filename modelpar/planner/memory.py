@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from modelpar.plan import ParallelPlan, runtime_layout
-from modelpar.planner.loads import RankLoad, rank_loads, stage_ranges  # noqa: F401  (re-exported)
+from modelpar.planner.loads import RankLoad, _adamw_temp, rank_loads, stage_ranges  # noqa: F401  (re-exported)
 from modelpar.planner.memo import PlannerCache
 from modelpar.planner.profile import ModelProfile
 
@@ -87,19 +87,6 @@ class MemoryEstimate:
 
 
 # ---- stages ----------------------------------------------------------------------------------
-
-
-def _adamw_temp(numels: list[tuple[float, bool]]) -> float:
-    """Largest transient of torch's single-tensor AdamW step, in elements: for each parameter j it
-    builds ``denom = exp_avg_sq.sqrt() / c`` (two temporaries of p_j's size) while the previous
-    parameter's ``denom`` is still referenced, so max_j (s_{j-1} + 2 s_j) over the optimizer's order
-    (modelpar's `build_optimizer`: matrices first, then vectors)."""
-    order = [n for n, mat in numels if mat] + [n for n, mat in numels if not mat]
-    best, prev = 0.0, 0.0
-    for n in order:
-        best = max(best, prev + 2 * n)
-        prev = n
-    return best
 
 
 def _bwd_terms(c: tuple, mode: tuple) -> tuple:
@@ -241,7 +228,7 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
     - the end of a pipeline step (the last stage merges the outputs it kept);
     - the optimizer step: parameters, gradients, optimizer state plus the step's transient
       (none for torch's fused AdamW, modelpar's default (`modelpar.train.step.adamw`), nor for SGD's
-      in-place update; ``fused=False``: single-tensor AdamW `_adamw_temp`, foreach AdamW one copy of
+      in-place update; ``fused=False``: single-tensor AdamW `loads._adamw_temp`, foreach AdamW one copy of
       the local parameters), communication buffers that persist (DDP buckets, pipeline receive
       buffers).
 
