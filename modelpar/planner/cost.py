@@ -54,8 +54,6 @@ its gradients (``gradient_as_bucket_view=True``): no copy into or out of them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
 from modelpar.plan import ParallelPlan, runtime_layout
 # the collective (alpha-beta) and pipeline-bubble formulas live in formulas.py, re-exported here
 from modelpar.planner.formulas import (all_gather_time, all_reduce_time, alpha_beta_form,  # noqa: F401
@@ -69,7 +67,9 @@ from modelpar.planner.hardware import Hardware
 from modelpar.planner.memo import PlannerCache
 from modelpar.planner.memory import Batch, RankLoad, rank_loads
 from modelpar.planner.profile import ModelProfile
-from modelpar.planner.recompute import recompute_flops_per_sample, recompute_share
+from modelpar.planner.recompute import recompute_share
+# the result type, MFU / HFU and the wrapping of step parts live in step_estimate.py, re-exported here
+from modelpar.planner.step_estimate import StepEstimate, _finish, hfu, mfu, tp_bytes_per_sample  # noqa: F401
 
 # bytes read + written per parameter by the optimizer step: torch's fused AdamW (modelpar's default,
 # `modelpar.train.step.adamw`, on GPUs and CPUs) reads param, grad and both moments and writes param and
@@ -89,68 +89,6 @@ ADAMW_LOOP_TRAFFIC, ADAMW_LOOP_KERNELS = 84 + 12, 8 + 4
 # are copied into fp32 main gradients (read 2, write 4), unscaled and checked for inf / nan (read 4,
 # write 4), and the updated main weights copied back into the model's (read 4, write 2)
 MASTER_WEIGHT_TRAFFIC = 6 + 8 + 6
-
-
-@dataclass(slots=True)
-class StepEstimate:
-    """Predicted time of one optimizer step on the slowest rank, by part (seconds)."""
-
-    compute: float          # forward + backward kernels (incl. memory-bound and per-op terms)
-    recompute: float        # the extra forward of full checkpointing
-    tp_comm: float
-    pp_comm: float
-    dp_comm: float          # exposed DDP/FSDP/HSDP communication
-    bubble: float
-    optimizer: float
-    model_flops: float      # per step, whole job, each forward once (FLOPs)
-    hardware_flops: float   # including recomputation
-    num_devices: int
-    samples: int            # global batch size
-    tokens_per_sample: int
-
-    @property
-    def total(self) -> float:
-        return (self.compute + self.recompute + self.tp_comm + self.pp_comm + self.dp_comm + self.bubble
-                + self.optimizer)
-
-    @property
-    def comm_share(self) -> float:
-        return (self.tp_comm + self.pp_comm + self.dp_comm) / self.total
-
-    @property
-    def bubble_share(self) -> float:
-        return self.bubble / self.total
-
-    @property
-    def compute_share(self) -> float:
-        return (self.compute + self.recompute + self.optimizer) / self.total
-
-    @property
-    def samples_per_s(self) -> float:
-        return self.samples / self.total
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.samples * self.tokens_per_sample / self.total
-
-    def achieved_flops_per_device(self, *, count_recompute: bool = True) -> float:
-        """FLOP/s per device; with ``count_recompute`` the hardware FLOPs (as Megatron reports)."""
-        f = self.hardware_flops if count_recompute else self.model_flops
-        return f / (self.total * self.num_devices)
-
-    def parts(self) -> dict[str, float]:
-        keep = ("compute", "recompute", "tp_comm", "pp_comm", "dp_comm", "bubble", "optimizer")
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name in keep}
-
-
-def mfu(step: StepEstimate, hw: Hardware, precision: str) -> float:
-    """Model FLOPs utilization: model FLOPs per second / (devices x dense peak) (PaLM App. B)."""
-    return step.model_flops / (step.total * step.num_devices * hw.peak_flops[precision])
-
-
-def hfu(step: StepEstimate, hw: Hardware, precision: str) -> float:
-    """Hardware FLOPs utilization: as `mfu` but counting the recomputed forward."""
-    return step.hardware_flops / (step.total * step.num_devices * hw.peak_flops[precision])
 
 
 # ---- the step ---------------------------------------------------------------------------------
@@ -250,175 +188,253 @@ def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_
     Raises:
         ValueError: ``cache`` serves another hardware profile.
     """
-    cache = (cache or PlannerCache()).bind(hw=hw)
-    prec = plan.precision
-    flops_s = hw.achievable_flops(prec)
+    return step_form(loads, plan, hw, optimizer=optimizer, tp_bytes=tp_bytes, dp_overlap=dp_overlap,
+                     fused_tp_optimizer=fused_tp_optimizer, reduce_bytes=reduce_bytes, gather_bytes=gather_bytes,
+                     attention_kernel=attention_kernel, p2p_scatter_gather=p2p_scatter_gather,
+                     replicate=replicate, autocast_weights=autocast_weights,
+                     fsdp_stream_copies=fsdp_stream_copies, master_weights=master_weights,
+                     cache=cache).at(plan, micro_batch_size, accumulation)
+
+
+def step_form(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, optimizer: str, tp_bytes: float,
+              dp_overlap: bool = True, fused_tp_optimizer: bool = False, reduce_bytes: float = 4,
+              gather_bytes: float | None = None, attention_kernel: str | None = None,
+              p2p_scatter_gather: bool = False, replicate: bool | None = None,
+              autocast_weights: bool | None = None, fsdp_stream_copies: bool = True,
+              master_weights: bool = False, cache: PlannerCache | None = None) -> "StepForm":
+    """`rank_step`'s terms that depend only on the layout: ``plan``'s degrees, schedule, virtual
+    stages, precision and sharding, ``hw`` and the options (as `rank_step`); `StepForm.at` adds
+    the micro-batch size, the accumulation steps, and ``plan``'s micro-batch count, checkpointing
+    and deferred sync, with the same arithmetic as one `rank_step` call. The search evaluates one
+    form at every candidate of a layout."""
+    f = StepForm()
+    f.loads, f.hw, f.tp_bytes, f.dp_overlap, f.reduce_bytes = loads, hw, tp_bytes, dp_overlap, reduce_bytes
+    f.attention_kernel, f.p2p_scatter_gather = attention_kernel, p2p_scatter_gather
+    f.fsdp_stream_copies = fsdp_stream_copies
+    f.cache = cache = (cache or PlannerCache()).bind(hw=hw)
+    f.prec = prec = plan.precision
+    f.flops_s = hw.achievable_flops(prec)
     # ranks in lockstep (data / tensor parallel peers on one node) stream memory and fault pages at
     # the same moments and share the bus; a pure pipeline's stages run different work at any moment,
     # so each streams at the one-rank rate (both calibrated on CPU; the same number elsewhere)
-    alone = plan.dp * plan.tp == 1 and plan.pp > 1
-    cal = hw.calibration or NO_CALIBRATION
+    f.alone = alone = plan.dp * plan.tp == 1 and plan.pp > 1
+    f.cal = cal = hw.calibration or NO_CALIBRATION
     mem_s = ((cal.mem_bandwidth_alone if alone and cal.mem_bandwidth_alone is not None else hw.mem_bandwidth)
              * hw.mem_bw_fraction)
-    phys = physics_for(hw)
+    f.phys = phys = physics_for(hw)
     if phys is not None:            # built-in GPU: measured HBM fraction and MAMF (gpu.py)
         mem_s = hw.mem_bandwidth * phys.hbm_fraction
-    b, m, v, p = micro_batch_size, (plan.n_microbatches if plan.pp > 1 else 1), plan.virtual_stages, plan.pp
-    ac = plan.activation_checkpointing == "full"
-    partial_ac = plan.activation_checkpointing in ("every-k", "selective")
-    overlap = dp_overlap and hw.comm_overlap
-    ar_tp = (_coll(plan, "tp", hw, "all_reduce", tp_bytes * b, plan.tp, not hw.comm_overlap, cache)
-             if plan.tp > 1 else 0.0)
-    # DTensor's cost per sharded Linear (forward + backward): fixed + per byte of its input activation
-    tp_linear = (cal.tp_linear_overhead_s + cal.tp_linear_overhead_s_per_byte * tp_bytes * b) if plan.tp > 1 else 0.0
-    best = None
-    curve = bool(hw.matmul_curve())
+    f.mem_s = mem_s
+    f.v, f.p = plan.virtual_stages, plan.pp
+    f.overlap = dp_overlap and hw.comm_overlap
+    f.curve = bool(hw.matmul_curve())
     # the non-matmul operators' traffic moves at their calibrated rate (arithmetic-heavy: GELU's erf,
     # norms' reductions), never above the streaming bandwidth
-    ew_s = min(mem_s, cal.elementwise_bw if cal.elementwise_bw is not None else mem_s)
-    attn_rate = cal.attention_flops * hw.peak_flops[prec] / hw.peak_flops.get("fp32", hw.peak_flops[prec])
+    f.ew_s = min(mem_s, cal.elementwise_bw if cal.elementwise_bw is not None else mem_s)
+    f.attn_rate = cal.attention_flops * hw.peak_flops[prec] / hw.peak_flops.get("fp32", hw.peak_flops[prec])
     # zero-bubble schedules split each backward into an input-gradient and a weight-gradient pass
     # (Qi et al. ICLR'24; torch's stage_backward_input / stage_backward_weight): the weight pass
     # re-reads activations and output gradients the cache has lost; calibrated on CPU, 1 elsewhere
-    zb = (cal.zero_bubble_backward_factor
-          if p > 1 and plan.pp_schedule in ZERO_BUBBLE_SCHEDULES else 1.0)
+    f.zb = (cal.zero_bubble_backward_factor
+            if plan.pp > 1 and plan.pp_schedule in ZERO_BUBBLE_SCHEDULES else 1.0)
     # modelpar's runtime: autocast unless FSDP2 / replicate holds bf16 parameters (`runtime_layout`)
+    f.layout = layout = runtime_layout(plan)
     if autocast_weights is None:
-        autocast_weights = runtime_layout(plan).dp_wrapper in ("none", "ddp")
+        autocast_weights = layout.dp_wrapper in ("none", "ddp")
     # seconds per byte of bf16 matmul weights: 6 B moved per element (2 B) in each direction
-    cast_b = 3.0 / mem_s if (phys is not None and prec == "bf16" and autocast_weights) else 0.0
-    load_times = cache.load_times
-    for ld in loads:
-        key = (ld.key, b, prec, alone, attention_kernel)
-        hit = load_times.get(key)
-        if hit is not None and hit[0] is ld:
-            t_f, t_b = hit[1]
-        else:
-            t_f, t_b = _load_times(ld, hw, b, prec, mem_s, ew_s, attn_rate, curve, flops_s, alone, phys,
-                                   attention_kernel)
-            load_times[key] = (ld, (t_f, t_b))
-        if zb != 1.0:
-            t_b *= zb
-        if cast_b:                      # autocast's weight casts, forward and backward
-            t_f += cast_b * ld.gemm_param_bytes[0]
-            t_b += cast_b * ld.gemm_param_bytes[0]
-        t_rc, rc_share = 0.0, 0.0
-        if ac or partial_ac:     # the checkpointed blocks' share / the cores (`modelpar.planner.recompute`)
-            rc_share, attn_f = recompute_share(ld, plan)
-            t_rc = rc_share * t_f + (attn_f * b / attn_rate if attn_rate else attn_f * b / flops_s)
-        # DTensor's per-call cost of each sharded Linear (dispatch, sharding propagation, input and
-        # output conversion; forward + backward), calibrated on CPU; part of TP's price
-        # (the per-Linear cost is calibrated on chains of sharded Linears less their all-reduces
-        # at these same in-context times)
-        t_tp = (ld.tp_collectives * ar_tp * (2 + rc_share)
-                + ld.tp_linears * tp_linear)
-        work = t_f + t_b + t_rc + t_tp
-        key = (work, ld.params)
-        if best is None or key > best[0]:
-            best = (key, ld, t_f, t_b, t_rc, t_tp)
-    _, ld, t_f, t_b, t_rc, t_tp = best
-    mbs = accumulation * m                          # micro-batches per step on this rank
-    # gradient accumulation: micro-batches after the first add their gradients in place (read 2,
-    # write 1 fp32 values per parameter); FSDP without a pipeline adds reduce-scattered shards
-    # unless the plan defers the sync (`fsdp_sharded_accumulation`)
-    sharded_acc = fsdp_sharded_accumulation(plan)
-    t_acc = (mbs - 1) * 12 * ld.params / (plan.dp_shard if sharded_acc else 1) / mem_s
+    f.cast_b = 3.0 / mem_s if (phys is not None and prec == "bf16" and autocast_weights) else 0.0
     # data parallel
-    wb = gather_bytes or (2 if prec == "bf16" else 4)
+    f.wb = gather_bytes or (2 if prec == "bf16" else 4)
     # modelpar runs dp_replicate under PP or TP through FSDP2's replicate (`parallel.compose`):
     # per-group all-reduces (on devices that overlap; CPU keeps its calibrated bucket terms)
-    layout = runtime_layout(plan)
-    rep_rt = (layout.dp_wrapper == "replicate" if replicate is None
-              else (replicate and layout.dp_wrapper in ("ddp", "replicate")))
-    cm = _comm_terms(ld, plan, hw, b, wb, dp_overlap, reduce_bytes, p2p_scatter_gather,
-                     rep_rt and overlap, cache)
-    t_p2p = 2 * v * cm["p2p"] if p > 1 else 0.0
-    dp_exposed, fsdp_per_mb = 0.0, 0.0
-    if plan.dp_shard > 1:
-        n = plan.dp_shard
-        gathers = 2 if plan.reshard_after_forward else 1
-        units = ld.unit_sizes or (ld.params - ld.root_params,)
-        root = ld.root_params
-        ag, ag_root, rs = cm["ag"], cm["ag_root"], cm["rs"]
-        if overlap:
-            share = _nccl_share(plan, "dp_shard", hw, phys)
-            # a micro-batch reduce-scatters where FSDP accumulates sharded gradients; a deferred
-            # sync only in the last local batch; under a pipeline torch's runtime reduces once
-            # after the schedule's last backward (`PipelineStage.perform_reduce_grad`), exposed
-            deferred = plan.defer_grad_sync and mbs > 1
-            fsdp_per_mb = _fsdp_exposed(cm, gathers, t_f, t_b + t_rc, share,
-                                        reduce=p == 1 and not deferred)
-            if deferred:
-                dp_exposed = _fsdp_exposed(cm, gathers, t_f, t_b + t_rc, share, reduce=True) - fsdp_per_mb
-            elif p > 1:
-                dp_exposed = rs
-            if fsdp_stream_copies:
-                # FSDP2 copies on the compute stream (torch's `_fsdp_collectives`): every gather's
-                # copy-out of the flat buffer (read + write; the root once per micro-batch), and each
-                # reduce-scatter's copy-in of the unsharded gradients (read wb, write reduce dtype)
-                fsdp_per_mb += 2 * wb * (gathers * (ld.params - root) + root) / mem_s
-                copy_in = (wb + reduce_bytes) * ld.params / mem_s
-                if p == 1 and not deferred:
-                    fsdp_per_mb += copy_in
-                else:
-                    dp_exposed += copy_in
+    f.rep_rt = (layout.dp_wrapper == "replicate" if replicate is None
+                else (replicate and layout.dp_wrapper in ("ddp", "replicate")))
+    f.shard_share = _nccl_share(plan, "dp_shard", hw, phys) if plan.dp_shard > 1 and f.overlap else 0.0
+    f.rep_share = _nccl_share(plan, "dp_replicate", hw, phys) if plan.dp_replicate > 1 and f.overlap else 0.0
+    # the optimizer step of each rank (no micro-batch term)
+    f.opt = []
+    for ld in loads:
+        local = ld.params / plan.dp_shard
+        loop = optimizer == "adamw" and plan.tp > 1 and not fused_tp_optimizer
+        if hw.kind == "cpu":
+            traffic, kernels = ((ADAMW_LOOP_TRAFFIC, ADAMW_LOOP_KERNELS) if loop
+                                else (OPT_TRAFFIC_CPU[optimizer], OPT_KERNELS[optimizer]))
+            opt = local * traffic / mem_s + ld.num_tensors * kernels * hw.op_overhead_s
+            if loop:
+                opt += 2 * hw.fresh_seconds([k / plan.dp_shard for k in ld.param_sizes], 4)
         else:
-            # FSDP2's buffers: each gather fills a new flat all-gather output and copies it out into
-            # new unsharded parameters (read + write); reduce-scatter copies the unsharded gradients
-            # into a new flat input and writes a new shard (fresh where the allocator maps them)
-            ag_mem = (hw.fresh_seconds(units, wb) + hw.fresh_seconds(ld.param_sizes, wb)
-                      + 2 * wb * (ld.params - root) / mem_s)
-            rs_mem = (hw.fresh_seconds(units, 4) + hw.fresh_seconds([u / n for u in units], 4)
-                      + 8 * (ld.params - root) / mem_s)
-            # + FSDP2's per-unit cost (hooks, copy-in/out bookkeeping; forward + backward), calibrated
-            fsdp_per_mb = (gathers * (ag + ag_mem) + ag_root
-                           + (len(units) + 1) * cal.fsdp_unit_overhead_s
-                           + ld.num_tensors * cal.fsdp_tensor_overhead_s)
-            # the reduce-scatter: once per step where the last micro-batch syncs (deferred sync, and
-            # torch.distributed.pipelining's runtime, which reduces at the end of each schedule step:
-            # modelled once per step), every local batch where FSDP accumulates sharded gradients
-            dp_exposed = (rs + rs_mem) * (accumulation if sharded_acc else 1)
-        dp_exposed += cm["rep"]
-    elif plan.dp_replicate > 1:
-        t_ar, last = cm["t_ar"], cm["last"]
-        if overlap and rep_rt and p > 1:
-            # FSDP2 replicate under torch.distributed.pipelining: the runtime reduces once after the
-            # schedule's last backward (`PipelineStage.perform_reduce_grad`), nothing left to hide
-            # it; each group's gradients copied into the flat fp32 buffer and back (read + write)
-            dp_exposed = t_ar + 16 * ld.params / mem_s
-        elif overlap:
-            # torch DDP's buckets, or replicate's groups (under TP), behind the backward, except the
-            # last bucket (replicate: the first block's and the root's group, reduced after the last
-            # compute); the hidden part slows the backward it overlaps by NCCL's share of the SMs
-            dp_exposed = max(t_ar - t_b, last) + _nccl_share(plan, "dp_replicate", hw, phys) * min(t_ar, t_b)
-        elif not dp_overlap:         # one all-reduce of a contiguous gradient buffer after backward
-            dp_exposed = t_ar
-        elif layout.dp_wrapper == "ddp":
-            # torch DDP with gradient_as_bucket_view=True (`apply_ddp`): the gradients are the
-            # buckets, nothing is copied
-            dp_exposed = t_ar
-        else:
-            # FSDP2's replicate (DDP semantics under PP / TP) copies the gradients into a flat
-            # buffer and the reduced values back (read + write each way)
-            dp_exposed = t_ar + 16 * ld.params / mem_s
-    per_mb_compute = t_f + t_b + t_tp
-    bub = bubble_fraction(plan.pp_schedule, p, m, v) * m * (per_mb_compute + t_rc)
-    local = ld.params / plan.dp_shard
-    loop = optimizer == "adamw" and plan.tp > 1 and not fused_tp_optimizer
-    if hw.kind == "cpu":
-        traffic, kernels = ((ADAMW_LOOP_TRAFFIC, ADAMW_LOOP_KERNELS) if loop
-                            else (OPT_TRAFFIC_CPU[optimizer], OPT_KERNELS[optimizer]))
-        opt = local * traffic / mem_s + ld.num_tensors * kernels * hw.op_overhead_s
-        if loop:
-            opt += 2 * hw.fresh_seconds([k / plan.dp_shard for k in ld.param_sizes], 4)
-    else:
-        opt = local * (ADAMW_LOOP_TRAFFIC if loop else OPT_TRAFFIC[optimizer]) / mem_s
-        if master_weights:
-            opt += local * MASTER_WEIGHT_TRAFFIC / mem_s
-    return {"compute": mbs * (t_f + t_b) + t_acc, "recompute": mbs * t_rc,
-            "tp_comm": mbs * t_tp, "pp_comm": mbs * t_p2p,
-            "dp_comm": dp_exposed + mbs * fsdp_per_mb, "bubble": accumulation * bub,
-            "optimizer": opt}
+            opt = local * (ADAMW_LOOP_TRAFFIC if loop else OPT_TRAFFIC[optimizer]) / mem_s
+            if master_weights:
+                opt += local * MASTER_WEIGHT_TRAFFIC / mem_s
+        f.opt.append(opt)
+    f.per_b, f.slowest = {}, {}
+    return f
+
+
+class StepForm:
+    """One layout's `rank_step` (`step_form`); `at` evaluates it for one candidate."""
+
+    __slots__ = ("loads", "hw", "tp_bytes", "dp_overlap", "reduce_bytes", "attention_kernel", "p2p_scatter_gather",
+                 "fsdp_stream_copies", "cache", "prec", "flops_s", "alone", "cal", "mem_s", "phys", "v", "p",
+                 "overlap", "curve", "ew_s", "attn_rate", "zb", "layout", "cast_b", "wb", "rep_rt", "shard_share",
+                 "rep_share", "opt", "per_b", "slowest")
+
+    def _times(self, plan: ParallelPlan, b: int) -> tuple:
+        """Per micro-batch size ``b`` (memoized): each rank's forward and backward seconds, the TP
+        all-reduce and the per-Linear TP cost."""
+        hit = self.per_b.get(b)
+        if hit is not None:
+            return hit
+        hw, cal, cache, tp_bytes, prec, alone, zb, cast_b = (self.hw, self.cal, self.cache, self.tp_bytes, self.prec,
+                                                             self.alone, self.zb, self.cast_b)
+        ar_tp = (_coll(plan, "tp", hw, "all_reduce", tp_bytes * b, plan.tp, not hw.comm_overlap, cache)
+                 if plan.tp > 1 else 0.0)
+        # DTensor's cost per sharded Linear (forward + backward): fixed + per byte of its input activation
+        tp_linear = ((cal.tp_linear_overhead_s + cal.tp_linear_overhead_s_per_byte * tp_bytes * b)
+                     if plan.tp > 1 else 0.0)
+        load_times = cache.load_times
+        times = []
+        for ld in self.loads:
+            key = (ld.key, b, prec, alone, self.attention_kernel)
+            hit = load_times.get(key)
+            if hit is not None and hit[0] is ld:
+                t_f, t_b = hit[1]
+            else:
+                t_f, t_b = _load_times(ld, hw, b, prec, self.mem_s, self.ew_s, self.attn_rate, self.curve,
+                                       self.flops_s, alone, self.phys, self.attention_kernel)
+                load_times[key] = (ld, (t_f, t_b))
+            if zb != 1.0:
+                t_b *= zb
+            if cast_b:                      # autocast's weight casts, forward and backward
+                t_f += cast_b * ld.gemm_param_bytes[0]
+                t_b += cast_b * ld.gemm_param_bytes[0]
+            times.append((ld, t_f, t_b))
+        out = self.per_b[b] = (times, ar_tp, tp_linear)
+        return out
+
+    def _slowest(self, plan: ParallelPlan, b: int) -> tuple:
+        """The slowest rank at micro-batch size ``b`` under ``plan``'s checkpointing (memoized):
+        (its index, load, forward, backward, recompute and TP seconds)."""
+        mode = plan.activation_checkpointing
+        skey = (b, mode, plan.ac_every)
+        hit = self.slowest.get(skey)
+        if hit is not None:
+            return hit
+        times, ar_tp, tp_linear = self._times(plan, b)
+        ac_any = mode in ("full", "every-k", "selective")
+        attn_rate, flops_s = self.attn_rate, self.flops_s
+        best = None
+        for i, (ld, t_f, t_b) in enumerate(times):
+            t_rc, rc_share = 0.0, 0.0
+            if ac_any:     # the checkpointed blocks' share / the cores (`modelpar.planner.recompute`)
+                rc_share, attn_f = recompute_share(ld, plan)
+                t_rc = rc_share * t_f + (attn_f * b / attn_rate if attn_rate else attn_f * b / flops_s)
+            # DTensor's per-call cost of each sharded Linear (dispatch, sharding propagation, input and
+            # output conversion; forward + backward), calibrated on CPU; part of TP's price
+            # (the per-Linear cost is calibrated on chains of sharded Linears less their all-reduces
+            # at these same in-context times)
+            t_tp = (ld.tp_collectives * ar_tp * (2 + rc_share)
+                    + ld.tp_linears * tp_linear)
+            work = t_f + t_b + t_rc + t_tp
+            key = (work, ld.params)
+            if best is None or key > best[0]:
+                best = (key, i, ld, t_f, t_b, t_rc, t_tp)
+        out = self.slowest[skey] = best[1:]
+        return out
+
+    def at(self, plan: ParallelPlan, micro_batch_size: int, accumulation: int) -> dict:
+        """`rank_step`'s parts for ``plan`` (this form's layout) at ``micro_batch_size`` samples and
+        ``accumulation`` local batches."""
+        b = micro_batch_size
+        hw, cal, cache, mem_s, phys, v, p, overlap, wb = (self.hw, self.cal, self.cache, self.mem_s, self.phys,
+                                                          self.v, self.p, self.overlap, self.wb)
+        dp_overlap, reduce_bytes = self.dp_overlap, self.reduce_bytes
+        m = plan.n_microbatches if p > 1 else 1
+        i, ld, t_f, t_b, t_rc, t_tp = self._slowest(plan, b)
+        mbs = accumulation * m                          # micro-batches per step on this rank
+        # gradient accumulation: micro-batches after the first add their gradients in place (read 2,
+        # write 1 fp32 values per parameter); FSDP without a pipeline adds reduce-scattered shards
+        # unless the plan defers the sync (`fsdp_sharded_accumulation`)
+        sharded_acc = fsdp_sharded_accumulation(plan)
+        t_acc = (mbs - 1) * 12 * ld.params / (plan.dp_shard if sharded_acc else 1) / mem_s
+        layout, rep_rt = self.layout, self.rep_rt
+        cm = _comm_terms(ld, plan, hw, b, wb, dp_overlap, reduce_bytes, self.p2p_scatter_gather,
+                         rep_rt and overlap, cache)
+        t_p2p = 2 * v * cm["p2p"] if p > 1 else 0.0
+        dp_exposed, fsdp_per_mb = 0.0, 0.0
+        if plan.dp_shard > 1:
+            n = plan.dp_shard
+            gathers = 2 if plan.reshard_after_forward else 1
+            units = ld.unit_sizes or (ld.params - ld.root_params,)
+            root = ld.root_params
+            ag, ag_root, rs = cm["ag"], cm["ag_root"], cm["rs"]
+            if overlap:
+                share = self.shard_share
+                # a micro-batch reduce-scatters where FSDP accumulates sharded gradients; a deferred
+                # sync only in the last local batch; under a pipeline torch's runtime reduces once
+                # after the schedule's last backward (`PipelineStage.perform_reduce_grad`), exposed
+                deferred = plan.defer_grad_sync and mbs > 1
+                fsdp_per_mb = _fsdp_exposed(cm, gathers, t_f, t_b + t_rc, share,
+                                            reduce=p == 1 and not deferred)
+                if deferred:
+                    dp_exposed = _fsdp_exposed(cm, gathers, t_f, t_b + t_rc, share, reduce=True) - fsdp_per_mb
+                elif p > 1:
+                    dp_exposed = rs
+                if self.fsdp_stream_copies:
+                    # FSDP2 copies on the compute stream (torch's `_fsdp_collectives`): every gather's
+                    # copy-out of the flat buffer (read + write; the root once per micro-batch), and each
+                    # reduce-scatter's copy-in of the unsharded gradients (read wb, write reduce dtype)
+                    fsdp_per_mb += 2 * wb * (gathers * (ld.params - root) + root) / mem_s
+                    copy_in = (wb + reduce_bytes) * ld.params / mem_s
+                    if p == 1 and not deferred:
+                        fsdp_per_mb += copy_in
+                    else:
+                        dp_exposed += copy_in
+            else:
+                # FSDP2's buffers: each gather fills a new flat all-gather output and copies it out into
+                # new unsharded parameters (read + write); reduce-scatter copies the unsharded gradients
+                # into a new flat input and writes a new shard (fresh where the allocator maps them)
+                ag_mem = (hw.fresh_seconds(units, wb) + hw.fresh_seconds(ld.param_sizes, wb)
+                          + 2 * wb * (ld.params - root) / mem_s)
+                rs_mem = (hw.fresh_seconds(units, 4) + hw.fresh_seconds([u / n for u in units], 4)
+                          + 8 * (ld.params - root) / mem_s)
+                # + FSDP2's per-unit cost (hooks, copy-in/out bookkeeping; forward + backward), calibrated
+                fsdp_per_mb = (gathers * (ag + ag_mem) + ag_root
+                               + (len(units) + 1) * cal.fsdp_unit_overhead_s
+                               + ld.num_tensors * cal.fsdp_tensor_overhead_s)
+                # the reduce-scatter: once per step where the last micro-batch syncs (deferred sync, and
+                # torch.distributed.pipelining's runtime, which reduces at the end of each schedule step:
+                # modelled once per step), every local batch where FSDP accumulates sharded gradients
+                dp_exposed = (rs + rs_mem) * (accumulation if sharded_acc else 1)
+            dp_exposed += cm["rep"]
+        elif plan.dp_replicate > 1:
+            t_ar, last = cm["t_ar"], cm["last"]
+            if overlap and rep_rt and p > 1:
+                # FSDP2 replicate under torch.distributed.pipelining: the runtime reduces once after the
+                # schedule's last backward (`PipelineStage.perform_reduce_grad`), nothing left to hide
+                # it; each group's gradients copied into the flat fp32 buffer and back (read + write)
+                dp_exposed = t_ar + 16 * ld.params / mem_s
+            elif overlap:
+                # torch DDP's buckets, or replicate's groups (under TP), behind the backward, except the
+                # last bucket (replicate: the first block's and the root's group, reduced after the last
+                # compute); the hidden part slows the backward it overlaps by NCCL's share of the SMs
+                dp_exposed = max(t_ar - t_b, last) + self.rep_share * min(t_ar, t_b)
+            elif not dp_overlap:         # one all-reduce of a contiguous gradient buffer after backward
+                dp_exposed = t_ar
+            elif layout.dp_wrapper == "ddp":
+                # torch DDP with gradient_as_bucket_view=True (`apply_ddp`): the gradients are the
+                # buckets, nothing is copied
+                dp_exposed = t_ar
+            else:
+                # FSDP2's replicate (DDP semantics under PP / TP) copies the gradients into a flat
+                # buffer and the reduced values back (read + write each way)
+                dp_exposed = t_ar + 16 * ld.params / mem_s
+        per_mb_compute = t_f + t_b + t_tp
+        bub = bubble_fraction(plan.pp_schedule, p, m, v) * m * (per_mb_compute + t_rc)
+        return {"compute": mbs * (t_f + t_b) + t_acc, "recompute": mbs * t_rc,
+                "tp_comm": mbs * t_tp, "pp_comm": mbs * t_p2p,
+                "dp_comm": dp_exposed + mbs * fsdp_per_mb, "bubble": accumulation * bub,
+                "optimizer": self.opt[i]}
 
 
 def fsdp_sharded_accumulation(plan: ParallelPlan) -> bool:
@@ -469,24 +485,3 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
                       autocast_weights=autocast_weights, fsdp_stream_copies=fsdp_stream_copies,
                       master_weights=master_weights, cache=cache)
     return _finish(parts, profile, plan, batch.global_batch_size, cache=cache)
-
-
-def tp_bytes_per_sample(profile: ModelProfile, plan: ParallelPlan) -> float:
-    """Bytes of one TP all-reduce per sample: a middle block's output at the plan's precision."""
-    mid = profile.blocks[len(profile.blocks) // 2]
-    scale = (2 if plan.precision == "bf16" else 4) / (2 if profile.dtype == "bf16" else 4)
-    return mid.output_bytes * scale / profile.batch_size
-
-
-def _finish(parts: dict, profile: ModelProfile, plan: ParallelPlan, global_batch: int,
-            flops: tuple[float, float] | None = None, cache: PlannerCache | None = None) -> StepEstimate:
-    """Wrap step parts; ``flops`` = (forward, backward) FLOPs per sample, computed if None;
-    ``cache``: memo tables of ``profile`` (`memo.PlannerCache`)."""
-    if flops is None:
-        flops = (profile.fwd_flops_per_sample, profile.train_flops_per_sample - profile.fwd_flops_per_sample)
-    fwd, bwd = flops
-    model = global_batch * (fwd + bwd)
-    hw_flops = model + global_batch * recompute_flops_per_sample(profile, plan, cache)
-    return StepEstimate(**parts, model_flops=model, hardware_flops=hw_flops,
-                        num_devices=plan.world_size, samples=global_batch,
-                        tokens_per_sample=profile.tokens_per_sample)

@@ -115,6 +115,19 @@ class RankLoad:
     key: tuple = field(default=(), compare=False)
 
 
+def _adamw_temp(numels: list[tuple[float, bool]]) -> float:
+    """Largest transient of torch's single-tensor AdamW step, in elements: for each parameter j it
+    builds ``denom = exp_avg_sq.sqrt() / c`` (two temporaries of p_j's size) while the previous
+    parameter's ``denom`` is still referenced, so max_j (s_{j-1} + 2 s_j) over the optimizer's order
+    (modelpar's `build_optimizer`: matrices first, then vectors)."""
+    order = [n for n, mat in numels if mat] + [n for n, mat in numels if not mat]
+    best, prev = 0.0, 0.0
+    for n in order:
+        best = max(best, prev + 2 * n)
+        prev = n
+    return best
+
+
 def _fsdp_unit_peak(ld: RankLoad, units: list[tuple[float, float]]) -> None:
     """Locate FSDP's busiest backward moment on a rank: while unit i runs its backward, its gathered
     parameters and unsharded gradient are live together with unit i+1's (gathered parameters,
@@ -218,11 +231,13 @@ def _backward_moments(recs: tuple, own: bool = False, cache: PlannerCache | None
         sv, _, peaks, pk, root, gin_in = recs[k]
         kept: list[tuple] = []
         for ex, gi, gs, gq in peaks:
-            if any(a - (ex + gi) >= 4 * (gs + gq - g) for a, g in kept):
-                continue
-            kept.append((ex + gi, gs + gq))
-            bwd.append((cum[k + 1] + ex + gi, cum_ac[k + (0 if own else 1)] + sv + ex + gi, done_u[k], done_r[k], gs,
-                        0.0 if root else pk, prev_u[k], next_u[k], upto[k], gq))
+            for a, g in kept:       # an earlier peak beats this one (a loop: no generator per peak)
+                if a - (ex + gi) >= 4 * (gs + gq - g):
+                    break
+            else:
+                kept.append((ex + gi, gs + gq))
+                bwd.append((cum[k + 1] + ex + gi, cum_ac[k + (0 if own else 1)] + sv + ex + gi, done_u[k], done_r[k],
+                            gs, 0.0 if root else pk, prev_u[k], next_u[k], upto[k], gq))
         if not root:
             rs.append((cum[k] + gin_in, cum_ac[k] + gin_in, done_u[k], done_r[k], pk, prev_u[k],
                        upto[k] - pk))

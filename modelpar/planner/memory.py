@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from modelpar.plan import ParallelPlan, runtime_layout
-from modelpar.planner.loads import RankLoad, rank_loads, stage_ranges  # noqa: F401  (re-exported)
+from modelpar.planner.loads import RankLoad, _adamw_temp, rank_loads, stage_ranges  # noqa: F401  (re-exported)
 from modelpar.planner.memo import PlannerCache
 from modelpar.planner.profile import ModelProfile
 
@@ -87,19 +87,6 @@ class MemoryEstimate:
 
 
 # ---- stages ----------------------------------------------------------------------------------
-
-
-def _adamw_temp(numels: list[tuple[float, bool]]) -> float:
-    """Largest transient of torch's single-tensor AdamW step, in elements: for each parameter j it
-    builds ``denom = exp_avg_sq.sqrt() / c`` (two temporaries of p_j's size) while the previous
-    parameter's ``denom`` is still referenced, so max_j (s_{j-1} + 2 s_j) over the optimizer's order
-    (modelpar's `build_optimizer`: matrices first, then vectors)."""
-    order = [n for n, mat in numels if mat] + [n for n, mat in numels if not mat]
-    best, prev = 0.0, 0.0
-    for n in order:
-        best = max(best, prev + 2 * n)
-        prev = n
-    return best
 
 
 def _bwd_terms(c: tuple, mode: tuple) -> tuple:
@@ -176,7 +163,11 @@ def _projections(bwd_moments: tuple, rs_moments: tuple, mode: tuple) -> tuple:
     if any(x[2] for x in cands):
         keep: list[tuple] = []
         for x in cands:         # by decreasing A: a candidate bounding x in all three comes first
-            if not any(y[1] >= x[1] and y[2] >= x[2] for y in keep):
+            k1, g1 = x[1], x[2]
+            for y in keep:      # (a loop: no generator per candidate)
+                if y[1] >= k1 and y[2] >= g1:
+                    break
+            else:
                 keep.append(x)
         return tuple(keep)
     # max over points of A b + K for b >= 1: the upper hull, from the largest A down to the vertex
@@ -237,7 +228,7 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
     - the end of a pipeline step (the last stage merges the outputs it kept);
     - the optimizer step: parameters, gradients, optimizer state plus the step's transient
       (none for torch's fused AdamW, modelpar's default (`modelpar.train.step.adamw`), nor for SGD's
-      in-place update; ``fused=False``: single-tensor AdamW `_adamw_temp`, foreach AdamW one copy of
+      in-place update; ``fused=False``: single-tensor AdamW `loads._adamw_temp`, foreach AdamW one copy of
       the local parameters), communication buffers that persist (DDP buckets, pipeline receive
       buffers).
 

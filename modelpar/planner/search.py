@@ -7,8 +7,10 @@ selective, every-k with k in AC_EVERY_CHOICES, full), micro-batch size, and for 
 accumulation whether to defer the gradient sync.
 Pruning keeps the reason; a whole subtree pruned at the layout level counts every candidate under it.
 Each surviving candidate gets a memory estimate (`memory.rank_memory`) and a step-time estimate
-(`cost.rank_step`), both over a few representative pipeline ranks (first, last, most parameters,
-most activations, most FLOPs), which bound every other rank.
+(`cost.rank_step`), both over a few representative pipeline ranks (`_representatives`: first, last,
+most parameters, most FLOPs + memory traffic). Known gap: under every-k checkpointing another rank
+can be slower or hold more (which layers are checkpointed differs per stage); the search then
+reports the representatives' numbers, not the all-rank `estimate_step` / `estimate_memory`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from modelpar.plan import AC_MODES, PP_SCHEDULES, ParallelPlan
-from modelpar.planner.cost import StepEstimate, _finish, rank_step, tp_bytes_per_sample
+from modelpar.planner.cost import StepEstimate, _finish, step_form, tp_bytes_per_sample
 from modelpar.planner.hardware import Hardware
 from modelpar.planner.legality import tp_violations
 from modelpar.planner.memo import PlannerCache
@@ -185,20 +187,24 @@ def _plan(plans: dict, dr, ds, tp, pp, sched, m, v, ac, k, defer, precision, sp)
     return plan
 
 
-def _plan_memory(plan: ParallelPlan, reps, b: int, acc: int, kw: dict, budget: float, memo: dict,
+def _plan_memory(plan: ParallelPlan, reps, b: int, acc: int, flights: dict, kw: dict, budget: float, memo: dict,
                  forms: dict, overhead: float):
     """(estimate, total) of the most loaded representative rank; stops at the first rank over
     ``budget`` (the total is then a lower bound, enough to prune). A rank's memory depends on the
     schedule only through the micro-batches it holds in flight, so schedules that agree on that
     share the estimate (``memo``, one per layout: its loads differ only by the virtual stages), and
     on (b, m, accumulation, in flight) only through `memory.MemoryForm.at`: one form per rank and
-    checkpointing / sync variant (``forms``, one per layout), the same numbers as `rank_memory`."""
+    checkpointing / sync variant (``forms``, one per layout), the same numbers as `rank_memory`.
+    ``flights``: `memory.in_flight` of each representative rank per micro-batch count (one per
+    layout and schedule: in flight depends on nothing else)."""
     mem, mem_total = None, 0.0
     v, m, ac, k, defer = (plan.virtual_stages, plan.n_microbatches, plan.activation_checkpointing, plan.ac_every,
                           plan.defer_grad_sync)
     pp = plan.pp > 1
-    for r, ld in reps:
-        w = in_flight(plan, r)
+    ws = flights.get(m)
+    if ws is None:
+        ws = flights[m] = [in_flight(plan, r) for r, _ in reps]
+    for (r, ld), w in zip(reps, ws):
         mkey = (v, r, b, acc, m, ac, k, defer, w)
         hit = memo.get(mkey)
         if hit is None:
@@ -287,7 +293,9 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
     # size, so one ParallelPlan per (m, checkpointing) is shared by its micro-batch sizes. The cyclic
     # garbage collector is paused: the loop allocates ~10^5 acyclic objects, and the collections they
     # would trigger also walk every object of the process (torch's, the profiled model's), about a
-    # sixth of the search's time. Every candidate still gets its own rank_memory / rank_step calls.
+    # sixth of the search's time. Every candidate still gets its own memory and step estimate, from
+    # per-layout forms (`memory.MemoryForm`, `cost.StepForm`: the same numbers as rank_memory /
+    # rank_step, tests/test_planner_search_speed.py).
     pruned = rep.pruned
     ranked = rep.ranked
     sort_keys: list[tuple[float, float]] = []
@@ -322,8 +330,10 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
             mem_memo: dict[tuple, tuple] = {}     # rank memory of this layout's plans (see below)
             forms: dict[tuple, object] = {}      # and its `memory.MemoryForm`s
             mem_args = (mem_kw, budget, mem_memo, forms, overhead)
-            # (b, m, accumulation steps, local batch size): the same for every schedule of the layout
-            inner_acc = [(b, m, global_batch_size // (b * m * dp), b * m) for b, m in inner]
+            # (b, m, accumulation steps, the Batch (frozen, shared by its candidates)): the same for every
+            # schedule of the layout
+            inner_acc = [(b, m, global_batch_size // (b * m * dp), Batch(global_batch_size, b * m))
+                         for b, m in inner]
             for sched, v in scheds:
                 if pp * v > num_layers:
                     pruned["more pipeline stages than layers"] += n_inner
@@ -342,8 +352,9 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                     continue
                 interleaved = sched.startswith("interleaved")
                 plans: dict[tuple[int, str], ParallelPlan] = {}
-                tpb = None
-                for b, m, acc, local in inner_acc:
+                flights: dict[int, list[float]] = {}
+                sform = None
+                for b, m, acc, batch in inner_acc:
                     if interleaved and m % pp:
                         pruned["interleaved needs n_microbatches divisible by pp"] += n_ac
                         continue
@@ -370,14 +381,14 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                         if ac == "every-k" and has_full:
                             if full_res is None:
                                 fplan = _plan(plans, dr, ds, tp, pp, sched, m, v, "full", 1, False, precision, sp)
-                                full_res = _plan_memory(fplan, reps, b, acc, *mem_args)
+                                full_res = _plan_memory(fplan, reps, b, acc, flights, *mem_args)
                             if full_res[1] - budget > b * (m * neg_bound + in_bound):
                                 pruned["activations exceed memory"] += per
                                 continue
                         plan = (plans.get((m, ac, k, False))
                                 or _plan(plans, dr, ds, tp, pp, sched, m, v, ac, k, False, precision, sp))
                         mem, mem_total = (full_res if (ac == "full" and full_res is not None)
-                                          else _plan_memory(plan, reps, b, acc, *mem_args))
+                                          else _plan_memory(plan, reps, b, acc, flights, *mem_args))
                         if mem_total > budget:
                             pruned["activations exceed memory"] += per
                             if ac == "none":
@@ -388,19 +399,19 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                         variants = [(plan, mem, mem_total)]
                         if can_defer:           # more memory than the plan without it: only if that fits
                             dplan = _plan(plans, dr, ds, tp, pp, sched, m, v, ac, k, True, precision, sp)
-                            dmem, dtot = _plan_memory(dplan, reps, b, acc, *mem_args)
+                            dmem, dtot = _plan_memory(dplan, reps, b, acc, flights, *mem_args)
                             if dtot > budget:
                                 pruned["activations exceed memory"] += 1
                             else:
                                 variants.append((dplan, dmem, dtot))
                         for pl, mm, mt in variants:
-                            if tpb is None:
-                                tpb = tp_bytes_per_sample(profile, pl)
-                            parts = rank_step(loads, pl, hw, micro_batch_size=b, accumulation=acc,
-                                              optimizer=optimizer, tp_bytes=tpb, dp_overlap=dp_overlap,
-                                              cache=cache)
+                            if sform is None:       # `cost.rank_step` of this layout's candidates
+                                sform = step_form(loads, pl, hw, optimizer=optimizer,
+                                                  tp_bytes=tp_bytes_per_sample(profile, pl),
+                                                  dp_overlap=dp_overlap, cache=cache)
+                            parts = sform.at(pl, b, acc)
                             st = _finish(parts, profile, pl, global_batch_size, flops, cache)
-                            ranked.append(Candidate(pl, Batch(global_batch_size, local), mm, st))
+                            ranked.append(Candidate(pl, batch, mm, st))
                             sort_keys.append((st.total, mt))
     finally:
         if gc_was_enabled:

@@ -1,0 +1,88 @@
+"""The search's speed-ups change no number: every ranked candidate equals a standalone estimate.
+
+The search evaluates one `cost.StepForm` and one `memory.MemoryForm` per layout at many candidates,
+shares memo tables across layouts and skips work by proven bounds; `estimate_step` /
+`rank_step` / `rank_memory` on a fresh cache do none of that. Each candidate's step must be bitwise
+equal to a fresh `rank_step` over the search's representative ranks, and its memory estimate to a
+fresh `rank_memory` of the rank the search reports.
+"""
+
+import dataclasses
+
+import pytest
+
+from modelpar.planner.cost import _finish, rank_step, step_form, tp_bytes_per_sample
+from modelpar.planner.hardware import get_hardware
+from modelpar.planner.memory import rank_loads, rank_memory
+from modelpar.planner.search import _representatives, search_plans
+
+CASES = [  # (model, seq_len, devices, global batch, precision, hardware)
+    ("gpt-1m", 64, 8, 32, "fp32", "cpu"),
+    ("gpt-nano", 16, 4, 8, "fp32", "cpu"),
+    ("gpt-1b", 2048, 64, 512, "bf16", "H100-80GB-SXM"),
+]
+
+
+def _profile(model, seq, prec):
+    from modelpar.cli.common import profile_for
+
+    return profile_for(model, {}, seq, prec)[0]
+
+
+@pytest.mark.parametrize("model,seq,n,gb,prec,hw_name", CASES, ids=[f"{c[0]}-n{c[2]}" for c in CASES])
+def test_every_ranked_candidate_equals_a_standalone_estimate(model, seq, n, gb, prec, hw_name):
+    prof = _profile(model, seq, prec)
+    hw = get_hardware(hw_name, local_ranks=n) if hw_name == "cpu" else get_hardware(hw_name)
+    rep = search_plans(prof, n, hw, global_batch_size=gb, precision=prec)
+    # a memory budget at the candidates' median total: some plans need checkpointing, some are pruned
+    totals = sorted(c.memory.total for c in rep.ranked)
+    frac = totals[len(totals) // 2] / hw.memory_bytes
+    rep = search_plans(prof, n, hw, global_batch_size=gb, precision=prec, memory_fraction=frac)
+    assert len(rep.ranked) > 20, rep.summary()
+    # the candidates cover what the shared forms vary: checkpointing modes, deferred sync, m, b
+    assert {c.plan.activation_checkpointing for c in rep.ranked} >= {"none", "full"}
+    assert len({(c.plan.n_microbatches, c.micro_batch_size) for c in rep.ranked}) > 3
+    for c in rep.ranked:
+        # a fresh `rank_step` over the search's representative ranks (`search._representatives`)
+        loads = rank_loads(prof, c.plan, act_bytes=2 if prec == "bf16" else 4)
+        parts = rank_step([ld for _, ld in _representatives(loads)], c.plan, hw,
+                          micro_batch_size=c.micro_batch_size, accumulation=c.batch.accumulation_steps(c.plan),
+                          optimizer="adamw", tp_bytes=tp_bytes_per_sample(prof, c.plan))
+        assert dataclasses.asdict(_finish(parts, prof, c.plan, gb)) == dataclasses.asdict(c.step), c.plan.describe()
+        # the memory of the rank the search reports, from a fresh `rank_memory`
+        r = c.memory.pp_rank
+        ld = loads[r]
+        mem = rank_memory(ld, c.plan, micro_batch_size=c.micro_batch_size, optimizer="adamw",
+                          overhead_bytes=hw.framework_overhead_bytes, pp_rank=r,
+                          accumulation=c.batch.accumulation_steps(c.plan), global_batch_size=gb,
+                          foreach=hw.kind != "cpu", gloo=hw.kind == "cpu")
+        assert dataclasses.asdict(mem) == dataclasses.asdict(c.memory), c.plan.describe()
+        assert mem.total <= hw.memory_bytes * frac
+
+
+def test_one_step_form_serves_a_layout_as_fresh_rank_steps_do():
+    """A form built from one plan of a layout, evaluated at its other plans (micro-batch count,
+    checkpointing, deferred sync) and micro-batch sizes, equals a fresh `rank_step` for each."""
+    from modelpar.plan import ParallelPlan
+
+    prof = _profile("gpt-1b", 2048, "bf16")
+    hw = get_hardware("H100-80GB-SXM")
+    for base in (ParallelPlan(dp_shard=4, tp=2, precision="bf16"),
+                 ParallelPlan(dp_replicate=2, dp_shard=2, pp=2, pp_schedule="interleaved1f1b", virtual_stages=2,
+                              n_microbatches=4, precision="bf16"),
+                 ParallelPlan(dp_replicate=4, pp=2, precision="bf16", n_microbatches=2)):
+        loads = rank_loads(prof, base, act_bytes=2)
+        tpb = tp_bytes_per_sample(prof, base)
+        form = step_form(loads, base, hw, optimizer="adamw", tp_bytes=tpb)
+        seen = 0
+        for m in ((1,) if base.pp == 1 else (2, 4, 8)):
+            for ac, k in (("none", 1), ("selective", 1), ("every-k", 4), ("full", 1)):
+                for defer in ((False, True) if base.dp_shard > 1 and base.pp == 1 else (False,)):
+                    plan = dataclasses.replace(base, n_microbatches=m, activation_checkpointing=ac, ac_every=k,
+                                               defer_grad_sync=defer)
+                    for b, acc in ((1, 4), (2, 1), (4, 2)):
+                        want = rank_step(loads, plan, hw, micro_batch_size=b, accumulation=acc,
+                                         optimizer="adamw", tp_bytes=tpb)
+                        assert form.at(plan, b, acc) == want, (plan.describe(), b, acc)
+                        seen += 1
+        assert seen >= 24
