@@ -3,17 +3,19 @@
 The search evaluates one `cost.StepForm` and one `memory.MemoryForm` per layout at many candidates,
 shares memo tables across layouts and skips work by proven bounds; `estimate_step` /
 `rank_step` / `rank_memory` on a fresh cache do none of that. Each candidate's step must be bitwise
-equal to a fresh `rank_step` over the search's representative ranks, and its memory estimate to a
-fresh `rank_memory` of the rank the search reports.
+equal to a fresh `rank_step` over the ranks the search evaluates (its representative ranks; every
+pipeline rank under every-k checkpointing, where the representatives do not bound the others), its
+memory estimate to a fresh `rank_memory` of the rank the search reports, and both to the all-rank
+`estimate_step` / `estimate_memory`.
 """
 
 import dataclasses
 
 import pytest
 
-from modelpar.planner.cost import _finish, rank_step, step_form, tp_bytes_per_sample
+from modelpar.planner.cost import _finish, estimate_step, rank_step, step_form, tp_bytes_per_sample
 from modelpar.planner.hardware import get_hardware
-from modelpar.planner.memory import rank_loads, rank_memory
+from modelpar.planner.memory import estimate_memory, rank_loads, rank_memory
 from modelpar.planner.search import _representatives, search_plans
 
 CASES = [  # (model, seq_len, devices, global batch, precision, hardware)
@@ -45,7 +47,8 @@ def test_every_ranked_candidate_equals_a_standalone_estimate(model, seq, n, gb, 
     for c in rep.ranked:
         # a fresh `rank_step` over the search's representative ranks (`search._representatives`)
         loads = rank_loads(prof, c.plan, act_bytes=2 if prec == "bf16" else 4)
-        parts = rank_step([ld for _, ld in _representatives(loads)], c.plan, hw,
+        evaluated = loads if c.plan.activation_checkpointing == "every-k" else [ld for _, ld in _representatives(loads)]
+        parts = rank_step(evaluated, c.plan, hw,
                           micro_batch_size=c.micro_batch_size, accumulation=c.batch.accumulation_steps(c.plan),
                           optimizer="adamw", tp_bytes=tp_bytes_per_sample(prof, c.plan))
         assert dataclasses.asdict(_finish(parts, prof, c.plan, gb)) == dataclasses.asdict(c.step), c.plan.describe()
@@ -58,6 +61,13 @@ def test_every_ranked_candidate_equals_a_standalone_estimate(model, seq, n, gb, 
                           foreach=hw.kind != "cpu", gloo=hw.kind == "cpu")
         assert dataclasses.asdict(mem) == dataclasses.asdict(c.memory), c.plan.describe()
         assert mem.total <= hw.memory_bytes * frac
+        # and the all-rank estimates agree: the ranks the search skips are never slower or fuller
+        full_step = estimate_step(prof, c.plan, c.batch, hw, optimizer="adamw")
+        full_mem = estimate_memory(prof, c.plan, c.batch, optimizer="adamw",
+                                   overhead_bytes=hw.framework_overhead_bytes, foreach=hw.kind != "cpu",
+                                   gloo=hw.kind == "cpu")
+        assert full_step.total == pytest.approx(c.step.total, rel=1e-12), c.plan.describe()
+        assert full_mem.total == pytest.approx(c.memory.total, rel=1e-12), c.plan.describe()
 
 
 def test_one_step_form_serves_a_layout_as_fresh_rank_steps_do():

@@ -8,9 +8,10 @@ accumulation whether to defer the gradient sync.
 Pruning keeps the reason; a whole subtree pruned at the layout level counts every candidate under it.
 Each surviving candidate gets a memory estimate (`memory.rank_memory`) and a step-time estimate
 (`cost.rank_step`), both over a few representative pipeline ranks (`_representatives`: first, last,
-most parameters, most FLOPs + memory traffic). Known gap: under every-k checkpointing another rank
-can be slower or hold more (which layers are checkpointed differs per stage); the search then
-reports the representatives' numbers, not the all-rank `estimate_step` / `estimate_memory`.
+most parameters, most FLOPs + memory traffic), which bound every other rank where each stage runs
+the same checkpointing. Under every-k checkpointing they do not (which of a stage's layers are
+checkpointed differs per stage, so another rank can be slower or hold more), so every-k candidates
+are evaluated on every pipeline rank, as `estimate_step` / `estimate_memory` are.
 """
 
 from __future__ import annotations
@@ -223,7 +224,10 @@ def _plan_memory(plan: ParallelPlan, reps, b: int, acc: int, flights: dict, kw: 
 
 
 def _representatives(loads) -> list[tuple[int, object]]:
-    idx = {0, len(loads) - 1}
+    """The pipeline ranks the search evaluates: the first (most micro-batches in flight), the second
+    (the most in flight among the ranks that receive activations, and hold receive buffers), the last
+    (head and loss), the one with the most parameters and the one with the most work."""
+    idx = {0, min(1, len(loads) - 1), len(loads) - 1}
     for key in (lambda l: l.params, lambda l: l.fwd_flops + l.fwd_mem):
         idx.add(max(range(len(loads)), key=lambda i: key(loads[i])))
     return [(i, loads[i]) for i in sorted(idx)]
@@ -343,17 +347,21 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                 if cached is None:
                     plan0 = ParallelPlan(tp=tp, pp=pp, virtual_stages=v, sequence_parallel=sp,
                                          pp_schedule=sched, precision=precision)
-                    reps = _representatives(rank_loads(profile, plan0, act_bytes=act_bytes, cache=cache))
+                    all_loads = rank_loads(profile, plan0, act_bytes=act_bytes, cache=cache)
+                    # interleaved stages hold micro-batches in flight in no rank order: every rank
+                    reps = list(enumerate(all_loads)) if v > 1 else _representatives(all_loads)
                     cached = load_cache[key] = (reps, [ld for _, ld in reps],
-                                                max(ld.params for _, ld in reps), _ac_bounds(reps))
-                reps, loads, max_params, (core_bound, neg_bound, in_bound) = cached
+                                                max(ld.params for _, ld in reps), _ac_bounds(reps),
+                                                list(enumerate(all_loads)))
+                reps, loads, max_params, (core_bound, neg_bound, in_bound), every_rank = cached
                 if max_params / ds * state_bytes + overhead > budget:
                     pruned["model states exceed memory"] += n_inner
                     continue
                 interleaved = sched.startswith("interleaved")
                 plans: dict[tuple[int, str], ParallelPlan] = {}
                 flights: dict[int, list[float]] = {}
-                sform = None
+                flights_k: dict[int, list[float]] = {}
+                sform = sform_k = None      # step forms: representative ranks / every rank (every-k)
                 for b, m, acc, batch in inner_acc:
                     if interleaved and m % pp:
                         pruned["interleaved needs n_microbatches divisible by pp"] += n_ac
@@ -387,8 +395,12 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                                 continue
                         plan = (plans.get((m, ac, k, False))
                                 or _plan(plans, dr, ds, tp, pp, sched, m, v, ac, k, False, precision, sp))
+                        # every-k: every pipeline rank (the representatives bound the others only
+                        # where all stages checkpoint alike); a separate in-flight table, as its ranks differ
+                        ranks = every_rank if ac == "every-k" else reps
+                        fl = flights_k if ac == "every-k" else flights
                         mem, mem_total = (full_res if (ac == "full" and full_res is not None)
-                                          else _plan_memory(plan, reps, b, acc, flights, *mem_args))
+                                          else _plan_memory(plan, ranks, b, acc, fl, *mem_args))
                         if mem_total > budget:
                             pruned["activations exceed memory"] += per
                             if ac == "none":
@@ -399,17 +411,25 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                         variants = [(plan, mem, mem_total)]
                         if can_defer:           # more memory than the plan without it: only if that fits
                             dplan = _plan(plans, dr, ds, tp, pp, sched, m, v, ac, k, True, precision, sp)
-                            dmem, dtot = _plan_memory(dplan, reps, b, acc, flights, *mem_args)
+                            dmem, dtot = _plan_memory(dplan, ranks, b, acc, fl, *mem_args)
                             if dtot > budget:
                                 pruned["activations exceed memory"] += 1
                             else:
                                 variants.append((dplan, dmem, dtot))
                         for pl, mm, mt in variants:
-                            if sform is None:       # `cost.rank_step` of this layout's candidates
-                                sform = step_form(loads, pl, hw, optimizer=optimizer,
-                                                  tp_bytes=tp_bytes_per_sample(profile, pl),
-                                                  dp_overlap=dp_overlap, cache=cache)
-                            parts = sform.at(pl, b, acc)
+                            if ac == "every-k":
+                                if sform_k is None:
+                                    sform_k = step_form([ld for _, ld in every_rank], pl, hw, optimizer=optimizer,
+                                                        tp_bytes=tp_bytes_per_sample(profile, pl),
+                                                        dp_overlap=dp_overlap, cache=cache)
+                                form = sform_k
+                            else:
+                                if sform is None:       # `cost.rank_step` of this layout's candidates
+                                    sform = step_form(loads, pl, hw, optimizer=optimizer,
+                                                      tp_bytes=tp_bytes_per_sample(profile, pl),
+                                                      dp_overlap=dp_overlap, cache=cache)
+                                form = sform
+                            parts = form.at(pl, b, acc)
                             st = _finish(parts, profile, pl, global_batch_size, flops, cache)
                             ranked.append(Candidate(pl, batch, mm, st))
                             sort_keys.append((st.total, mt))
