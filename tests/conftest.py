@@ -126,6 +126,49 @@ def pytest_runtest_makereport(item, call):
         item._modelpar_call_report = outcome.get_result()
 
 
+# every process the pytest process starts, by test (the terminal summary counts them: a torchrun
+# launch costs ~5-15 s here, a Python process ~2-4 s of imports)
+PROCESS_STARTS: list[tuple[str, str]] = []          # (test node id, kind)
+_CURRENT_TEST: list[str] = ["(session)"]
+
+
+def _kind_of(args) -> str:
+    argv = [str(a) for a in (args if isinstance(args, (list, tuple)) else [args])]
+    if "torch.distributed.run" in argv or any(a.endswith("torchrun") for a in argv):
+        n = next((a.split("=", 1)[1] for a in argv if a.startswith("--nproc-per-node=")), "?")
+        return f"torchrun {n} ranks"
+    if "-m" in argv and argv[argv.index("-m") + 1:argv.index("-m") + 2] == ["modelpar"]:
+        return "python -m modelpar " + (argv[argv.index("-m") + 2] if len(argv) > argv.index("-m") + 2 else "")
+    if argv and "python" in Path(argv[0]).name:
+        return "python " + (Path(argv[1]).name if len(argv) > 1 else "")
+    return Path(argv[0]).name if argv else "?"
+
+
+def pytest_configure(config):
+    import subprocess
+
+    orig = subprocess.Popen._execute_child
+
+    def counted(self, args, *rest, **kw):
+        PROCESS_STARTS.append((_CURRENT_TEST[0], _kind_of(args)))
+        return orig(self, args, *rest, **kw)
+    subprocess.Popen._execute_child = counted
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _CURRENT_TEST[0] = item.nodeid
+    yield
+    _CURRENT_TEST[0] = "(session)"
+
+
+def pytest_collection_finish(session):
+    """Scenario groups of unselected modules do not ride in the shared launches (`helpers.workers`)."""
+    from helpers import workers
+
+    workers.activate({str(it.fspath) for it in session.items})
+
+
 def pytest_collection_modifyitems(config, items):
     """``gpu`` means needs a CUDA device: such tests are skipped (with that reason) where there is none."""
     gpu = [it for it in items if it.get_closest_marker("gpu") is not None]
@@ -149,6 +192,20 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             top = sorted(times.items(), key=lambda kv: -kv[1]["wall_s"])[:8]
             terminalreporter.write_line(f"{world} ranks: {len(times)} cases, {wall:.0f} s wall, {cpu:.0f} s CPU; "
                                         + ", ".join(f"{n} {t['wall_s']:.1f}/{t['cpu_s']:.1f}" for n, t in top))
+    if PROCESS_STARTS:
+        from collections import Counter
+
+        from helpers import workers
+
+        kinds = Counter(k for _, k in PROCESS_STARTS)
+        terminalreporter.section("processes started by the pytest process")
+        terminalreporter.write_line(f"{len(PROCESS_STARTS)} in all: " + ", ".join(f"{n} x {k}" for k, n in kinds.most_common()))
+        by_test = Counter(t for t, _ in PROCESS_STARTS)
+        terminalreporter.write_line("most: " + ", ".join(f"{t} {n}" for t, n in by_test.most_common(8)))
+        for row in workers.LAUNCHES:
+            if row["carried"]:
+                terminalreporter.write_line(f"shared launch {row['tag']} ({row['nproc']} ranks, {row['scenarios']} "
+                                            f"scenarios) carried {', '.join(row['carried'])}")
     if not REPORT:
         return
     lines = ["| case | pass | max loss rel diff | max param abs diff | param rel-norm diff | grad-norm rel diff |",

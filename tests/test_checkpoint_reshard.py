@@ -117,7 +117,7 @@ PAIRS = [("fsdp4 -> ddp2xtp2 (from step 2)", "B", 2), ("ddp2xtp2 -> pp2 (from st
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("pair,name,start", PAIRS, ids=[p[1] for p in PAIRS])
 def test_resume_on_another_layout_matches_uninterrupted(runs, pair, name, start):
     _, ref = _losses(runs, "ref")
@@ -130,7 +130,7 @@ def test_resume_on_another_layout_matches_uninterrupted(runs, pair, name, start)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
 def test_first_segment_fsdp4_matches_reference(runs):
     _, ref = _losses(runs, "ref")
     _, got = _losses(runs, "A")
@@ -140,7 +140,7 @@ def test_first_segment_fsdp4_matches_reference(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
 def test_same_plan_resume_is_bit_identical(runs):
     for full, resumed in (("E", "E_resume4"), ("A", "A_resume4")):
         _, a = _losses(runs, full)
@@ -150,7 +150,7 @@ def test_same_plan_resume_is_bit_identical(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
 def test_saving_has_no_side_effect(runs):
     """Saving every 2 steps, at step 0 too, gives bit-identical losses to never saving."""
     assert _losses(runs, "E")[1] == _losses(runs, "ref")[1]
@@ -159,7 +159,7 @@ def test_saving_has_no_side_effect(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
 def test_checkpoint_records_layout_and_position(runs):
     from modelpar.train.checkpoint import read_checkpoint_meta
 
@@ -173,7 +173,7 @@ def test_checkpoint_records_layout_and_position(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
 def test_export_consolidates_sharded_checkpoint(runs, tmp_path):
     """`modelpar export` of the DDP x TP checkpoint at step 8 loads into the plain model (strict), whose
     validation loss equals the one the 4-rank run measured at the end."""
@@ -198,7 +198,7 @@ def test_export_consolidates_sharded_checkpoint(runs, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
 def test_tied_head_resumes_across_layouts_and_exports_once(runs, tmp_path):
     """Case C13: a tied GPT saved on 1 process resumes under pp2 (the two copies on two ranks, one
     checkpoint name) and back on 1 process, matching an uninterrupted tied run; the export holds the
