@@ -36,13 +36,15 @@ def test_fast_published_rows_fit_and_stay_within_reached_errors(bench):
     assert all(r.fits for r in results), [(r.name, r.memory.total / 2**30) for r in results if not r.fits]
     # factor 1 (no fitted constant): the errors this model reaches on these rows (full benchmark:
     # docs/planner.md); predictions err on the fast side (kernels below their published peaks)
-    assert one["largest"] <= 0.30, one["errors"]
+    assert one["largest"] <= 0.21, one["errors"]        # 20.2% (SC'21 1.7B; 27.5% before the core roofline)
     # one leave-one-out factor per framework (fitted on the other rows of the subset)
     assert loo["median"] <= 0.05 and loo["largest"] <= 0.15, loo["errors"]
-    # Korthikanti 22B: factor 1 mean 12.4% here (15.7% before this session's optimizer and recompute
-    # terms); its leave-one-out factor in this 3-row Megatron subset is set mostly by the 1.7B row
-    assert one["mean_by_source"]["korthikanti"] <= 0.13
-    assert loo["mean_by_source"]["korthikanti"] <= 0.065
+    # Korthikanti 22B: factor 1 mean 13.9% here (9.6% with the unfused core's per-kernel roofline
+    # alone, 12.4% before it; Megatron's asynchronous TP backward hides ~5% of the 22B step, so
+    # factor 1 moved away); its leave-one-out factor in this 3-row Megatron subset is set mostly by
+    # the 1.7B row (2.7% here; 4.5% and 6.1% before the two terms)
+    assert one["mean_by_source"]["korthikanti"] <= 0.14
+    assert loo["mean_by_source"]["korthikanti"] <= 0.03
 
 
 def test_leave_one_out_factor_excludes_the_row(bench):
@@ -283,3 +285,56 @@ def test_master_weights_optimizer_traffic():
     assert m.optimizer - a.optimizer == pytest.approx(20 * ld.params / (hw.mem_bandwidth * A100.hbm_fraction))
     cpu, p1 = cpu_profile(1), ParallelPlan()
     assert estimate_step(prof, p1, Batch(2, 2), cpu, master_weights=True) == estimate_step(prof, p1, Batch(2, 2), cpu)
+
+
+def test_unfused_core_products_priced_at_their_own_roofline(bench):
+    # the per-kernel roofline (Williams et al. 2009) for Megatron-LM's core products: with the
+    # layer's matmuls compute-bound in sum, the products' bytes (intensity ~ head dim 96, below
+    # the A100's ridge ~155 FLOP/B) add B_c / W - F_c / R per layer and direction
+    from modelpar.planner.runtimes import core_products, core_roofline_excess
+    prof = bench.gpt_profile(51200, 2048, 4, 24, 2304, attention="megatron", dropout=0.1)
+    plan = ParallelPlan(precision="bf16", activation_checkpointing="full")
+    ld = rank_loads(prof, plan, act_bytes=2)[0]
+    core = core_products(prof, micro_batch=16, tp=1)
+    f, byt = core["fwd"]
+    assert math.isclose(f, 4 * 16 * 24 * 2048 ** 2 * 96) and math.isclose(byt, 2 * 16 * 24 * (2 * 2048 ** 2 + 4 * 2048 * 96))
+    R, W = A100.mamf_bf16, BUILTIN["A100-80GB"].mem_bandwidth * A100.hbm_fraction
+    ex_f, ex_b = core_roofline_excess(ld, prof, BUILTIN["A100-80GB"], micro_batch=16, tp=1)
+    assert math.isclose(ex_f, 4 * (byt / W - f / R), rel_tol=1e-9) and ex_f > 0
+    assert math.isclose(ex_b, 4 * (2 * byt / W - 2 * f / R), rel_tol=1e-9)
+    # it reaches the step: the Megatron estimate is slower by exactly the excess (+ the replay)
+    base = estimate_step(prof, plan, Batch(16, 16), BUILTIN["A100-80GB"], reduce_bytes=2, replicate=False,
+                         autocast_weights=False, master_weights=True, p2p_scatter_gather=True,
+                         optimizer="adamw", fused_tp_optimizer=True)
+    st, _ = bench.megatron_estimate(prof, plan, Batch(16, 16), ddp="torch", selective=False, micro=16)
+    assert math.isclose(st.total - base.total, 2 * ex_f + ex_b, rel_tol=1e-6)
+    # a fused-attention profile has no such products
+    flash = bench.gpt_profile(50368, 2048, 4, 24, 2304, attention="flash", dropout=0.0)
+    assert core_roofline_excess(rank_loads(flash, plan, act_bytes=2)[0], flash, BUILTIN["A100-80GB"],
+                                micro_batch=16, tp=1) == (0.0, 0.0)
+
+
+def test_megatron_async_tp_backward_overlaps_column_parallel_collectives(bench):
+    # Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication: without SP the input-gradient
+    # all-reduce runs beside the weight-gradient GEMM; with SP the re-gather and the reduce-scatter
+    # run beside the GEMMs and the row-parallel output gradients' all-gathers stay exposed
+    from modelpar.planner.runtimes import tp_backward_overlap_delta
+    prof = bench.gpt_profile(51200, 2048, 4, 64, 6144, attention="megatron", dropout=0.1)
+    hw = BUILTIN["A100-80GB"]
+    share = A100.nccl_sm_share
+    ar = 1e-4                        # shorter than every GEMM (QKV wgrad of b 4 x s 2048 x h 6144 / 8: ~0.9 ms)
+    d = tp_backward_overlap_delta(prof, hw, micro_batch=4, tp=8, sequence_parallel=False, layers=3, all_reduce_s=ar)
+    assert math.isclose(d, 3 * (2 * share * ar - 2 * ar))
+    d_sp = tp_backward_overlap_delta(prof, hw, micro_batch=4, tp=8, sequence_parallel=True, layers=3, all_reduce_s=ar)
+    assert math.isclose(d_sp, 3 * (ar + 4 * share * ar / 2 - 2 * ar))
+    # a collective longer than its GEMM exposes the excess
+    big = 1.0
+    w_qkv = 2 * 4 * 2048 * 6144 * 3 * 6144 / 8 / A100.mamf_bf16
+    w_mlp = 2 * 4 * 2048 * 6144 * 4 * 6144 / 8 / A100.mamf_bf16
+    d_big = tp_backward_overlap_delta(prof, hw, micro_batch=4, tp=8, sequence_parallel=False, layers=1, all_reduce_s=big)
+    assert math.isclose(d_big, (big - w_qkv + share * w_qkv) + (big - w_mlp + share * w_mlp) - 2 * big)
+    # wired into the Korthikanti rows' estimate (TP 8): less exposed TP time than the synchronous model
+    plan = ParallelPlan(tp=8, activation_checkpointing="full", precision="bf16")
+    sync, _ = bench.megatron_estimate(prof, plan, Batch(4, 4), ddp="local", selective=False, micro=4)
+    asy, _ = bench.megatron_estimate(prof, plan, Batch(4, 4), ddp="local", selective=False, micro=4, async_tp=True)
+    assert asy.tp_comm < sync.tp_comm and asy.compute == sync.compute

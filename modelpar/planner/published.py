@@ -30,6 +30,13 @@ Each row is predicted for the runtime it ran on; describing that runtime is not 
   DDP for PP = 1 (overlapped, bucket copy). Selective
   recomputation: `runtimes.selective_recompute_profile` (memory) and
   `runtimes.attention_core_seconds` (the extra forward of the core, per layer and micro-batch).
+  Korthikanti's runs (2022, the code that introduced sequence parallelism) overlap the
+  column-parallel linears' backward collectives with their GEMMs (``async_tp``,
+  `runtimes.tp_backward_overlap_delta`); the SC'21 rows (2021 code, whose version is not pinned
+  here) keep the synchronous backward all-reduces (an assumption, stated).
+  The unfused core's matmuls (``baddbmm`` Q K^T and ``bmm`` with V, and their backward) are
+  priced at their own roofline, not inside the sum of the rank's matmuls where the weight GEMMs
+  hide their bytes (`runtimes.core_roofline_excess`: the roofline is a per-kernel bound).
   Its fp16 modules hold 16-bit weights (``autocast_weights=False``) beside fp32 main weights in
   its fp16 optimizer (``master_weights``: gradient copy, unscale and inf check, main-to-model
   weight copy per step).
@@ -78,11 +85,14 @@ import torch
 
 from modelpar.models.gpt import GPT, GPTConfig
 from modelpar.plan import ParallelPlan
-from modelpar.planner.cost import bubble_fraction, estimate_step
+from modelpar.planner.comms import _coll
+from modelpar.planner.cost import bubble_fraction, estimate_step, tp_bytes_per_sample
+from modelpar.planner.memo import PlannerCache
 from modelpar.planner.hardware import BUILTIN
 from modelpar.planner.memory import Batch, estimate_memory, rank_loads
 from modelpar.planner.profile import profile_model
-from modelpar.planner.runtimes import (attention_core_seconds, selective_recompute_profile,
+from modelpar.planner.runtimes import (attention_core_seconds, core_roofline_excess,
+                                       selective_recompute_profile, tp_backward_overlap_delta,
                                        vocab_parallel_profile)
 
 A100 = BUILTIN["A100-80GB"]
@@ -219,10 +229,11 @@ def gpt_profile(vocab: int, seq: int, layers: int, heads: int, d: int, *, attent
 MEGATRON_RUNTIME = dict(optimizer="adamw", fused_tp_optimizer=True)
 
 
-def megatron_estimate(profile, plan, batch, *, ddp: str, selective: bool, micro: int):
+def megatron_estimate(profile, plan, batch, *, ddp: str, selective: bool, micro: int, async_tp: bool = False):
     """(StepEstimate, MemoryEstimate) of one Megatron-LM run (see module docstring): ``profile``
     with the replicated embedding / head (made vocabulary-parallel here when ``plan.tp`` > 1),
-    ``ddp`` ``"torch"`` or ``"local"`` (Megatron's own), ``micro`` samples per micro-batch."""
+    ``ddp`` ``"torch"`` or ``"local"`` (Megatron's own), ``micro`` samples per micro-batch,
+    ``async_tp``: the asynchronous TP backward collectives (`runtimes.tp_backward_overlap_delta`)."""
     prof = vocab_parallel_profile(profile) if plan.tp > 1 else profile
     mprof = selective_recompute_profile(prof, dropout=True) if selective else prof
     mem = estimate_memory(mprof, plan, batch, overhead_bytes=A100.framework_overhead_bytes,
@@ -230,15 +241,30 @@ def megatron_estimate(profile, plan, batch, *, ddp: str, selective: bool, micro:
     st = estimate_step(prof, plan, batch, A100, dp_overlap=(ddp == "torch"), reduce_bytes=2,
                        p2p_scatter_gather=True, replicate=False, autocast_weights=False, master_weights=True,
                        **MEGATRON_RUNTIME)
+    m = plan.n_microbatches if plan.pp > 1 else 1
+    acc = batch.accumulation_steps(plan)
+    bubble = bubble_fraction(plan.pp_schedule, plan.pp, m, plan.virtual_stages) * m * acc
+    # the unfused core's products at their own roofline (`runtimes.core_roofline_excess`), forward,
+    # backward and (full recomputation) the replayed forward; the slowest rank's figure
+    full = plan.activation_checkpointing == "full"
+    ex = max((core_roofline_excess(ld, prof, A100, micro_batch=micro, tp=plan.tp)
+              for ld in rank_loads(prof, plan, act_bytes=2)), key=lambda e: e[0] * (2 if full else 1) + e[1])
+    st = dataclasses.replace(st, compute=st.compute + acc * m * (ex[0] + ex[1]),
+                             recompute=st.recompute + (acc * m * ex[0] if full else 0.0),
+                             bubble=st.bubble + bubble * (ex[0] * (2 if full else 1) + ex[1]))
+    if async_tp and plan.tp > 1:
+        cache = PlannerCache().bind(hw=A100)
+        ar = _coll(plan, "tp", A100, "all_reduce", tp_bytes_per_sample(prof, plan) * micro, plan.tp, False, cache)
+        layers = (len(prof.blocks) - 2) / plan.pp
+        d = tp_backward_overlap_delta(prof, A100, micro_batch=micro, tp=plan.tp,
+                                      sequence_parallel=plan.sequence_parallel, layers=layers, all_reduce_s=ar)
+        st = dataclasses.replace(st, tp_comm=st.tp_comm + acc * m * d, bubble=st.bubble + bubble * d)
     if selective:
         # the attention core's extra forward, per layer and micro-batch, on every rank's layers;
         # the pipeline's idle time grows with the per-micro-batch work (cost.rank_step's bubble)
         layers = (len(prof.blocks) - 2) / plan.pp
-        m = plan.n_microbatches if plan.pp > 1 else 1
-        acc = batch.accumulation_steps(plan)
         per_mb = layers * attention_core_seconds(prof, A100, micro_batch=micro, tp=plan.tp, dropout=True)
-        bub = bubble_fraction(plan.pp_schedule, plan.pp, m, plan.virtual_stages) * m * per_mb * acc
-        st = dataclasses.replace(st, recompute=st.recompute + acc * m * per_mb, bubble=st.bubble + bub)
+        st = dataclasses.replace(st, recompute=st.recompute + acc * m * per_mb, bubble=st.bubble + bubble * per_mb)
     return st, mem
 
 
@@ -256,7 +282,7 @@ def korthikanti_rows(fast: bool = False) -> list[Result]:
                                 activation_checkpointing="none" if sel else "full", precision="bf16",
                                 sequence_parallel=sel)
             batch = Batch(B, B if pp > 1 else b)
-            st, mem = megatron_estimate(prof, plan, batch, ddp="local", selective=sel, micro=b)
+            st, mem = megatron_estimate(prof, plan, batch, ddp="local", selective=sel, micro=b, async_tp=True)
             out.append(Result("korthikanti", "Megatron-LM", f"{name} {mode}", plan.describe(), 1 / published,
                               1 / st.total, "1/s", st, mem, mem.total <= A100.memory_bytes))
     return out

@@ -116,17 +116,118 @@ def selective_recompute_profile(profile: ModelProfile, *, dropout: bool) -> Mode
     return dataclasses.replace(profile, blocks=tuple(blocks))
 
 
-def attention_core_seconds(profile: ModelProfile, hw, *, micro_batch: int, tp: int, dropout: bool) -> float:
-    """Seconds to recompute one transformer layer's attention core for ``micro_batch`` samples on a
-    rank of a ``tp``-way split (Korthikanti et al. 2022, Sec. 5): the Q K^T and attention-over-V
-    matmuls, 4 b s^2 h / t FLOPs at the GPU's achievable GEMM rate, and the fused softmax and dropout
-    (``MegatronAttention``: softmax read + write 4 bytes, dropout read + write + mask 5 bytes per
-    score element; a s^2 b / t elements) at its streaming memory rate."""
+def _rates(hw) -> tuple[float, float]:
+    """(achievable GEMM FLOP/s, streaming bytes/s) of ``hw``: the built-in GPU's tables (`gpu.py`)
+    or the profile's own figures."""
     from modelpar.planner.gpu import physics_for
-    arch = profile.arch
-    s, a, h, b = profile.tokens_per_sample, arch["n_head"], arch["d_model"], micro_batch
     phys = physics_for(hw)
     flops_s = phys.mamf_bf16 if phys else hw.achievable_flops("bf16")
     mem_s = hw.mem_bandwidth * (phys.hbm_fraction if phys else hw.mem_bw_fraction)
+    return flops_s, mem_s
+
+
+def core_products(profile: ModelProfile, *, micro_batch: int, tp: int) -> dict[str, tuple[float, float]]:
+    """FLOPs and bytes of one transformer layer's attention-core matmuls on a rank of a ``tp``-way
+    split, for ``micro_batch`` samples, as Megatron-LM's ``CoreAttention`` runs them (16-bit
+    operands): forward Q K^T (``baddbmm``: reads q, k; writes the a/t x s x s scores) and
+    probabilities x V (reads the probabilities and v; writes the context); backward the four
+    products autograd makes of them (grad of the probabilities = dctx V^T, dV = P^T dctx,
+    dQ = dS K, dK = dS^T Q: each reads or writes one s x s matrix per head and two s x d ones).
+    Per head (d = h / a): forward 4 s^2 d FLOPs over 2 (2 s^2 + 4 s d) bytes, backward twice both.
+    Returns {"fwd": (FLOPs, bytes), "bwd": (FLOPs, bytes)}; their arithmetic intensity is about the
+    head dimension (s d / (s + 2 d) FLOP/B), below an A100's or H100's ridge point (MAMF / HBM,
+    ~155 and ~275 FLOP/B) for the head dimensions of Table 1 and Table 5 (96-160)."""
+    arch = profile.arch
+    s, a, h, b = profile.tokens_per_sample, arch["n_head"], arch["d_model"], micro_batch
+    d = h / a
+    heads = b * a / tp
+    f = 4 * heads * s * s * d
+    byt = 2 * heads * (2 * s * s + 4 * s * d)
+    return {"fwd": (f, byt), "bwd": (2 * f, 2 * byt)}
+
+
+def core_roofline_excess(load, profile: ModelProfile, hw, *, micro_batch: int, tp: int) -> tuple[float, float]:
+    """(forward, backward) seconds per micro-batch that the per-kernel roofline adds on a rank
+    holding ``load`` (`loads.RankLoad`) with Megatron-LM's unfused attention core.
+
+    The roofline bounds one kernel: max(FLOPs / rate, bytes / bandwidth) (Williams, Waterman &
+    Patterson, CACM 2009). The step model applies it to the sum of a rank's matmuls
+    (`gpu.gpu_load_times`), where the large weight GEMMs, far above the ridge point, hide the
+    bytes of the core's products, whose intensity is about the head dimension (`core_products`).
+    Here the products are taken out of that sum and given their own bound: the result is the
+    difference max(F_w / R, B_w / W) + max(F_c / R, B_c / W) - max((F_w + F_c) / R, (B_w + B_c) / W)
+    over the rank's transformer layers (``load.ac_blocks`` entries with a layer index), at the
+    same rates (`gpu.py`: MAMF, HBM at its measured fraction). Zero for fused attention (the
+    kernel's own table prices it) and off GPU tables' profiles it uses the profile's rates."""
+    if load.attn_flops[0] or not profile.arch.get("n_head"):
+        return 0.0, 0.0
+    flops_s, mem_s = _rates(hw)
+    layers = sum(1 for e in load.ac_blocks if e[1] >= 0)
+    core = core_products(profile, micro_batch=micro_batch, tp=tp)
+    b = micro_batch
+    out = []
+    for i, d in enumerate(("fwd", "bwd")):
+        fc, bc = core[d][0] * layers, core[d][1] * layers
+        f = (load.fwd_flops if i == 0 else load.bwd_flops) * b
+        byt = load.gemm_param_bytes[i] + load.gemm_act_bytes[i] * b
+        agg = max(f / flops_s, byt / mem_s)
+        split = max((f - fc) / flops_s, (byt - bc) / mem_s) + max(fc / flops_s, bc / mem_s)
+        out.append(max(0.0, split - agg))
+    return out[0], out[1]
+
+
+def attention_core_seconds(profile: ModelProfile, hw, *, micro_batch: int, tp: int, dropout: bool) -> float:
+    """Seconds to recompute one transformer layer's attention core for ``micro_batch`` samples on a
+    rank of a ``tp``-way split (Korthikanti et al. 2022, Sec. 5): the Q K^T and attention-over-V
+    matmuls at their own roofline (`core_products`: max of 4 b s^2 h / t FLOPs at the GPU's
+    achievable GEMM rate and their bytes at its streaming rate), and the fused softmax and dropout
+    (``MegatronAttention``: softmax read + write 4 bytes, dropout read + write + mask 5 bytes per
+    score element; a s^2 b / t elements) at its streaming memory rate."""
+    arch = profile.arch
+    s, a, b = profile.tokens_per_sample, arch["n_head"], micro_batch
+    flops_s, mem_s = _rates(hw)
     elems = a * s * s * b / tp
-    return 4 * b * s * s * h / tp / flops_s + (9 if dropout else 4) * elems / mem_s
+    f, byt = core_products(profile, micro_batch=micro_batch, tp=tp)["fwd"]
+    return max(f / flops_s, byt / mem_s) + (9 if dropout else 4) * elems / mem_s
+
+
+def tp_backward_overlap_delta(profile: ModelProfile, hw, *, micro_batch: int, tp: int, sequence_parallel: bool,
+                              layers: float, all_reduce_s: float) -> float:
+    """Seconds per micro-batch that Megatron-LM's asynchronous tensor-parallel backward changes on a
+    rank of ``layers`` transformer layers, against the step model's exposed backward collectives
+    (two all-reduces of the block output per layer, ``all_reduce_s`` each, for ``micro_batch``
+    samples; `cost.rank_step`'s ``t_tp``). Negative: less is exposed.
+
+    Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication`` (read in the copy of its
+    tensor-parallel layers that NVIDIA ships as apex ``transformer/tensor_parallel/layers.py``) runs
+    the backward of each column-parallel linear (per layer: the QKV projection and the first MLP
+    matmul) as follows. Without sequence parallelism the all-reduce of the input gradient is issued
+    asynchronously and overlaps that linear's weight-gradient GEMM (``async_grad_allreduce``; the
+    row-parallel linears have no backward collective). With sequence parallelism the layer input is
+    all-gathered again (asynchronously, overlapping the input-gradient GEMM) and the input gradient
+    is reduce-scattered (asynchronously, overlapping the weight-gradient GEMM); the row-parallel
+    linears' backward all-gathers their output gradient before any GEMM (exposed). A collective of c
+    seconds beside a GEMM of w seconds exposes max(0, c - w), and the GEMM loses NCCL's share of the
+    SMs for min(c, w) (`gpu.GpuPhysics.nccl_sm_share`). The GEMMs: 2 b s h n / t FLOPs (n = 3 h for
+    QKV, the FFN width for the MLP) at the achievable GEMM rate; all-gather and reduce-scatter of
+    the block output are each half an all-reduce (Thakur et al. 2005: all-reduce = reduce-scatter +
+    all-gather). The embedding and output layer keep the model's terms."""
+    from modelpar.planner.gpu import physics_for
+    arch = profile.arch
+    s, h, b = profile.tokens_per_sample, arch["d_model"], micro_batch
+    ffn = arch.get("ffn", 4 * h)
+    flops_s, _ = _rates(hw)
+    phys = physics_for(hw)
+    share = phys.nccl_sm_share if phys else 0.0
+    gemms = [2 * b * s * h * n / tp / flops_s for n in (3 * h, ffn)]   # weight- (= input-) gradient GEMMs
+
+    def beside(c: float, w: float) -> float:
+        return max(0.0, c - w) + share * min(c, w)
+
+    ar = all_reduce_s
+    if sequence_parallel:
+        half = ar / 2
+        new = 2 * half + sum(beside(half, w) + beside(half, w) for w in gemms)
+    else:
+        new = sum(beside(ar, w) for w in gemms)
+    return layers * (new - 2 * ar)
