@@ -33,6 +33,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers.guards import refuse_processes  # noqa: E402
 LAUNCH_TIMEOUT_S = {2: 600, 4: 420, 8: 600}
+# inductor compiles in this process rather than in a pool of worker processes, each of which imports
+# torch (the compile row: ~2-5 s per rank on 2 cores; the kernels are the same, and the C++ compiler
+# still runs as a child process whose output the ranks share through inductor's cache and its locks)
+LAUNCH_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
 LAUNCH_TIMES: dict[int, dict] = {}                  # world -> case -> rank 0's wall / CPU seconds   # 2: the HF rows (issue 12) made that launch longer
 
 
@@ -59,7 +63,7 @@ def dist_results(tmp_path_factory):
             names = [n for n, c in parity_cases.CASES.items() if c[0] == world]
             out = tmp_path_factory.mktemp(f"parity{world}") / "results.json"
             run = run_ranks(world, [str(ROOT / "tests" / "helpers" / "dist_worker.py"), str(out), *names], out,
-                            LAUNCH_TIMEOUT_S[world])
+                            LAUNCH_TIMEOUT_S[world], env=LAUNCH_ENV)
             res = run.result or {}
             if run.returncode != 0 and not res:
                 pytest.fail(f"parity launch with {world} ranks failed (rc {run.returncode}):\n{run.output[-4000:]}")
@@ -155,10 +159,27 @@ def pytest_configure(config):
     subprocess.Popen._execute_child = counted
 
 
+TEST_CPU: dict[str, tuple[float, float, float]] = {}   # node id -> (wall, own CPU, children's CPU) seconds
+
+
+def _cpu() -> tuple[float, float]:
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
+    """Per test (setup included): wall seconds and CPU seconds of this process and of the processes it
+    started and waited for (ranks included): CPU is what a loaded machine does not inflate much."""
+    import time
+
     _CURRENT_TEST[0] = item.nodeid
+    t0, (own0, kids0) = time.perf_counter(), _cpu()
     yield
+    own1, kids1 = _cpu()
+    TEST_CPU[item.nodeid] = (time.perf_counter() - t0, own1 - own0, kids1 - kids0)
     _CURRENT_TEST[0] = "(session)"
 
 
@@ -192,6 +213,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             top = sorted(times.items(), key=lambda kv: -kv[1]["wall_s"])[:8]
             terminalreporter.write_line(f"{world} ranks: {len(times)} cases, {wall:.0f} s wall, {cpu:.0f} s CPU; "
                                         + ", ".join(f"{n} {t['wall_s']:.1f}/{t['cpu_s']:.1f}" for n, t in top))
+    if TEST_CPU:
+        wall, own, kids = (sum(v[i] for v in TEST_CPU.values()) for i in range(3))
+        terminalreporter.section("CPU seconds per test (this process + the processes it waited for)")
+        terminalreporter.write_line(f"{len(TEST_CPU)} tests: {wall:.0f} s wall, {own:.0f} s CPU here, {kids:.0f} s CPU "
+                                    "in child processes")
+        top = sorted(TEST_CPU.items(), key=lambda kv: -(kv[1][1] + kv[1][2]))[:int(os.getenv("MODELPAR_TOP_CPU", "25"))]
+        for nodeid, (w, o, k) in top:
+            terminalreporter.write_line(f"{o + k:7.1f} s CPU ({o:.1f} here + {k:.1f} children), {w:6.1f} s wall  {nodeid}")
     if PROCESS_STARTS:
         from collections import Counter
 
