@@ -14,13 +14,18 @@ share caches and memory bandwidth) in two ways:
    call is the Python of the model's forward (module calls, transformers' mask / rotary / output
    code) plus the timer's own overhead;
 2. every matmul-class call replayed alone with its own shapes and strides (min of 5), next to the
-   calibrated N x N x N curve at its FLOPs: the rate of a product depends on its shape and layout,
-   which the curve (a function of FLOPs only) does not see;
+   calibrated N x N x N curve at its FLOPs and the calibrated shape grid at its M x K x N and layout
+   (`Hardware.shape_flops`; schema-3 files) and the curve times the grid's shape factor
+   (`Hardware.shape_factor`, what the planner uses): the rate of a product depends on its shape and layout,
+   which the curve (a function of FLOPs only) does not see; totals: replayed, the curve per call,
+   the planner before (the curve at the mean call), curve x factor per call, and the planner's shape
+   pricing of the profiled shapes (`cost._shape_seconds` plus the rest on the curve);
 3. the step at 1 sample x 4 tokens (kernels negligible: the step's fixed cost of dispatch, autograd,
    module calls and the model's own Python), lower quartile of 30, next to the planner's only
    per-step fixed term (profiled non-view ops x the calibrated per-op overhead).
 
-Run: ``python benchmarks/step_time_ops.py [--models hf-llama,hf-gpt2,gpt] [--batch 16] [--hardware cal.json]``
+Run: ``python benchmarks/step_time_ops.py [--models hf-llama,hf-gpt2,gpt] [--batch 16] [--hardware cal.json]
+[--cpu-time-rates]`` (the last re-measures the curve and grid on CPU time, for a shared machine)
 (1 thread; the hardware file from ``modelpar calibrate``). Diagnostic only: nothing here is fitted.
 """
 
@@ -105,6 +110,37 @@ def _flops(name: str, shapes) -> float:
     return 0.0
 
 
+def _grid_rate(hw, op: str, shapes) -> tuple[float, float] | None:
+    """(the calibrated shape grid's FLOP/s, its shape factor `Hardware.shape_factor`) for a replayed
+    mm / addmm (None: other ops, or no grid)."""
+    from modelpar.planner.profile_ops import _layout_char
+    if op not in ("mm", "addmm"):
+        return None
+    (sa, ta, _), (sb, tb, _) = shapes[-2:]
+    lay = ""
+    for shape, stride in ((sa, ta), (sb, tb)):
+        t = torch.empty_strided(shape, stride, device="meta")
+        c = _layout_char(t)
+        if c is None:
+            return None
+        lay += c
+    r = hw.shape_flops("fp32", lay, sa[0], sa[1], sb[1])
+    return None if r is None else (r, hw.shape_factor(lay, sa[0], sa[1], sb[1]))
+
+
+def cpu_time_rates(hw):
+    """``hw`` with its square curve and shape grid re-measured here on this thread's CPU time
+    (`micro._linear_matmul_rate`, `micro.measure_shapes` with ``timer=time.thread_time``): on a
+    shared machine, wall-clock rates carry the neighbours' load, CPU-time rates much less."""
+    import dataclasses
+
+    from modelpar.calibrate import micro
+    curve = {n: micro._linear_matmul_rate(n, timer=time.thread_time) for n in micro.MATMUL_SIZES}
+    grid, _ = micro.measure_shapes(passes=3, timer=time.thread_time)
+    return dataclasses.replace(hw, calibration=dataclasses.replace(hw.calibration, matmul_flops=curve,
+                                                                   matmul_shapes=grid))
+
+
 def _alone(func, shapes, rest) -> float:
     """Min of 5 thread-CPU seconds of one call on fresh tensors of the same shapes and strides."""
     ts = []
@@ -184,18 +220,27 @@ def report(name: str, batch: int, hw) -> None:
         key = (func.overloadpacket.__name__, shapes, rest)
         sig[key] += 1
         info[key] = func
-    rows, t_alone, t_curve, fl_all, k_all = [], 0.0, 0.0, 0.0, 0
+    rows, t_alone, t_curve, t_grid, fl_all, k_all = [], 0.0, 0.0, 0.0, 0.0, 0
     for (op, shapes, rest), cnt in sig.items():
         fl = _flops(op, shapes)
         t = _alone(info[(op, shapes, rest)], shapes, rest)
         rate = hw.gemm_flops("fp32", fl)
+        grid, factor = _grid_rate(hw, op, shapes) or (rate, 1.0)
         t_alone, t_curve, fl_all, k_all = t_alone + t * cnt, t_curve + fl / rate * cnt, fl_all + fl * cnt, k_all + cnt
-        rows.append((t * cnt, op, [s[0] for s in shapes], cnt, fl / t / 1e9, rate / 1e9))
+        t_grid += fl / (rate * factor) * cnt
+        rows.append((t * cnt, op, [s[0] for s in shapes], cnt, fl / t / 1e9, rate / 1e9, grid / 1e9, rate * factor / 1e9))
     mean = fl_all / hw.gemm_flops("fp32", fl_all / max(k_all, 1))
+    from modelpar.planner.cost import _shape_seconds
+    (s_f, s_b), (f_f, f_b), (k_f, k_b) = _shape_seconds(ld, hw, batch, "fp32")
+    rest = max(mf * batch + mb * batch - f_f - f_b, 0.0)
+    n_rest = max(ld.fwd_gemms + ld.bwd_gemms - 2 * ld.attn_calls - k_f - k_b, 1)
+    new = s_f + s_b + (rest / hw.gemm_flops("fp32", rest / n_rest) if rest else 0.0)
     print(f"   matmuls alone: {k_all} calls, {fl_all / 1e9:.1f} GFLOP, {t_alone * 1e3:.1f} ms; the curve per call "
-          f"{t_curve * 1e3:.1f} ms, at the mean call (the planner) {mean * 1e3:.1f} ms")
-    for t, op, sh, cnt, g, gp in sorted(rows, reverse=True)[:10]:
-        print(f"      {op:<6} {str(sh):<44} x{cnt:<3} {t * 1e3:7.1f} ms  {g:6.1f} GFLOP/s (curve {gp:6.1f})")
+          f"{t_curve * 1e3:.1f} ms, at the mean call (the planner before) {mean * 1e3:.1f} ms; curve x shape factor "
+          f"per call {t_grid * 1e3:.1f} ms, the planner's shape pricing (profiled shapes) {new * 1e3:.1f} ms")
+    for t, op, sh, cnt, g, gp, gg, gs in sorted(rows, reverse=True)[:12]:
+        print(f"      {op:<6} {str(sh):<44} x{cnt:<3} {t * 1e3:7.1f} ms  {g:6.1f} GFLOP/s (curve {gp:6.1f}, grid "
+              f"{gg:6.1f}, curve x factor {gs:6.1f})")
     x, y = x[:1, :4], y[:1, :4]
     for _ in range(5):
         step()
@@ -216,9 +261,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--models", default="hf-llama,hf-gpt2,gpt")
     ap.add_argument("--batch", type=int, default=16, help="samples (16: a DDP rank's local batch of the benchmark)")
     ap.add_argument("--hardware", help="calibration file (default: `modelpar calibrate`'s)")
+    ap.add_argument("--cpu-time-rates", action="store_true",
+                    help="re-measure the matmul curve and shape grid here on this thread's CPU time (`cpu_time_rates`)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     hw = load_hardware(args.hardware)
+    if args.cpu_time_rates:
+        hw = cpu_time_rates(hw)
     for m in args.models.split(","):
         report(m, args.batch, hw)
     return 0

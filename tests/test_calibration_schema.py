@@ -66,3 +66,35 @@ def test_uncalibrated_profiles_have_no_calibration(tmp_path):
     out = tmp_path / "cpu.json"
     save_profile(hw, out)
     assert load_profile(out) == hw and json.loads(out.read_text())["calibration"] is None
+
+
+def test_schema_3_keeps_rounds_and_spread_and_schema_2_files_still_load(tmp_path):
+    """Schema 3 records each term's spread over the calibration's rounds (an infinite spread, a median
+    of 0 with a range, survives as null); a schema-2 file (no rounds, no spread) loads with one round
+    and no spreads, and predicts exactly as before (the spread is read by nothing in the cost model)."""
+    from modelpar.planner.cost import estimate_step
+    from modelpar.planner.memory import Batch
+    from modelpar.plan import ParallelPlan
+    from modelpar.cli.common import profile_for
+
+    cal = Calibration(matmul_flops={64: 1e10, 512: 5e10}, attention_flops=1e10, rounds=3,
+                      spread={"matmul_flops[64]": 0.04, "tp_linear_overhead_s": float("inf")})
+    hw = dataclasses.replace(cpu_profile(2), calibration=cal)
+    out = tmp_path / "v3.json"
+    save_profile(hw, out)
+    saved = json.loads(out.read_text())
+    assert saved["schema_version"] == SCHEMA_VERSION == 3
+    assert saved["calibration"]["rounds"] == 3
+    assert saved["calibration"]["spread"] == {"matmul_flops[64]": 0.04, "tp_linear_overhead_s": None}
+    assert load_profile(out) == hw
+    # the same file as schema 2 wrote it: no rounds, no spread
+    del saved["calibration"]["rounds"], saved["calibration"]["spread"]
+    old = tmp_path / "v2.json"
+    old.write_text(json.dumps({**saved, "schema_version": 2}))
+    hw2 = load_profile(old)
+    assert hw2.calibration.rounds == 1 and hw2.calibration.spread == {}
+    assert hw2.calibration.matmul_flops == cal.matmul_flops
+    prof, _ = profile_for("gpt-nano", {}, 16, "fp32")
+    plan, batch = ParallelPlan(dp_replicate=2), Batch(8, 4)
+    assert estimate_step(prof, plan, batch, hw2).total == estimate_step(prof, plan, batch, hw).total
+

@@ -194,3 +194,33 @@ def test_plan_quality_finalists_cover_basic_strategies():
     kinds = {pq.basic_strategy(p) for _, p, _, _ in fin}
     assert {"ddp", "fsdp", "tp", "pp"} <= kinds
     assert json.dumps([p.to_dict() for _, p, _, _ in fin])
+
+
+def test_robust_keeps_the_median_and_reports_the_range():
+    """`micro.robust`: one outlying round is rejected whichever way it lies; the spread is the full
+    range over the median."""
+    from modelpar.calibrate.micro import robust
+    assert robust([10.0, 11.0, 30.0]) == (11.0, 20.0 / 11.0)
+    assert robust([1.0, 10.0, 11.0])[0] == 10.0
+    assert robust([5.0]) == (5.0, 0.0)
+    assert robust([0.0, 0.0, 0.0]) == (0.0, 0.0)
+    assert robust([-1.0, 0.0, 1.0]) == (0.0, float("inf"))
+
+
+def test_calibrate_records_and_prints_each_terms_spread(tmp_path, monkeypatch, capsys, fake_compute):
+    """The spreads `measure_compute` reports land in the file (schema 3) and every term's line shows
+    its spread; a spread above `NOISY_SPREAD` adds one note that the machine was busy."""
+    from modelpar.calibrate import NOISY_SPREAD, micro
+
+    def measure(sizes=None):
+        return {**FAKE_COMPUTE, "rounds": 3, "spread": {"matmul_flops[256]": 0.031, "attention_flops": 0.5}}
+    monkeypatch.setattr(micro, "measure_compute", measure)
+    out = tmp_path / "hw.json"
+    assert calibrate_main(["--no-collectives", "--nproc", "1", "--out", str(out)]) == 0
+    c = load_profile(out).calibration
+    assert c.rounds == 3 and c.spread == {"matmul_flops[256]": 0.031, "attention_flops": 0.5}
+    text = capsys.readouterr().out
+    line = next(ln for ln in text.splitlines() if "matmul   256^3" in ln)
+    assert "100.0 GFLOP/s" in line and "spread   3.1%" in line
+    assert "attention" in text and "spread  50.0%" in text
+    assert 0.5 > NOISY_SPREAD and text.count("this machine was busy") == 1

@@ -20,6 +20,7 @@ from modelpar.planner.calibration import Calibration, CollectiveTable
 from modelpar.planner.hardware import Hardware, cpu_profile, get_hardware, save_profile
 
 AUTO_CALIBRATE_ENV = "MODELPAR_AUTO_CALIBRATE"   # "0": `train --strategy auto` never measures on the fly
+NOISY_SPREAD = 0.25     # a term's spread over the rounds above which calibrate says the machine was busy
 
 
 def default_calibration_path() -> Path:
@@ -73,6 +74,7 @@ def calibrate(out: str | os.PathLike | None = None, ranks: int = 2, *, collectiv
     if ranks < 1:
         raise ValueError(f"--nproc must be >= 1, got {ranks}")
     out = str(out or default_calibration_path())
+    load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
     c = measure_compute()
     # more local ranks than cores: each rank computes on its share of a core (compute is timed in
@@ -80,6 +82,8 @@ def calibrate(out: str | os.PathLike | None = None, ranks: int = 2, *, collectiv
     share = min(1.0, (os.cpu_count() or 1) / ranks)
     if share < 1.0:
         c["matmul_flops"] = {n: f * share for n, f in c["matmul_flops"].items()}
+        c["matmul_shapes"] = {lay: {k: f * share for k, f in g.items()}
+                              for lay, g in c.get("matmul_shapes", {}).items()}
         for k in ("matmul_peak", "attention_flops", "elementwise_bw"):
             c[k] *= share
         c["op_overhead_s"] /= share
@@ -89,13 +93,18 @@ def calibrate(out: str | os.PathLike | None = None, ranks: int = 2, *, collectiv
     lat, bw = base.intra_latency, base.intra_bw
     cal = dict(matmul_flops=dict(c["matmul_flops"]), attention_flops=c["attention_flops"],
                elementwise_bw=c["elementwise_bw"], core_share=share,
-               zero_bubble_backward_factor=c["zero_bubble_backward_factor"])
+               zero_bubble_backward_factor=c["zero_bubble_backward_factor"],
+               rounds=int(c.get("rounds", 1)), spread=dict(c.get("spread", {})),
+               matmul_shapes={lay: dict(g) for lay, g in c.get("matmul_shapes", {}).items()})
     coll = {}
     if collectives and ranks > 1:
         coll = measure_collectives(ranks)
         # one rank alone (this process, the others not started) and every rank at once: ranks in
         # lockstep (data / tensor parallel) share the memory bus, pipeline stages mostly do not
         cal["mem_bandwidth_alone"] = c["mem_bandwidth"]
+        sp = coll.pop("spread", {})
+        cal["spread"]["mem_bandwidth_alone"] = cal["spread"].pop("mem_bandwidth", 0.0)
+        cal["spread"].update(sp)
         cal["fresh_alloc_s_per_byte_alone"] = fresh_threshold(c["fresh"])[0]
         c["mem_bandwidth"] = coll.pop("mem_bandwidth")
         fresh = coll.pop("fresh")
@@ -120,29 +129,71 @@ def calibrate(out: str | os.PathLike | None = None, ranks: int = 2, *, collectiv
                   source="calibrated by modelpar calibrate", calibration=calibration, kind="cpu")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     save_profile(hw, out)
-    say(f"  matmul peak {best / 1e9:.1f} GFLOP/s (same operands repeated); a Linear's three products "
-          "on operands from memory:")
-    for n, f in c["matmul_flops"].items():
-        say(f"  matmul {n:>5}: {f / 1e9:8.1f} GFLOP/s")
-    say(f"  attention (causal, fused) {c['attention_flops'] / 1e9:.1f} GFLOP/s counted; "
-          f"element-wise operators {c['elementwise_bw'] / 1e9:.1f} GB/s counted; a zero-bubble split backward "
-          f"takes {c['zero_bubble_backward_factor']:.2f}x a plain one")
-    say(f"  per-op overhead {c['op_overhead_s'] * 1e6:.1f} us, memory bandwidth per rank {c['mem_bandwidth'] / 1e9:.1f} GB/s")
-    for op, (a, b) in coll.items():
-        say(f"  {op:<15} latency {a * 1e6:8.1f} us, bandwidth {b / 1e9:6.2f} GB/s ({ranks} ranks); "
-              + ", ".join(f"{k / 2 ** 20:g} MiB {v * 1e3:.2f} ms" for k, v in times[op].items()))
-    if coll:
-        say(f"  framework per call (fwd + bwd): TP Linear {calibration.tp_linear_overhead_s * 1e6:.0f} us + "
-              f"{calibration.tp_linear_overhead_s_per_byte * 1e9:.2f} ns per input byte, "
-              f"FSDP2 unit {calibration.fsdp_unit_overhead_s * 1e6:.0f} us + "
-              f"{calibration.fsdp_tensor_overhead_s * 1e6:.0f} us per parameter tensor")
-        for op in coll:
-            say(f"  {op:<15} between compute segments: "
-                  + ", ".join(f"{k / 2 ** 20:g} MiB {v * 1e3:.2f} ms" for k, v in in_ctx[op].items()))
-        fb, fmin = calibration.fresh_alloc_s_per_byte, calibration.fresh_alloc_min_bytes
-        say(f"  alone (one rank): memory bandwidth {calibration.mem_bandwidth_alone / 1e9:.1f} GB/s, fresh "
-              f"allocation {calibration.fresh_alloc_s_per_byte_alone * 1e9:.3f} ns/byte")
-        say(f"  fresh allocation: {fb * 1e9:.3f} ns/byte from {fmin / 2 ** 20:g} MiB "
-              f"({', '.join(f'{k / 2 ** 20:g} MiB {v * 1e9:.3f}' for k, v in fresh.items())} ns/byte)")
+    for line in summary_lines(hw, {op: times[op] for op in coll} if coll else {}, fresh if coll else {}):
+        say(line)
+    load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    worst = max(calibration.spread.items(), key=lambda kv: kv[1], default=None)
+    if worst is not None and worst[1] > NOISY_SPREAD:
+        say(f"  note: the largest spread over {calibration.rounds} rounds is {worst[0]} {worst[1]:.0%} "
+            f"(> {NOISY_SPREAD:.0%}; load average {load0:.1f} -> {load1:.1f} on {os.cpu_count()} cores): "
+            "this machine was busy; re-run `modelpar calibrate` when it is quiet for predictions to trust")
     say(f"saved {out}")
     return Path(out)
+
+
+def _sp(cal: Calibration, term: str) -> str:
+    v = cal.spread.get(term)
+    return "" if v is None else f"  spread {v:6.1%}"
+
+
+def summary_lines(hw: Hardware, times: dict[str, dict[int, float]] | None = None,
+                  fresh: dict[int, float] | None = None) -> list[str]:
+    """What `calibrate` prints: one line per measured term with its value and, where the file has it
+    (schema 3), its relative spread over the rounds (`Calibration.spread`). ``times``: the
+    back-to-back collective tables ({op: {bytes: s}}); ``fresh``: the fresh-allocation sweep
+    ({bytes: s/byte}); both optional (not kept in the file beyond the tables)."""
+    cal = hw.calibration or Calibration()
+    out = [f"  term{'':<34}{'value':>14}  spread over {cal.rounds} round(s): (max - min) / median",
+           f"  matmul peak (same operands repeated){'':<2}{hw.peak_flops['fp32'] / 1e9:>9.1f} GFLOP/s{_sp(cal, 'matmul_peak')}"]
+    for n, f in sorted(cal.matmul_flops.items()):
+        out.append(f"  matmul {n:>5}^3 (a Linear's 3 products){'':<0}{f / 1e9:>9.1f} GFLOP/s{_sp(cal, f'matmul_flops[{n}]')}")
+    for lay, g in sorted(cal.matmul_shapes.items()):
+        lo, hi = min(g, key=g.get), max(g, key=g.get)
+        out.append(f"  matmul shapes {lay} ({len(g)} M x K x N){'':<11}{g[lo] / 1e9:>5.1f}-{g[hi] / 1e9:.1f} GFLOP/s"
+                   f"{_sp(cal, f'matmul_shapes[{lay}]')}  (slowest {'x'.join(map(str, lo))}, fastest "
+                   f"{'x'.join(map(str, hi))})")
+    out += [f"  attention (causal, fused, counted){'':<4}{cal.attention_flops / 1e9:>9.1f} GFLOP/s{_sp(cal, 'attention_flops')}",
+            f"  element-wise operators (counted){'':<6}{(cal.elementwise_bw or 0) / 1e9:>9.1f} GB/s   {_sp(cal, 'elementwise_bw')}",
+            f"  per-op overhead{'':<23}{hw.op_overhead_s * 1e6:>9.1f} us     {_sp(cal, 'op_overhead_s')}",
+            f"  memory bandwidth per rank (all ranks){'':<1}{hw.mem_bandwidth / 1e9:>9.1f} GB/s   {_sp(cal, 'mem_bandwidth')}",
+            f"  zero-bubble split backward / plain{'':<4}{cal.zero_bubble_backward_factor:>9.2f} x      "
+            f"{_sp(cal, 'zero_bubble_backward_factor')}"]
+    if cal.mem_bandwidth_alone is not None:
+        out.append(f"  memory bandwidth, one rank alone{'':<6}{cal.mem_bandwidth_alone / 1e9:>9.1f} GB/s   "
+                   f"{_sp(cal, 'mem_bandwidth_alone')}")
+    if cal.collective_ranks:
+        out += [f"  TP Linear, per call (fwd + bwd){'':<7}{cal.tp_linear_overhead_s * 1e6:>9.0f} us     "
+                f"{_sp(cal, 'tp_linear_overhead_s')}",
+                f"  TP Linear, per input byte{'':<13}{cal.tp_linear_overhead_s_per_byte * 1e9:>9.2f} ns     "
+                f"{_sp(cal, 'tp_linear_overhead_s_per_byte')}",
+                f"  FSDP2 unit, per call{'':<18}{cal.fsdp_unit_overhead_s * 1e6:>9.0f} us     "
+                f"{_sp(cal, 'fsdp_unit_overhead_s')}",
+                f"  FSDP2 unit, per parameter tensor{'':<6}{cal.fsdp_tensor_overhead_s * 1e6:>9.1f} us     "
+                f"{_sp(cal, 'fsdp_tensor_overhead_s')}"]
+        for op, t in cal.collectives.items():
+            small = min(t.in_context, default=None)
+            if small is not None:
+                big = max(t.in_context)
+                out.append(f"  {op + ' between compute, <= 1 MiB':<38}{t.in_context[small] * 1e3:>9.2f} ms     "
+                           f"{_sp(cal, f'{op}.in_context[small]')}")
+                out.append(f"  {op + f' between compute, {big >> 20} MiB':<38}{t.in_context[big] * 1e3:>9.2f} ms     "
+                           f"{_sp(cal, f'{op}.in_context[{big >> 10} KiB]')}")
+            out.append(f"  {op:<15} back to back ({cal.collective_ranks} ranks): latency {t.latency_s * 1e6:.1f} us, "
+                       f"bandwidth {t.bandwidth / 1e9:.2f} GB/s; "
+                       + ", ".join(f"{k / 2 ** 20:g} MiB {v * 1e3:.2f} ms" for k, v in sorted((times or {}).get(op, t.seconds).items())))
+        fb, fmin = cal.fresh_alloc_s_per_byte, cal.fresh_alloc_min_bytes
+        out.append(f"  fresh allocation: {fb * 1e9:.3f} ns/byte from {fmin / 2 ** 20:g} MiB (every rank), "
+                   f"{(cal.fresh_alloc_s_per_byte_alone or 0) * 1e9:.3f} alone"
+                   + (f" ({', '.join(f'{k / 2 ** 20:g} MiB {v * 1e9:.3f}' for k, v in sorted(fresh.items()))} ns/byte)"
+                      if fresh else ""))
+    return out

@@ -12,7 +12,8 @@ import time
 
 import torch
 
-from modelpar.calibrate.micro import COLLECTIVE_SIZES, COLLECTIVES, _fresh_alloc_costs, _time, fit_alpha_beta
+from modelpar.calibrate.micro import (COLLECTIVE_SIZES, COLLECTIVES, ROUNDS, _fresh_alloc_costs, _time,
+                                     fit_alpha_beta, robust)
 from modelpar.planner.hardware import interpolate_sizes
 
 
@@ -37,7 +38,9 @@ def _collective_worker(sizes) -> dict:
     # memory bandwidth per rank while every rank streams at once (ranks share the memory bus)
     a, b = torch.ones(16 * 2 ** 20), torch.ones(16 * 2 ** 20)     # 64 MiB each: past the caches
     c = torch.empty_like(a)
-    res["mem_bandwidth"] = 3 * a.numel() * 4 / _synced_median(lambda: torch.add(a, b, out=c), 15)
+    bws = [3 * a.numel() * 4 / _synced_median(lambda: torch.add(a, b, out=c), 5) for _ in range(ROUNDS)]
+    res["mem_bandwidth"], spread = robust(bws)
+    res["spread"] = {"mem_bandwidth": spread}
     del a, b, c
     res["fresh"] = _fresh_alloc_costs()
     for nbytes in sizes:
@@ -45,8 +48,10 @@ def _collective_worker(sizes) -> dict:
         for op, fn in ops.items():
             dist.barrier()
             res[op][nbytes] = _time(fn, 7)
-    res["in_context"] = _in_context_tables(rank, world, sizes)
-    res["framework"] = _framework_overheads(world, res["in_context"]["all_reduce"])
+    res["in_context"], sp = _in_context_tables(rank, world, sizes)
+    res["spread"].update(sp)
+    res["framework"], sp = _framework_overheads(world, res["in_context"]["all_reduce"])
+    res["spread"].update(sp)
     return res
 
 
@@ -106,15 +111,20 @@ def _trimmed_mean(ts: list[float]) -> float:
     return statistics.fmean(ts[cut:len(ts) - cut])
 
 
-def _in_context_tables(rank: int, world: int, sizes, segment_s: float = 0.01) -> dict[str, dict[int, float]]:
+def _in_context_tables(rank: int, world: int, sizes, segment_s: float = 0.01,
+                       rounds: int = ROUNDS) -> tuple[dict[str, dict[int, float]], dict[str, float]]:
     """Seconds of each collective issued the way training issues it: after ~``segment_s`` of matmul
     work on every rank (a block's forward or backward), not back to back. On a shared CPU this is
     what a blocking collective costs in a step: the wait for the slowest rank (the segments' spread)
     plus waking the backend's threads, which a tight loop of collectives never pays (gloo on 2 ranks
     of this machine: 1-5 ms per call between segments vs 0.3-4 ms back to back).
-    Per call: the time from the end of the rank's segment to the collective's return; per rank the
-    `_trimmed_mean` over the calls (up to 1 MiB, where the wait dominates, pooled over those sizes;
-    non-decreasing in the size), averaged over the ranks (every rank reports the same number)."""
+    Per call: the time from the end of the rank's segment to the collective's return. ``rounds``
+    rounds, each over every size and op (4 calls per size up to 4 MiB, 2 above); per round and rank
+    the `_trimmed_mean` over the calls (up to 1 MiB, where the wait dominates, pooled over those
+    sizes); per rank the median over the rounds (`robust`: one disturbed round is rejected); made
+    non-decreasing in the size; averaged over the ranks (every rank reports the same number).
+    Returns (``{op: {bytes: s}}``, ``{"<op>.in_context[small|<n> KiB]": relative spread}``: the
+    rounds' spread at the pooled small sizes and at the largest, the ranks' mean)."""
     import torch.distributed as dist
     a, w = torch.randn(2048, 128), torch.randn(128, 512)
     t = time.perf_counter()
@@ -124,27 +134,38 @@ def _in_context_tables(rank: int, world: int, sizes, segment_s: float = 0.01) ->
     def seg():
         for _ in range(k):
             a @ w
+    per_round: list[dict[str, dict[int, float]]] = []
+    for _ in range(rounds):
+        samples: dict[str, dict[int, list[float]]] = {}
+        for nbytes in sizes:
+            ops = _collective_calls(rank, world, nbytes)
+            reps = 4 if nbytes <= 4 * 2 ** 20 else 2
+            for op, fn in ops.items():
+                dist.barrier()
+                ts = []
+                for _ in range(reps):
+                    seg()
+                    t = time.perf_counter()
+                    fn()
+                    ts.append(time.perf_counter() - t)
+                samples.setdefault(op, {})[nbytes] = ts
+        tab: dict[str, dict[int, float]] = {}
+        for op, by_size in samples.items():
+            # up to 1 MiB the wait dominates and does not depend on the size: one pooled value
+            small = sorted(t for nb, ts in by_size.items() if nb <= 2 ** 20 for t in ts)
+            tab[op] = {nb: _trimmed_mean(small if nb <= 2 ** 20 else ts) for nb, ts in by_size.items()}
+        per_round.append(tab)
     out = {op: {} for op in COLLECTIVES}
-    samples: dict[str, dict[int, list[float]]] = {}
-    for nbytes in sizes:
-        ops = _collective_calls(rank, world, nbytes)
-        reps = 12 if nbytes <= 4 * 2 ** 20 else 5
-        for op, fn in ops.items():
-            dist.barrier()
-            ts = []
-            for _ in range(reps):
-                seg()
-                t = time.perf_counter()
-                fn()
-                ts.append(time.perf_counter() - t)
-            samples.setdefault(op, {})[nbytes] = ts
-    for op, by_size in samples.items():
-        # up to 1 MiB the wait dominates and does not depend on the size: one pooled value
-        small = sorted(t for nb, ts in by_size.items() if nb <= 2 ** 20 for t in ts)
+    spread: dict[str, float] = {}
+    big = max(sizes)
+    for op in COLLECTIVES:
         prev = 0.0
-        for nbytes, ts in sorted(by_size.items()):
+        for nbytes in sorted(sizes):
+            med, sp = robust(r[op][nbytes] for r in per_round)
             # cumulative max: a larger message never costs less
-            prev = out[op][nbytes] = max(prev, _trimmed_mean(small if nbytes <= 2 ** 20 else ts))
+            prev = out[op][nbytes] = max(prev, med)
+            if nbytes == big or nbytes == min(sizes):
+                spread[f"{op}.in_context[{'small' if nbytes <= 2 ** 20 else f'{nbytes >> 10} KiB'}]"] = sp
     flat = torch.tensor([out[op][nb] for op in COLLECTIVES for nb in sizes], dtype=torch.float64)
     dist.all_reduce(flat)
     if world > 2:       # send/recv runs between ranks 0 and 1 only
@@ -153,16 +174,42 @@ def _in_context_tables(rank: int, world: int, sizes, segment_s: float = 0.01) ->
         flat[i:i + per] *= world / 2
     flat /= world
     vals = iter(flat.tolist())
-    return {op: {nb: next(vals) for nb in sizes} for op in COLLECTIVES}
+    sp = torch.tensor(list(spread.values()), dtype=torch.float64)
+    dist.all_reduce(sp)
+    sp /= world
+    return ({op: {nb: next(vals) for nb in sizes} for op in COLLECTIVES},
+            dict(zip(spread, sp.tolist())))
+
+
+def _alternated(fns, reps: int, *, best: bool = False) -> list[float]:
+    """Seconds of each of ``fns`` over ``reps`` rounds that call them in turn (one warm-up call
+    each first): the median (``best``: smallest) per function. Alternating puts every function
+    under the same load at the same moments, so their difference does not carry a burst that hit
+    only one of them."""
+    import statistics
+    for f in fns:
+        f()
+    ts: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for i, f in enumerate(fns):
+            t = time.perf_counter()
+            f()
+            ts[i].append(time.perf_counter() - t)
+    return [min(t) if best else statistics.median(t) for t in ts]
+
+
+TP_ESTIMATES, FSDP_ESTIMATES = 7, 5     # estimates (medians kept) of the two difference terms
 
 
 def _tp_linear_cost(mesh, world: int, tokens: int, width: int, all_reduce: dict[int, float],
-                    n: int = 3) -> tuple[float, float]:
-    """(input activation bytes, seconds per Linear) that tensor parallelism adds, forward + backward:
-    ``2n`` Linears alternating width -> 4 width (colwise) and back (rowwise) on a (tokens, width) input,
-    minus the same local shards as plain Linears (medians) and minus its ``2n - 1`` all-reduces at the
-    in-context times ``all_reduce`` ({bytes: s}) that the cost model charges them, so that model and
-    measurement agree on this chain whatever share of it one calls communication."""
+                    n: int = 3) -> tuple[float, list[float]]:
+    """(input activation bytes, estimates of the seconds per Linear) that tensor parallelism adds,
+    forward + backward: ``2n`` Linears alternating width -> 4 width (colwise) and back (rowwise) on a
+    (tokens, width) input, minus the same local shards as plain Linears and minus its ``2n - 1``
+    all-reduces at the in-context times ``all_reduce`` ({bytes: s}) that the cost model charges them,
+    so that model and measurement agree on this chain whatever share of it one calls communication.
+    `TP_ESTIMATES` estimates, each from medians of 5 alternated calls of the two chains (a
+    difference of jittery times: the term with the most repeats)."""
     import torch.distributed as dist
     import torch.nn as nn
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -174,23 +221,24 @@ def _tp_linear_cost(mesh, world: int, tokens: int, width: int, all_reduce: dict[
     parallelize_module(tp, mesh, {str(i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel() for i in range(2 * n)})
     local = nn.Sequential(*[nn.Linear(width, 4 * width // world) if i % 2 == 0 else nn.Linear(4 * width // world, width)
                             for i in range(2 * n)])
-    import statistics
-    est = []
-    for _ in range(5):                  # median of 5 estimates: each is a difference of jittery times
-        dist.barrier()
-        t_tp = _time(lambda: tp(x).sum().backward(), 9)
-        t_local = _time(lambda: local(x).sum().backward(), 9)
-        est.append((t_tp - t_local) / (2 * n))
     t_ar = (2 * n - 1) * interpolate_sizes(sorted(all_reduce.items()), act.numel() * 4)
-    return 4.0 * tokens * width, statistics.median(est) - t_ar / (2 * n)
+    est = []
+    for _ in range(TP_ESTIMATES):
+        dist.barrier()
+        t_tp, t_local = _alternated([lambda: tp(x).sum().backward(), lambda: local(x).sum().backward()], 5)
+        est.append((t_tp - t_local - t_ar) / (2 * n))
+    return 4.0 * tokens * width, est
 
 
-def _framework_overheads(world: int, all_reduce: dict[int, float], *, d: int = 16, n: int = 8) -> dict:
+def _framework_overheads(world: int, all_reduce: dict[int, float], *, d: int = 16,
+                         n: int = 8) -> tuple[dict, dict]:
     """Seconds per call that torch's tensor-parallel Linear (DTensor) and FSDP2 unit add beyond the
     arithmetic and the collectives, forward + backward: a chain of ``2n`` tiny (d x d) Linears, plain,
     with alternating colwise / rowwise TP (`_tp_linear_cost`: its all-reduces subtracted at the
     in-context times ``all_reduce``, {bytes: s}, that the cost model charges), and with every Linear an
-    FSDP2 unit (the same collectives issued alone subtracted). Every rank reports the ranks' mean."""
+    FSDP2 unit (the same collectives issued alone subtracted), the chains timed alternately
+    (`_alternated`). Each term is the median of its estimates (`TP_ESTIMATES`, `FSDP_ESTIMATES`);
+    the second dict holds their relative spreads (`robust`). Every rank reports the ranks' mean."""
     import torch.distributed as dist
     import torch.nn as nn
     from torch.distributed.device_mesh import init_device_mesh
@@ -207,7 +255,6 @@ def _framework_overheads(world: int, all_reduce: dict[int, float], *, d: int = 1
         m(x).sum().backward()
 
     plain = chain()
-    t_plain = _time(lambda: step(plain), 15, best=True)
     tp_costs = [_tp_linear_cost(mesh, world, tokens, width, all_reduce) for tokens, width in ((64, 16), (2048, 256))]
     fs = chain()
     for lin in fs:
@@ -225,30 +272,35 @@ def _framework_overheads(world: int, all_reduce: dict[int, float], *, d: int = 1
     w = torch.zeros(d * d + d)
     shard = torch.zeros((d * d + d) // world)
     c2s, c8s = [], []
-    for _ in range(3):                  # median of 3 estimates, each a difference of best-of-15 times
+    for _ in range(FSDP_ESTIMATES):     # each a difference of best-of-15 alternated times
         dist.barrier()
-        t_fs = _time(lambda: step(fs), 15, best=True)
-        t_fs4 = _time(lambda: step(fs4), 15, best=True)
-        t_fc4 = _time(lambda: [(dist.all_gather_into_tensor(w4, shard4), dist.all_gather_into_tensor(w4, shard4),
-                                dist.reduce_scatter_tensor(shard4, w4)) for _ in range(n // 2)], 15, best=True)
-        t_fc = _time(lambda: [(dist.all_gather_into_tensor(w, shard), dist.all_gather_into_tensor(w, shard),
-                               dist.reduce_scatter_tensor(shard, w)) for _ in range(2 * n)], 15, best=True)
+        t_plain, t_fs, t_fs4, t_fc4, t_fc = _alternated([
+            lambda: step(plain), lambda: step(fs), lambda: step(fs4),
+            lambda: [(dist.all_gather_into_tensor(w4, shard4), dist.all_gather_into_tensor(w4, shard4),
+                      dist.reduce_scatter_tensor(shard4, w4)) for _ in range(n // 2)],
+            lambda: [(dist.all_gather_into_tensor(w, shard), dist.all_gather_into_tensor(w, shard),
+                      dist.reduce_scatter_tensor(shard, w)) for _ in range(2 * n)]], 15, best=True)
         c2s.append((t_fs - t_plain - t_fc) / (2 * n))              # per unit of 2 tensors
         c8s.append((t_fs4 - t_plain - t_fc4) / (n // 2))           # per unit of 8 tensors
     # TP: a fixed part and a part per byte of the Linear's input activation (DTensor's conversions
-    # and copies of the activation), from the two sizes
-    (b0, c0), (b1, c1) = tp_costs
+    # and copies of the activation), from the two sizes' medians
+    import statistics
+    (b0, e0), (b1, e1) = tp_costs
+    c0, c1 = statistics.median(e0), statistics.median(e1)
     tp_per_byte = max(0.0, (c1 - c0) / (b1 - b0))
     tp_each = max(0.0, c0 - tp_per_byte * b0)
-    import statistics
     c2, c8 = statistics.median(c2s), statistics.median(c8s)
     per_tensor = max(0.0, (c8 - c2) / 6)
     per_unit = max(0.0, c2 - 2 * per_tensor)
-    vals = torch.tensor([tp_each, tp_per_byte, per_unit, per_tensor], dtype=torch.float64)
+    # spreads: of the estimates each term mostly rests on (the small chain's for the fixed parts,
+    # the large TP chain's for the per-byte part, the 8-tensor units' for the per-tensor part)
+    spreads = [min(robust(e)[1], 1e9) for e in (e0, e1, c2s, c8s)]
+    names = ("tp_linear_overhead_s", "tp_linear_overhead_s_per_byte", "fsdp_unit_overhead_s", "fsdp_tensor_overhead_s")
+    vals = torch.tensor([tp_each, tp_per_byte, per_unit, per_tensor] + spreads, dtype=torch.float64)
     dist.all_reduce(vals)               # the ranks' mean: every rank reports the same numbers
     vals /= world
-    return dict(zip(("tp_linear_overhead_s", "tp_linear_overhead_s_per_byte", "fsdp_unit_overhead_s",
-                     "fsdp_tensor_overhead_s"), vals.tolist()))
+    v = vals.tolist()
+    return dict(zip(names, v[:4])), dict(zip(names, v[4:]))
 
 
 def measure_collectives(world: int = 2, sizes=COLLECTIVE_SIZES, *, timeout_s: float = 600) -> dict:
@@ -278,6 +330,7 @@ def measure_collectives(world: int = 2, sizes=COLLECTIVE_SIZES, *, timeout_s: fl
     fits["fresh"] = res["fresh"]
     fits["framework"] = res["framework"]
     fits["in_context"] = res["in_context"]
+    fits["spread"] = res["spread"]
     return fits
 
 

@@ -33,35 +33,75 @@ def _time(fn, reps: int, *, best: bool = False) -> float:
     return min(ts) if best else statistics.median(ts)
 
 
-def measure_compute(sizes=MATMUL_SIZES) -> dict:
+ROUNDS = 3      # rounds of every compute term (`measure_compute`) and of the in-context collectives
+
+
+def robust(values) -> tuple[float, float]:
+    """(kept value, relative spread) of one term's per-round measurements: the median (with 3 rounds
+    one outlying round, e.g. a neighbour's burst, is rejected whichever way it lies) and the full
+    range over the median's magnitude, ``(max - min) / |median|`` (0 for one round; inf for a median
+    of 0 with a range)."""
+    import statistics
+    vs = list(values)
+    med = statistics.median(vs)
+    rng = max(vs) - min(vs)
+    return med, (rng / abs(med) if med else (0.0 if not rng else float("inf")))
+
+
+def measure_compute(sizes=MATMUL_SIZES, rounds: int = ROUNDS) -> dict:
     """Matmul FLOP/s of N x N x N fp32 products over ``sizes``: the peak (``matmul_peak``: the best
     rate of a product repeated on the same operands) and the curve the cost model interpolates
-    (`_linear_matmul_rate`); per-op overhead (a tiny add), copy bandwidth. Units: FLOP/s, s, B/s."""
-    peak = 0.0
-    for n in (256, 512):
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        peak = max(peak, 2 * n ** 3 / _time(lambda: a @ b, max(7, min(200, int(3e9 // n ** 3))), best=True))
-    flops = {n: _linear_matmul_rate(n) for n in sizes}
-    overhead = _time(_op_chain, 30, best=True) / (2 * _CHAIN)         # forward op + its backward op
+    (`_linear_matmul_rate`); the shape grid (``matmul_shapes``, `measure_shapes`); per-op overhead (a tiny add), copy bandwidth, element-wise and fused
+    attention rates. Each term is measured once per round, the rounds alternating over all terms
+    (a burst of load on a shared machine spoils one round of several terms rather than every
+    measurement of one) and kept by `robust` (median over rounds); ``spread`` holds each term's
+    relative spread over the rounds. Units: FLOP/s, s, B/s.
+
+    Raises:
+        ValueError: ``rounds`` < 1.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    per: dict[str, list[float]] = {}
+
+    def add(name, v):
+        per.setdefault(name, []).append(v)
     fresh = _fresh_alloc_costs()     # first: its warm-up leaves the allocator in its steady state
-    attn = measure_attention()
-    elementwise = measure_elementwise()
-    zero_bubble = measure_zero_bubble_backward()
     a, b = torch.ones(32 * 2 ** 20), torch.ones(32 * 2 ** 20)   # 128 MiB each: past the caches
     c = torch.empty_like(a)
-    bw = 3 * a.numel() * 4 / _time(lambda: torch.add(a, b, out=c), 5)     # read 2 + write 1
-    return {"matmul_flops": flops, "matmul_peak": max(peak, *flops.values()), "op_overhead_s": overhead,
-            "mem_bandwidth": bw, "attention_flops": attn, "fresh": fresh, "elementwise_bw": elementwise,
-            "zero_bubble_backward_factor": zero_bubble}
+    for _ in range(rounds):
+        for n in (256, 512):
+            x, w = torch.randn(n, n), torch.randn(n, n)
+            add("matmul_peak", 2 * n ** 3 / _time(lambda: x @ w, max(7, min(200, int(3e9 // n ** 3))), best=True))
+        for n in sizes:
+            add(f"matmul_flops[{n}]", _linear_matmul_rate(n, passes=1))
+        add("op_overhead_s", _time(_op_chain, 30, best=True) / (2 * _CHAIN))   # forward op + its backward op
+        add("attention_flops", measure_attention())
+        add("elementwise_bw", measure_elementwise(reps=4))
+        add("mem_bandwidth", 3 * a.numel() * 4 / _time(lambda: torch.add(a, b, out=c), 5))  # read 2 + write 1
+    del a, b, c
+    zb, zb_spread = measure_zero_bubble_backward(with_spread=True)
+    shapes, shape_spread = measure_shapes()
+    kept = {k: robust(v) for k, v in per.items()}
+    flops = {n: kept[f"matmul_flops[{n}]"][0] for n in sizes}
+    spread = {k: s for k, (_, s) in kept.items()}
+    spread["zero_bubble_backward_factor"] = zb_spread
+    spread.update(shape_spread)
+    return {"matmul_shapes": shapes, "matmul_flops": flops, "matmul_peak": max(kept["matmul_peak"][0], *flops.values()),
+            "op_overhead_s": kept["op_overhead_s"][0], "mem_bandwidth": kept["mem_bandwidth"][0],
+            "attention_flops": kept["attention_flops"][0], "fresh": fresh,
+            "elementwise_bw": kept["elementwise_bw"][0], "zero_bubble_backward_factor": zb,
+            "spread": spread, "rounds": rounds}
 
 
-def _linear_matmul_rate(n: int, pool_bytes: int = 64 * 2 ** 20) -> float:
+def _linear_matmul_rate(n: int, pool_bytes: int = 64 * 2 ** 20, passes: int = 3, timer=time.perf_counter) -> float:
     """FLOP/s of the three products a Linear layer runs on ``n x n`` operands -- forward ``x @ W.T``,
     input gradient ``dy @ W``, weight gradient ``dy.T @ x`` -- with operands that are not in cache:
     each call takes the next of as many operand sets as fill ``pool_bytes`` (past the last-level
     cache), as in a training step, where a product's inputs were written by earlier operators long
-    evicted. Harmonic mean over the three layouts (equal FLOPs each); the median of 3 passes
-    (one above n = 512).
+    evicted. Harmonic mean over the three layouts (equal FLOPs each); the median of ``passes``
+    passes (one above n = 512, after a warm-up pass at or below it). ``timer``: the clock
+    (``time.thread_time`` for CPU-time replays on a shared machine, `benchmarks/step_time_ops.py`).
     1 thread, this machine: n=128 75, n=256 94, n=512 101, n=1024 106 GFLOP/s vs 101-108 for the
     same products repeated on the same operands."""
     import statistics
@@ -82,21 +122,69 @@ def _linear_matmul_rate(n: int, pool_bytes: int = 64 * 2 ** 20) -> float:
         big = n > 512                   # seconds per pass; cold and repeated rates agree there
         if not big:
             run()
-        passes = []
-        for _ in range(1 if big else 3):
-            t = time.perf_counter()
+        ts = []
+        for _ in range(1 if big else passes):
+            t = timer()
             run()
-            passes.append(time.perf_counter() - t)
-        total += statistics.median(passes) / sets
+            ts.append(timer() - t)
+        total += statistics.median(ts) / sets
     return 3 * 2 * n ** 3 / total
 
 
-def measure_elementwise(tokens: int = 2048, width: int = 256) -> float:
+# the shape grid (`measure_shapes`): every M, K, N from these, in each layout a Linear runs
+SHAPE_DIMS = (64, 256, 1024)
+SHAPE_LAYOUTS = ("NT", "NN", "TN")
+
+
+def measure_shapes(dims=SHAPE_DIMS, layouts=SHAPE_LAYOUTS, pool_bytes: int = 32 * 2 ** 20,
+                   passes: int = 2, timer=time.perf_counter) -> tuple[dict[str, dict[tuple[int, int, int], float]],
+                                                                      dict[str, float]]:
+    """FLOP/s of fp32 ``M x K @ K x N`` products over the grid ``dims`` x ``dims`` x ``dims`` in each
+    layout (``"NT"``: ``x @ W.T``, a Linear's forward; ``"NN"``: ``dy @ W``, its input gradient;
+    ``"TN"``: ``dy.T @ x``, its weight gradient), with operands from memory as in
+    `_linear_matmul_rate` (each call takes the next of as many operand sets as fill ``pool_bytes``).
+    Per shape the median of ``passes`` passes after a warm-up. Thin products (one small dimension)
+    run well below the square curve at equal FLOPs (36-65 GFLOP/s vs 67-72 for (2048 x 688) x
+    (688 x 256) on this host kind, issue 12's finding), which a FLOPs-only curve cannot see.
+    Returns ({layout: {(M, K, N): FLOP/s}}, {"matmul_shapes[<layout>]": the largest relative spread
+    over the passes of any shape of that layout}). ``timer``: as in `_linear_matmul_rate`."""
+    import statistics
+    rates: dict[str, dict[tuple[int, int, int], float]] = {}
+    spread: dict[str, float] = {}
+    for lay in layouts:
+        rates[lay], worst = {}, 0.0
+        for m in dims:
+            for k in dims:
+                for n in dims:
+                    a_src = torch.randn(k, m).t() if lay[0] == "T" else torch.randn(m, k)
+                    b_src = torch.randn(n, k).t() if lay[1] == "T" else torch.randn(k, n)
+                    sets = max(2, pool_bytes // (4 * (m * k + k * n + m * n)))
+                    ops = [(a_src.clone() if lay[0] == "N" else a_src.t().clone().t(),
+                            b_src.clone() if lay[1] == "N" else b_src.t().clone().t(), torch.empty(m, n))
+                           for _ in range(sets)]
+
+                    def run():
+                        for a, b, o in ops:
+                            torch.mm(a, b, out=o)
+                    run()
+                    ts = []
+                    for _ in range(passes):
+                        t = timer()
+                        run()
+                        ts.append((timer() - t) / sets)
+                    med, sp = robust(ts)
+                    rates[lay][(m, k, n)] = 2.0 * m * k * n / med
+                    worst = max(worst, sp)
+        spread[f"matmul_shapes[{lay}]"] = worst
+    return rates, spread
+
+
+def measure_elementwise(tokens: int = 2048, width: int = 256, reps: int = 9) -> float:
     """Bytes/s that a transformer block's non-matmul operators reach, counted as `profile_model`
     counts them (inputs + outputs of each non-view, non-matmul operator), forward + backward, on
     activations of (tokens, width) fp32 and the MLP's (tokens, 4 x width): layer norm, GELU on the
     4x-wide hidden, the head reshapes' copies, two residual adds, cross-entropy. GELU's erf and the
-    norms' reductions keep them well below the streaming bandwidth."""
+    norms' reductions keep them well below the streaming bandwidth. Best of ``reps`` runs."""
     import torch.nn.functional as F
 
     from modelpar.planner.profile import count_elementwise_bytes
@@ -113,17 +201,19 @@ def measure_elementwise(tokens: int = 2048, width: int = 256) -> float:
         F.cross_entropy(y, target).backward()
 
     nbytes = count_elementwise_bytes(run)
-    return nbytes / _time(run, 9, best=True)
+    return nbytes / _time(run, reps, best=True)
 
 
-def measure_zero_bubble_backward(tokens: int = 1024, width: int = 256, blocks: int = 6) -> float:
+def measure_zero_bubble_backward(tokens: int = 1024, width: int = 256, blocks: int = 6, *,
+                                 with_spread: bool = False):
     """How much longer a backward takes when split the zero-bubble way (Qi et al. ICLR'24): torch's
     ``stage_backward_input`` (activation gradients) then ``stage_backward_weight`` (weight gradients,
     from output gradients and activations kept for it), over the plain ``backward()``; on a chain of
     ``blocks`` pre-norm MLP blocks (LayerNorm, Linear width -> 4 width, GELU, Linear back, residual)
     on (tokens, width) fp32 activations. Ratio of backward seconds (medians; forward subtracted).
     1 thread here: 1.07-1.12 (gpt-3m's own blocks: 1.10-1.12, gpt-1m's 1.25: the weight pass reads
-    what the input pass left, evicted; the more blocks per stage, the more)."""
+    what the input pass left, evicted; the more blocks per stage, the more). ``with_spread``:
+    (factor, relative spread of the two estimates, `robust`)."""
     import statistics
 
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
@@ -160,7 +250,8 @@ def measure_zero_bubble_backward(tokens: int = 1024, width: int = 256, blocks: i
     for _ in range(2):
         t_f, t_p, t_s = (_time(f, 3) for f in (fwd, plain, split))
         ratios.append((t_s - t_f) / max(t_p - t_f, 1e-9))
-    return max(1.0, statistics.median(ratios))
+    factor = max(1.0, statistics.median(ratios))
+    return (factor, robust(ratios)[1]) if with_spread else factor
 
 
 def measure_attention(batch: int = 8, heads: int = 4, seq: int = 256, head_dim: int = 64) -> float:

@@ -1,8 +1,9 @@
 """What `modelpar calibrate` measured on a machine: a typed, versioned record the cost model reads.
 
 A calibration file is JSON with ``schema_version`` (`SCHEMA_VERSION`), the device description
-(`Hardware` fields) and a ``calibration`` object holding this dataclass. Files written before the
-schema existed (version 1: a flat `Hardware` dict whose measured tables were string keys of an
+(`Hardware` fields) and a ``calibration`` object holding this dataclass. Version 3 adds what the
+measurement knows about its own noise (``rounds``, ``spread``); version-2 files load with one round
+and no spreads. Files written before the schema existed (version 1: a flat `Hardware` dict whose measured tables were string keys of an
 ``extra`` dict, e.g. ``all_reduce_ctx_1048576``) are read and converted by `from_legacy_extra`, so
 old caches keep working.
 
@@ -12,10 +13,11 @@ Units: FLOP/s, bytes, bytes/s, seconds. Message sizes in the collective tables a
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 
 
@@ -68,6 +70,17 @@ class Calibration:
             (forward + backward) and per input byte.
         fsdp_unit_overhead_s / fsdp_tensor_overhead_s: framework time per FSDP2 unit and per
             parameter tensor.
+        matmul_shapes: ``{layout: {(M, K, N): FLOP/s}}``: a grid of M x K x N fp32 products per
+            layout (``"NT"`` a Linear's forward, ``"NN"`` its input gradient, ``"TN"`` its weight
+            gradient) on operands from memory (`modelpar.calibrate.micro.measure_shapes`); empty
+            for files from before schema 3, where the square curve prices every product.
+        rounds: rounds each term was measured in (the median kept; 1: a file from before
+            schema 3, whose terms had no repeats at this level).
+        spread: ``{term: relative spread}`` over those rounds, ``(max - min) / |median|``
+            (`modelpar.calibrate.micro.robust`); term names are the fields above, ``matmul_flops[N]``,
+            ``mem_bandwidth``, ``op_overhead_s``, ``matmul_peak`` and ``<op>.in_context[small]`` /
+            ``[<n> KiB]``. Empty for files from before schema 3. Read by nothing in the cost model:
+            it says how far a prediction can be trusted.
     """
 
     matmul_flops: dict[int, float] = field(default_factory=dict)
@@ -85,6 +98,9 @@ class Calibration:
     tp_linear_overhead_s_per_byte: float = 0.0
     fsdp_unit_overhead_s: float = 0.0
     fsdp_tensor_overhead_s: float = 0.0
+    matmul_shapes: dict[str, dict[tuple[int, int, int], float]] = field(default_factory=dict)
+    rounds: int = 1
+    spread: dict[str, float] = field(default_factory=dict)
 
     @cached_property
     def matmul_points(self) -> list[tuple[int, float]]:
@@ -100,6 +116,9 @@ class Calibration:
                             for op, t in self.collectives.items()}
         if d["fresh_alloc_min_bytes"] == float("inf"):
             d["fresh_alloc_min_bytes"] = None
+        d["spread"] = {k: (v if math.isfinite(v) else None) for k, v in self.spread.items()}
+        d["matmul_shapes"] = {lay: {"x".join(map(str, mkn)): r for mkn, r in sorted(g.items())}
+                              for lay, g in self.matmul_shapes.items()}
         return d
 
     @classmethod
@@ -127,6 +146,10 @@ class Calibration:
         d["collectives"] = colls
         if d.get("fresh_alloc_min_bytes") is None:
             d["fresh_alloc_min_bytes"] = float("inf")
+        d["spread"] = {str(k): (float("inf") if v is None else float(v)) for k, v in d.get("spread", {}).items()}
+        d["rounds"] = int(d.get("rounds", 1))
+        d["matmul_shapes"] = {lay: {tuple(int(x) for x in k.split("x")): float(v) for k, v in g.items()}
+                              for lay, g in d.get("matmul_shapes", {}).items()}
         return cls(**d)
 
     @classmethod

@@ -13,6 +13,12 @@ Sources:
   Sec. 3); ZB-V about 0.
 - Compute: matmul-class FLOPs / (peak x achievable GEMM fraction) + memory-bound bytes /
   (bandwidth x fraction) + ops x per-op overhead (a roofline split, Williams et al., CACM 2009).
+  On CPU the achievable rate is calibrated: each 2-D product the profile recorded by shape and
+  layout (`BlockProfile.gemm_shapes`) at the square-product curve's rate for its FLOPs
+  (`Hardware.gemm_flops`) times its shape's factor from the calibrated grid
+  (`Hardware.shape_factor`, log-space interpolation), the other matmul FLOPs at the curve at their
+  mean call; files without the grid, TP loads and GPUs
+  price every matmul the old way.
 - Full recompute adds the blocks' forward per micro-batch (Chen et al. 2016; Korthikanti Sec. 5; a
   transformer's embedding, head and loss are not checkpointed, so they run once); every-k the
   checkpointed blocks' share of it, selective the attention cores' forward
@@ -164,11 +170,15 @@ def _load_times(ld: RankLoad, hw: Hardware, b: int, prec: str, mem_s: float, ew_
     ac_calls = ld.attn_calls if attn_rate else 0
     mf, mb_ = ld.fwd_flops - af, ld.bwd_flops - ab
     nf, nb = max(ld.fwd_gemms - ac_calls, 1), max(ld.bwd_gemms - ac_calls, 1)
-    rf = hw.gemm_flops(prec, mf * b / nf) if curve and ld.fwd_gemms else flops_s
-    rb = hw.gemm_flops(prec, mb_ * b / nb) if curve and ld.bwd_gemms else flops_s
+    # 2-D products priced by shape and layout where the calibration has the grid (`_shape_seconds`);
+    # the rest (and everything on files without the grid) on the FLOPs-only curve at its mean call
+    (s_f, s_b), (fl_f, fl_b), (k_f, k_b) = _shape_seconds(ld, hw, b, prec)
+    rest_f, rest_b = max(mf * b - fl_f, 0.0), max(mb_ * b - fl_b, 0.0)
+    rf = (hw.gemm_flops(prec, rest_f / max(nf - k_f, 1)) if curve and ld.fwd_gemms else flops_s) if rest_f else 1.0
+    rb = (hw.gemm_flops(prec, rest_b / max(nb - k_b, 1)) if curve and ld.bwd_gemms else flops_s) if rest_b else 1.0
     # matmuls: roofline of their FLOPs and the bytes they move (weights once per micro-batch)
-    g_f = max(mf * b / rf, (ld.gemm_param_bytes[0] + ld.gemm_act_bytes[0] * b) / mem_s)
-    g_b = max(mb_ * b / rb, (ld.gemm_param_bytes[1] + ld.gemm_act_bytes[1] * b) / mem_s)
+    g_f = max(s_f + rest_f / rf, (ld.gemm_param_bytes[0] + ld.gemm_act_bytes[0] * b) / mem_s)
+    g_b = max(s_b + rest_b / rb, (ld.gemm_param_bytes[1] + ld.gemm_act_bytes[1] * b) / mem_s)
     if attn_rate:
         g_f += af * b / attn_rate
         g_b += ab * b / attn_rate
@@ -178,6 +188,29 @@ def _load_times(ld: RankLoad, hw: Hardware, b: int, prec: str, mem_s: float, ew_
     t_b = (g_b + ld.bwd_mem * b / ew_s + (ld.ops - ld.fwd_ops) * hw.op_overhead_s
            + hw.fresh_seconds(ld.param_sizes, 4, alone=alone))
     return t_f, t_b
+
+
+def _shape_seconds(ld: RankLoad, hw: Hardware, b: int, prec: str) -> tuple:
+    """((fwd, bwd) seconds, (fwd, bwd) FLOPs, (fwd, bwd) calls) of the rank's 2-D products that the
+    calibrated shape grid prices: each product's M x K x N at ``b`` samples (its batch dimension
+    scaled), at the square curve's rate for its FLOPs (`Hardware.gemm_flops`) times its shape and
+    layout's factor (`Hardware.shape_factor`); zeros where the load has no shapes (TP) or the
+    calibration no grid (files before schema 3, GPU presets), so the curve prices it all."""
+    cal = hw.calibration
+    if not ld.gemm_shapes or cal is None or not cal.matmul_shapes:
+        return (0.0, 0.0), (0.0, 0.0), (0, 0)
+    sec, fl, calls = [0.0, 0.0], [0.0, 0.0], [0, 0]
+    for (ph, lay, m, k, n, dim), c in ld.gemm_shapes:
+        d = [m, k, n]
+        d[dim] *= b
+        factor = hw.shape_factor(lay, *d)
+        if factor is None:
+            continue
+        f = 2.0 * d[0] * d[1] * d[2] * c
+        sec[ph] += f / (hw.gemm_flops(prec, f / c) * factor)
+        fl[ph] += f
+        calls[ph] += c
+    return tuple(sec), tuple(fl), tuple(calls)
 
 
 def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_batch_size: int,

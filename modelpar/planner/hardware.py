@@ -122,6 +122,57 @@ class Hardware:
                 return math.exp(math.log(f0) + w * (math.log(f1) - math.log(f0))) * scale
         return self.achievable_flops(precision)
 
+    def shape_flops(self, precision: str, layout: str, m: float, k: float, n: float) -> float | None:
+        """Achievable FLOP/s of one ``m x k @ k x n`` product of ``layout`` (``"NT"``, ``"NN"``,
+        ``"TN"``: which operand is transposed) from the calibrated shape grid
+        (``calibration.matmul_shapes``), or None where the calibration has no grid for ``layout``
+        (files from before schema 3, built-in and estimated profiles: the caller prices the product
+        on `gemm_flops`). Interpolation: trilinear in (log M, log K, log N) on log FLOP/s between
+        the grid's points, each coordinate clamped to the grid's range; bf16 scales the fp32 grid
+        by ``peak[bf16] / peak[fp32]`` as `gemm_flops` does."""
+        grid = self.calibration.matmul_shapes.get(layout) if self.calibration is not None else None
+        if not grid:
+            return None
+        import math
+        axes = [sorted({p[i] for p in grid}) for i in range(3)]
+        coords = []
+        for ax, x in zip(axes, (m, k, n)):
+            x = min(max(x, ax[0]), ax[-1])
+            j = max(0, min(len(ax) - 2, next((i for i in range(len(ax) - 1) if x <= ax[i + 1]), len(ax) - 2)))
+            if len(ax) == 1:
+                coords.append(((ax[0], 1.0),))
+                continue
+            lo, hi = ax[j], ax[j + 1]
+            w = (math.log(x) - math.log(lo)) / (math.log(hi) - math.log(lo))
+            coords.append(((lo, 1 - w), (hi, w)))
+        acc = 0.0
+        for a, wa in coords[0]:
+            for b, wb in coords[1]:
+                for c, wc in coords[2]:
+                    if wa * wb * wc:
+                        r = grid.get((a, b, c))
+                        if r is None or r <= 0:
+                            return None
+                        acc += wa * wb * wc * math.log(r)
+        scale = self.peak_flops[precision] / self.peak_flops.get("fp32", self.peak_flops[precision])
+        return math.exp(acc) * scale
+
+    def shape_factor(self, layout: str, m: float, k: float, n: float) -> float | None:
+        """How much faster (> 1) or slower (< 1) an ``m x k @ k x n`` product of ``layout`` runs than
+        square products of the same FLOPs, both from the calibrated grid (`shape_flops`): the
+        product's rate over the harmonic mean of the grid's three layouts at the equivalent square
+        size ``(m k n) ** (1/3)`` (the curve's own definition, `micro._linear_matmul_rate`). A ratio
+        of two rates measured the same way in the same run: what the grid's method and moment add to
+        its rates cancels, and the square curve keeps setting the level. None without a grid."""
+        r = self.shape_flops("fp32", layout, m, k, n)
+        if r is None:
+            return None
+        sq = (m * k * n) ** (1 / 3)
+        sq_rates = [self.shape_flops("fp32", lay, sq, sq, sq) for lay in ("NT", "NN", "TN")]
+        if any(x is None for x in sq_rates):
+            return None
+        return r * sum(1 / x for x in sq_rates) / len(sq_rates)     # r / harmonic mean
+
     def matmul_curve(self) -> list[tuple[int, float]]:
         """The calibrated ``(N, FLOP/s)`` points of N x N x N products, sorted by N ([] if none)."""
         return self.calibration.matmul_points if self.calibration is not None else []

@@ -73,6 +73,10 @@ class RankLoad:
     bwd_gemms: int = 0
     gemm_param_bytes: tuple = (0.0, 0.0)   # (fwd, bwd) bytes of parameters the matmuls touch, per micro-batch
     gemm_act_bytes: tuple = (0.0, 0.0)     # (fwd, bwd) other matmul bytes, per sample
+    # 2-D products by shape, per sample: ((pass, layout, M, K, N, batch dim), calls) with the batch
+    # dim per sample (`BlockProfile.gemm_shapes`, summed over the rank's blocks); empty under TP
+    # (the shards' shapes are not profiled), where the FLOPs-only curve prices every matmul
+    gemm_shapes: tuple = ()
     # FSDP's busiest backward moment as an earlier model placed it (see `_fsdp_unit_peak`; kept for
     # callers, `rank_memory` now uses bwd_moments / rs_moments): unit i's parameters, the unit after
     # it, activations still saved per sample, parameters whose gradients are already reduce-scattered
@@ -332,6 +336,7 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
     units: list[list[tuple[float, float]]] = [[] for _ in range(plan.pp)]
     recs: list[list[tuple]] = [[] for _ in range(plan.pp)]
     acb: list[list[tuple]] = [[] for _ in range(plan.pp)]
+    shapes: list[dict] = [{} for _ in range(plan.pp)]
     first_in = profile.blocks[0].input_bytes / bs
     data = first_in * (2 if profile.tokens_per_sample > 1 else 1) + (0 if profile.tokens_per_sample > 1 else 8)
     for s, (a, b) in enumerate(rng):
@@ -352,6 +357,12 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
                 units[r].append(u)
             recs[r].append(rec(i, i == a, i == b - 1))
             acb[r].append((recs[r][-1],) + ac_info[i])
+            if t == 1:
+                for ph, lay, m, k, n, dim, calls in profile.blocks[i].gemm_shapes:
+                    dims = [m, k, n]
+                    dims[dim] /= bs
+                    key = (ph, lay, *dims, dim)
+                    shapes[r][key] = shapes[r].get(key, 0) + calls
         ld.boundary = profile.blocks[b - 1].output_bytes * scale / bs / (t if sp else 1)
         if s > 0:
             ld.recv += profile.blocks[a].input_bytes * scale / bs / (t if sp else 1)
@@ -369,7 +380,8 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
          ld.ops, ld.fwd_ops, ld.fwd_gemms, ld.bwd_gemms, af, ab, ld.attn_calls, ld.tp_linears,
          gpf, gpb, gaf, gab, ld.tp_collectives) = acc
         ld.attn_flops, ld.gemm_param_bytes, ld.gemm_act_bytes = (af, ab), (gpf, gpb), (gaf, gab)
-    for ld, rc, ab in zip(loads, recs, acb):
+    for ld, rc, ab, sh in zip(loads, recs, acb, shapes):
+        ld.gemm_shapes = tuple(sorted(sh.items()))
         ld.bwd_moments, ld.rs_moments = _backward_moments(tuple(rc), False, cache)
         ld.ac_blocks = tuple(ab)
     for ld, nl, un in zip(loads, numels, units):

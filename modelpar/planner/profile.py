@@ -104,6 +104,11 @@ class BlockProfile:
     # stage that holds this block but not the owner keeps its own copy (`parallel.ties`: the copies'
     # gradients are summed across the stages), with its gradient and optimizer state
     tied_numels: tuple[tuple[int, int, bool, bool], ...] = ()
+    # the 2-D matrix products (mm / addmm) among the matmul-class calls, as a shape histogram for
+    # shape-aware CPU pricing (`cost._load_times`): (pass 0 forward / 1 backward, layout, M, K, N,
+    # index of the dimension that grows with the batch, calls), at the profiled batch
+    # (`profile_ops._mm_shape`)
+    gemm_shapes: tuple[tuple[int, str, int, int, int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -142,7 +147,8 @@ class ModelProfile:
         d = dict(d)
         d["blocks"] = tuple(BlockProfile(**{**b, "param_numels": tuple(tuple(x) for x in b.get("param_numels", ())),
                                             "bwd_peaks": tuple(tuple(x) for x in b.get("bwd_peaks", ())),
-                                            "tied_numels": tuple(tuple(x) for x in b.get("tied_numels", ()))})
+                                            "tied_numels": tuple(tuple(x) for x in b.get("tied_numels", ())),
+                                            "gemm_shapes": tuple(tuple(x) for x in b.get("gemm_shapes", ()))})
                             for b in d["blocks"])
         return cls(**d)
 
@@ -466,7 +472,8 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
             fwd_attn_flops=counter.attn[i][0], bwd_attn_flops=counter.attn[i][1], attn_calls=counter.attn[i][2],
             bwd_peaks=tuple((own - cum_saved - saved[i], inn, g // esize, pend // esize)
                             for own, inn, g, pend in peaks[i]),
-            saved_input_bytes=saved_in[i], attn_core_saved_bytes=core_saved[i], tied_numels=tuple(tied)))
+            saved_input_bytes=saved_in[i], attn_core_saved_bytes=core_saved[i], tied_numels=tuple(tied),
+            gemm_shapes=tuple((ph, *k, c) for ph in (0, 1) for k, c in sorted(counter.shapes[i][ph].items()))))
         cum_saved += saved[i]
     x0 = inputs[0]
     tokens = x0.shape[1] if (x0.dim() == 2 and not x0.is_floating_point()) else 1

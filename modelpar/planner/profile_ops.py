@@ -169,6 +169,7 @@ class _OpCounter(TorchDispatchMode):
         self.gemms = [[0, 0] for _ in range(n)]
         self.attn = [[0, 0, 0] for _ in range(n)]    # fwd FLOPs, bwd FLOPs, forward calls
         self.flops = [[0, 0] for _ in range(n)]
+        self.shapes = [[{}, {}] for _ in range(n)]     # per pass: {(layout, M, K, N, batch dim): calls}
         self.registry = None
         if outside is not None:
             from torch.utils.flop_counter import FlopCounterMode
@@ -211,12 +212,56 @@ class _OpCounter(TorchDispatchMode):
                               or (not reads_param and any(t is o for o in outs)
                                   and tuple(t.shape) in self.param_shapes))
                 self.gemm_bytes[idx][ph if param_like else 2 + ph] += nb
+            if name in ("mm", "addmm"):
+                key = _mm_shape(args[-2:] if name == "addmm" else args[:2], out, self.param_keys, self.param_shapes)
+                if key is not None:
+                    d = self.shapes[idx][ph]
+                    d[key] = d.get(key, 0) + 1
             return out
         flat = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
         phase = 1 if self.tracker.is_bw else 0
         self.mem[idx][phase] += sum(t.numel() * t.element_size() for t in flat)
         self.ops[idx][phase] += 1
         return out
+
+
+def _layout_char(t: torch.Tensor) -> str | None:
+    """``"N"`` for a row-major 2-D operand, ``"T"`` for a transposed (column-major) view, None else.
+    A stride of 0 (an expanded gradient: the profile's backward starts from a sum) counts as
+    row-major, as the real loss's gradient is."""
+    if t.dim() != 2:
+        return None
+    if t.stride(1) in (0, 1) or t.size(1) == 1:
+        return "N"
+    if t.stride(0) in (0, 1) or t.size(0) == 1:
+        return "T"
+    return None
+
+
+def _mm_shape(ab, out, param_keys, param_shapes) -> tuple | None:
+    """``(layout, M, K, N, batch dim)`` of a 2-D product ``a (M x K) @ b (K x N)``: the layout is
+    each operand's `_layout_char` (a Linear's forward ``x @ W.T``: ``"NT"``; its input gradient
+    ``dy @ W``: ``"NN"``; its weight gradient ``dy.T @ x``: ``"TN"``), the batch dim the index
+    (0 = M, 1 = K, 2 = N) of the dimension that grows with the samples: the other operand's free
+    dimension when one operand is a parameter, K when the product is a weight gradient (its output
+    is parameter-shaped), else M. None for operands that are neither (odd strides)."""
+    a, b = ab
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != 2 or b.dim() != 2:
+        return None
+    la, lb = _layout_char(a), _layout_char(b)
+    if la is None or lb is None:
+        return None
+    pa = a.untyped_storage()._cdata in param_keys
+    pb = b.untyped_storage()._cdata in param_keys
+    if pb and not pa:
+        dim = 0
+    elif pa and not pb:
+        dim = 2
+    elif not pa and not pb and isinstance(out, torch.Tensor) and tuple(out.shape) in param_shapes:
+        dim = 1
+    else:
+        dim = 0
+    return (la + lb, int(a.shape[0]), int(a.shape[1]), int(b.shape[1]), dim)
 
 
 class _ElementwiseBytes(TorchDispatchMode):
