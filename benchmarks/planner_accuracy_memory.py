@@ -8,7 +8,8 @@ optimizer, activations, total: the mapping of MemTracker's reference types to th
 in `modelpar.measure.memory`, which also holds the cases, shared with ``tests/test_planner_accuracy.py``),
 each the value *at the moment of the peak*. Goal: |error| <= max(5%, 1 MiB) for each.
 
-Hugging Face models from config (``hf-llama``, ``hf-gpt2``, `HF_MODELS`) run single, ddp, fsdp and pp (gpipe, 1f1b).
+Hugging Face models from config (``hf-llama``, ``hf-gpt2``, `HF_MODELS`) run single, ddp, fsdp, tp, tp + SP
+(``tp_sp``) and pp (gpipe, 1f1b).
 
 Run: ``.venv/bin/python benchmarks/planner_accuracy_memory.py [--models gpt-nano,gpt-1m,hf-llama,...] [--worlds 1,2,4]``
 ``--save FILE`` writes the measurements (JSON, per case); ``--measured FILE`` skips the runs and

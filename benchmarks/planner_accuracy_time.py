@@ -13,7 +13,9 @@ same rows (`HF_PLANS`); their pipelines split the layers where the planner does
 (`modelpar.measure.planner_boundaries`).
 
 Run: ``.venv/bin/python benchmarks/planner_accuracy_time.py [--models gpt-3m,gpt-10m,mlp-large,hf-llama] [--rounds 3]``
-(run ``modelpar calibrate`` first; ``$MODELPAR_CALIBRATION`` picks the file)
+(run ``modelpar calibrate`` first; ``$MODELPAR_CALIBRATION`` or ``--hardware FILE`` picks the file).
+``--save rows.json`` keeps the measured rows; ``--measured rows.json --hardware B.json`` predicts the
+same measurements again with another, independent calibration without launching anything.
 """
 
 from __future__ import annotations
@@ -79,10 +81,21 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--hardware", default=None, help="calibration JSON (default: the calibrate default path)")
     ap.add_argument("--timeout", type=float, default=1500)
     ap.add_argument("--save", default=None, help="write the rows (measured and predicted) as JSON here")
+    ap.add_argument("--measured", default=None,
+                    help="a --save file of an earlier run: predict its measured rows again with --hardware "
+                         "(a second, independent calibration against the same measurements), launching nothing")
     args = ap.parse_args(argv)
     hw = load_hardware(args.hardware)
     rows = []
-    for model in args.models.split(","):
+    if args.measured:
+        with open(args.measured) as f:
+            old = json.load(f)
+        by_name = {c.name: c for m in {r["case"].split("/")[0] for r in old} for c in cases_for(m)}
+        for r in old:
+            pred = predict_seconds(by_name[r["case"]], hw)
+            rows.append({**r, "pred": pred, "err": pred / r["median"] - 1})
+        print(f"[measured rows from {args.measured}; predicted with {args.hardware or 'the default calibration'}]")
+    for model in ([] if args.measured else args.models.split(",")):
         cases = cases_for(model)
         load0 = os.getloadavg()[0]
         t = time.perf_counter()

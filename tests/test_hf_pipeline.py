@@ -221,3 +221,74 @@ def test_train_preflight_checks_split_points():
     with pytest.raises(ValueError, match="2 pipeline stages need 1 increasing block paths"):
         preflight(TrainConfig(**cfg, split_points="blocks.0"), 2)
     assert preflight(TrainConfig(**cfg, split_points="blocks.1"), 2)[0].pp == 2
+
+
+def _held_storages(root) -> dict[int, int]:
+    """storage pointer -> bytes of every non-meta tensor reachable from ``root`` through modules,
+    containers, plain objects' attributes and closures (hooks), what keeps memory allocated."""
+    import gc
+    import types
+
+    seen, out, todo = set(), {}, [root]
+    while todo:
+        o = todo.pop()
+        if id(o) in seen or isinstance(o, (type, types.ModuleType, str, bytes, int, float)):
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            if o.device.type != "meta":
+                s = o.untyped_storage()
+                out[s.data_ptr()] = s.nbytes()
+            continue
+        if isinstance(o, (dict, list, tuple, set, frozenset)):
+            todo.extend(gc.get_referents(o))
+        elif isinstance(o, types.FunctionType):
+            todo.extend(c.cell_contents for c in (o.__closure__ or ()) if c.cell_contents is not None)
+        elif hasattr(o, "__dict__"):
+            todo.append(vars(o))
+    return out
+
+
+def _bytes(tensors) -> dict[int, int]:
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_a_later_stage_holds_only_its_own_parameters(name):
+    """pp2: each stage references exactly the storages of its own parameters and buffers (an
+    optimizer built over them holds the same), not the input part's: before, a later stage's stubs
+    kept Llama's ``embed_tokens`` (16 KiB here; ~2 GiB in fp32 for Llama 3 8B) and GPT-2's ``wpe`` (8
+    KiB) allocated. GPT-2's tied ``wte.weight``, read through the stub on the last stage, is its
+    ``lm_head.weight``, the same Parameter."""
+    import gc
+
+    m = build(name, dropout=0.0)
+    x = _input(name)
+    parts = get_model_parts(m, example_input=x)
+    first, last = pipeline.build_stage_modules(parts, [(0, 2), (2, 4)], [0, 1])
+    embed = m.hf.get_input_embeddings().weight
+    full = list(m.state_dict())
+    keys = [list(st.state_dict()) for st in (first, last)]
+    assert sorted(keys[0] + keys[1]) == sorted(full)       # what a checkpoint saves: none missing, none twice
+    del m, parts
+    gc.collect()
+    for st in (first, last):
+        opt = torch.optim.AdamW(st.parameters())
+        own = _bytes([*st.parameters(), *st.buffers()])
+        held = _held_storages(st)
+        assert held == own, (sum(held.values()) - sum(own.values()), "bytes beyond the stage's own tensors")
+        assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in st.parameters()}
+    emb = last.hf.get_input_embeddings()
+    assert not any(True for _ in emb.parameters()) and emb.weight.dtype == embed.dtype
+    assert tuple(emb.weight.shape) == tuple(embed.shape)                 # attribute reads still answer
+    if name == "gpt2":
+        assert last.hf.transformer.wte.weight is last.hf.lm_head.weight is embed
+        assert last.hf.transformer.wpe.weight.is_meta
+        assert embed.untyped_storage().data_ptr() in _held_storages(last)
+    else:
+        assert emb.weight.is_meta and embed.untyped_storage().data_ptr() not in _held_storages(last)
+    with torch.no_grad():                       # the chain still equals the whole forward
+        h = first(x)
+        assert last(h).shape[:2] == x.shape[:2]
+    for st in (first, last):
+        stages.release(st)

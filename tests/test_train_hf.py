@@ -31,6 +31,8 @@ GPT2 = {**TINY["gpt2"][1], "vocab_size": 256}          # byte-level tokens need 
 BASE = dict(model="hf:gpt2", model_config=GPT2, seq_len=16, global_batch_size=8, steps=6, warmup_steps=2,
             eval_every=0, eval_samples=8, sample_bytes=0, track_memory=False, log_every=1, threads=1)
 LOSS_RTOL = 1e-5
+# an HF image classifier from config: trains on synthetic 3x8x8 images with 5 labels (its own shape)
+VIT = dict(model="hf:vit", model_config=TINY["vit"][1])
 
 
 def cfg_of(**kw):
@@ -51,13 +53,14 @@ def max_rel(a, b) -> float:
 
 
 # ---- launched: DDP x2, same-plan resume, resume under FSDP, export ----------------------------------
-def _launched(w: Path) -> list[dict]:
+def _launched(w: Path, write: bool = True) -> list[dict]:
     """The 2-rank scenarios; they ride in the session's first 2-rank scenario launch (`helpers.workers`).
-    Writes the local pretrained folder they read first."""
+    Writes the local pretrained folder they read first (``write``)."""
     from modelpar.models.hf import build_hf
 
-    ck, pre = w / "ckpt-ddp", w / "pretrained"
-    build_hf("hf:gpt2", GPT2, seed=5).hf.save_pretrained(str(pre))      # a local pretrained folder
+    ck, pre, ck_vit = w / "ckpt-ddp", w / "pretrained", w / "ckpt-vit"
+    if write:
+        build_hf("hf:gpt2", GPT2, seed=5).hf.save_pretrained(str(pre))      # a local pretrained folder
 
     def spec(name, **kw):
         return {"name": name, "kind": "train", "cfg": {**BASE, "data": data_dir(), "out_dir": str(w / "out"), **kw},
@@ -67,7 +70,12 @@ def _launched(w: Path) -> list[dict]:
             spec("ddp_resume4", strategy="ddp", resume=str(ck / "step-00000004")),
             spec("fsdp_resume2", strategy="fsdp", resume=str(ck / "step-00000002")),
             spec("fsdp_meta", strategy="fsdp", meta_init=True),
-            spec("fsdp_meta_pre", strategy="fsdp", meta_init=True, model=str(pre), model_config={})]
+            spec("fsdp_meta_pre", strategy="fsdp", meta_init=True, model=str(pre), model_config={}),
+            spec("tp_meta", strategy="tp", meta_init=True),
+            spec("tp_meta_pre", strategy="tp", meta_init=True, model=str(pre), model_config={}),
+            spec("pp_meta", strategy="pp", meta_init=True),
+            spec("vit_ddp", **VIT, strategy="ddp", ckpt_every=2, ckpt_dir=str(ck_vit), keep_last=0),
+            spec("vit_resume2", **VIT, strategy="ddp", resume=str(ck_vit / "step-00000002"))]
 
 
 workers.ride("hf2", 2, _launched, module=__file__)
@@ -79,12 +87,13 @@ def runs():
     w = workers.group_dir("hf2")
     ck, pre = w / "ckpt-ddp", w / "pretrained"
     ref = train_here(w, "ref", strategy="single")
+    vit_ref = train_here(w, "vit_ref", **VIT, strategy="single")
     meta_ref = train_here(w, "meta_ref", strategy="single", meta_init=True)
     pre_ref = train_here(w, "pre_ref", strategy="single", model=str(pre), model_config={})
-    assert set(res) == {"ddp", "ddp_resume4", "fsdp_resume2", "fsdp_meta", "fsdp_meta_pre"}, sorted(res)
+    assert set(res) == {s["name"] for s in _launched(w, write=False)}, sorted(res)
     for name, r in res.items():
         assert not r["errors"], f"{name} failed: {r['errors']}"
-    return {"ref": ref, "meta_ref": meta_ref, "pre_ref": pre_ref, "res": {k: v["result"] for k, v in res.items()},
+    return {"ref": ref, "vit_ref": vit_ref, "meta_ref": meta_ref, "pre_ref": pre_ref, "res": {k: v["result"] for k, v in res.items()},
             "ckpt": ck, "work": w}
 
 
@@ -122,6 +131,39 @@ def test_meta_init_under_fsdp_matches_one_process(runs):
     assert runs["meta_ref"]["losses"] != runs["ref"]["losses"]          # not transformers' own init
     assert max_rel(runs["pre_ref"]["losses"], runs["res"]["fsdp_meta_pre"]["losses"]) <= LOSS_RTOL
     assert runs["pre_ref"]["losses"] != runs["ref"]["losses"]           # the folder's weights (seed 5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_meta_init_under_tp_and_pp_matches_one_process(runs):
+    """meta_init under tp2 (each rank materialises its DTensor shards; GPT-2's c_attn in the TP-permuted
+    column order, its vocab-parallel tied wte / lm_head) and pp2 (each rank its own stage; the tied
+    wte on the first and lm_head on the last get the same values, from the tie's first name): the
+    losses of one process with meta_init, and from a pretrained folder (the shards read as slices of
+    its safetensors file) the plain one-process load's."""
+    got = runs["res"]
+    assert got["tp_meta"]["plan"]["tp"] == 2 and got["pp_meta"]["plan"]["pp"] == 2
+    assert max_rel(runs["meta_ref"]["losses"], got["tp_meta"]["losses"]) <= LOSS_RTOL
+    assert max_rel(runs["meta_ref"]["losses"], got["pp_meta"]["losses"]) <= LOSS_RTOL
+    assert max_rel(runs["pre_ref"]["losses"], got["tp_meta_pre"]["losses"]) <= LOSS_RTOL
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_hf_image_classifier_trains_checkpoints_and_resumes(runs):
+    """`train` on hf:vit (no causal LM): synthetic images of its num_channels / image_size / num_labels,
+    the same loop; DDP x2 like one process, and a resume from its step-2 checkpoint bit-identical."""
+    from modelpar.train.task import build_task
+
+    task = build_task(cfg_of(**VIT, strategy="single"))
+    x, y = task.train.global_batch(0, 0, 8)
+    assert task.kind == "classify" and x.shape == (8, 3, 8, 8) and int(y.max()) < 5
+    ref, got, res = runs["vit_ref"], runs["res"]["vit_ddp"], runs["res"]["vit_resume2"]
+    assert len(got["losses"]) == 6 and max_rel(ref["losses"], got["losses"]) <= LOSS_RTOL, (ref, got)
+    assert ref["val_loss_after"] < ref["val_loss_before"]                # it learns the teacher
+    assert abs(got["val_loss_after"] - ref["val_loss_after"]) <= LOSS_RTOL * ref["val_loss_after"]
+    assert res["start_step"] == 2 and res["losses"] == got["losses"][2:]
+    assert res["val_loss_after"] == got["val_loss_after"]
 
 
 @pytest.mark.slow
@@ -289,8 +331,10 @@ REFUSALS = [
     ("dtype", dict(token_dtype="int8"), "token_dtype='int8' is unknown; valid: uint16, uint32"),
     ("classifier factory", dict(model="helpers.lm_factory:classifier", model_config={}),
      "modelpar train runs a factory model that is a language model"),
-    ("image model", dict(model="hf:vit", model_config=TINY["vit"][1]),
-     "modelpar train runs Hugging Face causal language models"),
+    ("image model with token options", dict(model="hf:vit", model_config=TINY["vit"][1], token_dtype="uint16"),
+     "tokenizer / token_dtype apply to language models; --model hf:vit is a classifier"),
+    ("neither a causal LM nor an image classifier", dict(model="hf:distilbert", model_config={}),
+     "modelpar trains Hugging Face causal language models (AutoModelForCausalLM) and image classifiers"),
 ]
 
 
@@ -368,9 +412,11 @@ def test_meta_init_refusals():
     with pytest.raises(ValueError, match="meta_init=True builds Hugging Face models on the meta device; --model "
                                          "gpt-nano is not one"):
         preflight(cfg_of(model="gpt-nano", model_config={}, strategy="single", meta_init=True), 1)
-    with pytest.raises(ValueError, match=r"meta_init=True materialises FSDP shards; the plan .* has tensor / "
-                                         r"pipeline parallelism, placement or DDP"):
+    with pytest.raises(ValueError, match=r"meta_init=True materialises each rank's FSDP / TP shards and pipeline "
+                                         r"stages; the plan .* has placement or DDP"):
         preflight(cfg_of(strategy="ddp", meta_init=True), 2)
+    for strategy in ("tp", "pp"):                       # each rank materialises its own shards / stages
+        assert preflight(cfg_of(strategy=strategy, meta_init=True), 2)[0].describe()
 
 
 def test_meta_init_one_process_reads_the_pretrained_folder(tmp_path):

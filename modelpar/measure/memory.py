@@ -44,12 +44,23 @@ STRATEGIES_2 = {"ddp": dict(dp_replicate=2), "fsdp": dict(dp_shard=2), "tp": dic
                 "pp_gpipe": dict(pp=2, pp_schedule="gpipe", n_microbatches=4),
                 "pp_1f1b": dict(pp=2, pp_schedule="1f1b", n_microbatches=4)}
 STRATEGIES_4 = {"fsdp_tp": dict(dp_shard=2, tp=2)}
-# the HF rows (the runtime also runs TP of HF models; those rows are not here yet). Pipelines: on a
-# stage after the first the runtime keeps the input parts' original modules for attribute reads
-# (`parallel.stages._Stub`), so their parameters (Llama's embed_tokens, GPT-2's wpe) are measured
-# there though no stage trains them; the model does not count them (params -23.5% / -5.8% on the
-# last stage, under 1 MiB here)
-HF_STRATEGIES_2 = ("ddp", "fsdp", "pp_gpipe", "pp_1f1b")
+# 2-rank plans measured on the Hugging Face models only: TP with sequence parallelism (the blocks'
+# norms and residual stream on sequence shards)
+HF_ONLY_2 = {"tp_sp": dict(tp=2, sequence_parallel=True)}
+# the HF rows. Pipelines: a stage after the first holds no input-part parameters (its stubs keep
+# meta skeletons for attribute reads, `parallel.stages._skeleton`; before, Llama's embed_tokens and
+# GPT-2's wpe stayed allocated there: params -23.5% / -5.8% on the last stage). TP + SP at the
+# activation-dominated batch misses: activations predicted 13.4 / 18.6 MiB, measured 15.6 / 20.8
+# (hf-llama -13.9%, hf-gpt2 -11.0%). The model's SP saving over TP is 4.25 / 2.52 MiB, the measured
+# one 2.51 / 1.27 MiB (the 3.03 MiB of Temp at the peak are the same with and without SP). The
+# tensors autograd saves in hf-llama's forward (a saved_tensors_hook, local batch 16 x 64 tokens,
+# deduplicated by storage): 13.06 MiB under TP, 10.55 under TP + SP, the measured 2.51 MiB saving.
+# Under SP, seven (b s, h) fp32 inputs of the projections stay full length (3.5 MiB, as under TP):
+# the colwise projections and the head keep the sequence all-gather's output for backward
+# (DTensor), where Korthikanti et al.'s 1/t counts assume Megatron's re-gather in backward. Five of
+# them are such gathered inputs (attention and MLP input per block, the head's): 5 x 0.25 MiB =
+# 1.25 of the 1.74 MiB SP-only gap (the TP row is 0.43 MiB under); 0.5 MiB is not accounted for.
+HF_STRATEGIES_2 = ("ddp", "fsdp", "tp", "tp_sp", "pp_gpipe", "pp_1f1b")
 PARTS = ("params", "grads", "optimizer", "activations", "total")
 
 
@@ -89,7 +100,7 @@ def make_cases(models, worlds, *, optimizer: str = "adamw") -> dict[int, list[Ca
             if 1 in worlds:
                 add(launch_world, "single", {})
             if 2 in worlds:
-                for n, plan in STRATEGIES_2.items():
+                for n, plan in {**STRATEGIES_2, **(HF_ONLY_2 if m in HF_MODELS else {})}.items():
                     if m not in HF_MODELS or n in HF_STRATEGIES_2:
                         add(2, n, plan)
             if 4 in worlds and m not in HF_MODELS:

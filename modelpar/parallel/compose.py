@@ -393,8 +393,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
     indices, ranges = [], []
     if plan.pp_enabled:
         specs = None
-        ex = example_input.to(device) if example_input is not None else None
-        if ex is None and parts.form == "forward":
+        ex = example_input.to(dev0 if dev0.type == "meta" else device) if example_input is not None else None
+        if ex is None and parts.form == "forward":   # (a meta-built model is cut on a meta example)
             raise ValueError(f"pipelines of {type(model).__name__} need an example micro-batch "
                              f"(parallelize(..., example_input=...)) to find where its forward can be cut")
         if ex is not None:

@@ -25,8 +25,13 @@ TP plans written in whole-model paths apply per stage. In the shell
 - on a stage after the first, each input-part module is a parameter-free stub returning the received
   activation (or a zero tensor of the module's traced output shape when that differs, e.g. GPT-2's
   position embedding, ``(1, seq, d)``), so the glue computes masks with the right shape and dtype;
-  attribute reads (``embeddings.patch_embeddings.projection.weight.dtype``) go to the original
-  module, which is not registered (its parameters are not the stage's). The model's forward gets a
+  attribute reads (``embeddings.patch_embeddings.projection.weight.dtype``) go to a skeleton of the
+  original module (`_skeleton`: its tree and non-tensor attributes, meta tensors for its parameters
+  and buffers), so the stage holds none of them (Llama's ``embed_tokens``, GPT-2's ``wpe``: nothing
+  trains them there), except a parameter tied to one the stage holds (GPT-2's ``wte.weight`` is the
+  last stage's ``lm_head.weight``: the same object, kept tied by `modelpar.parallel.ties`); a read
+  that computes with such a meta tensor fails loudly, and `check_chain` compares the stages' chained
+  output with the whole forward before training. The model's forward gets a
   zero input of the example micro-batch's shape, and a forward-pre-hook on the first local block
   replaces its hidden-state input (the first positional argument) by the received activation;
 - on a stage before the last, the output-part modules are absent and a forward hook on the last local
@@ -184,15 +189,48 @@ class _State:
         self.active = False
 
 
+def _skeleton(m: nn.Module, keep: dict[int, torch.Tensor]) -> nn.Module:
+    """A copy of ``m``'s module tree for attribute reads only: every module a new object sharing the
+    non-tensor attributes, every parameter, buffer and plain tensor attribute replaced by a meta tensor
+    of its shape, dtype and ``requires_grad`` (no memory), except those in ``keep`` (id -> the tensor
+    the stage really holds: a parameter tied to one of the stage's, GPT-2's ``wte.weight`` on the last
+    stage is its ``lm_head.weight``), which stay the same object."""
+    memo: dict[int, torch.Tensor] = dict(keep)
+
+    def meta(t):
+        if id(t) not in memo:
+            e = torch.empty_like(t, device="meta")
+            memo[id(t)] = nn.Parameter(e, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else e
+        return memo[id(t)]
+
+    def copy(mod: nn.Module) -> nn.Module:
+        new = _shallow(mod)
+        new.__dict__["_parameters"] = {k: None if v is None else meta(v) for k, v in mod._parameters.items()}
+        new.__dict__["_buffers"] = {k: None if v is None else meta(v) for k, v in mod._buffers.items()}
+        new.__dict__["_modules"] = {k: None if v is None else copy(v) for k, v in mod._modules.items()}
+        for k, v in mod.__dict__.items():
+            if isinstance(v, torch.Tensor):
+                new.__dict__[k] = meta(v)
+        return new
+
+    return copy(m)
+
+
 class _Stub(nn.Module):
     """An input-part module on a stage after the first: returns the received activation (or zeros of
-    the traced output shape); attribute reads fall through to the original module."""
+    the traced output shape). Attribute reads fall through to the original module until `release`
+    replaces it by its `_skeleton` (shapes, dtypes and non-tensor attributes; meta tensors), so the
+    stage holds none of its parameters and buffers: nothing trains them there."""
 
     def __init__(self, state: _State, orig: nn.Module, out_meta, hidden_meta):
         super().__init__()
         self.__dict__["_mp_state"], self.__dict__["_mp_orig"] = state, orig
         self.__dict__["_mp_like"] = None if out_meta == hidden_meta else out_meta
         setattr(self, STUB_ATTR, True)
+
+    def release(self, keep: dict[int, torch.Tensor]) -> None:
+        """Drop the reference to the original module (see `_skeleton` for ``keep``)."""
+        self.__dict__["_mp_orig"] = _skeleton(self.__dict__["_mp_orig"], keep)
 
     def forward(self, *args, **kwargs):
         h = self._mp_state.received
@@ -323,14 +361,19 @@ def build_stage(parts: ModelParts, a: int, b: int, *, index: int, is_first: bool
         raise ValueError("the block container cannot be the model itself in the forward form")
     par._modules[leaf] = copied[parts.container] = local
     state = _State()
+    stubs = []
     if not is_first:
         for path, mod in parts.pre:
             p, lf = parent_of(path)
             p._modules[lf] = _Stub(state, mod, parts.trace["outs"].get(path), parts.trace["hidden"])
+            stubs.append(p._modules[lf])
     if not is_last:
         for path, _ in parts.post:
             p, lf = parent_of(path)
             p._modules[lf] = _Absent(path)
+    held = {id(t): t for t in itertools.chain(root.parameters(), root.buffers())}   # stubs register none
+    for stub in stubs:
+        stub.release(held)
     handles = []
     if not is_first:
         handles.append(parts.blocks[a][1].register_forward_pre_hook(_inject(state), with_kwargs=True))
@@ -354,6 +397,10 @@ def check_chain(parts: ModelParts, ranges: list[tuple[int, int]], example) -> li
 
     Returns ``[None] * (len(ranges) - 1)`` (a plain tensor crosses every boundary).
 
+    On a model built on the meta device (``meta_init``) there are no values: only the output's shape
+    and dtype are compared, so the cut's values are checked by a run of the same model family with
+    real weights (a small config under ``modelpar verify``), not here.
+
     Raises:
         ValueError: a stage's output is not a tensor, or the chained output differs from the model's
             (largest difference named): the model's forward does something a stage cut cannot keep.
@@ -372,6 +419,11 @@ def check_chain(parts: ModelParts, ranges: list[tuple[int, int]], example) -> li
     if not isinstance(ref, torch.Tensor) or not isinstance(x, torch.Tensor) or ref.shape != x.shape:
         raise ValueError(f"{type(model).__name__}: the pipeline stages chained give "
                          f"{_tensor_meta(x) or type(x).__name__}, the whole forward {_tensor_meta(ref) or type(ref).__name__}")
+    if ref.is_meta or x.is_meta:        # a meta-built model (meta_init): shapes and dtypes only
+        if ref.dtype != x.dtype:
+            raise ValueError(f"{type(model).__name__}: the pipeline stages chained give {x.dtype}, the whole "
+                             f"forward {ref.dtype}")
+        return [None] * (n - 1)
     diff = (ref.float() - x.float()).abs().max().item()
     if diff > 1e-5 * (1 + ref.float().abs().max().item()):
         raise ValueError(f"{type(model).__name__}: the pipeline stages chained differ from the whole forward by "

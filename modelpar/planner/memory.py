@@ -219,7 +219,8 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
                 overhead_bytes: float, pp_rank: int, accumulation: int = 1, global_batch_size: int = 0,
                 foreach: bool = False, recv_per_microbatch: bool = True, fused: bool = True,
                 gloo: bool = False, fused_tp_optimizer: bool = False,
-                ddp_bucket_copy: bool | None = None, cache: PlannerCache | None = None) -> MemoryEstimate:
+                ddp_bucket_copy: bool | None = None, cache: PlannerCache | None = None,
+                fp32_loss: bool = True) -> MemoryEstimate:
     """Peak memory of one pipeline rank, with its parts at the moment of the peak.
 
     The largest of these moments of a training step (steady state: optimizer state exists;
@@ -251,10 +252,12 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
     (Megatron-LM's DDP: one contiguous gradient buffer).
     ``cache``: the search's memo tables (`memo.PlannerCache`); None: nothing shared between calls
     beyond what ``ld`` keeps.
+    ``fp32_loss``: the loss runs on fp32 logits (modelpar's `lm_loss`; see `memory_form`).
     """
     form = memory_form(ld, plan, optimizer=optimizer, global_batch_size=global_batch_size, foreach=foreach,
                        recv_per_microbatch=recv_per_microbatch, fused=fused, gloo=gloo,
-                       fused_tp_optimizer=fused_tp_optimizer, ddp_bucket_copy=ddp_bucket_copy, cache=cache)
+                       fused_tp_optimizer=fused_tp_optimizer, ddp_bucket_copy=ddp_bucket_copy, cache=cache,
+                       fp32_loss=fp32_loss)
     m = plan.n_microbatches if plan.pp > 1 else 1
     return form.at(micro_batch_size, m, accumulation, in_flight(plan, pp_rank) if plan.pp > 1 else 1.0,
                    pp_rank, overhead_bytes)
@@ -267,7 +270,7 @@ class MemoryForm:
 
     __slots__ = ("ld", "cache", "fsdp", "ws", "P", "params", "grads", "opt", "data", "work", "ac", "S", "pp",
                  "last", "out", "rafw", "recv_mult", "comm_add", "ddp_view", "sharded_layout", "cast_cache",
-                 "root_g", "po", "pgo_d", "pgos_d", "key0", "keep", "step_tmp", "gloo")
+                 "root_g", "po", "pgo_d", "pgos_d", "key0", "keep", "step_tmp", "gloo", "loss_out")
 
     def at(self, b: int, m: int, accumulation: int, W: float, pp_rank: int,
            overhead_bytes: float) -> MemoryEstimate:
@@ -302,12 +305,13 @@ class MemoryForm:
             variants = ((1.0, 1.0, (accumulation > 1 or self.ddp_view) and not sharded_acc),)
         bS = b * self.S
         bout = b * out
+        bls = b * self.loss_out      # one logits-sized tensor of the loss (fp32 under `lm_loss`)
         # other micro-batches in flight keep their saved bytes and, on the last stage, the loss's saved
         # log-softmax; the last stage keeps every micro-batch's output it has computed (the schedule
         # returns them merged: ``PipelineStage.output_chunks``), a non-last stage each in-flight
         # micro-batch's stage output (``fwd_cache``, until its backward); without a pipeline the caller
         # holds the model output through backward
-        per_other, per_out = (bS + bout, bout) if last else (bS, b * ld.boundary if pp else 0.0)
+        per_other, per_out = (bS + bls, bout) if last else (bS, b * ld.boundary if pp else 0.0)
         best_total, best = -1.0, None
         for F, n_out, prev in variants:
             held = (F - 1) * per_other + (n_out if last else F) * per_out
@@ -317,10 +321,10 @@ class MemoryForm:
             gath0 = root_g + work * (P - ld.root_params) if (fsdp and pp and prev and rafw) else root_g
             base = fixed + held + g0 + gath0
             if last:
-                # the loss's backward: logits, log-softmax output (saved), and the gradients of both;
-                # FSDP has gathered nothing for backward yet (the root's pre-backward hook, which starts
-                # the first unit's all-gather, fires when the logits' gradient is complete)
-                tot = base + bS + 3 * bout
+                # the loss's backward (logits in ``held``): log-softmax (saved) and the gradients of both
+                # (``loss_out``); FSDP has gathered nothing for backward yet (the root's pre-backward
+                # hook, which starts the first unit's all-gather, fires when the logits' gradient is complete)
+                tot = base + bS + 3 * bls
                 if tot > best_total:
                     best_total, best = tot, (held, g0, gath0, prev, None)
             # the block / reduce moments, as totals b * A + K + G / dp_shard (see `_projections`)
@@ -346,7 +350,7 @@ class MemoryForm:
         held, g0, gath0, prev, c = best
         acts = data + self.cast_cache + held
         if c is None:
-            return MemoryEstimate(params, g0, opt, acts + bS + 3 * bout, gath0, comm_persist, overhead_bytes,
+            return MemoryEstimate(params, g0, opt, acts + bS + 3 * bls, gath0, comm_persist, overhead_bytes,
                                   pp_rank, "loss")
         kind, (gK, gG, aA, aK, tK, cK, cG) = c
         return MemoryEstimate(params, g0 + gK + gG * ws, opt, acts + aA * b + aK, gath0 + tK,
@@ -367,7 +371,7 @@ class MemoryForm:
 def memory_form(ld: RankLoad, plan: ParallelPlan, *, optimizer: str, global_batch_size: int = 0,
                 foreach: bool = False, recv_per_microbatch: bool = True, fused: bool = True,
                 gloo: bool = False, fused_tp_optimizer: bool = False, ddp_bucket_copy: bool | None = None,
-                cache: PlannerCache | None = None) -> MemoryForm:
+                cache: PlannerCache | None = None, fp32_loss: bool = True) -> MemoryForm:
     """`rank_memory`'s terms of ``ld`` under ``plan`` that hold for every micro-batch size, micro-batch
     count, accumulation and pipeline rank position (arguments as `rank_memory`); ``plan``'s
     ``n_microbatches`` is not read."""
@@ -393,6 +397,11 @@ def memory_form(ld: RankLoad, plan: ParallelPlan, *, optimizer: str, global_batc
     f.pp = pp = plan.pp > 1
     f.last = ld.is_last
     f.out = ld.out
+    # the loss's logits-sized tensors per sample (saved log-softmax, its gradient, the logits' fp32
+    # gradient): fp32 under bf16 too, as `train.task.lm_loss` casts ``logits.float()``; measured at the
+    # peak (``_log_softmax_backward_data``) per logit: fp32 4 + 3 x 4 B, bf16 2 + 3 x 4 B
+    # (tests/test_planner_loss_memory.py). ``fp32_loss=False``: a loss at the activation dtype.
+    f.loss_out = ld.out * (2.0 if (fp32_loss and bf16) else 1.0)
     f.rafw = rafw = plan.reshard_after_forward
     # buffers that live through the whole step: torch.distributed.pipelining's receive buffers, one
     # per micro-batch and stage (activations on non-first stages, gradients on non-last stages;
@@ -446,7 +455,8 @@ def estimate_memory(profile: ModelProfile, plan: ParallelPlan, batch: Batch, *,
                     optimizer: str = "adamw", overhead_bytes: float = 0.0, foreach: bool = False,
                     recv_per_microbatch: bool = True, fused: bool = True,
                     gloo: bool = False, fused_tp_optimizer: bool = False,
-                    ddp_bucket_copy: bool | None = None, cache: PlannerCache | None = None) -> MemoryEstimate:
+                    ddp_bucket_copy: bool | None = None, cache: PlannerCache | None = None,
+                    fp32_loss: bool = True) -> MemoryEstimate:
     """Peak memory per rank for ``plan``: the most loaded pipeline rank, with its parts (bytes).
 
     Args:
@@ -465,6 +475,8 @@ def estimate_memory(profile: ModelProfile, plan: ParallelPlan, batch: Batch, *,
             tensor-parallel plans still use the single-tensor loop (modelpar's TP mixes plain tensors
             and DTensors) unless ``fused_tp_optimizer`` (Megatron-LM's fused Adam).
         ddp_bucket_copy: see `rank_memory`.
+        fp32_loss: the loss's logits-sized tensors are fp32 (modelpar's loss; default), else at the
+            activation dtype; see `rank_memory`.
         cache: memo tables (`memo.PlannerCache`) to share between estimates of one profile; None: a
             fresh one for this call.
 
@@ -481,7 +493,8 @@ def estimate_memory(profile: ModelProfile, plan: ParallelPlan, batch: Batch, *,
     ests = [rank_memory(ld, plan, micro_batch_size=b, optimizer=optimizer, overhead_bytes=overhead_bytes,
                         pp_rank=r, accumulation=acc, global_batch_size=batch.global_batch_size, foreach=foreach,
                         recv_per_microbatch=recv_per_microbatch, fused=fused, gloo=gloo,
-                        fused_tp_optimizer=fused_tp_optimizer, ddp_bucket_copy=ddp_bucket_copy, cache=cache)
+                        fused_tp_optimizer=fused_tp_optimizer, ddp_bucket_copy=ddp_bucket_copy, cache=cache,
+                        fp32_loss=fp32_loss)
             for r, ld in enumerate(loads)]
     return max(ests, key=lambda e: e.total)
 

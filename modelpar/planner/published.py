@@ -237,7 +237,10 @@ def megatron_estimate(profile, plan, batch, *, ddp: str, selective: bool, micro:
     prof = vocab_parallel_profile(profile) if plan.tp > 1 else profile
     mprof = selective_recompute_profile(prof, dropout=True) if selective else prof
     mem = estimate_memory(mprof, plan, batch, overhead_bytes=A100.framework_overhead_bytes,
-                          recv_per_microbatch=False, ddp_bucket_copy=(ddp == "torch"), **MEGATRON_RUNTIME)
+                          recv_per_microbatch=False, ddp_bucket_copy=(ddp == "torch"), **MEGATRON_RUNTIME,
+                          # vocab-parallel cross entropy reuses its fp32 copy in place for the softmax
+                          # and the gradient: one 4 B tensor + the 2 B gradient (= 3 x 2 B per logit)
+                          fp32_loss=False)
     st = estimate_step(prof, plan, batch, A100, dp_overlap=(ddp == "torch"), reduce_bytes=2,
                        p2p_scatter_gather=True, replicate=False, autocast_weights=False, master_weights=True,
                        **MEGATRON_RUNTIME)
@@ -329,7 +332,9 @@ def mosaic_rows(fast: bool = False, kernel: str | None = None) -> list[Result]:
         st = estimate_step(prof, plan, batch, A100, reduce_bytes=2, gather_bytes=gather,
                            attention_kernel=kernel or MOSAIC_KERNEL, autocast_weights=(mp == "DEFAULT"),
                            fsdp_stream_copies=False)
-        mem = estimate_memory(prof, plan, batch, overhead_bytes=A100.framework_overhead_bytes)
+        # llm-foundry's MPT loss: FusedCrossEntropyLoss (flash-attn's xentropy kernel) on the bf16 logits,
+        # no fp32 copy: at most the activation-dtype charge (`memory.memory_form`, ``fp32_loss``)
+        mem = estimate_memory(prof, plan, batch, overhead_bytes=A100.framework_overhead_bytes, fp32_loss=False)
         pred = B * seq / (st.total * gpus)
         out.append(Result("mosaic", "Composer FSDP", f"{model} s{seq} {gpus}g b{micro}", plan.describe(), tps, pred,
                           "tok/s/GPU", st, mem, mem.total <= A100.memory_bytes))

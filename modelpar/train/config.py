@@ -62,8 +62,8 @@ class TrainConfig:
         weight_decay: AdamW weight decay on matrices (not on biases, norms or embeddings' 1-D params).
         optimizer: adamw or sgd.
         grad_clip: clip gradients to this global L2 norm (0: off).
-        meta_init: Hugging Face models under FSDP (or one process): build on the meta device and give each
-            rank memory for its own shards only, filled from the pretrained folder's safetensors files
+        meta_init: Hugging Face models under FSDP, TP and pipelines (or one process): build on the meta
+            device and give each rank memory for its own shards and stages only, filled from the pretrained folder's safetensors files
             (sliced) or, from a config, from (seed, parameter name), the same values on every layout but
             not transformers' own initialisation (`modelpar.train.materialise`).
         dropout: dropout probability of GPT and Hugging Face models (every dropout field of an HF config

@@ -157,6 +157,20 @@ class TensorBatches:
         return self.inputs[idx], self.targets[idx]
 
 
+def synthetic_images(channels: int, size: int, classes: int, n: int = 1024, seed: int = 0, val: int = 64):
+    """A learnable image dataset of a given shape: pixels N(0, 1) of shape ``(n, channels, size, size)``
+    float32, labels int64 in ``[0, classes)`` from a fixed random linear teacher on the flattened pixels
+    (as the MLPs' synthetic teacher). Returns ``(train TensorBatches, (val inputs, val labels), info)``
+    with the first ``val`` samples held out; the same tensors on every rank for a given ``seed``."""
+    g = torch.Generator().manual_seed(seed + 77)
+    x = torch.randn(n, channels, size, size, generator=g)
+    w = torch.randn(channels * size * size, classes, generator=g)
+    y = (x.flatten(1) @ w).argmax(-1)
+    info = {"source": f"synthetic images {channels}x{size}x{size}, {classes} classes (a fixed linear teacher)",
+            "num_samples": n}
+    return TensorBatches(x[val:], y[val:]), (x[:val], y[:val]), info
+
+
 def load_digits(val_fraction: float = 0.2) -> tuple[TensorBatches, tuple[torch.Tensor, torch.Tensor], dict]:
     """scikit-learn's bundled digits: (n, 1, 8, 8) float in [0, 1], labels int64 (10 classes)."""
     from sklearn.datasets import load_digits as _ld

@@ -2,15 +2,17 @@
 
 With ``meta_init`` (`TrainConfig`), a Hugging Face model is built with its parameters on the meta
 device (`params_on_meta`: the modules' constructors run, parameters allocate nothing, buffers such as
-rotary tables are real and small), laid out by `modelpar.parallel.parallelize` (FSDP shards meta
-parameters as it would real ones), and then `materialise` gives every rank real memory for its own
-shards only (``to_empty``) and fills them:
+rotary tables are real and small), laid out by `modelpar.parallel.parallelize` (FSDP and TP shard meta
+parameters as they would real ones, into DTensors with meta local shards; a pipeline keeps this rank's
+stage modules only), and then `materialise` gives every rank real memory for its own shards of its own
+stages only (``to_empty``) and fills them:
 
 - from a local pretrained folder: each shard is read from the ``*.safetensors`` files as a slice
   (``safe_open(...).get_slice``), so no rank ever holds a whole weight it does not own beyond that
   slice;
 - from a config: each parameter's values are drawn from a generator seeded by (``seed``, parameter
-  name), one whole parameter at a time on CPU, and this rank's slice kept. Matrices and embeddings
+  name; a tied copy: its tie's first name), one whole parameter at a time on CPU, and this rank's
+  slice kept (of the TP-permuted order for GPT-2's fused ``c_attn``). Matrices and embeddings
   ~ N(0, ``initializer_range``) (transformers' default rule), norm weights 1, biases 0. The values are
   the same under every layout and world size (the slice of the same full tensor), but they are not
   transformers' own initialisation (which also scales some projections and consumes the RNG in
@@ -51,10 +53,12 @@ def params_on_meta():
 
 
 def check_meta_init(cfg, plan) -> None:
-    """``meta_init`` is for Hugging Face models under FSDP / DDP-free plans without TP or pipelines.
+    """``meta_init`` is for Hugging Face models on one process, under FSDP, tensor parallelism and
+    pipelines (and their products): layouts whose ranks each hold their own shards or stages.
 
     Raises:
-        ValueError: another model kind, or a plan with tensor / pipeline parallelism or placement.
+        ValueError: another model kind, placement (one process holds every part), or DDP (it
+            broadcasts rank 0's whole parameters at wrap time, which meta parameters do not have).
     """
     from modelpar.models.spec import model_kind
 
@@ -63,9 +67,24 @@ def check_meta_init(cfg, plan) -> None:
     if model_kind(cfg.model) != "hf":
         raise ValueError(f"meta_init=True builds Hugging Face models on the meta device; --model {cfg.model} is "
                          f"not one")
-    if plan.tp > 1 or plan.pp > 1 or plan.is_placement or (plan.dp_replicate > 1 and not plan.fsdp_enabled):
-        raise ValueError(f"meta_init=True materialises FSDP shards; the plan {plan.describe()} has tensor / pipeline "
-                         f"parallelism, placement or DDP (use --strategy fsdp or single)")
+    if plan.is_placement or (plan.dp_replicate > 1 and not plan.fsdp_enabled):
+        raise ValueError(f"meta_init=True materialises each rank's FSDP / TP shards and pipeline stages; the plan "
+                         f"{plan.describe()} has placement or DDP (use --strategy fsdp, tp, pp or single)")
+
+
+def _plain_in_place(m: nn.Module, device: torch.device) -> None:
+    """Give every plain (not DTensor) meta parameter of ``m`` memory on ``device`` while keeping the
+    Parameter object (``torch.utils.swap_tensors``): ``to_empty`` would make new objects for them (meta
+    and CPU tensors cannot share ``.data``), and what holds them since the layout was built (the
+    gradient-use check, a pipeline's tied-gradient sync) must keep seeing the trained ones."""
+    from torch.distributed.tensor import DTensor
+
+    seen: set[int] = set()
+    for p in m.parameters():
+        if id(p) in seen or isinstance(p, DTensor) or not p.is_meta:
+            continue
+        seen.add(id(p))
+        torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad))
 
 
 def _seed_of(seed: int, name: str) -> int:
@@ -114,40 +133,66 @@ def _weight_files(folder: str) -> dict[str, str]:
 
 
 @torch.no_grad()
-def materialise(modules: list[nn.Module], cfg, device: torch.device) -> None:
-    """Give the meta parameters of ``modules`` (already sharded) real memory on ``device`` and fill
-    each rank's shards (see the module docstring). Buffers keep their values.
+def materialise(modules: list[nn.Module], cfg, device: torch.device,
+                ties: list[tuple[str, ...]] | None = None) -> None:
+    """Give the meta parameters of ``modules`` (already laid out: FSDP / TP shards, this rank's
+    pipeline stages) real memory on ``device`` and fill each rank's shards (see the module docstring).
+    Buffers keep their values.
+
+    ``ties``: the whole model's tied parameter groups (`ParallelModel.ties`); every copy of a tie gets
+    the values of its first name, so copies on different pipeline stages (GPT-2's ``wte`` on the first,
+    ``lm_head`` on the last) start equal, as the one tensor of one process. A fused q|k|v projection
+    that TP permuted (`modelpar.parallel.hf_tp.permute_fused_qkv`) gets the permuted columns of the
+    canonical full tensor, so its values are those of the same parameter on one process.
 
     Raises:
         ValueError: a pretrained folder without safetensors weights, or a parameter its files lack.
     """
     from safetensors import safe_open
 
+    from modelpar.parallel.hf_tp import _dim_of, permuted_params
+    from modelpar.parallel.ties import find_ties, retie
     from modelpar.train.task import has_weights
 
     folder = cfg.model if has_weights(cfg.model) else None
     files = _weight_files(folder) if folder else {}
-    from modelpar.parallel.ties import find_ties, retie
+    alias = {n: t for t in (ties or []) for n in t}
+    perms = permuted_params(modules)
+    handles: dict[str, object] = {}
+
+    def hf(name: str) -> str:
+        return name[3:] if name.startswith("hf.") else name
+
+    def source(name: str) -> str:
+        """The name whose values ``name`` takes: its tie's first (for a folder, the first it holds)."""
+        group = alias.get(name, (name,))
+        if folder:
+            return next((n for n in group if hf(n) in files), name)
+        return group[0]
 
     for m in modules:
         buffers = {n: b.detach().clone() for n, b in m.named_buffers()}
         tied = find_ties(m)
-        m.to_empty(device=device)      # new tensors per module: a tie (GPT-2's head) becomes two ...
-        retie([m], tied)               # ... and is made one again
+        _plain_in_place(m, device)
+        m.to_empty(device=device)      # the rest (FSDP / TP DTensors keep their objects); a tie ...
+        retie([m], tied)               # ... that became two tensors is made one again
         for n, b in m.named_buffers():
             b.copy_(buffers[n])
         owners = _owners(m)
         std = float(getattr(getattr(m, "hf", m).config, "initializer_range", 0.02)) if hasattr(m, "hf") else 0.02
-        handles: dict[str, object] = {}
         for name, p in m.named_parameters():
             local, sl = _slices(p)
-            hf_name = name[3:] if name.startswith("hf.") else name
+            src = source(name)
+            perm = perms.get(name)
             if folder:
-                if hf_name not in files:
-                    raise ValueError(f"meta_init=True: {folder!r} has no weight {hf_name!r}")
-                path = files[hf_name]
+                if hf(src) not in files:
+                    raise ValueError(f"meta_init=True: {folder!r} has no weight {hf(src)!r}")
+                path = files[hf(src)]
                 f = handles.get(path) or handles.setdefault(path, safe_open(path, "pt"))
-                value = f.get_slice(hf_name)[sl]
+                value = f.get_slice(hf(src))[sl] if perm is None else f.get_tensor(hf(src))
             else:
-                value = _seeded(name, owners[name], p.shape, cfg.seed, std)[sl]
+                value = _seeded(src, owners[name], p.shape, cfg.seed, std)
+                value = value[sl] if perm is None else value
+            if perm is not None:       # the laid-out (permuted) order, then this rank's slice
+                value = value.index_select(_dim_of(name.rsplit(".", 1)[-1]), perm)[sl]
             local.copy_(value.to(local.dtype))

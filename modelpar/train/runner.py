@@ -106,10 +106,12 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
                          example_input=example_input(task, batches.micro_batch_size),
                          split_points=split_points_of(cfg.split_points), blocks=cfg.blocks or None,
                          check_unused_params=cfg.check_unused_params, sync_batchnorm=cfg.sync_batchnorm)
+        if plan.pp_enabled:         # the stages hold this rank's modules; the whole model is not needed
+            task.model = None       # (it would keep every other stage's parameters allocated here)
         if cfg.meta_init:           # built on meta: this rank's shards get memory and values now
             from modelpar.train.materialise import materialise
 
-            materialise(pm.modules, cfg, device)
+            materialise(pm.modules, cfg, device, ties=pm.ties)
         note = dropout_note(pm.modules, plan, cfg.dropout)
         if note:
             say(note)

@@ -3,7 +3,9 @@
 Language models (token ids in, logits out) train on a token stream (`modelpar.train.tokens`): the
 built-in GPT presets, Hugging Face causal LMs (``hf:<type>``, a config.json, a pretrained folder) and
 factory models that declare themselves language models (the dict form with ``"task": "lm"``,
-`modelpar.models.spec`). The MLPs train on a synthetic teacher, the CNN on scikit-learn's digits.
+`modelpar.models.spec`). The MLPs train on a synthetic teacher, the CNN on scikit-learn's digits, a
+Hugging Face image classifier (``hf:vit``, ...) on synthetic images of its own ``num_channels``,
+``image_size`` and ``num_labels`` (`modelpar.train.data.synthetic_images`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class Task:
     tokens_per_sample: int
     data_info: dict
     lm: "LMShape | None" = None      # language models: vocabulary, positions, sequence length
+    input_shape: tuple | None = None  # classifiers with their own input shape (an HF image model: c, h, w)
 
 
 @dataclass(frozen=True)
@@ -116,8 +119,8 @@ def build_model_for(cfg, device: str = "cpu") -> nn.Module:
     Hugging Face config; a local pretrained folder loads its weights (not on ``device="meta"``).
 
     Raises:
-        ValueError: unknown name or fields, a Hugging Face model that is not a causal LM, a factory that
-            is not a language model (see `_factory_lm`).
+        ValueError: unknown name or fields, a Hugging Face model that is neither a causal LM nor an
+            image classifier, a factory that is not a language model (see `_factory_lm`).
     """
     from modelpar.models.spec import build_builtin
 
@@ -125,9 +128,7 @@ def build_model_for(cfg, device: str = "cpu") -> nn.Module:
     if kind == "hf":
         from modelpar.models.hf import build_hf, load_config, task_of
 
-        if task_of(load_config(cfg.model, cfg.model_config or None)) != "lm":
-            raise ValueError(f"--model {cfg.model!r}: modelpar train runs Hugging Face causal language models; "
-                             f"an image classifier can be checked with `modelpar verify`")
+        task_of(load_config(cfg.model, cfg.model_config or None))     # a causal LM or an image classifier
         if getattr(cfg, "meta_init", False) and str(device) != "meta":     # materialised per shard later
             from modelpar.train.materialise import params_on_meta
 
@@ -190,6 +191,17 @@ def build_task(cfg, *, device: str = "cpu", load_data: bool = True) -> Task:
         tb, vb = TokenBatches(train, seq), TokenBatches(val, seq)
         return Task(cfg.model, "lm", model, tb, vb.at(vb.eval_batches(cfg.eval_samples)), lm_loss, seq, info, shape)
     _check_no_token_options(cfg)
+    if _kind(cfg) == "hf":          # an image classifier: synthetic images of its shape and labels
+        from modelpar.models.hf import facts, load_config
+        from modelpar.train.data import synthetic_images
+
+        f = facts(load_config(cfg.model, cfg.model_config or None))
+        shape = (int(f.num_channels or 3), int(f.image_size), int(f.image_size))
+        if not load_data:
+            return Task(cfg.model, "classify", model, None, None, classification_loss, 1, {}, input_shape=shape)
+        train, val, info = synthetic_images(shape[0], shape[1], int(f.num_labels), seed=cfg.seed,
+                                            val=max(cfg.eval_samples, 1))
+        return Task(cfg.model, "classify", model, train, val, classification_loss, 1, info, input_shape=shape)
     if cfg.model in MLP_PRESETS:
         widths = MLP_PRESETS[cfg.model]
         if not load_data:
@@ -210,4 +222,6 @@ def example_input(task: Task, batch: int) -> torch.Tensor:
         return torch.zeros(batch, task.tokens_per_sample, dtype=torch.long)
     if task.name in MLP_PRESETS:
         return torch.zeros(batch, MLP_PRESETS[task.name][0])
+    if task.input_shape is not None:
+        return torch.zeros(batch, *task.input_shape)
     return torch.zeros(batch, 1, 8, 8)
