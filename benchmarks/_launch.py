@@ -46,7 +46,8 @@ def benchmark_main(script: str, doc: str, *, json_default: str, add_args, worker
         worker(args)
         return 0
     load = os.getloadavg()
-    forward = [x for k, v in vars(args).items() if k not in ("out", "worker") for x in (f"--{k}", str(v))]
+    forward = [x for k, v in vars(args).items() if k not in ("out", "worker")
+               for x in (f"--{k.replace('_', '-')}", str(v))]        # options are spelt with dashes
     text = render(run_worker(script, forward, args.json), args, load)
     print(text)
     if args.out:

@@ -33,6 +33,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers.guards import refuse_processes  # noqa: E402
 LAUNCH_TIMEOUT_S = {2: 600, 4: 420, 8: 600}
+# inductor compiles in this process rather than in a pool of worker processes, each of which imports
+# torch (the compile row: ~2-5 s per rank on 2 cores; the kernels are the same, and the C++ compiler
+# still runs as a child process whose output the ranks share through inductor's cache and its locks)
+LAUNCH_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
 LAUNCH_TIMES: dict[int, dict] = {}                  # world -> case -> rank 0's wall / CPU seconds   # 2: the HF rows (issue 12) made that launch longer
 
 
@@ -59,7 +63,7 @@ def dist_results(tmp_path_factory):
             names = [n for n, c in parity_cases.CASES.items() if c[0] == world]
             out = tmp_path_factory.mktemp(f"parity{world}") / "results.json"
             run = run_ranks(world, [str(ROOT / "tests" / "helpers" / "dist_worker.py"), str(out), *names], out,
-                            LAUNCH_TIMEOUT_S[world])
+                            LAUNCH_TIMEOUT_S[world], env=LAUNCH_ENV)
             res = run.result or {}
             if run.returncode != 0 and not res:
                 pytest.fail(f"parity launch with {world} ranks failed (rc {run.returncode}):\n{run.output[-4000:]}")
@@ -126,6 +130,66 @@ def pytest_runtest_makereport(item, call):
         item._modelpar_call_report = outcome.get_result()
 
 
+# every process the pytest process starts, by test (the terminal summary counts them: a torchrun
+# launch costs ~5-15 s here, a Python process ~2-4 s of imports)
+PROCESS_STARTS: list[tuple[str, str]] = []          # (test node id, kind)
+_CURRENT_TEST: list[str] = ["(session)"]
+
+
+def _kind_of(args) -> str:
+    argv = [str(a) for a in (args if isinstance(args, (list, tuple)) else [args])]
+    if "torch.distributed.run" in argv or any(a.endswith("torchrun") for a in argv):
+        n = next((a.split("=", 1)[1] for a in argv if a.startswith("--nproc-per-node=")), "?")
+        return f"torchrun {n} ranks"
+    if "-m" in argv and argv[argv.index("-m") + 1:argv.index("-m") + 2] == ["modelpar"]:
+        return "python -m modelpar " + (argv[argv.index("-m") + 2] if len(argv) > argv.index("-m") + 2 else "")
+    if argv and "python" in Path(argv[0]).name:
+        return "python " + (Path(argv[1]).name if len(argv) > 1 else "")
+    return Path(argv[0]).name if argv else "?"
+
+
+def pytest_configure(config):
+    import subprocess
+
+    orig = subprocess.Popen._execute_child
+
+    def counted(self, args, *rest, **kw):
+        PROCESS_STARTS.append((_CURRENT_TEST[0], _kind_of(args)))
+        return orig(self, args, *rest, **kw)
+    subprocess.Popen._execute_child = counted
+
+
+TEST_CPU: dict[str, tuple[float, float, float]] = {}   # node id -> (wall, own CPU, children's CPU) seconds
+
+
+def _cpu() -> tuple[float, float]:
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Per test (setup included): wall seconds and CPU seconds of this process and of the processes it
+    started and waited for (ranks included): CPU is what a loaded machine does not inflate much."""
+    import time
+
+    _CURRENT_TEST[0] = item.nodeid
+    t0, (own0, kids0) = time.perf_counter(), _cpu()
+    yield
+    own1, kids1 = _cpu()
+    TEST_CPU[item.nodeid] = (time.perf_counter() - t0, own1 - own0, kids1 - kids0)
+    _CURRENT_TEST[0] = "(session)"
+
+
+def pytest_collection_finish(session):
+    """Scenario groups of unselected modules do not ride in the shared launches (`helpers.workers`)."""
+    from helpers import workers
+
+    workers.activate({str(it.fspath) for it in session.items})
+
+
 def pytest_collection_modifyitems(config, items):
     """``gpu`` means needs a CUDA device: such tests are skipped (with that reason) where there is none."""
     gpu = [it for it in items if it.get_closest_marker("gpu") is not None]
@@ -149,6 +213,28 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             top = sorted(times.items(), key=lambda kv: -kv[1]["wall_s"])[:8]
             terminalreporter.write_line(f"{world} ranks: {len(times)} cases, {wall:.0f} s wall, {cpu:.0f} s CPU; "
                                         + ", ".join(f"{n} {t['wall_s']:.1f}/{t['cpu_s']:.1f}" for n, t in top))
+    if TEST_CPU:
+        wall, own, kids = (sum(v[i] for v in TEST_CPU.values()) for i in range(3))
+        terminalreporter.section("CPU seconds per test (this process + the processes it waited for)")
+        terminalreporter.write_line(f"{len(TEST_CPU)} tests: {wall:.0f} s wall, {own:.0f} s CPU here, {kids:.0f} s CPU "
+                                    "in child processes")
+        top = sorted(TEST_CPU.items(), key=lambda kv: -(kv[1][1] + kv[1][2]))[:int(os.getenv("MODELPAR_TOP_CPU", "25"))]
+        for nodeid, (w, o, k) in top:
+            terminalreporter.write_line(f"{o + k:7.1f} s CPU ({o:.1f} here + {k:.1f} children), {w:6.1f} s wall  {nodeid}")
+    if PROCESS_STARTS:
+        from collections import Counter
+
+        from helpers import workers
+
+        kinds = Counter(k for _, k in PROCESS_STARTS)
+        terminalreporter.section("processes started by the pytest process")
+        terminalreporter.write_line(f"{len(PROCESS_STARTS)} in all: " + ", ".join(f"{n} x {k}" for k, n in kinds.most_common()))
+        by_test = Counter(t for t, _ in PROCESS_STARTS)
+        terminalreporter.write_line("most: " + ", ".join(f"{t} {n}" for t, n in by_test.most_common(8)))
+        for row in workers.LAUNCHES:
+            if row["carried"]:
+                terminalreporter.write_line(f"shared launch {row['tag']} ({row['nproc']} ranks, {row['scenarios']} "
+                                            f"scenarios) carried {', '.join(row['carried'])}")
     if not REPORT:
         return
     lines = ["| case | pass | max loss rel diff | max param abs diff | param rel-norm diff | grad-norm rel diff |",

@@ -113,13 +113,11 @@ def test_planner_orders_the_modes_and_says_what_selective_frees():
 def test_search_tries_the_new_modes_where_none_fits():
     """Every-k is chosen where no checkpointing does not fit and it is cheaper than full; deferred
     FSDP sync is a candidate only with accumulation."""
-    from modelpar.models import build_model
+    from helpers.profiles import gpt_profile
     from modelpar.planner.hardware import get_hardware
-    from modelpar.planner.profile import profile_model
     from modelpar.planner.search import search_plans
 
-    m = build_model("gpt-1b", device="meta")
-    prof = profile_model(m, torch.zeros(1, m.cfg.seq_len, dtype=torch.long, device="meta"), dtype=torch.bfloat16)
+    prof, _ = gpt_profile("gpt-1b", torch.bfloat16)        # its 24 identical blocks profiled once
     rep = search_plans(prof, 8, get_hardware("H100-80GB-SXM"), global_batch_size=512)
     modes = {(c.plan.activation_checkpointing, c.plan.ac_every) for c in rep.ranked}
     assert {("none", 1), ("every-k", 2), ("every-k", 4), ("full", 1)} <= modes

@@ -20,17 +20,52 @@ EXPECT = {
 }
 
 
+CONCURRENT = 2          # examples run two at a time: most of them are one process on one thread
+TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory):
+    """name -> (exit code, stdout, stderr) of every example, started as a user starts it (a plain
+    ``python examples/NAME.py``; the multi-rank ones relaunch themselves), ``CONCURRENT`` at a time so a
+    single-process example does not leave the second core idle. Each has its own limit."""
+    import time
+
+    work = tmp_path_factory.mktemp("examples")
+    env = {**os.environ, "MODELPAR_TINY": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    todo, running, done = sorted(EXPECT), {}, {}
+    while todo or running:
+        while todo and len(running) < CONCURRENT:
+            name = todo.pop(0)
+            out, err = open(work / f"{name}.out", "w"), open(work / f"{name}.err", "w")
+            proc = subprocess.Popen([sys.executable, str(EXAMPLES / name)], stdout=out, stderr=err, env=env,
+                                    cwd=EXAMPLES, start_new_session=True)
+            running[name] = (proc, out, err, time.monotonic())
+        for name, (proc, out, err, t0) in list(running.items()):
+            rc = proc.poll()
+            if rc is None and time.monotonic() - t0 > TIMEOUT_S:
+                os.killpg(proc.pid, 9)
+                rc = proc.wait()
+                err.write(f"\n[test] killed after {TIMEOUT_S} s\n")
+            if rc is not None:
+                out.close()
+                err.close()
+                done[name] = (rc, (work / f"{name}.out").read_text(), (work / f"{name}.err").read_text())
+                del running[name]
+        time.sleep(0.2)
+    return done
+
+
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("name", sorted(EXPECT))
-def test_example_runs(name):
+def test_example_runs(name, ran):
     expect = list(EXPECT[name])
     if name == "fsdp_cpu_offload.py" and __import__("torch").cuda.is_available():
         expect = ["cpu_offload=True", "holds"]
-    env = {**os.environ, "MODELPAR_TINY": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, timeout=180,
-                          env=env, cwd=EXAMPLES)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    rc, stdout, stderr = ran[name]
+    assert rc == 0, stderr[-3000:]
     for s in expect:
-        assert s in proc.stdout, (s, proc.stdout[-2000:])
+        assert s in stdout, (s, stdout[-2000:])
     if name == "activation_checkpointing.py":        # checkpointing must actually save memory
-        line = next(l for l in proc.stdout.splitlines() if l.startswith("saved"))
+        line = next(l for l in stdout.splitlines() if l.startswith("saved"))
         assert float(line.split()[1]) > 0

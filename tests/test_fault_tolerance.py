@@ -19,12 +19,25 @@ from pathlib import Path
 
 import pytest
 
+from helpers import workers
 from helpers.ckpt_worker import data_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--model", "gpt-nano", "--seq-len", "16", "--global-batch-size", "8", "--steps", "8", "--warmup-steps", "2",
         "--eval-every", "0", "--eval-samples", "8", "--sample-bytes", "0", "--no-track-memory",
         "--threads", "1", "--strategy", "ddp", "--data", data_dir()]
+
+
+def _reference(work: Path) -> list[dict]:
+    """TINY's uninterrupted run: it rides in the session's first 2-rank scenario launch (`helpers.workers`),
+    through `modelpar.train.runner.train` as the ranks of `modelpar train` run it."""
+    cfg = dict(model="gpt-nano", seq_len=16, global_batch_size=8, steps=8, warmup_steps=2, eval_every=0,
+               eval_samples=8, sample_bytes=0, track_memory=False, threads=1, strategy="ddp", data=data_dir(),
+               out_dir=str(work / "out"))
+    return [{"name": "ref", "kind": "train", "cfg": cfg, "run_dir": str(work / "ref" / "run")}]
+
+
+workers.ride("ft_ref", 2, _reference, module=__file__)
 
 
 def torchrun(args: list[str], *, restarts: int, env: dict | None = None, timeout: int = 240):
@@ -52,8 +65,8 @@ def final(out_dir: Path) -> tuple[float, float]:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_kill_one_rank_restart_resume_bit_identical(tmp_path):
-    ref, _ = torchrun([*TINY, "--out-dir", str(tmp_path / "ref")], restarts=0)
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    ref = workers.rider_results("ft_ref")["ref"]        # the uninterrupted run of the same config
+    assert not ref["errors"], ref["errors"]
     ckpt = tmp_path / "ckpt"
     run, secs = torchrun([*TINY, "--out-dir", str(tmp_path / "run"), "--ckpt-dir", str(ckpt), "--ckpt-every", "2",
                           "--resume", "auto"], restarts=1,
@@ -62,7 +75,7 @@ def test_kill_one_rank_restart_resume_bit_identical(tmp_path):
     assert run.returncode == 0, log[-4000:]
     assert "[test fault] rank 1: SIGKILL at step 5" in log
     assert "resumed from" in log and "step-00000004 at step 4" in log, log[-3000:]
-    assert final(tmp_path / "run") == final(tmp_path / "ref")          # bit-identical: loss and val loss
+    assert final(tmp_path / "run") == final(workers.group_dir("ft_ref") / "ref")   # bit-identical: loss, val loss
     assert [p.name for p in sorted(ckpt.iterdir())] == ["step-00000004", "step-00000006", "step-00000008"]
 
 

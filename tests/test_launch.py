@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from helpers import workers
+
 TINY = ["--model", "gpt-nano", "--steps", "3", "--global-batch-size", "4", "--seq-len", "16",
         "--eval-samples", "8", "--sample-bytes", "20", "--log-every", "1", "--warmup-steps", "1"]
 
@@ -23,20 +25,7 @@ def _env():
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy,plan_key,extra", [("fsdp", "dp_shard", ["--local-batch-size", "1"]), ("pp", "pp", []),
-                                                      ("ddp", "dp_replicate", ["--local-batch-size", "1"])])
-def test_cli_train_nproc2_writes_run_record(tmp_path, strategy, plan_key, extra):
-    """The whole `modelpar train` path, memory tracking included (pipelines and gradient accumulation,
-    whose modules run more than once per step, use StepMemory; FSDP with accumulation reduce-scatters
-    every local batch, whose freed storages the tracker must skip)."""
-    r = subprocess.run([sys.executable, "-m", "modelpar", "train", "--strategy", strategy, "--nproc", "2",
-                        "--out-dir", str(tmp_path), *TINY, *extra], capture_output=True, text=True, timeout=200,
-                       env=_env())
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert f"plan {strategy}2" in r.stdout and "validation loss" in r.stdout and "tokens/s" in r.stdout
-    run = next(tmp_path.iterdir())
+def _check_run_record(run, plan_key: str) -> None:
     for f in ("config.json", "plan.json", "data.json", "metrics.jsonl", "model.safetensors", "summary.json"):
         assert (run / f).exists(), f
     steps = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
@@ -45,6 +34,48 @@ def test_cli_train_nproc2_writes_run_record(tmp_path, strategy, plan_key, extra)
     assert [s for s in steps if "loss" in s][-1]["peak_tensor_bytes"] > 0
     data = json.loads((run / "data.json").read_text())
     assert data["num_files"] > 100 and len(data["files_sha256"]) == 64
+
+
+# TINY as the ranks of `modelpar train` run it (`modelpar.train.runner.train`), for the strategies whose
+# rank-side path differs (memory tracking: pipelines run modules more than once per step, DDP with
+# accumulation); they ride in the session's first 2-rank scenario launch (`helpers.workers`)
+RANK_SIDE = {"pp": dict(strategy="pp"), "ddp": dict(strategy="ddp", local_batch_size=1)}
+
+
+def _rank_side(work):
+    cfg = dict(model="gpt-nano", steps=3, global_batch_size=4, seq_len=16, eval_samples=8, sample_bytes=20,
+               log_every=1, warmup_steps=1, track_memory=True, threads=1, out_dir=str(work / "out"))
+    return [{"name": k, "kind": "train", "cfg": {**cfg, **kw}, "run_dir": str(work / k)} for k, kw in RANK_SIDE.items()]
+
+
+workers.ride("launch2", 2, _rank_side, module=__file__)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_cli_train_nproc2_writes_run_record(tmp_path):
+    """The whole `modelpar train --nproc 2` path (a subprocess, torch's elastic launcher inside), memory
+    tracking included: FSDP with accumulation reduce-scatters every local batch, whose freed storages
+    the tracker must skip."""
+    r = subprocess.run([sys.executable, "-m", "modelpar", "train", "--strategy", "fsdp", "--nproc", "2",
+                        "--out-dir", str(tmp_path), *TINY, "--local-batch-size", "1"], capture_output=True,
+                       text=True, timeout=200, env=_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "plan fsdp2" in r.stdout and "validation loss" in r.stdout and "tokens/s" in r.stdout
+    _check_run_record(next(tmp_path.iterdir()), "dp_shard")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("strategy,plan_key", [("pp", "pp"), ("ddp", "dp_replicate")])
+def test_ranks_write_run_record_with_memory_tracking(strategy, plan_key):
+    """The same record from the ranks' side for a pipeline (modules run more than once per step:
+    StepMemory) and DDP with accumulation; the launch path itself is the test above's."""
+    r = workers.rider_results("launch2")[strategy]
+    assert not r["errors"], r["errors"]
+    res = r["result"]
+    assert res["world_size"] == 2 and res["plan"][plan_key] == 2 and res["val_loss_after"] > 0
+    _check_run_record(workers.group_dir("launch2") / strategy, plan_key)
 
 
 @pytest.mark.slow

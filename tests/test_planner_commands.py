@@ -5,12 +5,10 @@ import json
 import pytest
 import torch
 
-from modelpar.models import build_model
 from modelpar.cli.calibrate import main as calibrate_main
 from modelpar.cli.estimate import main as estimate_main
 from modelpar.cli.plan import main as plan_main
 from modelpar.planner.hardware import BUILTIN, cpu_profile, load_profile
-from modelpar.planner.profile import profile_model
 from modelpar.planner.rules import rule_plan
 
 
@@ -30,8 +28,10 @@ def test_estimate_main_answers_fit(capsys):
 
 
 def _prof(name):
-    m = build_model(name, device="meta")
-    return profile_model(m, torch.zeros(1, m.cfg.seq_len, dtype=torch.long, device="meta"))
+    """fp32, batch 1, at the preset's seq_len; the repeated blocks profiled once (`helpers.profiles`)."""
+    from helpers.profiles import gpt_profile
+
+    return gpt_profile(name)[0]
 
 
 def test_rules_follow_precedence():

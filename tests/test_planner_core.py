@@ -67,20 +67,36 @@ def test_profile_saved_bytes_match_memtracker():
 
 @pytest.fixture(scope="module")
 def profiled_70b():
-    """(model, bf16 profile, CPU seconds the profile took) of gpt-70b on meta: profiled once for the
-    two tests below (about 7 s of CPU)."""
-    m = build_model("gpt-70b", device="meta")
+    """(config, bf16 profile, CPU seconds the profile took) of gpt-70b on meta: its 88 identical
+    blocks profiled as 2 and the steady one repeated (`helpers.profiles`, checked against profiling
+    every block below), shared with the 3,072-device search."""
+    from helpers.profiles import gpt_profile
+
+    gpt_profile.cache_clear()
     t = time.process_time()
-    p = profile_model(m, _tokens(m, 1), dtype=torch.bfloat16)
-    return m, p, time.process_time() - t
+    p, cfg = gpt_profile("gpt-70b", torch.bfloat16)
+    return cfg, p, time.process_time() - t
 
 
 def test_profile_70b_without_weights(profiled_70b):
-    """A 70B model profiles on the meta device (no weights); the CPU-time bound only catches a runaway."""
-    m, p, cpu_s = profiled_70b
+    """gpt-70b's shape (d_model 8192, seq 4096) profiles on the meta device (no weights: 142 GB in
+    bf16); the CPU-time bound only catches a runaway."""
+    cfg, p, cpu_s = profiled_70b
     assert cpu_s < 60
-    assert p.num_params == m.cfg.num_params()
+    assert len(p.blocks) == cfg.n_layer + 2 and p.num_params == cfg.num_params() > 7e10
     assert ModelProfile.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+
+
+@pytest.mark.parametrize("name,dtype", [("gpt-1m", torch.float32), ("gpt-1m", torch.bfloat16)])
+def test_repeated_block_profile_equals_every_block_profiled(name, dtype):
+    """What `helpers.profiles.gpt_profile` relies on: profiling 2 blocks of a GPT and repeating the
+    second gives the profile of all its blocks (4 here), field for field (saved bytes, backward
+    peaks, FLOPs, parameters, the arch's n_layer)."""
+    from helpers.profiles import gpt_profile
+
+    every, cfg = gpt_profile(name, dtype, 2, full=True)
+    assert len(every.blocks) == cfg.n_layer + 2 > 4
+    assert gpt_profile(name, dtype, 2) == (every, cfg)
 
 
 def test_profile_sequential_blocks():
@@ -247,8 +263,9 @@ def test_search_results_identical_to_constructed_plans(monkeypatch):
                            "ranked": [[dc.asdict(c.plan), c.batch.local_batch_size, c.step.parts(),
                                        c.memory.parts(), c.memory.phase] for c in rep.ranked]})
 
-    m = build_model("gpt-1b", device="meta")
-    prof = profile_model(m, _tokens(m, 1), dtype=torch.bfloat16)
+    from helpers.profiles import gpt_profile
+
+    prof, _ = gpt_profile("gpt-1b", torch.bfloat16)        # its 24 identical blocks profiled once
     for n, gbs, hw in ((8, 32, "H100-80GB-SXM"), (64, 256, "A100-80GB")):
         fast = dump(search_plans(prof, n, BUILTIN[hw], global_batch_size=gbs))
         with monkeypatch.context() as mp:

@@ -3,31 +3,38 @@ after wrapping), one launch per world size."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 
-from helpers.workers import launch
+from helpers import workers
+
+# both scenario groups ride in the first launch of their world size in the session (the checkpoint
+# tests' launches; `helpers.workers`), or run alone when this module is selected by itself
+PRE2 = [{"name": "c1_ddp", "kind": "c1", "plan": {"dp_replicate": 2}},
+        {"name": "c1_fsdp", "kind": "c1", "plan": {"dp_shard": 2}},
+        {"name": "c9", "kind": "c9"},
+        {"name": "c12_fsdp", "kind": "c12", "plan": {"dp_shard": 2}, "split_at": 1},
+        {"name": "c12_ddp", "kind": "c12", "plan": {"dp_replicate": 2}, "split_at": 1},
+        {"name": "c12_fsdp_at0", "kind": "c12", "plan": {"dp_shard": 2}, "split_at": 0},
+        {"name": "c12_fsdp_off", "kind": "c12", "plan": {"dp_shard": 2}, "split_at": 1, "check": False},
+        {"name": "c12_ddp_find_unused", "kind": "c12", "plan": {"dp_replicate": 2}, "split_at": 1,
+         "find_unused": True},
+        {"name": "c15_ddp", "kind": "c15", "plan": {"dp_replicate": 2}},
+        {"name": "c15_fsdp", "kind": "c15", "plan": {"dp_shard": 2}},
+        {"name": "frozen_ddp", "kind": "frozen_ddp"},
+        {"name": "ddp_accum_early_only", "kind": "ddp_accum_early_only"}]
+PRE4 = [{"name": "c2", "kind": "c2"}, {"name": "c2_steps", "kind": "c2", "steps_differ": True}]
+workers.ride("pre2", 2, lambda work: PRE2, module=__file__)
+workers.ride("pre4", 4, lambda work: PRE4, module=__file__)
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    return launch(2, [{"name": "c1_ddp", "kind": "c1", "plan": {"dp_replicate": 2}},
-                      {"name": "c1_fsdp", "kind": "c1", "plan": {"dp_shard": 2}},
-                      {"name": "c9", "kind": "c9"},
-                      {"name": "c12_fsdp", "kind": "c12", "plan": {"dp_shard": 2}, "split_at": 1},
-                      {"name": "c12_ddp", "kind": "c12", "plan": {"dp_replicate": 2}, "split_at": 1},
-                      {"name": "c12_fsdp_at0", "kind": "c12", "plan": {"dp_shard": 2}, "split_at": 0},
-                      {"name": "c12_fsdp_off", "kind": "c12", "plan": {"dp_shard": 2}, "split_at": 1, "check": False},
-                      {"name": "c12_ddp_find_unused", "kind": "c12", "plan": {"dp_replicate": 2}, "split_at": 1,
-                       "find_unused": True},
-                      {"name": "c15_ddp", "kind": "c15", "plan": {"dp_replicate": 2}},
-                      {"name": "c15_fsdp", "kind": "c15", "plan": {"dp_shard": 2}},
-                      {"name": "frozen_ddp", "kind": "frozen_ddp"},
-                      {"name": "ddp_accum_early_only", "kind": "ddp_accum_early_only"}],
-                  tmp_path_factory.mktemp("pre2"), "pre2")
+def two_ranks():
+    res = workers.rider_results("pre2")
+    assert set(res) == {s["name"] for s in PRE2}, sorted(res)
+    return res
 
 
 @pytest.mark.slow
@@ -52,9 +59,8 @@ def test_c9_forward_before_optimizer_updates_like_reference(two_ranks):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_c2_same_steps_and_eval_counts_each_sample_once(tmp_path):
-    res = launch(4, [{"name": "c2", "kind": "c2"}, {"name": "c2_steps", "kind": "c2", "steps_differ": True}],
-                 tmp_path, "pre4")
+def test_c2_same_steps_and_eval_counts_each_sample_once():
+    res = workers.rider_results("pre4")
     r = res["c2"]
     assert not r["errors"], r["errors"]
     assert abs(r["result"]["eval"] - r["result"]["reference"]) <= 1e-5 * r["result"]["reference"], r["result"]

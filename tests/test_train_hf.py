@@ -2,7 +2,8 @@
 language models (issue 12, item 5).
 
 The launched part: one reference run on one process (tiny GPT-2 from config, tied head, byte-level
-tokens, 6 steps), then one 2-rank launch: DDP saving every 2 steps, a DDP resume of it from step 4
+tokens, 6 steps), and 2-rank scenarios that ride in the session's first 2-rank scenario launch
+(`helpers.workers`; alone when this module runs by itself): DDP saving every 2 steps, a DDP resume of it from step 4
 (bit-identical to the uninterrupted run), and an FSDP resume from step 2 (another layout: within the
 parity tolerance). The export of the DDP run's last checkpoint (no --model) loads in
 ``transformers.AutoModelForCausalLM.from_pretrained`` with logits within 1e-6 of the trained model's.
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 from helpers.ckpt_worker import data_dir
-from helpers.workers import launch
+from helpers import workers
 from helpers.hf_tiny import TINY
 
 pytest.importorskip("transformers")
@@ -52,35 +53,44 @@ def max_rel(a, b) -> float:
 
 
 # ---- launched: DDP x2, same-plan resume, resume under FSDP, export ----------------------------------
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    w = tmp_path_factory.mktemp("train_hf")
-    ck = w / "ckpt-ddp"
+def _launched(w: Path, write: bool = True) -> list[dict]:
+    """The 2-rank scenarios; they ride in the session's first 2-rank scenario launch (`helpers.workers`).
+    Writes the local pretrained folder they read first (``write``)."""
+    from modelpar.models.hf import build_hf
+
+    ck, pre, ck_vit = w / "ckpt-ddp", w / "pretrained", w / "ckpt-vit"
+    if write:
+        build_hf("hf:gpt2", GPT2, seed=5).hf.save_pretrained(str(pre))      # a local pretrained folder
 
     def spec(name, **kw):
         return {"name": name, "kind": "train", "cfg": {**BASE, "data": data_dir(), "out_dir": str(w / "out"), **kw},
                 "run_dir": str(w / "runs" / name)}
 
-    from modelpar.models.hf import build_hf
+    return [spec("ddp", strategy="ddp", ckpt_every=2, ckpt_dir=str(ck), keep_last=0),
+            spec("ddp_resume4", strategy="ddp", resume=str(ck / "step-00000004")),
+            spec("fsdp_resume2", strategy="fsdp", resume=str(ck / "step-00000002")),
+            spec("fsdp_meta", strategy="fsdp", meta_init=True),
+            spec("fsdp_meta_pre", strategy="fsdp", meta_init=True, model=str(pre), model_config={}),
+            spec("tp_meta", strategy="tp", meta_init=True),
+            spec("tp_meta_pre", strategy="tp", meta_init=True, model=str(pre), model_config={}),
+            spec("pp_meta", strategy="pp", meta_init=True),
+            spec("vit_ddp", **VIT, strategy="ddp", ckpt_every=2, ckpt_dir=str(ck_vit), keep_last=0),
+            spec("vit_resume2", **VIT, strategy="ddp", resume=str(ck_vit / "step-00000002"))]
 
-    pre = w / "pretrained"
-    build_hf("hf:gpt2", GPT2, seed=5).hf.save_pretrained(str(pre))      # a local pretrained folder
+
+workers.ride("hf2", 2, _launched, module=__file__)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    res = workers.rider_results("hf2")
+    w = workers.group_dir("hf2")
+    ck, pre = w / "ckpt-ddp", w / "pretrained"
     ref = train_here(w, "ref", strategy="single")
     vit_ref = train_here(w, "vit_ref", **VIT, strategy="single")
-    ck_vit = w / "ckpt-vit"
     meta_ref = train_here(w, "meta_ref", strategy="single", meta_init=True)
     pre_ref = train_here(w, "pre_ref", strategy="single", model=str(pre), model_config={})
-    res = launch(2, [spec("ddp", strategy="ddp", ckpt_every=2, ckpt_dir=str(ck), keep_last=0),
-                     spec("ddp_resume4", strategy="ddp", resume=str(ck / "step-00000004")),
-                     spec("fsdp_resume2", strategy="fsdp", resume=str(ck / "step-00000002")),
-                     spec("fsdp_meta", strategy="fsdp", meta_init=True),
-                     spec("fsdp_meta_pre", strategy="fsdp", meta_init=True, model=str(pre), model_config={}),
-                     spec("tp_meta", strategy="tp", meta_init=True),
-                     spec("tp_meta_pre", strategy="tp", meta_init=True, model=str(pre), model_config={}),
-                     spec("pp_meta", strategy="pp", meta_init=True),
-                     spec("vit_ddp", **VIT, strategy="ddp", ckpt_every=2, ckpt_dir=str(ck_vit), keep_last=0),
-                     spec("vit_resume2", **VIT, strategy="ddp", resume=str(ck_vit / "step-00000002"))],
-                 w, "hf2")
+    assert set(res) == {s["name"] for s in _launched(w, write=False)}, sorted(res)
     for name, r in res.items():
         assert not r["errors"], f"{name} failed: {r['errors']}"
     return {"ref": ref, "vit_ref": vit_ref, "meta_ref": meta_ref, "pre_ref": pre_ref, "res": {k: v["result"] for k, v in res.items()},

@@ -101,12 +101,15 @@ def test_activation_checkpointing_keeps_names_and_grads_case_c8():
 
 
 @pytest.mark.slow          # inductor compiles C++ in child processes
-def test_compile_option_compiles_blocks_and_matches_eager():
+def test_compile_option_compiles_blocks_and_matches_eager(monkeypatch):
     """plan.compile: each block goes through torch.compile (dynamo records graphs), names unchanged,
     and 3 training steps match eager."""
     import torch._dynamo
+    import torch._inductor.config
 
     torch._dynamo.reset()
+    # compile here, not in a pool of worker processes that each import torch (same kernels)
+    monkeypatch.setattr(torch._inductor.config, "compile_threads", 1)
     model = build_gpt("gpt-nano", seq_len=16)
 
     def batch_fn(step):
