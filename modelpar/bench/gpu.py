@@ -135,7 +135,8 @@ SWEEP_MODELS: dict[str, tuple[str, dict]] = {
     "gpt-3b": ("gpt-2b", dict(n_layer=32, n_head=21, d_model=2688, vocab_size=50304,
                               tie_embeddings=True)),                                # 32 x 2688, 21 x 128
 }
-# the tiny rows (`benchmarks/gpu_check.py`'s tiny mode): the same code path on a model that runs in seconds on a CPU (a dry run before GPU time)
+# the tiny rows (`benchmarks/gpu_check.py`'s tiny mode): the same code path on a model that runs in
+# seconds on a CPU (a dry run before GPU time)
 TINY_MODELS: dict[str, tuple[str, dict]] = {
     "tiny": ("gpt-nano", dict(vocab_size=512, tie_embeddings=True)),
 }
