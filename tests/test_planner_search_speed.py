@@ -44,7 +44,9 @@ def test_every_ranked_candidate_equals_a_standalone_estimate(model, seq, n, gb, 
     # the candidates cover what the shared forms vary: checkpointing modes, deferred sync, m, b
     assert {c.plan.activation_checkpointing for c in rep.ranked} >= {"none", "full"}
     assert len({(c.plan.n_microbatches, c.micro_batch_size) for c in rep.ranked}) > 3
-    for c in rep.ranked:
+    # every candidate of the small searches; every 8th of gpt-1b's ~5,000 (the pure tier's time; the
+    # representatives' gap fixed in `search` hit ~1 in 5 of those candidates, so a stride still finds it)
+    for c in (rep.ranked if len(rep.ranked) < 1500 else rep.ranked[::8]):
         # a fresh `rank_step` over the search's representative ranks (`search._representatives`)
         loads = rank_loads(prof, c.plan, act_bytes=2 if prec == "bf16" else 4)
         evaluated = loads if c.plan.activation_checkpointing == "every-k" else [ld for _, ld in _representatives(loads)]
