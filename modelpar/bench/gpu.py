@@ -16,6 +16,21 @@ GOAL_MFU = 0.45
 DENSE_BF16_PEAK = 989e12        # H100 / H200 SXM dense bf16 (NVIDIA datasheets)
 
 
+
+def _timed_step(pm, opt, x, y, dev: torch.device) -> tuple[float, torch.Tensor]:
+    """One optimizer step (forward + backward, ``opt.step``, zero grads) and its wall seconds, the
+    device synchronised before and after on CUDA (kernels are asynchronous)."""
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(dev)
+    t = time.perf_counter()
+    loss = pm.forward_backward(x, y)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize(dev)
+    return time.perf_counter() - t, loss
+
 def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
@@ -73,15 +88,8 @@ def train_steps(model_name: str, device: str, *, micro_batch: int, steps: int, p
         if cuda and i == 2:
             torch.cuda.synchronize(dev)
             torch.cuda.reset_peak_memory_stats(dev)
-        if cuda:
-            torch.cuda.synchronize(dev)
-        t = time.perf_counter()
-        loss = pm.forward_backward(x, y)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize(dev)
-        times.append(time.perf_counter() - t)
+        dt, loss = _timed_step(pm, opt, x, y, dev)
+        times.append(dt)
         losses.append(float(loss))
         if cuda and i == 2:
             peak = torch.cuda.max_memory_allocated(dev)
@@ -241,15 +249,7 @@ def measure_row(name: str, seq: int, micro_batch: int, ac: str, device: str, *, 
         if i >= warmup + 1 and deadline is not None and time.monotonic() > deadline:
             cut = True
             break
-        if cuda:
-            torch.cuda.synchronize(dev)
-        t = time.perf_counter()
-        loss = pm.forward_backward(x, y)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize(dev)
-        dt = time.perf_counter() - t
+        dt, loss = _timed_step(pm, opt, x, y, dev)
         losses.append(float(loss))
         if i >= warmup:
             times.append(dt)
