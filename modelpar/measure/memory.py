@@ -49,17 +49,15 @@ STRATEGIES_4 = {"fsdp_tp": dict(dp_shard=2, tp=2)}
 HF_ONLY_2 = {"tp_sp": dict(tp=2, sequence_parallel=True)}
 # the HF rows. Pipelines: a stage after the first holds no input-part parameters (its stubs keep
 # meta skeletons for attribute reads, `parallel.stages._skeleton`; before, Llama's embed_tokens and
-# GPT-2's wpe stayed allocated there: params -23.5% / -5.8% on the last stage). TP + SP at the
-# activation-dominated batch misses: activations predicted 13.4 / 18.6 MiB, measured 15.6 / 20.8
-# (hf-llama -13.9%, hf-gpt2 -11.0%). The model's SP saving over TP is 4.25 / 2.52 MiB, the measured
-# one 2.51 / 1.27 MiB (the 3.03 MiB of Temp at the peak are the same with and without SP). The
-# tensors autograd saves in hf-llama's forward (a saved_tensors_hook, local batch 16 x 64 tokens,
-# deduplicated by storage): 13.06 MiB under TP, 10.55 under TP + SP, the measured 2.51 MiB saving.
-# Under SP, seven (b s, h) fp32 inputs of the projections stay full length (3.5 MiB, as under TP):
-# the colwise projections and the head keep the sequence all-gather's output for backward
-# (DTensor), where Korthikanti et al.'s 1/t counts assume Megatron's re-gather in backward. Five of
-# them are such gathered inputs (attention and MLP input per block, the head's): 5 x 0.25 MiB =
-# 1.25 of the 1.74 MiB SP-only gap (the TP row is 0.43 MiB under); 0.5 MiB is not accounted for.
+# GPT-2's wpe stayed allocated there: params -23.5% / -5.8% on the last stage). TP + SP: the
+# colwise projections and the head keep the sequence all-gather's output for backward (DTensor's
+# ColwiseParallel), where Korthikanti et al.'s 1/t assumes Megatron's re-gather in backward; the
+# planner prices those inputs whole for modelpar's runtime (`BlockProfile.saved_gathered_bytes`).
+# Before, activations at the activation-dominated batch: hf-llama -13.9% (13.42 vs 15.59 MiB), hf-gpt2
+# -11.0%; after: -5.9% (0.92 MiB) and -5.0%. The tensors autograd saves (a saved_tensors_hook on
+# 2 ranks, deduplicated by storage, hf-llama local batch 16 x 64) now match the model's saved bytes:
+# 10.56 MiB measured vs 10.65 predicted under TP + SP (13.07 vs 13.16 under TP), so the rest of the
+# gap (0.43 MiB under TP, 0.92 under TP + SP) is in backward temporaries, not in saved tensors.
 HF_STRATEGIES_2 = ("ddp", "fsdp", "tp", "tp_sp", "pp_gpipe", "pp_1f1b")
 PARTS = ("params", "grads", "optimizer", "activations", "total")
 

@@ -273,7 +273,11 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: P
         is_end = transformer and (i == 0 or i == n - 1)
         local = bl.num_params - bl.tp_sharded_params + bl.tp_sharded_params / t
         rep = bl.saved_bytes - bl.saved_tp_sharded_bytes
-        saved = (bl.saved_bytes / t) if sp else (rep + bl.saved_tp_sharded_bytes / t)
+        # sequence parallel: every saved byte on sequence or head shards (Korthikanti et al. 2022,
+        # Eq. 3, which re-gathers the projections' inputs in backward) but the gathered inputs the
+        # runtime keeps whole (`BlockProfile.saved_gathered_bytes`; 0 for Megatron-LM's runtime)
+        g = bl.saved_gathered_bytes
+        saved = ((bl.saved_bytes - g) / t + g) if sp else (rep + bl.saved_tp_sharded_bytes / t)
         mbs.append(saved * scale / bs)
         ac_in = bl.input_bytes / (t if sp else 1)
         # a stage's first block saves (or, checkpointed, keeps) its input, which is the batch (first

@@ -109,6 +109,11 @@ class BlockProfile:
     # index of the dimension that grows with the batch, calls), at the profiled batch
     # (`profile_ops._mm_shape`)
     gemm_shapes: tuple[tuple[int, str, int, int, int, int, int], ...] = ()
+    # part of saved_bytes that is the input of a matmul module outside the TP-sharded region (a
+    # colwise projection, a replicated head): under sequence parallel the all-gather's output, which
+    # modelpar's runtime (DTensor's ColwiseParallel) keeps at full length for backward; Megatron-LM
+    # re-gathers it in backward instead (`runtimes.regather_profile` sets this to 0)
+    saved_gathered_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -318,6 +323,8 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
     in_bytes = [0] * n
     out_bytes = [0] * n
     saved_in = [0] * n
+    saved_g = [0] * n
+    gather_keys: set[int] = set()             # input storages of matmul modules outside the sharded region
     in_keys: list[set[int]] = [set() for _ in range(n)]
     life = _Lifetimes(n)                      # storage lifetimes; also dedupes saved storages
     block_of = {m: i for i, (_, m) in enumerate(blocks) if m is not None}
@@ -349,6 +356,9 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
         if getattr(type(mod), CORE_ATTR, False):
             core_inputs.append({a.untyped_storage()._cdata for a in tree_flatten(args)[0]
                                 if isinstance(a, torch.Tensor)})
+        if (isinstance(mod, nn.Linear) or type(mod).__name__ == "Conv1D") and not sharded_region[0] \
+                and styles.get(fqn.get(mod, "")) != "rowwise":
+            gather_keys.update(a.untyped_storage()._cdata for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor))
         sub_stack.append(fqn.get(mod, ""))
 
     def post(mod, args, out):
@@ -392,6 +402,8 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
             saved_in[i] += b
         if sharded_region[0]:         # between a colwise Linear's output and its rowwise partner
             saved_tp[i] += b
+        elif key in gather_keys:
+            saved_g[i] += b
         if core_inputs and key not in core_inputs[-1]:
             core_saved[i] += b
             core_keys[key] = i
@@ -473,6 +485,7 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
             bwd_peaks=tuple((own - cum_saved - saved[i], inn, g // esize, pend // esize)
                             for own, inn, g, pend in peaks[i]),
             saved_input_bytes=saved_in[i], attn_core_saved_bytes=core_saved[i], tied_numels=tuple(tied),
+            saved_gathered_bytes=saved_g[i],
             gemm_shapes=tuple((ph, *k, c) for ph in (0, 1) for k, c in sorted(counter.shapes[i][ph].items()))))
         cum_saved += saved[i]
     x0 = inputs[0]

@@ -91,7 +91,7 @@ from modelpar.planner.memo import PlannerCache
 from modelpar.planner.hardware import BUILTIN
 from modelpar.planner.memory import Batch, estimate_memory, rank_loads
 from modelpar.planner.profile import profile_model
-from modelpar.planner.runtimes import (attention_core_seconds, core_roofline_excess,
+from modelpar.planner.runtimes import (attention_core_seconds, core_roofline_excess, regather_profile,
                                        selective_recompute_profile, tp_backward_overlap_delta,
                                        vocab_parallel_profile)
 
@@ -234,7 +234,7 @@ def megatron_estimate(profile, plan, batch, *, ddp: str, selective: bool, micro:
     with the replicated embedding / head (made vocabulary-parallel here when ``plan.tp`` > 1),
     ``ddp`` ``"torch"`` or ``"local"`` (Megatron's own), ``micro`` samples per micro-batch,
     ``async_tp``: the asynchronous TP backward collectives (`runtimes.tp_backward_overlap_delta`)."""
-    prof = vocab_parallel_profile(profile) if plan.tp > 1 else profile
+    prof = regather_profile(vocab_parallel_profile(profile) if plan.tp > 1 else profile)
     mprof = selective_recompute_profile(prof, dropout=True) if selective else prof
     mem = estimate_memory(mprof, plan, batch, overhead_bytes=A100.framework_overhead_bytes,
                           recv_per_microbatch=False, ddp_bucket_copy=(ddp == "torch"), **MEGATRON_RUNTIME,

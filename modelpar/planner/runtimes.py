@@ -40,6 +40,16 @@ def vocab_parallel_profile(profile: ModelProfile) -> ModelProfile:
     return dataclasses.replace(profile, blocks=tuple(blocks))
 
 
+def regather_profile(profile: ModelProfile) -> ModelProfile:
+    """``profile`` as Megatron-LM's sequence parallelism saves it: the all-gathered input of each
+    column-parallel GEMM is not kept for backward but its sequence shard, gathered again in backward
+    (Korthikanti et al. 2022, Sec. 4.2.2), so no saved byte stays at full length
+    (`BlockProfile.saved_gathered_bytes` 0; modelpar's runtime, DTensor's ``ColwiseParallel``, keeps
+    the gathered tensor)."""
+    return dataclasses.replace(profile, blocks=tuple(dataclasses.replace(b, saved_gathered_bytes=0)
+                                                     for b in profile.blocks))
+
+
 class MegatronAttention:
     """A ``TorchFunctionMode`` (built lazily, `megatron_attention_mode`) that profiles
     ``F.scaled_dot_product_attention`` as Megatron-LM's unfused core attention runs it
