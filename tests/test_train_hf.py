@@ -212,6 +212,34 @@ def test_export_loads_in_transformers_with_the_trained_logits(runs, tmp_path, ca
     assert not torch.equal(init.hf.transformer.wte.weight, hf.transformer.wte.weight)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_export_of_an_image_classifier_loads_with_the_trained_logits(runs, tmp_path, capsys):
+    """`modelpar export` of the ViT run's latest checkpoint (DDP x2, no --model): the folder loads in
+    ``AutoModelForImageClassification.from_pretrained`` with the trained model's logits within 1e-6
+    (fp32) on its validation images, its labels kept (num_labels 5) and the weights the trained ones."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from modelpar.cli import main
+    from modelpar.train.task import build_task
+
+    out = tmp_path / "vit-exported"
+    assert main(["export", str(runs["work"] / "ckpt-vit"), "--out", str(out)]) == 0
+    assert "a transformers folder" in capsys.readouterr().out
+    hf = transformers.AutoModelForImageClassification.from_pretrained(str(out)).eval()
+    assert type(hf).__name__ == "ViTForImageClassification" and hf.config.num_labels == 5
+    task = build_task(cfg_of(**VIT, strategy="single"))
+    task.model.load_state_dict(load_file(str(runs["work"] / "runs" / "vit_ddp" / "model.safetensors")))
+    x, _ = task.val
+    with torch.no_grad():
+        want, got = task.model.eval()(x), hf(pixel_values=x).logits
+    assert want.shape == got.shape == (x.shape[0], 5) and want.dtype == torch.float32
+    assert (want - got).abs().max().item() <= 1e-6
+    init = build_task(cfg_of(**VIT, strategy="single"), load_data=False).model
+    assert not torch.equal(init.hf.classifier.weight, hf.classifier.weight)
+
+
 # ---- in this process: data paths, pretrained folder, factory LM, refusals ---------------------------
 def _tokenizer(path: Path, vocab: int = 300) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
