@@ -1,5 +1,5 @@
-"""`modelpar train`, checkpoints, resume and `modelpar export` on Hugging Face causal LMs and factory
-language models (issue 12, item 5).
+"""`modelpar train`, checkpoints, resume and `modelpar export` on Hugging Face causal LMs and image
+classifiers, and on factory language models and classifiers (issue 12, item 5).
 
 The launched part: one reference run on one process (tiny GPT-2 from config, tied head, byte-level
 tokens, 6 steps), and 2-rank scenarios that ride in the session's first 2-rank scenario launch
@@ -33,6 +33,8 @@ BASE = dict(model="hf:gpt2", model_config=GPT2, seq_len=16, global_batch_size=8,
 LOSS_RTOL = 1e-5
 # an HF image classifier from config: trains on synthetic 3x8x8 images with 5 labels (its own shape)
 VIT = dict(model="hf:vit", model_config=TINY["vit"][1])
+# a factory classifier (an nn.Module: shapes from its first and last nn.Linear): synthetic inputs
+CLS = dict(model="helpers.lm_factory:classifier", model_config={})
 
 
 def cfg_of(**kw):
@@ -75,7 +77,8 @@ def _launched(w: Path, write: bool = True) -> list[dict]:
             spec("tp_meta_pre", strategy="tp", meta_init=True, model=str(pre), model_config={}),
             spec("pp_meta", strategy="pp", meta_init=True),
             spec("vit_ddp", **VIT, strategy="ddp", ckpt_every=2, ckpt_dir=str(ck_vit), keep_last=0),
-            spec("vit_resume2", **VIT, strategy="ddp", resume=str(ck_vit / "step-00000002"))]
+            spec("vit_resume2", **VIT, strategy="ddp", resume=str(ck_vit / "step-00000002")),
+            spec("cls_ddp", **CLS, strategy="ddp")]
 
 
 workers.ride("hf2", 2, _launched, module=__file__)
@@ -88,12 +91,13 @@ def runs():
     ck, pre = w / "ckpt-ddp", w / "pretrained"
     ref = train_here(w, "ref", strategy="single")
     vit_ref = train_here(w, "vit_ref", **VIT, strategy="single")
+    cls_ref = train_here(w, "cls_ref", **CLS, strategy="single")
     meta_ref = train_here(w, "meta_ref", strategy="single", meta_init=True)
     pre_ref = train_here(w, "pre_ref", strategy="single", model=str(pre), model_config={})
     assert set(res) == {s["name"] for s in _launched(w, write=False)}, sorted(res)
     for name, r in res.items():
         assert not r["errors"], f"{name} failed: {r['errors']}"
-    return {"ref": ref, "vit_ref": vit_ref, "meta_ref": meta_ref, "pre_ref": pre_ref, "res": {k: v["result"] for k, v in res.items()},
+    return {"ref": ref, "vit_ref": vit_ref, "cls_ref": cls_ref, "meta_ref": meta_ref, "pre_ref": pre_ref, "res": {k: v["result"] for k, v in res.items()},
             "ckpt": ck, "work": w}
 
 
@@ -164,6 +168,24 @@ def test_hf_image_classifier_trains_checkpoints_and_resumes(runs):
     assert abs(got["val_loss_after"] - ref["val_loss_after"]) <= LOSS_RTOL * ref["val_loss_after"]
     assert res["start_step"] == 2 and res["losses"] == got["losses"][2:]
     assert res["val_loss_after"] == got["val_loss_after"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_factory_classifier_trains_under_ddp_like_one_process(runs):
+    """`train --model module:factory` where the factory returns a classifier module (issue 12, item 5's
+    classifier form): synthetic inputs of its first Linear's width, labels of its last Linear's classes
+    from a fixed linear teacher; DDP x2 like one process and the validation loss falls. Before: refused
+    ("modelpar train runs a factory model that is a language model ... got task=None")."""
+    from modelpar.train.task import build_task
+
+    task = build_task(cfg_of(**CLS, strategy="single"))
+    x, y = task.train.global_batch(0, 0, 8)
+    assert task.kind == "classify" and task.input_shape == (4,) and x.shape == (8, 4) and int(y.max()) < 3
+    ref, got = runs["cls_ref"], runs["res"]["cls_ddp"]
+    assert len(got["losses"]) == 6 and max_rel(ref["losses"], got["losses"]) <= LOSS_RTOL, (ref, got)
+    assert ref["val_loss_after"] < ref["val_loss_before"]
+    assert abs(got["val_loss_after"] - ref["val_loss_after"]) <= LOSS_RTOL * ref["val_loss_after"]
 
 
 @pytest.mark.slow
@@ -339,6 +361,26 @@ def test_factory_language_model_trains(tmp_path):
     assert abs(s["losses"][0] - want) <= 1e-6 * abs(want)
 
 
+def test_factory_classifier_dict_form_declares_its_shapes(tmp_path):
+    """The dict form {"model", "task": "classify", "input_shape", "num_classes"} for a classifier no
+    nn.Linear describes: inputs of that shape, its first step's loss the cross entropy of the factory's
+    own model on that batch."""
+    import torch.nn.functional as F
+    from helpers import lm_factory
+
+    from modelpar.train.task import build_task
+
+    kw = dict(model="helpers.lm_factory:conv_classifier", model_config={}, strategy="single", steps=2)
+    task = build_task(cfg_of(**kw))
+    x, y = task.train.global_batch(0, 0, 8)
+    assert task.kind == "classify" and task.input_shape == (1, 6, 6) and x.shape == (8, 1, 6, 6)
+    assert 0 <= int(y.min()) and int(y.max()) < 4
+    with torch.no_grad():
+        want = F.cross_entropy(lm_factory.conv_classifier()["model"](x), y).item()
+    s = train_here(tmp_path, "conv", **kw)
+    assert abs(s["losses"][0] - want) <= 1e-6 * abs(want)
+
+
 REFUSALS = [
     ("bytes need 256", dict(model_config=TINY["gpt2"][1]),
      "byte-level tokens (ids 0..255, the default without --tokenizer or --token-dtype) need vocab_size >= 256, "
@@ -357,8 +399,14 @@ REFUSALS = [
      "has a vocabulary of 300 tokens, more than the vocab_size=256 of --model hf:gpt2"),
     ("both", dict(tokenizer="TOK", token_dtype="uint16"), "were both given: a token file is already tokenized"),
     ("dtype", dict(token_dtype="int8"), "token_dtype='int8' is unknown; valid: uint16, uint32"),
-    ("classifier factory", dict(model="helpers.lm_factory:classifier", model_config={}),
-     "modelpar train runs a factory model that is a language model"),
+    ("factory with batch_fn", dict(model="helpers.lm_factory:with_batch_fn", model_config={}),
+     "modelpar train runs a factory language model or classifier; a factory with its own batch_fn / loss_fn is "
+     "modelpar verify's form"),
+    ("factory classifier without shapes", dict(model="helpers.lm_factory:undeclared_conv", model_config={}),
+     "a factory classifier needs its input shape and classes: it has no nn.Linear to read them from"),
+    ("factory classifier with token options", dict(model="helpers.lm_factory:classifier", model_config={},
+                                                   token_dtype="uint16"),
+     "tokenizer / token_dtype apply to language models; --model helpers.lm_factory:classifier is a classifier"),
     ("image model with token options", dict(model="hf:vit", model_config=TINY["vit"][1], token_dtype="uint16"),
      "tokenizer / token_dtype apply to language models; --model hf:vit is a classifier"),
     ("neither a causal LM nor an image classifier", dict(model="hf:distilbert", model_config={}),

@@ -171,6 +171,20 @@ def synthetic_images(channels: int, size: int, classes: int, n: int = 1024, seed
     return TensorBatches(x[val:], y[val:]), (x[:val], y[:val]), info
 
 
+def synthetic_inputs(shape: tuple[int, ...], classes: int, n: int = 1024, seed: int = 0, val: int = 64):
+    """`synthetic_images` for any per-sample ``shape`` (a factory classifier's input): inputs N(0, 1) of
+    ``(n, *shape)`` float32, labels int64 in ``[0, classes)`` from a fixed random linear teacher on the
+    flattened inputs. Returns ``(train TensorBatches, (val inputs, val labels), info)``, the first
+    ``val`` samples held out; the same tensors on every rank for a given ``seed``."""
+    g = torch.Generator().manual_seed(seed + 55)
+    x = torch.randn(n, *shape, generator=g)
+    w = torch.randn(x[0].numel(), classes, generator=g)
+    y = (x.flatten(1) @ w).argmax(-1)
+    info = {"source": f"synthetic inputs {'x'.join(map(str, shape))}, {classes} classes (a fixed linear teacher)",
+            "num_samples": n}
+    return TensorBatches(x[val:], y[val:]), (x[:val], y[:val]), info
+
+
 def load_digits(val_fraction: float = 0.2) -> tuple[TensorBatches, tuple[torch.Tensor, torch.Tensor], dict]:
     """scikit-learn's bundled digits: (n, 1, 8, 8) float in [0, 1], labels int64 (10 classes)."""
     from sklearn.datasets import load_digits as _ld

@@ -3,9 +3,11 @@
 Language models (token ids in, logits out) train on a token stream (`modelpar.train.tokens`): the
 built-in GPT presets, Hugging Face causal LMs (``hf:<type>``, a config.json, a pretrained folder) and
 factory models that declare themselves language models (the dict form with ``"task": "lm"``,
-`modelpar.models.spec`). The MLPs train on a synthetic teacher, the CNN on scikit-learn's digits, a
-Hugging Face image classifier (``hf:vit``, ...) on synthetic images of its own ``num_channels``,
-``image_size`` and ``num_labels`` (`modelpar.train.data.synthetic_images`).
+`modelpar.models.spec`). The MLPs and factory classifiers (an ``nn.Module``, or the dict form with
+``"task": "classify"``) train on a synthetic teacher of their input shape and classes
+(`modelpar.train.data.synthetic_inputs`), the CNN on scikit-learn's digits, a Hugging Face image
+classifier (``hf:vit``, ...) on synthetic images of its own ``num_channels``, ``image_size`` and
+``num_labels`` (`modelpar.train.data.synthetic_images`).
 """
 
 from __future__ import annotations
@@ -67,20 +69,41 @@ def _kind(cfg) -> str:
     return model_kind(cfg.model)
 
 
-def _factory_lm(cfg, device: str = "cpu"):
-    """The model and `LMShape` of a factory that returns ``{"model", "task": "lm", "vocab_size", ...}``.
+def _factory(cfg, device: str = "cpu"):
+    """``(model, LMShape or None, classifier (input shape, classes) or None)`` of a factory model, called
+    once. Two forms train: a language model ``{"model", "task": "lm", "vocab_size", "max_positions"}``
+    and a classifier (an ``nn.Module``, or ``{"model", "task": "classify", "input_shape", "num_classes"}``;
+    the shapes default to the first and last ``nn.Linear``: float inputs ``(batch, *input_shape)`` to
+    logits ``(batch, classes)``).
 
     Raises:
-        ValueError: the factory is not a language model, or its declaration is malformed.
+        ValueError: a malformed declaration; the ``batch_fn`` / ``loss_fn`` form (verify's, whose data
+            train cannot draw); a classifier whose shapes are neither declared nor inferable.
     """
-    from modelpar.models.spec import build_factory
+    from modelpar.models.spec import build_factory, infer_classifier_shapes
 
     um = build_factory(cfg.model)
     task, vocab, maxpos = um.extra.get("task"), um.extra.get("vocab_size"), um.extra.get("max_positions")
+    if um.batch_fn is not None or um.loss_fn is not None:
+        raise ValueError(f"--model {cfg.model!r}: modelpar train runs a factory language model or classifier; a factory "
+                         f"with its own batch_fn / loss_fn is modelpar verify's form (train draws its own data): "
+                         f"return {{'model': m, 'task': 'lm', 'vocab_size': V}} or a classifier module")
+    if task in (None, "classify"):
+        shape, classes = um.extra.get("input_shape"), um.extra.get("num_classes", 0)
+        if shape is not None and (not isinstance(shape, (list, tuple)) or not shape
+                                  or not all(isinstance(d, int) and d > 0 for d in shape)):
+            raise ValueError(f"--model {cfg.model!r}: 'input_shape' must be a non-empty list of positive ints "
+                             f"(one sample's shape), got {shape!r}")
+        if not isinstance(classes, int) or classes < 0:
+            raise ValueError(f"--model {cfg.model!r}: 'num_classes' must be a positive int, got {classes!r}")
+        got = infer_classifier_shapes(um.model, tuple(shape) if shape else None, classes)
+        if got is None:
+            raise ValueError(f"--model {cfg.model!r}: a factory classifier needs its input shape and classes: it has "
+                             f"no nn.Linear to read them from; return {{'model': m, 'task': 'classify', "
+                             f"'input_shape': [...], 'num_classes': K}}")
+        return um.model.to(device), None, got
     if task != "lm":
-        raise ValueError(f"--model {cfg.model!r}: modelpar train runs a factory model that is a language model: "
-                         f"return {{'model': m, 'task': 'lm', 'vocab_size': V}} (optionally 'max_positions'), "
-                         f"m taking token ids (batch, seq) int64 to logits (batch, seq, V); got task={task!r}")
+        raise ValueError(f"--model {cfg.model!r}: a factory model's 'task' is 'lm' or 'classify', got {task!r}")
     if not isinstance(vocab, int) or vocab < 1:
         raise ValueError(f"--model {cfg.model!r}: a factory language model must declare 'vocab_size' as a positive "
                          f"int, got {vocab!r}")
@@ -89,7 +112,7 @@ def _factory_lm(cfg, device: str = "cpu"):
     seq = cfg.seq_len or maxpos or 0
     if seq < 1:
         raise ValueError(f"--model {cfg.model!r}: a factory language model without 'max_positions' needs --seq-len")
-    return um.model.to(device), LMShape(vocab, maxpos, seq)
+    return um.model.to(device), LMShape(vocab, maxpos, seq), None
 
 
 def lm_shape(cfg, model: nn.Module | None = None) -> LMShape | None:
@@ -110,7 +133,7 @@ def lm_shape(cfg, model: nn.Module | None = None) -> LMShape | None:
             return None
         maxpos = int(f.max_positions) if f.max_positions else None
         return LMShape(int(f.vocab), maxpos, cfg.seq_len or min(maxpos or HF_DEFAULT_SEQ_CAP, HF_DEFAULT_SEQ_CAP))
-    return _factory_lm(cfg)[1]
+    return _factory(cfg)[1]
 
 
 def build_model_for(cfg, device: str = "cpu") -> nn.Module:
@@ -120,7 +143,7 @@ def build_model_for(cfg, device: str = "cpu") -> nn.Module:
 
     Raises:
         ValueError: unknown name or fields, a Hugging Face model that is neither a causal LM nor an
-            image classifier, a factory that is not a language model (see `_factory_lm`).
+            image classifier, a factory of neither trainable form (see `_factory`).
     """
     from modelpar.models.spec import build_builtin
 
@@ -139,7 +162,7 @@ def build_model_for(cfg, device: str = "cpu") -> nn.Module:
         return build_hf(cfg.model, cfg.model_config or None, device=device, seed=cfg.seed, dropout=cfg.dropout,
                         load_weights=load)
     if kind == "factory":
-        return _factory_lm(cfg, device)[0]
+        return _factory(cfg, device)[0]
     kw = {}
     if cfg.model in PRESETS:
         kw["dropout"] = cfg.dropout
@@ -177,8 +200,9 @@ def _check_no_token_options(cfg) -> None:
 
 def build_task(cfg, *, device: str = "cpu", load_data: bool = True) -> Task:
     """Build the model (``device="meta"`` allocates nothing) and, if asked, its data."""
+    classifier = None
     if _kind(cfg) == "factory":
-        model, shape = _factory_lm(cfg, device)      # the factory is called once
+        model, shape, classifier = _factory(cfg, device)      # the factory is called once
     else:
         model, shape = build_model_for(cfg, device=device), lm_shape(cfg)
     if shape is not None:
@@ -191,6 +215,14 @@ def build_task(cfg, *, device: str = "cpu", load_data: bool = True) -> Task:
         tb, vb = TokenBatches(train, seq), TokenBatches(val, seq)
         return Task(cfg.model, "lm", model, tb, vb.at(vb.eval_batches(cfg.eval_samples)), lm_loss, seq, info, shape)
     _check_no_token_options(cfg)
+    if classifier is not None:      # a factory classifier: synthetic inputs of its shape and classes
+        from modelpar.train.data import synthetic_inputs
+
+        in_shape, classes = classifier
+        if not load_data:
+            return Task(cfg.model, "classify", model, None, None, classification_loss, 1, {}, input_shape=in_shape)
+        train, val, info = synthetic_inputs(in_shape, classes, seed=cfg.seed, val=max(cfg.eval_samples, 1))
+        return Task(cfg.model, "classify", model, train, val, classification_loss, 1, info, input_shape=in_shape)
     if _kind(cfg) == "hf":          # an image classifier: synthetic images of its shape and labels
         from modelpar.models.hf import facts, load_config
         from modelpar.train.data import synthetic_images

@@ -29,3 +29,22 @@ def lm():
 def classifier():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def conv_classifier():
+    """The dict form of a classifier whose shapes no nn.Linear gives: (1, 6, 6) inputs, 4 classes."""
+    torch.manual_seed(0)
+    return {"model": nn.Sequential(nn.Conv2d(1, 4, 6), nn.Flatten()), "task": "classify",
+            "input_shape": [1, 6, 6], "num_classes": 4}
+
+
+def undeclared_conv():
+    """A classifier without nn.Linear or declared shapes (refused by train)."""
+    return nn.Sequential(nn.Conv2d(1, 4, 6), nn.Flatten())
+
+
+def with_batch_fn():
+    """verify's custom form (its own batch_fn / loss_fn; refused by train)."""
+    m = classifier()
+    return {"model": m, "batch_fn": lambda step: (torch.zeros(8, 4), torch.zeros(8, dtype=torch.long)),
+            "loss_fn": nn.functional.cross_entropy}
