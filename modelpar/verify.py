@@ -48,13 +48,17 @@ def make_optimizer(params, name: str, lr: float) -> torch.optim.Optimizer:
     return _make_optimizer(params, name, lr=lr, weight_decay=0.01)
 
 
-def run_steps(model: nn.Module, plan: ParallelPlan, *, loss_fn: Callable, batch_fn: Callable[[int], tuple],
+def run_steps(model: nn.Module | Callable[[], nn.Module], plan: ParallelPlan, *, loss_fn: Callable,
+              batch_fn: Callable[[int], tuple],
               steps: int, global_batch_size: int, local_batch_size: int, optimizer: str = "adamw",
               lr: float = 1e-3, grad_clip: float = 0.0, device: torch.device | None = None,
               mesh: MeshInfo | None = None, tp_plan=None, loss_reduction: str = "mean",
               loss_parallel: bool | None = None, split_points=None, blocks=None, probe: Callable | None = None,
               check_unused_params: bool = True, sync_batchnorm: bool = False) -> RunResult:
-    """Train a deep copy of ``model`` for ``steps`` steps under ``plan``.
+    """Train a deep copy of ``model`` for ``steps`` steps under ``plan``; or, ``model`` a callable
+    returning the model (not an ``nn.Module``), train the model it returns, which this function then
+    owns: no copy is made and none of the model stays referenced here beyond what the parallel layout
+    holds (a pipeline rank: its own stages), so the caller must keep no reference either.
 
     Args:
         batch_fn: ``step -> (inputs, targets)`` of the whole global batch (the same on every rank).
@@ -70,7 +74,7 @@ def run_steps(model: nn.Module, plan: ParallelPlan, *, loss_fn: Callable, batch_
             case C5), raised on every rank before any work.
     """
     device = device or torch.device("cpu")
-    model = copy.deepcopy(model)
+    model = copy.deepcopy(model) if isinstance(model, nn.Module) else model()
     accum = gradient_accumulation_steps(global_batch_size, local_batch_size, plan.dp)
     plan.validate(local_batch_size=local_batch_size)
     mesh = mesh if mesh is not None else build_mesh(plan, device)
@@ -79,6 +83,7 @@ def run_steps(model: nn.Module, plan: ParallelPlan, *, loss_fn: Callable, batch_
     pm = parallelize(model, plan, mesh, loss_fn=loss_fn, device=device, example_input=x0[:mb], tp_plan=tp_plan,
                      loss_reduction=loss_reduction, loss_parallel=loss_parallel, split_points=split_points, blocks=blocks,
                      check_unused_params=check_unused_params, sync_batchnorm=sync_batchnorm)
+    del model                          # under a pipeline the root holds every stage's modules
     if probe is not None:
         probe(pm)
     opt = make_optimizer(pm.parameters(), optimizer, lr)
@@ -109,6 +114,19 @@ def run_steps(model: nn.Module, plan: ParallelPlan, *, loss_fn: Callable, batch_
               "optimizer_state": sorted({str(_local(v).dtype) for st in opt.state.values()
                                          for k, v in st.items() if torch.is_tensor(v) and k != "step"})}
     return RunResult(losses, norms, gather_full_state_dict(pm), dtypes, eval_loss)
+
+
+def weights_digest(model: nn.Module) -> str:
+    """SHA-256 over the names, shapes, dtypes and bytes of ``model``'s state dict (parameters and
+    buffers): equal digests mean bitwise-equal initial weights (CPU tensors)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        h.update(t.view(torch.uint8).numpy() if t.numel() else b"")
+    return h.hexdigest()
 
 
 def batch_size_of(batch) -> int:

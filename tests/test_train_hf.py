@@ -78,7 +78,10 @@ def _launched(w: Path, write: bool = True) -> list[dict]:
             spec("pp_meta", strategy="pp", meta_init=True),
             spec("vit_ddp", **VIT, strategy="ddp", ckpt_every=2, ckpt_dir=str(ck_vit), keep_last=0),
             spec("vit_resume2", **VIT, strategy="ddp", resume=str(ck_vit / "step-00000002")),
-            spec("cls_ddp", **CLS, strategy="ddp")]
+            spec("cls_ddp", **CLS, strategy="ddp"),
+            {"name": "verify_pp", "kind": "call", "fn": "helpers.verify_memory_case:verify_pp",
+             "argv": ["--model", "hf:gpt2", "--model-config", json.dumps(TINY["gpt2"][1]), "--strategy", "pp",
+                      "--nproc", "2", "--steps", "2", "--global-batch-size", "8", "--seq-len", "16"]}]
 
 
 workers.ride("hf2", 2, _launched, module=__file__)
@@ -186,6 +189,21 @@ def test_factory_classifier_trains_under_ddp_like_one_process(runs):
     assert len(got["losses"]) == 6 and max_rel(ref["losses"], got["losses"]) <= LOSS_RTOL, (ref, got)
     assert ref["val_loss_after"] < ref["val_loss_before"]
     assert abs(got["val_loss_after"] - ref["val_loss_after"]) <= LOSS_RTOL * ref["val_loss_after"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_verify_under_pp_holds_no_copy_of_the_whole_model(runs):
+    """`modelpar verify --strategy pp` (hf:gpt2, 2 stages): while the parallel run trains, each rank
+    holds its own stages' parameters and no other (the one-process reference is built again on rank 0
+    afterwards, from the same --model and seed, its initial weights checked bitwise); the run PASSes.
+    Before: 82,496 / 84,480 other parameter elements alive on rank 0 / 1 (the whole model, 57,024,
+    plus the rest of run_steps' deep copy), next to their own 31,552 / 29,568."""
+    r = runs["res"]["verify_pp"]
+    assert r["code"] == 0
+    own = [x["own"] for x in r["ranks"]]
+    assert all(0 < o < r["whole"] for o in own) and sum(own) >= r["whole"], r      # stages; the tie on both ends
+    assert [x["other"] for x in r["ranks"]] == [0, 0], r
 
 
 @pytest.mark.slow
@@ -452,6 +470,25 @@ def test_verify_takes_the_factory_language_model_form():
     x, y = batch_fn(0)
     assert x.dtype == torch.long and x.shape == (4, 32) and int(x.max()) < 256 and torch.equal(x[:, 1:], y[:, :-1])
     assert loss_fn is lm_loss and model(x).shape == (4, 32, 256)
+
+
+def test_verify_reference_is_rebuilt_and_checked_bitwise(capsys):
+    """`verify` builds its one-process reference again (no copy of the model kept during the parallel
+    run): the same --model and seed give the same initial weights, and a factory that does not seed
+    itself (a different Conv2d init per call) FAILs by name instead of comparing unrelated runs."""
+    from modelpar.cli.verify import main
+    from modelpar.verify import weights_digest
+    from helpers import lm_factory
+
+    assert weights_digest(lm_factory.classifier()) == weights_digest(lm_factory.classifier())
+    assert weights_digest(lm_factory.undeclared_conv()) != weights_digest(lm_factory.undeclared_conv())
+    common = ["--strategy", "single", "--steps", "1", "--global-batch-size", "4"]
+    assert main(["--model", "helpers.lm_factory:classifier", *common]) == 0
+    assert "PASS" in capsys.readouterr().out
+    assert main(["--model", "helpers.lm_factory:undeclared_conv", "--input-shape", "1,6,6", "--num-classes", "4",
+                 *common]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "built different initial weights on its second call" in out, out
 
 
 def test_llama_trains_checkpoints_and_exports_untied(tmp_path):

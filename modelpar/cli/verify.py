@@ -154,9 +154,11 @@ def load_task(args):
             model = build_builtin(args.model, args.model_config, seed=args.seed, dropout=0.0, **kw)
             seq = model.cfg.seq_len
 
-            def batch_fn(step):
+            vocab = model.cfg.vocab_size
+
+            def batch_fn(step):             # holds no reference to the model (run_rank hands it over)
                 g = torch.Generator().manual_seed(args.seed * 100003 + step)
-                w = torch.randint(0, model.cfg.vocab_size, (gb, seq + 1), generator=g)
+                w = torch.randint(0, vocab, (gb, seq + 1), generator=g)
                 return w[:, :-1], w[:, 1:]
             return model, batch_fn, lm_loss, "mean", args.model
         model = build_builtin(args.model, args.model_config, seed=args.seed)
@@ -257,14 +259,20 @@ def format_report(desc: str, plan, world: int, rep, ref, got, hints: list[str] =
     return "\n".join(lines)
 
 
-def run_rank(args, plan, local: int) -> int:
-    """What every rank runs; rank 0 also runs the one-process reference and prints the report."""
+def run_rank(args, plan, local: int, probe=None) -> int:
+    """What every rank runs; rank 0 also runs the one-process reference and prints the report.
+
+    The parallel run trains the model this rank built (no copy: a pipeline rank holds only its own
+    stages); rank 0 then builds the reference again from the same ``--model`` and seed and checks
+    that its initial weights are bitwise those of the parallel run (`verify.weights_digest`; a factory
+    must seed itself) before training it on one process. ``probe``: see `modelpar.verify.run_steps`.
+    """
     import torch
     import torch.distributed as dist
 
     from modelpar.parallel.mesh import MeshInfo, init_distributed
     from modelpar.plan import ParallelPlan
-    from modelpar.verify import compare, run_steps
+    from modelpar.verify import compare, run_steps, weights_digest
 
     rank, world = init_distributed(timeout_s=120)
     torch.set_num_threads(1 if world > 1 else max(1, os.cpu_count() or 1))
@@ -273,14 +281,23 @@ def run_rank(args, plan, local: int) -> int:
 
     kw = dict(loss_fn=loss_fn, batch_fn=batch_fn, steps=args.steps, global_batch_size=args.global_batch_size,
               optimizer=args.optimizer, lr=args.lr, grad_clip=args.grad_clip, loss_reduction=reduction)
-    got = run_steps(model, plan, local_batch_size=local, check_unused_params=args.check_unused_params,
+    init = weights_digest(model) if rank == 0 else None
+    box = [model]
+    del model                                # run_steps owns it from here (box.pop hands it over)
+    got = run_steps(box.pop, plan, local_batch_size=local, check_unused_params=args.check_unused_params,
                     split_points=split_points_of(args.split_points), blocks=args.blocks or None,
-                    sync_batchnorm=args.sync_batchnorm, **kw)
+                    sync_batchnorm=args.sync_batchnorm, probe=probe, **kw)
     code = 0
     if rank == 0:
+        model = load_task(args)[0]           # the reference: the same --model and seed, built again
         ref = run_steps(model, ParallelPlan(), local_batch_size=args.global_batch_size,
                         mesh=MeshInfo(mesh=None), **kw)
         rep = compare(desc, ref, got, optimizer=args.optimizer)
+        if weights_digest(model) != init:
+            rep.passed = False
+            rep.failures.insert(0, f"--model {args.model!r} built different initial weights on its second call "
+                                   f"(the one-process reference); a factory must seed itself so that every call "
+                                   f"returns the same weights")
         from modelpar.parallel.layer_checks import parity_hints
 
         print(format_report(desc, plan, world, rep, ref, got, parity_hints(model)), flush=True)

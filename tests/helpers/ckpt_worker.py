@@ -3,7 +3,8 @@ tests: runs a list of scenarios in one launch (the process group is shared) and 
 
 usage: torchrun --nproc-per-node N tests/helpers/ckpt_worker.py OUT.json SPEC.json
 SPEC.json: a list of {"name": ..., "kind": "train" | "c1" | "c2" | "c9", "cfg": {TrainConfig fields},
-"run_dir": ...}. Every rank's error message is kept (``errors``: rank -> message), so a test can
+"run_dir": ...}, or {"name": ..., "kind": "call", "fn": "helpers.module:function", ...} (``function(spec)``
+runs on every rank and returns the result). Every rank's error message is kept (``errors``: rank -> message), so a test can
 check that all ranks raised the same one.
 """
 
@@ -55,7 +56,12 @@ def main() -> None:
         err = None
         res = None
         try:
-            res = run_train(spec) if spec["kind"] == "train" else preflight_cases.run(spec)
+            if spec["kind"] == "call":       # {"fn": "helpers.module:function"}: function(spec) -> result
+                import importlib
+                mod, fn = spec["fn"].split(":")
+                res = getattr(importlib.import_module(mod), fn)(spec)
+            else:
+                res = run_train(spec) if spec["kind"] == "train" else preflight_cases.run(spec)
         except Exception as e:  # noqa: BLE001 - reported per scenario
             err = f"{type(e).__name__}: {e}"
             print(f"[rank {rank}] {spec['name']}: {traceback.format_exc()}", file=sys.stderr, flush=True)
