@@ -67,6 +67,10 @@ Each row is predicted for the runtime it ran on; describing that runtime is not 
   learned positions; modelpar's GPT also has biases and an untied head (a small difference in
   parameters, none in matmul FLOPs except biases).
 
+Both frameworks' rows: the transformer layers' weight GEMMs pay tile and wave quantization by their
+shapes on the A100's 108 SMs (`with_wave_quantization`, `runtimes.wave_quantization_seconds`;
+NVIDIA's Matrix Multiplication Background guide, cited in `gpu`).
+
 The only constants not from the tables in ``modelpar/planner/gpu.py`` are at most one efficiency
 factor per framework, fitted leave-one-out (each row's factor is the geometric mean of published /
 predicted throughput over the *other* rows of its framework); every table is printed with the
@@ -93,7 +97,7 @@ from modelpar.planner.memory import Batch, estimate_memory, rank_loads
 from modelpar.planner.profile import profile_model
 from modelpar.planner.runtimes import (attention_core_seconds, core_roofline_excess,
                                        selective_recompute_profile, tp_backward_overlap_delta,
-                                       vocab_parallel_profile)
+                                       vocab_parallel_profile, wave_quantization_seconds)
 
 A100 = BUILTIN["A100-80GB"]
 GIB = 2 ** 30
@@ -255,6 +259,9 @@ def megatron_estimate(profile, plan, batch, *, ddp: str, selective: bool, micro:
     st = dataclasses.replace(st, compute=st.compute + acc * m * (ex[0] + ex[1]),
                              recompute=st.recompute + (acc * m * ex[0] if full else 0.0),
                              bubble=st.bubble + bubble * (ex[0] * (2 if full else 1) + ex[1]))
+    # tile and wave quantization of the layers' weight GEMMs (`runtimes.wave_quantization_seconds`)
+    st = with_wave_quantization(st, prof, micro=micro, tp=plan.tp, layers=(len(prof.blocks) - 2) / plan.pp,
+                                micro_batches=acc * m, full=full, bubble=bubble)
     if async_tp and plan.tp > 1:
         cache = PlannerCache().bind(hw=A100)
         ar = _coll(plan, "tp", A100, "all_reduce", tp_bytes_per_sample(prof, plan) * micro, plan.tp, False, cache)
@@ -269,6 +276,19 @@ def megatron_estimate(profile, plan, batch, *, ddp: str, selective: bool, micro:
         per_mb = layers * attention_core_seconds(prof, A100, micro_batch=micro, tp=plan.tp, dropout=True)
         st = dataclasses.replace(st, recompute=st.recompute + acc * m * per_mb, bubble=st.bubble + bubble * per_mb)
     return st, mem
+
+
+def with_wave_quantization(st, prof, *, micro: int, tp: int, layers: float, micro_batches: int, full: bool,
+                           bubble: float = 0.0):
+    """``st`` (a `StepEstimate`) with the tile and wave quantization of the transformer layers' weight
+    GEMMs (`runtimes.wave_quantization_seconds`) on the slowest rank's ``layers`` layers: forward and
+    backward of each of ``micro_batches`` micro-batches, the replayed forward under ``full``
+    recomputation, and the pipeline's idle time (``bubble``: idle micro-batch times per step)."""
+    wf, wb = wave_quantization_seconds(prof, A100, micro_batch=micro, tp=tp)
+    wf, wb = wf * layers, wb * layers
+    return dataclasses.replace(st, compute=st.compute + micro_batches * (wf + wb),
+                               recompute=st.recompute + (micro_batches * wf if full else 0.0),
+                               bubble=st.bubble + bubble * (wf * (2 if full else 1) + wb))
 
 
 def korthikanti_rows(fast: bool = False) -> list[Result]:
@@ -332,6 +352,9 @@ def mosaic_rows(fast: bool = False, kernel: str | None = None) -> list[Result]:
         st = estimate_step(prof, plan, batch, A100, reduce_bytes=2, gather_bytes=gather,
                            attention_kernel=kernel or MOSAIC_KERNEL, autocast_weights=(mp == "DEFAULT"),
                            fsdp_stream_copies=False)
+        # tile and wave quantization of the blocks' GEMMs (`runtimes.wave_quantization_seconds`); the
+        # FSDP windows that hide communication are not widened by it (a small term at these shapes)
+        st = with_wave_quantization(st, prof, micro=micro, tp=1, layers=layers, micro_batches=accum, full=ac)
         # llm-foundry's MPT loss: FusedCrossEntropyLoss (flash-attn's xentropy kernel) on the bf16 logits,
         # no fp32 copy: at most the activation-dtype charge (`memory.memory_form`, ``fp32_loss``)
         mem = estimate_memory(prof, plan, batch, overhead_bytes=A100.framework_overhead_bytes, fp32_loss=False)
