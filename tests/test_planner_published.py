@@ -352,6 +352,11 @@ def test_gemm_tile_and_wave_quantization():
     assert math.isclose(wave_efficiency(256 * 108, 128, 108), 1.0)
     assert math.isclose(wave_efficiency(256 * 108 + 1, 128, 108), (256 * 108 + 1) / (2 * 108 * 256))
     assert wave_efficiency(100, 100, 0) == 1.0 and A100.sms == 108 and H100.sms == 132
+    # the split-K sensitivity check (not the model): a 768 x 2304 weight-gradient output is 54 tiles,
+    # half a wave; two slices of a long reduction fill it, a short one is not split
+    assert math.isclose(wave_efficiency(768, 2304, 108), 0.5)
+    assert math.isclose(wave_efficiency(768, 2304, 108, k=49152, max_split=16), 1.0)
+    assert math.isclose(wave_efficiency(768, 2304, 108, k=768, max_split=16), 0.5)
 
 
 def test_wave_quantization_seconds_of_the_layer_gemms(bench):

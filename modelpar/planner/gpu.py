@@ -222,18 +222,26 @@ H200 = GpuPhysics("H200", mamf_bf16=792.1e12, hbm_fraction=0.85, launch_s=5e-6,
 GEMM_TILE = (256, 128)   # cuBLAS's largest thread-block tile (Matrix Multiplication Background, Sec. 2.3)
 
 
-def wave_efficiency(m: float, n: float, sms: int, tile: tuple[int, int] = GEMM_TILE) -> float:
+def wave_efficiency(m: float, n: float, sms: int, tile: tuple[int, int] = GEMM_TILE, *, k: float = 0.0,
+                    max_split: int = 1, min_slice: int = 512) -> float:
     """Share of MAMF a GEMM with an ``m`` x ``n`` output reaches under tile and wave quantization
     (module docstring, "Dimension quantization"): (m n) / (waves x sms x tile area) with
     waves = ceil(tiles / sms), tiles = ceil(m / t0) ceil(n / t1), the better of the tile's two
-    orientations. 1.0 where ``sms`` is 0 (no SM count known) or the output is empty."""
+    orientations. 1.0 where ``sms`` is 0 (no SM count known) or the output is empty.
+    ``max_split`` > 1 (a sensitivity check, not the model: the published benchmark's
+    ``--gemm-split-k``): the reduction of length ``k`` may also be split into s <= ``max_split``
+    slices of at least ``min_slice`` (split-K: s x tiles blocks), the best s taken; the partial
+    sums' reduction is not charged."""
     if sms <= 0 or m <= 0 or n <= 0:
         return 1.0
     best = 0.0
-    for t0, t1 in (tile, tile[::-1]):
-        tiles = math.ceil(m / t0) * math.ceil(n / t1)
-        waves = math.ceil(tiles / sms)
-        best = max(best, m * n / (waves * sms * t0 * t1))
+    for s in range(1, max(1, max_split) + 1):
+        if s > 1 and k / s < min_slice:
+            break
+        for t0, t1 in (tile, tile[::-1]):
+            tiles = math.ceil(m / t0) * math.ceil(n / t1) * s
+            waves = math.ceil(tiles / sms)
+            best = max(best, m * n * s / (waves * sms * t0 * t1))
     return min(best, 1.0)
 
 

@@ -251,7 +251,8 @@ def layer_gemm_shapes(profile: ModelProfile, *, micro_batch: int, tp: int) -> di
     return {"fwd": fwd, "bwd": bwd}
 
 
-def wave_quantization_seconds(profile: ModelProfile, hw, *, micro_batch: int, tp: int) -> tuple[float, float]:
+def wave_quantization_seconds(profile: ModelProfile, hw, *, micro_batch: int, tp: int,
+                              max_split: int = 1) -> tuple[float, float]:
     """(forward, backward) seconds per micro-batch that tile and wave quantization add to one
     transformer layer's weight GEMMs on a rank of a ``tp``-way split (`layer_gemm_shapes`), on a
     built-in GPU (`gpu.wave_efficiency`, sources in `gpu`'s docstring; 0 elsewhere).
@@ -260,7 +261,8 @@ def wave_quantization_seconds(profile: ModelProfile, hw, *, micro_batch: int, tp
     max(F / (R e), B / W) by its own roofline (R: MAMF, W: the measured HBM rate, e: its output's
     wave efficiency) where the step model charges it max(F / R, B / W) inside the rank's sum; the
     result is the sum of the differences (never negative). The embedding, the output layer and the
-    attention core keep the model's terms."""
+    attention core keep the model's terms. ``max_split``: `gpu.wave_efficiency`'s split-K
+    sensitivity check (1: the model)."""
     from modelpar.planner.gpu import physics_for, wave_efficiency
     phys = physics_for(hw)
     if phys is None or not phys.sms or not profile.arch.get("d_model"):
@@ -272,6 +274,7 @@ def wave_quantization_seconds(profile: ModelProfile, hw, *, micro_batch: int, tp
         for m, k, n in shapes:
             f, byt = 2 * m * k * n, 2 * (m * k + k * n + m * n)
             base = max(f / flops_s, byt / mem_s)
-            ex += max(0.0, max(f / (flops_s * wave_efficiency(m, n, phys.sms)), byt / mem_s) - base)
+            e = wave_efficiency(m, n, phys.sms, k=k, max_split=max_split)
+            ex += max(0.0, max(f / (flops_s * e), byt / mem_s) - base)
         out.append(ex)
     return out[0], out[1]
