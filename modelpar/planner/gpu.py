@@ -22,7 +22,8 @@ Dense matmuls (GEMM)
     uses the 256 x 128 tile (the better of its two orientations), no split-K or stream-K; SMs:
     A100 108 (the guide), H100 / H200 SXM 132 (NVIDIA H100 Tensor Core GPU Architecture
     whitepaper, 2022). Applied to the transformer layers' weight GEMMs by their shapes
-    (`runtimes.wave_quantization_seconds`).
+    (`runtimes.wave_quantization_seconds`) on the published rows (`published.with_wave_quantization`);
+    modelpar's own ``plan`` / ``estimate`` do not apply it yet (`gpu_load_times` has no shapes under TP).
 
 Fused attention (FLOP/s by head dimension and sequence length; FLOPs as the papers count them:
 4 s^2 d per head forward, 2.5x that backward, halved with a causal mask)
