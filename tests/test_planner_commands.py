@@ -50,7 +50,7 @@ def test_rules_follow_precedence():
         rule_plan(small, 2, hw, global_batch_size=8, task="speech")
 
 
-@pytest.mark.timeout(240)        # 3 rounds of every term: ~60-90 s quiet on 2 cores, more under load
+@pytest.mark.timeout(240)        # one round of every term (`--rounds 1`): ~30-50 s quiet on 2 cores
 @pytest.mark.slow
 def test_calibrate_smoke(tmp_path, capsys):
     out = tmp_path / "hw.json"

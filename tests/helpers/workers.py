@@ -72,7 +72,8 @@ def group_dir(tag: str) -> Path:
 
 def _riders(nproc: int, host: str) -> dict[str, list[dict]]:
     out = {}
-    for tag, g in GROUPS.items():
+    # the groups that asked for the most time run last: a slow or stuck one then holds up no other group
+    for tag, g in sorted(GROUPS.items(), key=lambda kv: kv[1].limit_s):
         if tag == host or g.nproc != nproc or g.results is not None or (_ACTIVE is not None and g.module not in _ACTIVE):
             continue
         out[tag] = [{**s, "name": f"{tag}/{s['name']}"} for s in g.build(group_dir(tag))]
