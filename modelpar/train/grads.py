@@ -57,7 +57,13 @@ def clip_grad_norm_(params, max_norm: float, *, pp_group=None, norm_params=None)
     norm = global_grad_norm(params if norm_params is None else norm_params, pp_group=pp_group)
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        coef_f = None           # DTensor gradients take a Python float: read once, not once per tensor
         for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef.item() if isinstance(p.grad, DTensor) else coef.to(p.grad.device))
+            if p.grad is None:
+                continue
+            if isinstance(p.grad, DTensor):
+                coef_f = coef.item() if coef_f is None else coef_f
+                p.grad.mul_(coef_f)
+            else:
+                p.grad.mul_(coef.to(p.grad.device))
     return norm
