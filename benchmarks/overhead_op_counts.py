@@ -1,7 +1,9 @@
 """What modelpar's step does that the plain torch loop does not: counted, not timed.
 
-The same three loops as `benchmarks/overhead_vs_plain_torch.py` (plain torch, modelpar's
-`train_step`, gpt-1m, seq 128, 8 samples per rank, 2 ranks), per strategy (ddp, fsdp). After
+The loops of `benchmarks/overhead_vs_plain_torch.py` (plain torch, modelpar's `train_step`, gpt-1m,
+seq 128, 8 samples per rank, 2 ranks), per strategy (ddp, fsdp), without clipping (as timed there) and
+with clipping at 1.0 (`modelpar train`'s default; the plain loop then calls
+`torch.nn.utils.clip_grad_norm_`). After
 ``--warmup`` steps of each loop (optimizer state built, DDP buckets rebuilt), one step of each is
 run under four counters, and the counts are laid side by side (rank 0's; both ranks run the same
 ops):
@@ -123,7 +125,9 @@ def worker(args) -> None:
     rank, _ = init_distributed(timeout_s=900)
     res = {}
     for strategy in ("ddp", "fsdp"):
-        fns = {"plain": plain_step(strategy), "modelpar": modelpar_step(strategy)}
+        fns = {"plain": plain_step(strategy), "modelpar": modelpar_step(strategy),
+               "plain, clip 1.0": plain_step(strategy, grad_clip=1.0),
+               "modelpar, clip 1.0": modelpar_step(strategy, grad_clip=1.0)}
         for fn in fns.values():
             for _ in range(args.warmup):
                 fn()
@@ -141,9 +145,10 @@ def render(res: dict, show_all: bool = False) -> str:
              "gpt-1m, seq 128, 8 samples per rank, 2 ranks; one step after the warm-up steps. Rows: ops "
              "recorded by torch.profiler (nested ops counted too), collectives with their bytes, host "
              "reads, garbage collections, allocations, Python calls." + ("" if show_all else " Only rows that differ."), ""]
-    for strategy, r in res.items():
+    for key, r in ((f"{s}{c}", r) for s, rs in res.items() for c in ("", ", clip 1.0")
+                   for r in [{"plain": rs[f"plain{c}"], "modelpar": rs[f"modelpar{c}"]}]):
         p, m = r["plain"], r["modelpar"]
-        lines += [f"### {strategy}", "", "| what | plain torch | modelpar | difference |", "|---|---|---|---|"]
+        lines += [f"### {key}", "", "| what | plain torch | modelpar | difference |", "|---|---|---|---|"]
         rows = [("python calls (all)", p["python_calls"], m["python_calls"]),
                 ("allocating ops (count)", p["allocations"]["count"], m["allocations"]["count"]),
                 ("allocated bytes", p["allocations"]["bytes"], m["allocations"]["bytes"])]

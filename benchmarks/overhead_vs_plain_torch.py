@@ -74,10 +74,12 @@ def _optimizer(params):
     return torch.optim.AdamW(list(params), lr=1e-3)
 
 
-def plain_step(strategy: str):
+def plain_step(strategy: str, grad_clip: float = 0.0):
     """The plain torch loop: the same model, data, optimizer and wrapper options as modelpar's
     (DDP: ``broadcast_buffers=False, gradient_as_bucket_view=True`` as `apply_ddp`; FSDP: every
-    block with ``reshard_after_forward=True``, then the root with False, fp32, as `apply_fsdp`)."""
+    block with ``reshard_after_forward=True``, then the root with False, fp32, as `apply_fsdp`).
+    ``grad_clip > 0``: `torch.nn.utils.clip_grad_norm_` before the optimizer step (op counts only)."""
+    import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
@@ -100,12 +102,14 @@ def plain_step(strategy: str):
 
     def step():
         F.cross_entropy(run(x).float().flatten(0, 1), y.flatten()).backward()
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return step
 
 
-def modelpar_step(strategy: str):
+def modelpar_step(strategy: str, grad_clip: float = 0.0):
     import torch
     import torch.distributed as dist
 
@@ -125,7 +129,7 @@ def modelpar_step(strategy: str):
     xg, yg = torch.cat(xs), torch.cat(ys)         # the global batch; each rank takes its own slice
 
     def step():
-        train_step(pm, opt, xg, yg, accum_steps=1)
+        train_step(pm, opt, xg, yg, accum_steps=1, grad_clip=grad_clip)
     return step
 
 
