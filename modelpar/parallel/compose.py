@@ -100,11 +100,12 @@ class ParallelModel:
                     seen.add(id(p))
                     yield p
 
-    def norm_parameters(self):
+    def norm_parameters(self, params=None):
         """The parameters whose gradients this rank counts in the global gradient norm: all but
-        the tied copies another pipeline rank counts (case C13: a tie is counted once)."""
+        the tied copies another pipeline rank counts (case C13: a tie is counted once).
+        ``params``: `parameters` already listed (saves a second walk over the modules)."""
         skip = self.tied_sync.norm_skip if self.tied_sync is not None else set()
-        return [p for p in self.parameters() if id(p) not in skip]
+        return [p for p in (self.parameters() if params is None else params) if id(p) not in skip]
 
     def named_parameters(self):
         seen = set()
