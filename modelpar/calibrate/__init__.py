@@ -59,24 +59,30 @@ def machine_hardware(local_ranks: int, *, measure_if_missing: bool = False, say=
             f"for measured speeds)")
 
 
-def calibrate(out: str | os.PathLike | None = None, ranks: int = 2, *, collectives: bool = True, say=print) -> Path:
+def calibrate(out: str | os.PathLike | None = None, ranks: int = 2, *, collectives: bool = True, say=print,
+              rounds: int | None = None) -> Path:
     """Measure this machine (`modelpar.calibrate.micro`, `modelpar.calibrate.collectives` on
     ``ranks`` local ranks) and save the hardware profile to ``out`` (default
     `default_calibration_path`); returns the path. Only micro-benchmarks are timed, never a model.
+    ``rounds``: rounds of every compute term and in-context collective, the median over them kept
+    (default `modelpar.calibrate.micro.ROUNDS`; 1 is fastest and records no spread).
 
     Raises:
-        ValueError: ``ranks`` < 1.
+        ValueError: ``ranks`` < 1 or ``rounds`` < 1.
         RuntimeError: the collective ranks failed.
     """
     from modelpar.calibrate.collectives import measure_collectives
-    from modelpar.calibrate.micro import fresh_threshold, measure_compute
+    from modelpar.calibrate.micro import ROUNDS, fresh_threshold, measure_compute
 
     if ranks < 1:
         raise ValueError(f"--nproc must be >= 1, got {ranks}")
+    rounds = ROUNDS if rounds is None else rounds
+    if rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {rounds}")
     out = str(out or default_calibration_path())
     load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
-    c = measure_compute()
+    c = measure_compute(rounds=rounds)
     # more local ranks than cores: each rank computes on its share of a core (compute is timed in
     # this one process); the rates that scale with a core scale by it
     share = min(1.0, (os.cpu_count() or 1) / ranks)
@@ -100,7 +106,7 @@ def calibrate(out: str | os.PathLike | None = None, ranks: int = 2, *, collectiv
                attention_shapes=dict(c.get("attention_shapes", {})))
     coll = {}
     if collectives and ranks > 1:
-        coll = measure_collectives(ranks)
+        coll = measure_collectives(ranks, rounds=rounds)
         # one rank alone (this process, the others not started) and every rank at once: ranks in
         # lockstep (data / tensor parallel) share the memory bus, pipeline stages mostly do not
         cal["mem_bandwidth_alone"] = c["mem_bandwidth"]
