@@ -83,7 +83,7 @@ def measure_compute(sizes=MATMUL_SIZES, rounds: int = ROUNDS) -> dict:
     del a, b, c
     zb, zb_spread = measure_zero_bubble_backward(with_spread=True)
     shapes, shape_spread = measure_shapes()
-    attn_shapes, spread_attn = measure_attention_shapes()
+    attn_shapes, spread_attn = measure_attention_shapes(rounds=rounds)
     kept = {k: robust(v) for k, v in per.items()}
     flops = {n: kept[f"matmul_flops[{n}]"][0] for n in sizes}
     spread = {k: s for k, (_, s) in kept.items()}
