@@ -90,6 +90,7 @@ def calibrate(out: str | os.PathLike | None = None, ranks: int = 2, *, collectiv
         c["matmul_flops"] = {n: f * share for n, f in c["matmul_flops"].items()}
         c["matmul_shapes"] = {lay: {k: f * share for k, f in g.items()}
                               for lay, g in c.get("matmul_shapes", {}).items()}
+        c["attention_shapes"] = {k: f * share for k, f in c.get("attention_shapes", {}).items()}
         for k in ("matmul_peak", "attention_flops", "elementwise_bw"):
             c[k] *= share
         c["op_overhead_s"] /= share
@@ -101,7 +102,8 @@ def calibrate(out: str | os.PathLike | None = None, ranks: int = 2, *, collectiv
                elementwise_bw=c["elementwise_bw"], core_share=share,
                zero_bubble_backward_factor=c["zero_bubble_backward_factor"],
                rounds=int(c.get("rounds", 1)), spread=dict(c.get("spread", {})),
-               matmul_shapes={lay: dict(g) for lay, g in c.get("matmul_shapes", {}).items()})
+               matmul_shapes={lay: dict(g) for lay, g in c.get("matmul_shapes", {}).items()},
+               attention_shapes=dict(c.get("attention_shapes", {})))
     coll = {}
     if collectives and ranks > 1:
         coll = measure_collectives(ranks, rounds=rounds)
@@ -168,7 +170,13 @@ def summary_lines(hw: Hardware, times: dict[str, dict[int, float]] | None = None
         out.append(f"  matmul shapes {lay} ({len(g)} M x K x N){'':<11}{g[lo] / 1e9:>5.1f}-{g[hi] / 1e9:.1f} GFLOP/s"
                    f"{_sp(cal, f'matmul_shapes[{lay}]')}  (slowest {'x'.join(map(str, lo))}, fastest "
                    f"{'x'.join(map(str, hi))})")
-    out += [f"  attention (causal, fused, counted){'':<4}{cal.attention_flops / 1e9:>9.1f} GFLOP/s{_sp(cal, 'attention_flops')}",
+    out.append(f"  attention (causal, fused, counted){'':<4}{cal.attention_flops / 1e9:>9.1f} GFLOP/s{_sp(cal, 'attention_flops')}")
+    if cal.attention_shapes:
+        g = cal.attention_shapes
+        lo, hi = min(g, key=g.get), max(g, key=g.get)
+        out.append(f"  attention shapes ({len(g)} S x D){'':<15}{g[lo] / 1e9:>5.1f}-{g[hi] / 1e9:.1f} GFLOP/s"
+                   f"{_sp(cal, 'attention_shapes')}  (slowest S {lo[1]} D {lo[2]}, fastest S {hi[1]} D {hi[2]})")
+    out += [
             f"  element-wise operators (counted){'':<6}{(cal.elementwise_bw or 0) / 1e9:>9.1f} GB/s   {_sp(cal, 'elementwise_bw')}",
             f"  per-op overhead{'':<23}{hw.op_overhead_s * 1e6:>9.1f} us     {_sp(cal, 'op_overhead_s')}",
             f"  memory bandwidth per rank (all ranks){'':<1}{hw.mem_bandwidth / 1e9:>9.1f} GB/s   {_sp(cal, 'mem_bandwidth')}",
