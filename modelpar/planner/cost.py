@@ -61,13 +61,13 @@ from modelpar.planner.formulas import (all_gather_time, all_reduce_time, alpha_b
 # one rank's collective times and FSDP2's exposed share live in comms.py, re-exported here
 from modelpar.planner.comms import (DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, _coll,  # noqa: F401
                                     _comm_terms, _fsdp_exposed, _nccl_share, ddp_buckets)
-from modelpar.planner.gpu import gpu_load_times, physics_for
+from modelpar.planner.gpu import gpu_load_times, layer_wave_seconds, physics_for
 from modelpar.planner.calibration import NO_CALIBRATION
 from modelpar.planner.hardware import Hardware
 from modelpar.planner.memo import PlannerCache
 from modelpar.planner.memory import Batch, RankLoad, rank_loads
 from modelpar.planner.profile import ModelProfile
-from modelpar.planner.recompute import recompute_share
+from modelpar.planner.recompute import recompute_layers, recompute_share
 # the result type, MFU / HFU and the wrapping of step parts live in step_estimate.py, re-exported here
 from modelpar.planner.step_estimate import StepEstimate, _finish, hfu, mfu, tp_bytes_per_sample  # noqa: F401
 
@@ -303,12 +303,20 @@ class StepForm:
                 t_f, t_b = _load_times(ld, hw, b, prec, self.mem_s, self.ew_s, self.attn_rate, self.curve,
                                        self.flops_s, alone, self.phys, self.attention_kernel)
                 load_times[key] = (ld, (t_f, t_b))
+            # built-in GPU, bf16: tile and wave quantization of the transformer layers' weight GEMMs,
+            # per layer of this rank (`gpu.layer_wave_seconds`, memoized per TP degree and tokens)
+            w_f = 0.0
+            if self.phys is not None and prec == "bf16" and ld.layer_gemm:
+                tok, h, ffn, layers = ld.layer_gemm
+                w_f, w_b = layer_wave_seconds(b * tok, h, ffn, plan.tp, self.phys.sms, self.flops_s, self.mem_s)
+                t_f += layers * w_f
+                t_b += layers * w_b
             if zb != 1.0:
                 t_b *= zb
             if cast_b:                      # autocast's weight casts, forward and backward
                 t_f += cast_b * ld.gemm_param_bytes[0]
                 t_b += cast_b * ld.gemm_param_bytes[0]
-            times.append((ld, t_f, t_b))
+            times.append((ld, t_f, t_b, w_f))
         out = self.per_b[b] = (times, ar_tp, tp_linear)
         return out
 
@@ -324,11 +332,14 @@ class StepForm:
         ac_any = mode in ("full", "every-k", "selective")
         attn_rate, flops_s = self.attn_rate, self.flops_s
         best = None
-        for i, (ld, t_f, t_b) in enumerate(times):
+        for i, (ld, t_f, t_b, w_f) in enumerate(times):
             t_rc, rc_share = 0.0, 0.0
             if ac_any:     # the checkpointed blocks' share / the cores (`modelpar.planner.recompute`)
                 rc_share, attn_f = recompute_share(ld, plan)
                 t_rc = rc_share * t_f + (attn_f * b / attn_rate if attn_rate else attn_f * b / flops_s)
+                if w_f:    # the replayed layers' GEMM waves, per layer (not by the FLOPs share)
+                    layers = ld.layer_gemm[3]
+                    t_rc += (recompute_layers(ld, plan) - rc_share * layers) * w_f
             # DTensor's per-call cost of each sharded Linear (dispatch, sharding propagation, input and
             # output conversion; forward + backward), calibrated on CPU; part of TP's price
             # (the per-Linear cost is calibrated on chains of sharded Linears less their all-reduces
