@@ -17,8 +17,9 @@ Sources:
   layout (`BlockProfile.gemm_shapes`) at the square-product curve's rate for its FLOPs
   (`Hardware.gemm_flops`) times its shape's factor from the calibrated grid
   (`Hardware.shape_factor`, log-space interpolation), the other matmul FLOPs at the curve at their
-  mean call; files without the grid, TP loads and GPUs
-  price every matmul the old way.
+  mean call; files without the grid, TP loads and GPUs price every matmul the old way. On built-in
+  GPUs (bf16) each transformer layer's weight GEMMs add their tile and wave quantization
+  (`gpu.layer_wave_seconds`) to its forward, backward and replayed forward.
 - Full recompute adds the blocks' forward per micro-batch (Chen et al. 2016; Korthikanti Sec. 5; a
   transformer's embedding, head and loss are not checkpointed, so they run once); every-k the
   checkpointed blocks' share of it, selective the attention cores' forward
