@@ -17,9 +17,8 @@ Sources:
   layout (`BlockProfile.gemm_shapes`) at the square-product curve's rate for its FLOPs
   (`Hardware.gemm_flops`) times its shape's factor from the calibrated grid
   (`Hardware.shape_factor`, log-space interpolation), the other matmul FLOPs at the curve at their
-  mean call; files without the grid, TP loads and GPUs price every matmul the old way. On built-in
-  GPUs (bf16) each transformer layer's weight GEMMs add their tile and wave quantization
-  (`gpu.layer_wave_seconds`) to its forward, backward and replayed forward.
+  mean call; files without the grid, TP loads and GPUs price every matmul the old way; built-in GPUs
+  (bf16) add each layer's GEMM wave quantization (`gpu.layer_wave_seconds`), replays included.
 - Full recompute adds the blocks' forward per micro-batch (Chen et al. 2016; Korthikanti Sec. 5; a
   transformer's embedding, head and loss are not checkpointed, so they run once); every-k the
   checkpointed blocks' share of it, selective the attention cores' forward
@@ -304,12 +303,13 @@ class StepForm:
                 t_f, t_b = _load_times(ld, hw, b, prec, self.mem_s, self.ew_s, self.attn_rate, self.curve,
                                        self.flops_s, alone, self.phys, self.attention_kernel)
                 load_times[key] = (ld, (t_f, t_b))
-            # built-in GPU, bf16: tile and wave quantization of the transformer layers' weight GEMMs,
-            # per layer of this rank (`gpu.layer_wave_seconds`, memoized per TP degree and tokens)
+            # built-in GPU, bf16: each layer's weight-GEMM tile / wave quantization (`gpu.layer_wave_seconds`)
             w_f = 0.0
             if self.phys is not None and prec == "bf16" and ld.layer_gemm:
                 tok, h, ffn, layers = ld.layer_gemm
-                w_f, w_b = layer_wave_seconds(b * tok, h, ffn, plan.tp, self.phys.sms, self.flops_s, self.mem_s)
+                wk = (b * tok, h, ffn, plan.tp)
+                w_f, w_b = cache.waves.get(wk) or cache.waves.setdefault(
+                    wk, layer_wave_seconds(*wk, self.phys.sms, self.flops_s, self.mem_s))
                 t_f += layers * w_f
                 t_b += layers * w_b
             if zb != 1.0:

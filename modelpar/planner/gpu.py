@@ -101,7 +101,6 @@ hundred MiB at 8 ranks (NCCL_BUFFSIZE 4 MiB x channels x peers).
 from __future__ import annotations
 
 import bisect
-import functools
 import math
 from dataclasses import dataclass, field
 
@@ -260,7 +259,6 @@ def layer_gemm_shapes(tokens: float, h: float, f: float, tp: int) -> dict[str, l
     return {"fwd": fwd, "bwd": bwd}
 
 
-@functools.lru_cache(maxsize=4096)
 def layer_wave_seconds(tokens: float, h: float, f: float, tp: int, sms: int, flops_s: float, mem_s: float,
                        max_split: int = 1) -> tuple[float, float]:
     """(forward, backward) seconds per micro-batch that tile and wave quantization add to one
@@ -270,8 +268,8 @@ def layer_wave_seconds(tokens: float, h: float, f: float, tp: int, sms: int, flo
     rate the step model charges, MAMF on a built-in GPU; W = ``mem_s``, the measured HBM rate;
     e: its output's `wave_efficiency`) where the step model charges it max(F / R, B / W) inside
     the rank's sum; the result is the sum of the differences (never negative). (0, 0) where
-    ``sms`` is 0. Memoized (a pure function of its numbers): the search asks for it once per
-    (TP degree, micro-batch tokens). ``max_split``: `wave_efficiency`'s split-K sensitivity
+    ``sms`` is 0. The step model memoizes it per (tokens, widths, TP degree) in the search's
+    `memo.PlannerCache` (``waves``). ``max_split``: `wave_efficiency`'s split-K sensitivity
     check (1: the model)."""
     if sms <= 0:
         return 0.0, 0.0
