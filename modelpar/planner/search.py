@@ -25,7 +25,8 @@ from modelpar.planner.cost import StepEstimate, _finish, step_form, tp_bytes_per
 from modelpar.planner.hardware import Hardware
 from modelpar.planner.legality import tp_violations
 from modelpar.planner.memo import PlannerCache
-from modelpar.planner.memory import OPTIMIZER_BYTES, Batch, MemoryEstimate, in_flight, memory_form, rank_loads
+from modelpar.planner.memory import (OPTIMIZER_BYTES, Batch, MemoryEstimate, estimate_of, in_flight, memory_form,
+                                     parts_total, rank_loads)
 from modelpar.planner.profile import ModelProfile
 
 VIRTUAL_STAGES = (2, 4, 8)
@@ -191,14 +192,14 @@ def _plan(plans: dict, dr, ds, tp, pp, sched, m, v, ac, k, defer, precision, sp)
 def _plan_memory(plan: ParallelPlan, reps, b: int, acc: int, flights: dict, kw: dict, budget: float, memo: dict,
                  forms: dict, overhead: float):
     """(estimate, total) of the most loaded representative rank; stops at the first rank over
-    ``budget`` (the total is then a lower bound, enough to prune). A rank's memory depends on the
-    schedule only through the micro-batches it holds in flight, so schedules that agree on that
+    ``budget`` (the total is then a lower bound, enough to prune, and the estimate None). A rank's
+    memory depends on the schedule only through the micro-batches it holds in flight, so schedules that agree on that
     share the estimate (``memo``, one per layout: its loads differ only by the virtual stages), and
     on (b, m, accumulation, in flight) only through `memory.MemoryForm.at`: one form per rank and
     checkpointing / sync variant (``forms``, one per layout), the same numbers as `rank_memory`.
     ``flights``: `memory.in_flight` of each representative rank per micro-batch count (one per
     layout and schedule: in flight depends on nothing else)."""
-    mem, mem_total = None, 0.0
+    best, best_total, best_r = None, 0.0, 0
     v, m, ac, k, defer = (plan.virtual_stages, plan.n_microbatches, plan.activation_checkpointing, plan.ac_every,
                           plan.defer_grad_sync)
     pp = plan.pp > 1
@@ -213,14 +214,15 @@ def _plan_memory(plan: ParallelPlan, reps, b: int, acc: int, flights: dict, kw: 
             form = forms.get(fkey)
             if form is None:
                 form = forms[fkey] = memory_form(ld, plan, **kw)
-            e = form.at(b, m if pp else 1, acc, w if pp else 1.0, r, overhead)
-            hit = memo[mkey] = (e, e.total)
-        e, e_total = hit
-        if mem is None or e_total > mem_total:
-            mem, mem_total = e, e_total
+            parts = form.parts(b, m if pp else 1, acc, w if pp else 1.0)
+            hit = memo[mkey] = (parts_total(parts, overhead), parts)
+        e_total = hit[0]
+        if best is None or e_total > best_total:
+            best, best_total, best_r = hit[1], e_total, r
             if e_total > budget:
-                break
-    return mem, mem_total
+                return None, e_total
+    # the estimate of the fullest rank only (the others' totals are all the search compares)
+    return estimate_of(best, overhead, best_r), best_total
 
 
 def _representatives(loads) -> list[tuple[int, object]]:
