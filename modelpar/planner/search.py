@@ -198,7 +198,7 @@ def _plan_memory(plan: ParallelPlan, reps, b: int, acc: int, flights: dict, kw: 
     on (b, m, accumulation, in flight) only through `memory.MemoryForm.at`: one form per rank and
     checkpointing / sync variant (``forms``, one per layout), the same numbers as `rank_memory`.
     ``flights``: `memory.in_flight` of each representative rank per micro-batch count (one per
-    layout and schedule: in flight depends on nothing else)."""
+    (tp, pp, v) and schedule: in flight depends on nothing else)."""
     best, best_total, best_r = None, 0.0, 0
     v, m, ac, k, defer = (plan.virtual_stages, plan.n_microbatches, plan.activation_checkpointing, plan.ac_every,
                           plan.defer_grad_sync)
@@ -282,6 +282,7 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
     rep = SearchReport(num_devices)
     cache = PlannerCache(profile, hw)        # the memo tables of this search (`memo.PlannerCache`)
     load_cache: dict[tuple, tuple] = {}
+    flight_cache: dict[tuple, tuple[dict, dict]] = {}
     act_bytes = 2 if precision == "bf16" else 4
     flops = (profile.fwd_flops_per_sample, profile.train_flops_per_sample - profile.fwd_flops_per_sample)
     bad = [s for s in schedules if s not in PP_SCHEDULES] + [a for a in checkpointing if a not in AC_MODES]
@@ -361,8 +362,13 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                     continue
                 interleaved = sched.startswith("interleaved")
                 plans: dict[tuple[int, str], ParallelPlan] = {}
-                flights: dict[int, list[float]] = {}
-                flights_k: dict[int, list[float]] = {}
+                # in flight per rank depends only on pp, the schedule, v and m: shared by the layouts of
+                # one (tp, pp, v) (the same representative ranks) and schedule
+                fkey = (tp, pp, v, sched)
+                tabs = flight_cache.get(fkey)
+                if tabs is None:
+                    tabs = flight_cache[fkey] = ({}, {})
+                flights, flights_k = tabs
                 sform = sform_k = None      # step forms: representative ranks / every rank (every-k)
                 for b, m, acc, batch in inner_acc:
                     if interleaved and m % pp:
