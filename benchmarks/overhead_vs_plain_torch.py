@@ -1,19 +1,25 @@
 """modelpar's DDP and FSDP against a plain torch script of the same strategy.
 
-Same model (GPT gpt-1m, seq 128), same global batch (8 per rank), same ranks (2 processes, one
-thread each), same optimizer (AdamW). One timed step = forward + backward + optimizer step.
-Per strategy three loops alternate in one run: plain torch (A), modelpar (M), plain torch again (B),
-two separately built copies of the same plain script.
+Same model (GPT gpt-1m, seq 128, built by the same call), same data (8 contiguous samples per rank),
+same ranks (2 processes, one thread each), same optimizer (`_optimizer`: AdamW, lr 1e-3, torch's
+default implementation), same ``zero_grad(set_to_none=True)``, same wrapper options. One timed step =
+forward + backward + optimizer step. Per strategy three loops alternate in one run: plain torch (A),
+modelpar (M), plain torch again (B), two separately built copies of the same plain script.
 
-The measurement (what makes the verdict steadier than 7 repeats of 3 steps):
+The measurement:
 
 - ``--warmup`` repeats first (default 3), timed but excluded;
-- then up to ``--repeats`` repeats (default 100) of ``--steps`` steps per loop (default 2). Within a
-  repeat the three loops run back to back, in an order that cycles through all six orders (shuffled
-  by a fixed seed, the same on every rank), so no loop is always first or always after another;
-- the timed loops of a strategy stop early after ``--max-seconds`` / 2 (default 150 s in all), the
-  same repeat on every rank (rank 0 decides, broadcast); stopping on the clock alone, never on the
-  results, keeps the estimate unbiased. The whole run takes about 3 minutes on this host.
+- then up to ``--repeats`` repeats (default 200) of ``--steps`` steps per loop (default 2). A repeat
+  runs both strategies (ddp then fsdp, or the reverse on odd repeats), and per strategy the three
+  loops back to back, in an order that cycles through all six orders (shuffled by a fixed seed, the
+  same on every rank), so no loop is always first or always after another;
+- the repeats stop after ``--max-seconds`` (default 240 s, warm-up included), the same repeat on
+  every rank (rank 0 decides, broadcast); stopping on the clock alone, never on the results, keeps
+  the estimate unbiased. Both strategies get the same number of repeats (about 74 on this host,
+  where a repeat takes ~1.2 s of ddp and ~2.0 s of fsdp). Why 240 s: last session's fsdp row had a
+  95% interval of half-width 2.9% after 38 repeats; the half-width shrinks as 1/sqrt(repeats), so
+  74 repeats give ~2.1%, enough to decide against the 3% floor for an overhead up to ~0.9%
+  (150 s, split evenly, gave fsdp 38 repeats: a decision only for overheads near 0).
 
 The verdict, per strategy, from the n kept repeats (times are rank 0's, between barriers):
 
@@ -29,13 +35,14 @@ The verdict, per strategy, from the n kept repeats (times are rank 0's, between 
   is above it, else **inconclusive** (the run cannot tell; rerun quieter or with more repeats). A
   floor above 3% is flagged: the run was too noisy to judge the 3% goal itself.
 
-The plain scripts use the torch APIs directly: `DistributedDataParallel(model)`, and
-`fully_shard` on every block then the root. modelpar's row is `train_step` as `modelpar train` runs
-it between log steps: the gradient-use check (case C12, one all-gather of a few bytes) included, no
-loss read on the host and no global gradient norm (nothing clips or logs it here);
-`tests/test_step_overhead.py` counts that per-step work.
+The plain scripts use the torch APIs directly: `DistributedDataParallel(model, broadcast_buffers=False,
+gradient_as_bucket_view=True)` (modelpar's `apply_ddp` options), and `fully_shard` on every block then
+the root (`apply_fsdp`'s units and options). modelpar's row is `train_step` as `modelpar train` runs
+it between log steps without clipping: the gradient-use check (case C12, one all-gather of a few
+bytes) included, no loss read on the host and no global gradient norm (nothing clips or logs it
+here); `tests/test_step_overhead.py` and `benchmarks/overhead_op_counts.py` count that per-step work.
 
-Regenerate the table in docs/parallelism.md:
+Regenerate the table in docs/overhead_vs_plain_torch.md:
     OMP_NUM_THREADS=1 python benchmarks/overhead_vs_plain_torch.py --out docs/overhead_vs_plain_torch.md
 A quick check that it runs (numbers meaningless): ``--repeats 5 --warmup 1 --steps 1``.
 """
@@ -58,7 +65,20 @@ CMD = "OMP_NUM_THREADS=1 python benchmarks/overhead_vs_plain_torch.py --out docs
 SEQ, PER_RANK = 128, 8
 
 
-def plain_step(strategy: str):
+def _optimizer(params):
+    """The one optimizer both kinds of loop use: AdamW, lr 1e-3, torch's default implementation for
+    these parameters (on CPU the single-tensor loop; `train_step` is given whatever optimizer the
+    caller built, so the optimizer is no part of modelpar's per-step cost)."""
+    import torch
+
+    return torch.optim.AdamW(list(params), lr=1e-3)
+
+
+def plain_step(strategy: str, grad_clip: float = 0.0):
+    """The plain torch loop: the same model, data, optimizer and wrapper options as modelpar's
+    (DDP: ``broadcast_buffers=False, gradient_as_bucket_view=True`` as `apply_ddp`; FSDP: every
+    block with ``reshard_after_forward=True``, then the root with False, fp32, as `apply_fsdp`).
+    ``grad_clip > 0``: `torch.nn.utils.clip_grad_norm_` before the optimizer step (op counts only)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -68,26 +88,28 @@ def plain_step(strategy: str):
     model = build_gpt("gpt-1m", seq_len=SEQ, seed=0)
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
-        run = DDP(model)
+        run = DDP(model, broadcast_buffers=False, gradient_as_bucket_view=True)
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         for b in model.blocks:
-            fully_shard(b, mesh=mesh)
+            fully_shard(b, mesh=mesh, reshard_after_forward=True)
         fully_shard(model, mesh=mesh, reshard_after_forward=False)
         run = model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = _optimizer(model.parameters())
     x, y = _batch(dist.get_rank())
 
     def step():
         F.cross_entropy(run(x).float().flatten(0, 1), y.flatten()).backward()
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return step
 
 
-def modelpar_step(strategy: str):
+def modelpar_step(strategy: str, grad_clip: float = 0.0):
     import torch
     import torch.distributed as dist
 
@@ -102,21 +124,23 @@ def modelpar_step(strategy: str):
     plan = plan_for_strategy(strategy, world)
     pm = parallelize(build_gpt("gpt-1m", seq_len=SEQ, seed=0), plan, build_mesh(plan, torch.device("cpu")),
                      loss_fn=lm_loss, device=torch.device("cpu"))
-    opt = torch.optim.AdamW(list(pm.parameters()), lr=1e-3)
+    opt = _optimizer(pm.parameters())
     xs, ys = zip(*(_batch(r) for r in range(world)))
     xg, yg = torch.cat(xs), torch.cat(ys)         # the global batch; each rank takes its own slice
 
     def step():
-        train_step(pm, opt, xg, yg, accum_steps=1)
+        train_step(pm, opt, xg, yg, accum_steps=1, grad_clip=grad_clip)
     return step
 
 
 def _batch(rank: int):
+    """This rank's (inputs, targets), each contiguous: the same memory layout as the slice of the
+    concatenated global batch `train_step` takes (a strided view would cost the plain loop copies)."""
     import torch
 
     g = torch.Generator().manual_seed(100 + rank)
     w = torch.randint(0, 256, (PER_RANK, SEQ + 1), generator=g)
-    return w[:, :-1], w[:, 1:]
+    return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
 
 ROWS = ("plain torch (A)", "modelpar", "plain torch (B)")
@@ -143,30 +167,32 @@ def worker(args) -> None:
 
     torch.set_num_threads(1)
     rank, world = init_distributed(timeout_s=900)
-    budget = args.max_seconds / 2
-    res = {}
-    for strategy in ("ddp", "fsdp"):
-        fns = (plain_step(strategy), modelpar_step(strategy), plain_step(strategy))
-        times: list[list[float]] = []             # per repeat: seconds per step of A, M, B
-        t_start = time.perf_counter()
-        for r, order in enumerate(_orders(args.warmup + args.repeats)):
+    strategies = ("ddp", "fsdp")
+    fns = {s: (plain_step(s), modelpar_step(s), plain_step(s)) for s in strategies}
+    times: dict[str, list[list[float]]] = {s: [] for s in strategies}    # per repeat: s/step of A, M, B
+    spent = dict.fromkeys(strategies, 0.0)
+    t_start = time.perf_counter()
+    for r, order in enumerate(_orders(args.warmup + args.repeats)):
+        for s in (strategies if r % 2 == 0 else strategies[::-1]):   # strategies interleaved per repeat
             row = [0.0, 0.0, 0.0]
+            t_s = time.perf_counter()
             for k in order:
                 dist.barrier()
                 t0 = time.perf_counter()
                 for _ in range(args.steps):
-                    fns[k]()
+                    fns[s][k]()
                 dist.barrier()
                 row[k] = (time.perf_counter() - t0) / args.steps
+            spent[s] += time.perf_counter() - t_s
             if r >= args.warmup:
-                times.append(row)
-            # stop on the clock only, the same repeat on every rank
-            stop = torch.tensor([float(r >= args.warmup + 4 and time.perf_counter() - t_start > budget)])
-            dist.broadcast(stop, 0)
-            if stop.item():
-                break
-        res[strategy] = {"times_s": times, "steps": args.steps, "warmup": args.warmup,
-                         "seconds": time.perf_counter() - t_start}
+                times[s].append(row)
+        # stop on the clock only, the same repeat on every rank
+        stop = torch.tensor([float(r >= args.warmup + 4 and time.perf_counter() - t_start > args.max_seconds)])
+        dist.broadcast(stop, 0)
+        if stop.item():
+            break
+    res = {s: {"times_s": times[s], "steps": args.steps, "warmup": args.warmup, "seconds": spent[s]}
+           for s in strategies}
     if rank == 0:
         Path(args.json).write_text(json.dumps(res, indent=1))
     dist.destroy_process_group()
@@ -235,13 +261,13 @@ def render(res: dict, load) -> str:
 def _add_args(ap) -> None:
     ap.add_argument("--steps", type=int, default=2, help="steps per loop and repeat")
     ap.add_argument("--warmup", type=int, default=3, help="repeats timed first and excluded")
-    ap.add_argument("--max-seconds", type=float, default=150.0,
-                    help="bound on the timed loops of both strategies together (split evenly)")
+    ap.add_argument("--max-seconds", type=float, default=240.0,
+                    help="bound on the timed repeats (both strategies, interleaved), warm-up included")
 
 
 def main() -> int:
     return benchmark_main(__file__, __doc__, json_default="/tmp/overhead_vs_plain_torch.json", add_args=_add_args, worker=worker,
-                          render=lambda res, args, load: render(res, load), repeats_default=100)
+                          render=lambda res, args, load: render(res, load), repeats_default=200)
 
 
 if __name__ == "__main__":

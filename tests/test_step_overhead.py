@@ -169,3 +169,110 @@ def test_run_reads_losses_at_log_steps_only_and_keeps_every_step(tmp_path):
     assert [r["step"] for r in logged] == [1, 4, 7]
     assert [r["loss"] for r in logged] == [every["losses"][i] for i in (0, 3, 6)]
     assert all(r["grad_norm"] > 0 for r in logged)
+
+
+class _FakeFSDPModule(torch.nn.Module):
+    """Counts FSDP2's sync setters (each walks every submodule in torch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+        self.calls: list[tuple[str, bool]] = []
+
+    def forward(self, x):
+        return self.lin(x)
+
+    def set_requires_gradient_sync(self, v):
+        self.calls.append(("sync", v))
+
+    def set_requires_all_reduce(self, v):
+        self.calls.append(("all_reduce", v))
+
+
+def _pm_of(plan, mod, schedule=None, loss_fn=lambda out, y: (out - y).mean()):
+    from modelpar.parallel.compose import ParallelModel
+    from modelpar.parallel.mesh import MeshInfo
+
+    return ParallelModel(plan, MeshInfo(None), [mod], mod, loss_fn,
+                         torch.device("cpu"), schedule=schedule)
+
+
+def _old_flags(plan, enabled):
+    """What the setters were called with on every `_grad_sync` before they were cached."""
+    from modelpar.plan import runtime_layout
+
+    if runtime_layout(plan).sharded_grad_accumulation:
+        return [("sync", True)] + ([("all_reduce", enabled)] if plan.hsdp_enabled else [])
+    return [("sync", enabled)]
+
+
+@pytest.mark.parametrize("plan_kw, per_step", [
+    (dict(dp_shard=2), [True]),                                   # fsdp, no accumulation
+    (dict(dp_shard=2), [True, True]),                             # sharded accumulation
+    (dict(dp_shard=2, defer_grad_sync=True), [False, True]),      # deferred: the flag alternates
+    (dict(dp_replicate=2, dp_shard=2), [False, True]),            # hsdp: all-reduce on the last only
+])
+def test_fsdp_sync_flags_are_set_when_they_change_not_every_step(plan_kw, per_step):
+    """FSDP2's setters run only where a flag changes (once in a run without accumulation); the flags
+    in force at every backward are those the old code set on every call."""
+    plan = ParallelPlan(**plan_kw)
+    mod = _FakeFSDPModule()
+    pm = _pm_of(plan, mod)
+    state: dict = {}
+    calls_old = 0
+    for step in range(3):
+        for enabled in per_step:
+            with pm._grad_sync(enabled):
+                pass
+            for k, v in mod.calls:
+                state[k] = v
+            mod.calls.clear()
+            old = _old_flags(plan, enabled)
+            calls_old += len(old)
+            assert state == dict(old), (step, enabled, state)    # the flags this backward runs with
+    # under a pipeline the schedule sets the flags itself: modelpar sets them on every call, as before
+    sched = _FakeFSDPModule()
+    pp = _pm_of(plan, sched, schedule=object())
+    for _ in range(3):
+        for enabled in per_step:
+            with pp._grad_sync(enabled):
+                pass
+    assert len(sched.calls) == calls_old
+
+
+def test_fsdp_sync_flags_set_once_without_accumulation():
+    mod = _FakeFSDPModule()
+    pm = _pm_of(ParallelPlan(dp_shard=2), mod)
+    for _ in range(5):
+        with pm._grad_sync(True):
+            pass
+    assert mod.calls == [("sync", True)]
+
+
+def test_loss_scale_one_adds_no_multiply_and_the_same_gradients():
+    """``loss_scale=1.0`` (no accumulation) backpropagates the loss itself: no ``mul`` op and no
+    MulBackward node, gradients bitwise those of ``(loss * 1.0).backward()``; other scales multiply."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 3), torch.randn(4, 2)
+    for scale in (1.0, 0.5):
+        mod = _FakeFSDPModule()
+        pm = _pm_of(ParallelPlan(), mod)
+        ref = _FakeFSDPModule()
+        ref.load_state_dict(mod.state_dict())
+        with Count() as c:
+            pm.forward_backward(x, y, loss_scale=scale)
+        assert ("mul" in c.n) == (scale != 1.0), dict(c.n)
+        ((ref(x) - y).mean() * scale).backward()     # (a loss whose own backward has no mul)
+        for p, q in zip(mod.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad)

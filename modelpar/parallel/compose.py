@@ -76,6 +76,7 @@ class ParallelModel:
     ties: list = field(default_factory=list)   # tied parameter names (case C13, `modelpar.parallel.ties`)
     tied_sync: "ties.TiedGradSync | None" = None   # sums tied copies' gradients across pipeline ranks
     _scaled: "_ScaledLoss | None" = None  # the schedule's loss function (see _ScaledLoss)
+    _sync_flags: tuple | None = field(default=None, repr=False)   # FSDP sync flags last set (_grad_sync)
 
     def __post_init__(self):
         if self._scaled is None:
@@ -99,11 +100,12 @@ class ParallelModel:
                     seen.add(id(p))
                     yield p
 
-    def norm_parameters(self):
+    def norm_parameters(self, params=None):
         """The parameters whose gradients this rank counts in the global gradient norm: all but
-        the tied copies another pipeline rank counts (case C13: a tie is counted once)."""
+        the tied copies another pipeline rank counts (case C13: a tie is counted once).
+        ``params``: `parameters` already listed (saves a second walk over the modules)."""
         skip = self.tied_sync.norm_skip if self.tied_sync is not None else set()
-        return [p for p in self.parameters() if id(p) not in skip]
+        return [p for p in (self.parameters() if params is None else params) if id(p) not in skip]
 
     def named_parameters(self):
         seen = set()
@@ -136,20 +138,27 @@ class ParallelModel:
           and reduces once at the end of each schedule step (``PipelineStage.perform_reduce_grad``
           sets ``set_requires_gradient_sync(True)`` and runs FSDP's post-backward), whatever is set
           here: each accumulation step ends with a reduction.
+
+        Without a pipeline the flags are set only when they change (FSDP2's setters walk every
+        submodule: ~500 Python calls per step for gpt-1m); nothing else sets them on such a model.
         """
         w = self.wrapped
         if w is not None and hasattr(w, "no_sync") and not enabled:
             return w.no_sync()
-        sharded = runtime_layout(self.plan).sharded_grad_accumulation
+        if runtime_layout(self.plan).sharded_grad_accumulation:
+            flags = (True, enabled if self.plan.hsdp_enabled else None)
+        else:
+            flags = (enabled, None)
+        if self.schedule is None and flags == self._sync_flags:
+            return contextlib.nullcontext()
         for m in self.modules:
             if not hasattr(m, "set_requires_gradient_sync"):
                 continue
-            if sharded:
-                m.set_requires_gradient_sync(True)
-                if self.plan.hsdp_enabled:
-                    m.set_requires_all_reduce(enabled)
-            else:
-                m.set_requires_gradient_sync(enabled)
+            m.set_requires_gradient_sync(flags[0])
+            if flags[1] is not None:
+                m.set_requires_all_reduce(flags[1])
+        # a pipeline schedule sets the flags itself during its step: set them again every time
+        self._sync_flags = flags if self.schedule is None else None
         return contextlib.nullcontext()
 
     @property
@@ -220,7 +229,7 @@ class ParallelModel:
                 with self._autocast():
                     out = self.wrapped(x.to(self.device))
                     loss = self.loss_fn(out, y.to(self.device))
-                (loss * scale).backward()
+                (loss if scale == 1.0 else loss * scale).backward()    # x 1.0: the same gradients
                 return _plain(loss.detach())
             m = self.plan.n_microbatches
             self._loss_scale = scale / m if self.loss_reduction == "mean" else scale

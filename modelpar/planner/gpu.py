@@ -10,8 +10,20 @@ Dense matmuls (GEMM)
     267.9 TFLOP/s (of 312), H100 SXM bf16 792.1 TFLOP/s (of 989). The shape dependence is the
     roofline (Williams, Waterman & Patterson, CACM 2009): a matmul moving B bytes and doing F FLOPs
     takes max(F / MAMF, B / HBM) (cost.py's matmul term), with HBM at its measured rate below.
-    A published per-shape sweep for these GPUs was not found in a form we could cite entry by entry;
-    the roofline is the only shape term.
+    A published per-shape sweep for these GPUs was not found in a form we could cite entry by entry.
+    Dimension quantization (NVIDIA, "Matrix Multiplication Background User's Guide",
+    DU-09799-001_v001, Feb. 2023, Ch. 3): a GEMM's output is cut into thread-block tiles (Sec. 2.3:
+    cuBLAS's largest and most efficient tile is 256 x 128), a partial tile costs a whole one
+    (Sec. 3.1, tile quantization), and the tiles run in waves of one tile per SM (Sec. 3.2: "An
+    NVIDIA A100 GPU has 108 SMs; in the particular case of 256x128 thread block tiles, it can
+    execute one thread block per SM"), a partial last wave costing a whole one (wave quantization).
+    So an M x N output runs at MAMF x (M N) / (waves x SMs x 256 x 128) (`wave_efficiency`; MAMF is
+    the best rate over a shape sweep, i.e. at whole waves). Assumptions, stated: every large GEMM
+    uses the 256 x 128 tile (the better of its two orientations), no split-K or stream-K; SMs:
+    A100 108 (the guide), H100 / H200 SXM 132 (NVIDIA H100 Tensor Core GPU Architecture
+    whitepaper, 2022). Applied to the transformer layers' weight GEMMs by their shapes
+    (`runtimes.wave_quantization_seconds`) on the published rows (`published.with_wave_quantization`);
+    modelpar's own ``plan`` / ``estimate`` do not apply it yet (`gpu_load_times` has no shapes under TP).
 
 Fused attention (FLOP/s by head dimension and sequence length; FLOPs as the papers count them:
 4 s^2 d per head forward, 2.5x that backward, halved with a causal mask)
@@ -151,6 +163,7 @@ class GpuPhysics:
     nccl_sm_share: float             # NCCL's CTAs / SMs while a collective runs (compute contention)
     attention: dict = field(default_factory=dict, repr=False)   # (kernel, dir, causal, hd) -> TFLOP/s at SEQS
     default_kernel: str = "fa2"
+    sms: int = 0                     # streaming multiprocessors (GEMM waves: `wave_efficiency`)
 
     def attention_flops(self, direction: str, seq: int, head_dim: int, causal: bool,
                         kernel: str | None = None) -> float:
@@ -197,15 +210,41 @@ LOSS_BYTES_PER_LOGIT = (14.0, 18.0)
 A100 = GpuPhysics("A100", mamf_bf16=267.9e12, hbm_fraction=0.85, launch_s=5e-6,
                   intra_busbw=200e9, intra_allreduce_busbw=200e9, inter_busbw=21e9,
                   intra_latency=5e-6, inter_latency=10e-6, framework_bytes=1 * GIB, nccl_sm_share=24 / 108,
-                  attention=_A100_ATTN)
+                  attention=_A100_ATTN, sms=108)
 H100 = GpuPhysics("H100", mamf_bf16=792.1e12, hbm_fraction=0.85, launch_s=5e-6,
                   intra_busbw=370e9, intra_allreduce_busbw=480e9, inter_busbw=42e9,
                   intra_latency=5e-6, inter_latency=10e-6, framework_bytes=1 * GIB, nccl_sm_share=24 / 132,
-                  attention=_H100_ATTN)
+                  attention=_H100_ATTN, sms=132)
 H200 = GpuPhysics("H200", mamf_bf16=792.1e12, hbm_fraction=0.85, launch_s=5e-6,
                   intra_busbw=370e9, intra_allreduce_busbw=475e9, inter_busbw=42e9,
                   intra_latency=5e-6, inter_latency=10e-6, framework_bytes=1 * GIB, nccl_sm_share=24 / 132,
-                  attention=_H100_ATTN)
+                  attention=_H100_ATTN, sms=132)
+
+GEMM_TILE = (256, 128)   # cuBLAS's largest thread-block tile (Matrix Multiplication Background, Sec. 2.3)
+
+
+def wave_efficiency(m: float, n: float, sms: int, tile: tuple[int, int] = GEMM_TILE, *, k: float = 0.0,
+                    max_split: int = 1, min_slice: int = 512) -> float:
+    """Share of MAMF a GEMM with an ``m`` x ``n`` output reaches under tile and wave quantization
+    (module docstring, "Dimension quantization"): (m n) / (waves x sms x tile area) with
+    waves = ceil(tiles / sms), tiles = ceil(m / t0) ceil(n / t1), the better of the tile's two
+    orientations. 1.0 where ``sms`` is 0 (no SM count known) or the output is empty.
+    ``max_split`` > 1 (a sensitivity check, not the model: the published benchmark's
+    ``--gemm-split-k``): the reduction of length ``k`` may also be split into s <= ``max_split``
+    slices of at least ``min_slice`` (split-K: s x tiles blocks), the best s taken; the partial
+    sums' reduction is not charged."""
+    if sms <= 0 or m <= 0 or n <= 0:
+        return 1.0
+    best = 0.0
+    for s in range(1, max(1, max_split) + 1):
+        if s > 1 and k / s < min_slice:
+            break
+        for t0, t1 in (tile, tile[::-1]):
+            tiles = math.ceil(m / t0) * math.ceil(n / t1) * s
+            waves = math.ceil(tiles / sms)
+            best = max(best, m * n * s / (waves * sms * t0 * t1))
+    return min(best, 1.0)
+
 
 # built-in hardware profile name -> its physics (hardware.BUILTIN keys)
 GPU_PHYSICS: dict[str, GpuPhysics] = {"A100-40GB": A100, "A100-80GB": A100, "H100-80GB-SXM": H100, "H200": H200}

@@ -57,7 +57,17 @@ def clip_grad_norm_(params, max_norm: float, *, pp_group=None, norm_params=None)
     norm = global_grad_norm(params if norm_params is None else norm_params, pp_group=pp_group)
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef.item() if isinstance(p.grad, DTensor) else coef.to(p.grad.device))
+        grads = [p.grad for p in params if p.grad is not None]
+        plain = [g for g in grads if not isinstance(g, DTensor)]
+        shards = [g.to_local() for g in grads if isinstance(g, DTensor)]
+        by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        for g in plain:
+            by_device[g.device].append(g)
+        for dev, gs in by_device.items():
+            # one foreach call per device: on CPU each tensor gets the mul_ kernel a loop would run
+            torch._foreach_mul_(gs, coef.to(dev))
+        if shards:
+            # DTensor gradients: scale the local shards by the one coefficient read once (a scalar
+            # factor commutes with every placement), without one DTensor dispatch per tensor
+            torch._foreach_mul_(shards, coef.item())
     return norm

@@ -95,8 +95,9 @@ def train_step(pm: ParallelModel, opt: torch.optim.Optimizer, xg: torch.Tensor, 
     pm.check_grad_use()          # case C12: the data-parallel ranks used the same parameters
     gnorm = None
     if grad_clip > 0 or need_norm:
-        gnorm = clip_grad_norm_(pm.parameters(), grad_clip, pp_group=pm.mesh.group("pp"),
-                                norm_params=pm.norm_parameters())
+        params = list(pm.parameters())
+        gnorm = clip_grad_norm_(params, grad_clip, pp_group=pm.mesh.group("pp"),
+                                norm_params=pm.norm_parameters(params))
     opt.step()
     pm.after_optimizer_step()    # case C15: BatchNorm running statistics agree across dp ranks
     opt.zero_grad(set_to_none=True)
