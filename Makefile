@@ -21,8 +21,14 @@ setup: $(VENV)/.installed
 run: $(VENV)/.installed
 	$(VENV)/bin/modelpar train
 
+# the whole suite runs as its two tiers side by side (tests/run_tiers.sh); with PYTEST_ARGS (a file,
+# -k, -m ...) one ordinary pytest session runs instead
 test: $(VENV)/.installed
+ifeq ($(strip $(PYTEST_ARGS)),)
+	PY=$(PY) bash tests/run_tiers.sh
+else
 	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
+endif
 
 clean:
 	rm -rf $(VENV) runs parity-report.md

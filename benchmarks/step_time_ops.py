@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 GPT = dict(d_model=256, n_layer=4, n_head=8, vocab_size=512, seq_len=128, tie_embeddings=True)
 GEMM = ("mm", "addmm", "bmm", "baddbmm")
+GPT_PRESETS = ("gpt-1m", "gpt-3m", "gpt-10m")
 
 
 class _Timer(TorchDispatchMode):
@@ -91,8 +92,11 @@ def _model(name: str):
     if name in HF_TIME_MODELS:
         spec, cfg, seq = HF_TIME_MODELS[name]
         return build_hf(spec, cfg, dropout=0.0, seed=0), seq, profile_for(spec, cfg, seq)
+    if name in GPT_PRESETS:         # the built-in presets of the benchmark (gpt-1m, gpt-3m, gpt-10m)
+        meta = build_model(name, device="meta")
+        return build_model(name), meta.cfg.seq_len, profile_for(name)
     if name != "gpt":
-        raise SystemExit(f"--models: {name!r} is unknown; valid: gpt, {', '.join(HF_TIME_MODELS)}")
+        raise SystemExit(f"--models: {name!r} is unknown; valid: gpt, {', '.join((*GPT_PRESETS, *HF_TIME_MODELS))}")
     meta = build_model("gpt-1m", device="meta", **GPT)
     prof = profile_model(meta, torch.zeros(1, GPT["seq_len"], dtype=torch.long, device="meta"))
     return build_model("gpt-1m", **GPT), GPT["seq_len"], prof

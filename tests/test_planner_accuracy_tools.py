@@ -41,14 +41,23 @@ FAKE_COMPUTE = {"matmul_flops": {256: 1e11, 512: 1.2e11}, "matmul_peak": 1.3e11,
                 "elementwise_bw": 2e10, "zero_bubble_backward_factor": 1.1}
 
 
+class _Calls(list):
+    """`measure_compute`'s calls (the ``sizes`` passed) and, in ``rounds``, the ``rounds`` passed."""
+
+    def __init__(self):
+        super().__init__()
+        self.rounds = []
+
+
 @pytest.fixture
 def fake_compute(monkeypatch):
     from modelpar.calibrate import micro
 
-    calls = []
+    calls = _Calls()
 
-    def measure(sizes=None):
+    def measure(sizes=None, rounds=None):
         calls.append(sizes)
+        calls.rounds.append(rounds)
         return {**FAKE_COMPUTE, "matmul_flops": dict(FAKE_COMPUTE["matmul_flops"])}
     monkeypatch.setattr(micro, "measure_compute", measure)
     return calls
@@ -64,6 +73,21 @@ def test_calibrate_writes_default_path(tmp_path, monkeypatch, capsys, fake_compu
     assert hw.calibration.matmul_flops == FAKE_COMPUTE["matmul_flops"]
     assert hw.op_overhead_s == FAKE_COMPUTE["op_overhead_s"]
     assert hw.source == "calibrated by modelpar calibrate"
+
+
+def test_calibrate_rounds_reach_the_measurement(tmp_path, fake_compute):
+    """``--rounds`` is passed to the compute micro-benchmarks (default `micro.ROUNDS`, the CLI's
+    default too); fewer than one round is one clear error before anything is measured."""
+    from modelpar.calibrate import micro
+    from modelpar.cli.calibrate import CalibrateOptions
+
+    assert CalibrateOptions().rounds == micro.ROUNDS
+    assert calibrate_main(["--no-collectives", "--nproc", "1", "--out", str(tmp_path / "a.json")]) == 0
+    assert calibrate_main(["--no-collectives", "--nproc", "1", "--rounds", "1", "--out", str(tmp_path / "b.json")]) == 0
+    assert fake_compute.rounds == [micro.ROUNDS, 1]
+    with pytest.raises(ValueError, match=r"--rounds must be >= 1, got 0"):
+        calibrate_main(["--no-collectives", "--nproc", "1", "--rounds", "0", "--out", str(tmp_path / "c.json")])
+    assert len(fake_compute) == 2 and not (tmp_path / "c.json").exists()
 
 
 def test_auto_calibrates_once_and_uses_it(tmp_path, monkeypatch, capsys, fake_compute):
@@ -212,7 +236,7 @@ def test_calibrate_records_and_prints_each_terms_spread(tmp_path, monkeypatch, c
     its spread; a spread above `NOISY_SPREAD` adds one note that the machine was busy."""
     from modelpar.calibrate import NOISY_SPREAD, micro
 
-    def measure(sizes=None):
+    def measure(sizes=None, rounds=None):
         return {**FAKE_COMPUTE, "rounds": 3, "spread": {"matmul_flops[256]": 0.031, "attention_flops": 0.5}}
     monkeypatch.setattr(micro, "measure_compute", measure)
     out = tmp_path / "hw.json"

@@ -50,11 +50,13 @@ def test_rules_follow_precedence():
         rule_plan(small, 2, hw, global_batch_size=8, task="speech")
 
 
-@pytest.mark.timeout(240)        # 3 rounds of every term: ~60-90 s quiet on 2 cores, more under load
+@pytest.mark.timeout(240)        # one round of every term (`--rounds 1`): ~30-50 s quiet on 2 cores
 @pytest.mark.slow
 def test_calibrate_smoke(tmp_path, capsys):
     out = tmp_path / "hw.json"
-    assert calibrate_main(["--out", str(out), "--nproc", "2"]) == 0
+    # one round (`--rounds 1`): the full grid of sizes and terms, each measured once (3 rounds took
+    # ~99 s here); what rounds do with their measurements is tested in test_planner_accuracy_tools
+    assert calibrate_main(["--out", str(out), "--nproc", "2", "--rounds", "1"]) == 0
     hw = load_profile(out)
     assert hw.peak_flops["fp32"] > 1e8 and 0 < hw.intra_latency < 0.1 and hw.intra_bw > 1e6
     assert json.loads(out.read_text())["source"].startswith("calibrated")
@@ -67,7 +69,7 @@ def test_calibrate_smoke(tmp_path, capsys):
     # every term measured in rounds, its spread recorded: compute, collectives between segments, the
     # framework differences
     c = hw.calibration
-    assert c.rounds == 3
+    assert c.rounds == 1
     for term in ("matmul_flops[256]", "attention_flops", "elementwise_bw", "op_overhead_s", "mem_bandwidth",
                  "mem_bandwidth_alone", "all_reduce.in_context[small]", "reduce_scatter.in_context[65536 KiB]",
                  "tp_linear_overhead_s", "fsdp_unit_overhead_s", "zero_bubble_backward_factor"):

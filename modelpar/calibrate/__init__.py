@@ -59,24 +59,30 @@ def machine_hardware(local_ranks: int, *, measure_if_missing: bool = False, say=
             f"for measured speeds)")
 
 
-def calibrate(out: str | os.PathLike | None = None, ranks: int = 2, *, collectives: bool = True, say=print) -> Path:
+def calibrate(out: str | os.PathLike | None = None, ranks: int = 2, *, collectives: bool = True, say=print,
+              rounds: int | None = None) -> Path:
     """Measure this machine (`modelpar.calibrate.micro`, `modelpar.calibrate.collectives` on
     ``ranks`` local ranks) and save the hardware profile to ``out`` (default
     `default_calibration_path`); returns the path. Only micro-benchmarks are timed, never a model.
+    ``rounds``: rounds of every compute term and in-context collective, the median over them kept
+    (default `modelpar.calibrate.micro.ROUNDS`; 1 is fastest and records no spread).
 
     Raises:
-        ValueError: ``ranks`` < 1.
+        ValueError: ``ranks`` < 1 or ``rounds`` < 1.
         RuntimeError: the collective ranks failed.
     """
     from modelpar.calibrate.collectives import measure_collectives
-    from modelpar.calibrate.micro import fresh_threshold, measure_compute
+    from modelpar.calibrate.micro import ROUNDS, fresh_threshold, measure_compute
 
     if ranks < 1:
         raise ValueError(f"--nproc must be >= 1, got {ranks}")
+    rounds = ROUNDS if rounds is None else rounds
+    if rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {rounds}")
     out = str(out or default_calibration_path())
     load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
-    c = measure_compute()
+    c = measure_compute(rounds=rounds)
     # more local ranks than cores: each rank computes on its share of a core (compute is timed in
     # this one process); the rates that scale with a core scale by it
     share = min(1.0, (os.cpu_count() or 1) / ranks)
@@ -84,6 +90,7 @@ def calibrate(out: str | os.PathLike | None = None, ranks: int = 2, *, collectiv
         c["matmul_flops"] = {n: f * share for n, f in c["matmul_flops"].items()}
         c["matmul_shapes"] = {lay: {k: f * share for k, f in g.items()}
                               for lay, g in c.get("matmul_shapes", {}).items()}
+        c["attention_shapes"] = {k: f * share for k, f in c.get("attention_shapes", {}).items()}
         for k in ("matmul_peak", "attention_flops", "elementwise_bw"):
             c[k] *= share
         c["op_overhead_s"] /= share
@@ -95,10 +102,11 @@ def calibrate(out: str | os.PathLike | None = None, ranks: int = 2, *, collectiv
                elementwise_bw=c["elementwise_bw"], core_share=share,
                zero_bubble_backward_factor=c["zero_bubble_backward_factor"],
                rounds=int(c.get("rounds", 1)), spread=dict(c.get("spread", {})),
-               matmul_shapes={lay: dict(g) for lay, g in c.get("matmul_shapes", {}).items()})
+               matmul_shapes={lay: dict(g) for lay, g in c.get("matmul_shapes", {}).items()},
+               attention_shapes=dict(c.get("attention_shapes", {})))
     coll = {}
     if collectives and ranks > 1:
-        coll = measure_collectives(ranks)
+        coll = measure_collectives(ranks, rounds=rounds)
         # one rank alone (this process, the others not started) and every rank at once: ranks in
         # lockstep (data / tensor parallel) share the memory bus, pipeline stages mostly do not
         cal["mem_bandwidth_alone"] = c["mem_bandwidth"]
@@ -162,7 +170,13 @@ def summary_lines(hw: Hardware, times: dict[str, dict[int, float]] | None = None
         out.append(f"  matmul shapes {lay} ({len(g)} M x K x N){'':<11}{g[lo] / 1e9:>5.1f}-{g[hi] / 1e9:.1f} GFLOP/s"
                    f"{_sp(cal, f'matmul_shapes[{lay}]')}  (slowest {'x'.join(map(str, lo))}, fastest "
                    f"{'x'.join(map(str, hi))})")
-    out += [f"  attention (causal, fused, counted){'':<4}{cal.attention_flops / 1e9:>9.1f} GFLOP/s{_sp(cal, 'attention_flops')}",
+    out.append(f"  attention (causal, fused, counted){'':<4}{cal.attention_flops / 1e9:>9.1f} GFLOP/s{_sp(cal, 'attention_flops')}")
+    if cal.attention_shapes:
+        g = cal.attention_shapes
+        lo, hi = min(g, key=g.get), max(g, key=g.get)
+        out.append(f"  attention shapes ({len(g)} S x D){'':<15}{g[lo] / 1e9:>5.1f}-{g[hi] / 1e9:.1f} GFLOP/s"
+                   f"{_sp(cal, 'attention_shapes')}  (slowest S {lo[1]} D {lo[2]}, fastest S {hi[1]} D {hi[2]})")
+    out += [
             f"  element-wise operators (counted){'':<6}{(cal.elementwise_bw or 0) / 1e9:>9.1f} GB/s   {_sp(cal, 'elementwise_bw')}",
             f"  per-op overhead{'':<23}{hw.op_overhead_s * 1e6:>9.1f} us     {_sp(cal, 'op_overhead_s')}",
             f"  memory bandwidth per rank (all ranks){'':<1}{hw.mem_bandwidth / 1e9:>9.1f} GB/s   {_sp(cal, 'mem_bandwidth')}",

@@ -30,7 +30,7 @@ def _collective_calls(rank: int, world: int, nbytes: int) -> dict:
                          (lambda: dist.recv(full, 0)) if rank == 1 else (lambda: None)}
 
 
-def _collective_worker(sizes) -> dict:
+def _collective_worker(sizes, rounds: int = ROUNDS) -> dict:
     """What each launched rank measures (the process group is up); rank 0's dict is the result."""
     import torch.distributed as dist
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -38,7 +38,7 @@ def _collective_worker(sizes) -> dict:
     # memory bandwidth per rank while every rank streams at once (ranks share the memory bus)
     a, b = torch.ones(16 * 2 ** 20), torch.ones(16 * 2 ** 20)     # 64 MiB each: past the caches
     c = torch.empty_like(a)
-    bws = [3 * a.numel() * 4 / _synced_median(lambda: torch.add(a, b, out=c), 5) for _ in range(ROUNDS)]
+    bws = [3 * a.numel() * 4 / _synced_median(lambda: torch.add(a, b, out=c), 5) for _ in range(rounds)]
     res["mem_bandwidth"], spread = robust(bws)
     res["spread"] = {"mem_bandwidth": spread}
     del a, b, c
@@ -48,7 +48,7 @@ def _collective_worker(sizes) -> dict:
         for op, fn in ops.items():
             dist.barrier()
             res[op][nbytes] = _time(fn, 7)
-    res["in_context"], sp = _in_context_tables(rank, world, sizes)
+    res["in_context"], sp = _in_context_tables(rank, world, sizes, rounds=rounds)
     res["spread"].update(sp)
     res["framework"], sp = _framework_overheads(world, res["in_context"]["all_reduce"])
     res["spread"].update(sp)
@@ -56,8 +56,9 @@ def _collective_worker(sizes) -> dict:
 
 
 def worker_main(argv: list[str]) -> int:
-    """``torchrun ... -m modelpar.calibrate.collectives OUT.json SIZE [SIZE ...]``: every rank measures,
-    rank 0 writes the result (dict keys that are byte counts become strings in JSON)."""
+    """``torchrun ... -m modelpar.calibrate.collectives OUT.json [rounds=N] SIZE [SIZE ...]``: every rank
+    measures (``rounds``: see `_in_context_tables`), rank 0 writes the result (dict keys that are byte
+    counts become strings in JSON)."""
     import warnings
 
     import torch.distributed as dist
@@ -67,7 +68,8 @@ def worker_main(argv: list[str]) -> int:
     warnings.simplefilter("ignore", FutureWarning)     # *_tensor collectives' rename notices
     torch.set_num_threads(1)
     init_distributed(timeout_s=300)
-    res = _collective_worker([int(a) for a in argv[1:]])
+    rounds = [int(a.split("=", 1)[1]) for a in argv[1:] if a.startswith("rounds=")]
+    res = _collective_worker([int(a) for a in argv[1:] if not a.startswith("rounds=")], *rounds[-1:])
     if dist.get_rank() == 0:
         write_json_atomic(argv[0], res)
     return 0
@@ -303,11 +305,13 @@ def _framework_overheads(world: int, all_reduce: dict[int, float], *, d: int = 1
     return dict(zip(names, v[:4])), dict(zip(names, v[4:]))
 
 
-def measure_collectives(world: int = 2, sizes=COLLECTIVE_SIZES, *, timeout_s: float = 600) -> dict:
+def measure_collectives(world: int = 2, sizes=COLLECTIVE_SIZES, *, timeout_s: float = 600,
+                        rounds: int = ROUNDS) -> dict:
     """``{op: (latency s, bandwidth B/s)}`` of gloo all-reduce, all-gather, reduce-scatter and
     send/recv between ``world`` local ranks (launched by `modelpar.launch.run_workers`), each fitted
     by `fit_alpha_beta` over ``sizes``, and ``"mem_bandwidth"``: bytes/s one rank streams while all
-    ``world`` ranks stream at once.
+    ``world`` ranks stream at once. ``rounds``: rounds of that bandwidth and of the in-context tables
+    (`_in_context_tables`).
 
     Raises:
         RuntimeError: the ranks failed or did not finish within ``timeout_s``.
@@ -316,7 +320,7 @@ def measure_collectives(world: int = 2, sizes=COLLECTIVE_SIZES, *, timeout_s: fl
 
     from modelpar.launch import run_workers
     out = os.path.join(tempfile.mkdtemp(prefix="modelpar-calibrate-"), "collectives.json")
-    run = run_workers(["-m", "modelpar.calibrate.collectives", out, *map(str, sizes)], world, out, timeout_s=timeout_s)
+    run = run_workers(["-m", "modelpar.calibrate.collectives", out, f"rounds={rounds}", *map(str, sizes)], world, out, timeout_s=timeout_s)
     if run.result is None:
         raise RuntimeError(f"calibration ranks failed ({run.reason()}):\n{run.output[-3000:]}")
     res = _int_keys(run.result)

@@ -51,7 +51,8 @@ def robust(values) -> tuple[float, float]:
 def measure_compute(sizes=MATMUL_SIZES, rounds: int = ROUNDS) -> dict:
     """Matmul FLOP/s of N x N x N fp32 products over ``sizes``: the peak (``matmul_peak``: the best
     rate of a product repeated on the same operands) and the curve the cost model interpolates
-    (`_linear_matmul_rate`); the shape grid (``matmul_shapes``, `measure_shapes`); per-op overhead (a tiny add), copy bandwidth, element-wise and fused
+    (`_linear_matmul_rate`); the shape grid (``matmul_shapes``, `measure_shapes`); the attention
+    grid (``attention_shapes``, `measure_attention_shapes`); per-op overhead (a tiny add), copy bandwidth, element-wise and fused
     attention rates. Each term is measured once per round, the rounds alternating over all terms
     (a burst of load on a shared machine spoils one round of several terms rather than every
     measurement of one) and kept by `robust` (median over rounds); ``spread`` holds each term's
@@ -82,12 +83,14 @@ def measure_compute(sizes=MATMUL_SIZES, rounds: int = ROUNDS) -> dict:
     del a, b, c
     zb, zb_spread = measure_zero_bubble_backward(with_spread=True)
     shapes, shape_spread = measure_shapes()
+    attn_shapes, spread_attn = measure_attention_shapes(rounds=rounds)
     kept = {k: robust(v) for k, v in per.items()}
     flops = {n: kept[f"matmul_flops[{n}]"][0] for n in sizes}
     spread = {k: s for k, (_, s) in kept.items()}
     spread["zero_bubble_backward_factor"] = zb_spread
     spread.update(shape_spread)
-    return {"matmul_shapes": shapes, "matmul_flops": flops, "matmul_peak": max(kept["matmul_peak"][0], *flops.values()),
+    spread["attention_shapes"] = spread_attn
+    return {"matmul_shapes": shapes, "attention_shapes": attn_shapes, "matmul_flops": flops, "matmul_peak": max(kept["matmul_peak"][0], *flops.values()),
             "op_overhead_s": kept["op_overhead_s"][0], "mem_bandwidth": kept["mem_bandwidth"][0],
             "attention_flops": kept["attention_flops"][0], "fresh": fresh,
             "elementwise_bw": kept["elementwise_bw"][0], "zero_bubble_backward_factor": zb,
@@ -132,7 +135,11 @@ def _linear_matmul_rate(n: int, pool_bytes: int = 64 * 2 ** 20, passes: int = 3,
 
 
 # the shape grid (`measure_shapes`): every M, K, N from these, in each layout a Linear runs
-SHAPE_DIMS = (64, 256, 1024)
+# (8 and 16: a small MLP's local or micro-batch rows, e.g. mlp-large at 16 per DDP rank and 8 per
+# pipeline micro-batch: weight-streaming products at a fraction of M = 64's rate, which a grid
+# starting at 64 clamps to it)
+SHAPE_DIMS = (8, 16, 64, 256, 1024)
+MAX_SETS = 512
 SHAPE_LAYOUTS = ("NT", "NN", "TN")
 
 
@@ -158,7 +165,9 @@ def measure_shapes(dims=SHAPE_DIMS, layouts=SHAPE_LAYOUTS, pool_bytes: int = 32 
                 for n in dims:
                     a_src = torch.randn(k, m).t() if lay[0] == "T" else torch.randn(m, k)
                     b_src = torch.randn(n, k).t() if lay[1] == "T" else torch.randn(k, n)
-                    sets = max(2, pool_bytes // (4 * (m * k + k * n + m * n)))
+                    # tiny products: at most MAX_SETS operand sets (call overhead dominates them;
+                    # 40,000 sets of 8 x 8 x 8 would time the loop, not the product)
+                    sets = max(2, min(MAX_SETS, pool_bytes // (4 * (m * k + k * n + m * n))))
                     ops = [(a_src.clone() if lay[0] == "N" else a_src.t().clone().t(),
                             b_src.clone() if lay[1] == "N" else b_src.t().clone().t(), torch.empty(m, n))
                            for _ in range(sets)]
@@ -265,6 +274,40 @@ def measure_attention(batch: int = 8, heads: int = 4, seq: int = 256, head_dim: 
         torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 
     return 3 * sdpa_flop_count(q.shape, k.shape, v.shape) / _time(run, 7, best=True)
+
+
+# the attention grid (`measure_attention_shapes`): sequence lengths and head dimensions, at the
+# batch x heads of `measure_attention` (8 x 4), which is one of its points
+ATTENTION_SEQS = (64, 128, 256, 512)
+ATTENTION_HEAD_DIMS = (32, 64, 128)
+ATTENTION_BH = 32
+
+
+def measure_attention_shapes(seqs=ATTENTION_SEQS, head_dims=ATTENTION_HEAD_DIMS, bh: int = ATTENTION_BH,
+                             rounds: int = ROUNDS, timer=time.perf_counter) -> tuple[dict[tuple[int, int, int], float], float]:
+    """Counted FLOP/s of causal fused attention forward + backward (as `measure_attention`) of
+    ``bh`` sequences (batch x heads) over ``seqs`` x ``head_dims``: the CPU flash kernel works in
+    query / key blocks, so short sequences (few blocks, the causal diagonal a large share) and small
+    head dimensions (little work per block) run well below the reference shape's rate (1 thread,
+    this host kind, loaded: 21 GFLOP/s at S 128, D 32 vs 36 at S 256, D 64). ``rounds`` rounds, each
+    timing one call of every shape in turn (a burst of load spoils one round of several shapes, not
+    every call of one); per shape the median over the rounds (`robust`), the rate a training step's
+    call sees rather than the luckiest. Returns ({(bh, S, D): FLOP/s}, the largest relative spread
+    of any shape). ``timer``: as in `_linear_matmul_rate`."""
+    from torch.utils.flop_counter import sdpa_flop_count
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    data = {(bh, s, d): tuple(torch.randn(1, bh, s, d, requires_grad=True) for _ in range(3))
+            for s in seqs for d in head_dims}
+    per: dict[tuple[int, int, int], list[float]] = {k: [] for k in data}
+    for q, k, v in data.values():       # warm-up
+        sdpa(q, k, v, is_causal=True).sum().backward()
+    for _ in range(rounds):
+        for key, (q, k, v) in data.items():
+            t = timer()
+            sdpa(q, k, v, is_causal=True).sum().backward()
+            per[key].append(3 * sdpa_flop_count(q.shape, k.shape, v.shape) / (timer() - t))
+    kept = {k: robust(v) for k, v in per.items()}
+    return {k: r for k, (r, _) in kept.items()}, max(sp for _, sp in kept.values())
 
 
 _CHAIN = 64

@@ -17,10 +17,13 @@ class CalibrateOptions:
         out: where to write the profile (JSON; empty: $MODELPAR_CALIBRATION or
             ~/.cache/modelpar/calibration.json, which every command reads by default).
         collectives: also time the collectives between --nproc local ranks.
+        rounds: rounds of every compute term and of the collectives timed between compute segments;
+            the median over the rounds is kept and their spread recorded (1: fastest, no spread).
     """
 
     out: str = ""
     collectives: bool = True
+    rounds: int = 3
 
 
 def build_parser():
@@ -29,7 +32,7 @@ def build_parser():
         "all-reduce / all-gather / reduce-scatter / send-recv latency and bandwidth between local ranks; save "
         "them as a JSON hardware profile, read by default by train, plan, estimate and bench (or name it with "
         "--hardware FILE). Only micro-benchmarks are timed, never a model."),
-        epilog="examples:\n  modelpar calibrate\n  modelpar calibrate --nproc 4 --out hw.json\n")
+        epilog="examples:\n  modelpar calibrate\n  modelpar calibrate --nproc 4 --out hw.json\n  modelpar calibrate --rounds 1   (quicker, noisier)\n")
     add_fields(p, LayoutOptions, only=("nproc",),
                docs={"nproc": "local ranks that will share this machine in training (memory and cores are split)."})
     add_fields(p, CalibrateOptions)
@@ -41,5 +44,5 @@ def main(argv: list[str]) -> int:
 
     p = build_parser()
     a = parse(p, normalize_argv(argv, p, prog="modelpar calibrate"))
-    calibrate(a.out or None, a.nproc, collectives=a.collectives)
+    calibrate(a.out or None, a.nproc, collectives=a.collectives, rounds=a.rounds)
     return 0

@@ -74,6 +74,11 @@ class Calibration:
             layout (``"NT"`` a Linear's forward, ``"NN"`` its input gradient, ``"TN"`` its weight
             gradient) on operands from memory (`modelpar.calibrate.micro.measure_shapes`); empty
             for files from before schema 3, where the square curve prices every product.
+        attention_shapes: ``{(B x H, S, D): counted FLOP/s}``: causal fused attention forward +
+            backward over a grid of sequence lengths S and head dimensions D
+            (`modelpar.calibrate.micro.measure_attention_shapes`), read as factors over its own point
+            at ``attention_flops``' shape (`Hardware.attention_factor`); empty for files without it,
+            where ``attention_flops`` prices every call.
         rounds: rounds each term was measured in (the median kept; 1: a file from before
             schema 3, whose terms had no repeats at this level).
         spread: ``{term: relative spread}`` over those rounds, ``(max - min) / |median|``
@@ -99,6 +104,7 @@ class Calibration:
     fsdp_unit_overhead_s: float = 0.0
     fsdp_tensor_overhead_s: float = 0.0
     matmul_shapes: dict[str, dict[tuple[int, int, int], float]] = field(default_factory=dict)
+    attention_shapes: dict[tuple[int, int, int], float] = field(default_factory=dict)
     rounds: int = 1
     spread: dict[str, float] = field(default_factory=dict)
 
@@ -119,6 +125,7 @@ class Calibration:
         d["spread"] = {k: (v if math.isfinite(v) else None) for k, v in self.spread.items()}
         d["matmul_shapes"] = {lay: {"x".join(map(str, mkn)): r for mkn, r in sorted(g.items())}
                               for lay, g in self.matmul_shapes.items()}
+        d["attention_shapes"] = {"x".join(map(str, k)): r for k, r in sorted(self.attention_shapes.items())}
         return d
 
     @classmethod
@@ -150,6 +157,8 @@ class Calibration:
         d["rounds"] = int(d.get("rounds", 1))
         d["matmul_shapes"] = {lay: {tuple(int(x) for x in k.split("x")): float(v) for k, v in g.items()}
                               for lay, g in d.get("matmul_shapes", {}).items()}
+        d["attention_shapes"] = {tuple(int(x) for x in k.split("x")): float(v)
+                                 for k, v in d.get("attention_shapes", {}).items()}
         return cls(**d)
 
     @classmethod

@@ -68,6 +68,8 @@ from modelpar.planner.memo import PlannerCache
 from modelpar.planner.memory import Batch, RankLoad, rank_loads
 from modelpar.planner.profile import ModelProfile
 from modelpar.planner.recompute import recompute_share
+# CPU pricing of the profiled shapes (matmuls by shape and layout, attention by S and D)
+from modelpar.planner.cpu_shapes import _attention_seconds, _shape_seconds  # noqa: F401
 # the result type, MFU / HFU and the wrapping of step parts live in step_estimate.py, re-exported here
 from modelpar.planner.step_estimate import StepEstimate, _finish, hfu, mfu, tp_bytes_per_sample  # noqa: F401
 
@@ -118,37 +120,15 @@ def _load_times(ld: RankLoad, hw: Hardware, b: int, prec: str, mem_s: float, ew_
     g_f = max(s_f + rest_f / rf, (ld.gemm_param_bytes[0] + ld.gemm_act_bytes[0] * b) / mem_s)
     g_b = max(s_b + rest_b / rb, (ld.gemm_param_bytes[1] + ld.gemm_act_bytes[1] * b) / mem_s)
     if attn_rate:
-        g_f += af * b / attn_rate
-        g_b += ab * b / attn_rate
+        (a_f, a_b), (fa_f, fa_b) = _attention_seconds(ld, hw, b, attn_rate)
+        g_f += a_f + max(af * b - fa_f, 0.0) / attn_rate
+        g_b += a_b + max(ab * b - fa_b, 0.0) / attn_rate
     t_f = g_f + ld.fwd_mem * b / ew_s + ld.fwd_ops * hw.op_overhead_s
     # backward: every micro-batch's weight gradients are new tensors (the first become .grad,
     # later ones are added into it)
     t_b = (g_b + ld.bwd_mem * b / ew_s + (ld.ops - ld.fwd_ops) * hw.op_overhead_s
            + hw.fresh_seconds(ld.param_sizes, 4, alone=alone))
     return t_f, t_b
-
-
-def _shape_seconds(ld: RankLoad, hw: Hardware, b: int, prec: str) -> tuple:
-    """((fwd, bwd) seconds, (fwd, bwd) FLOPs, (fwd, bwd) calls) of the rank's 2-D products that the
-    calibrated shape grid prices: each product's M x K x N at ``b`` samples (its batch dimension
-    scaled), at the square curve's rate for its FLOPs (`Hardware.gemm_flops`) times its shape and
-    layout's factor (`Hardware.shape_factor`); zeros where the load has no shapes (TP) or the
-    calibration no grid (files before schema 3, GPU presets), so the curve prices it all."""
-    cal = hw.calibration
-    if not ld.gemm_shapes or cal is None or not cal.matmul_shapes:
-        return (0.0, 0.0), (0.0, 0.0), (0, 0)
-    sec, fl, calls = [0.0, 0.0], [0.0, 0.0], [0, 0]
-    for (ph, lay, m, k, n, dim), c in ld.gemm_shapes:
-        d = [m, k, n]
-        d[dim] *= b
-        factor = hw.shape_factor(lay, *d)
-        if factor is None:
-            continue
-        f = 2.0 * d[0] * d[1] * d[2] * c
-        sec[ph] += f / (hw.gemm_flops(prec, f / c) * factor)
-        fl[ph] += f
-        calls[ph] += c
-    return tuple(sec), tuple(fl), tuple(calls)
 
 
 def rank_step(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, micro_batch_size: int,

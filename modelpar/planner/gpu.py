@@ -229,8 +229,8 @@ def wave_efficiency(m: float, n: float, sms: int, tile: tuple[int, int] = GEMM_T
     (module docstring, "Dimension quantization"): (m n) / (waves x sms x tile area) with
     waves = ceil(tiles / sms), tiles = ceil(m / t0) ceil(n / t1), the better of the tile's two
     orientations. 1.0 where ``sms`` is 0 (no SM count known) or the output is empty.
-    ``max_split`` > 1 (a sensitivity check, not the model: the published benchmark's
-    ``--gemm-split-k``): the reduction of length ``k`` may also be split into s <= ``max_split``
+    ``max_split`` > 1 (a sensitivity check, not the model: the split-K option of
+    benchmarks/planner_published.py): the reduction of length ``k`` may also be split into s <= ``max_split``
     slices of at least ``min_slice`` (split-K: s x tiles blocks), the best s taken; the partial
     sums' reduction is not charged."""
     if sms <= 0 or m <= 0 or n <= 0:

@@ -131,31 +131,22 @@ class Hardware:
         the grid's points, each coordinate clamped to the grid's range; bf16 scales the fp32 grid
         by ``peak[bf16] / peak[fp32]`` as `gemm_flops` does."""
         grid = self.calibration.matmul_shapes.get(layout) if self.calibration is not None else None
-        if not grid:
+        r = _grid_rate(grid, m, k, n)
+        if r is None:
             return None
-        import math
-        axes = [sorted({p[i] for p in grid}) for i in range(3)]
-        coords = []
-        for ax, x in zip(axes, (m, k, n)):
-            x = min(max(x, ax[0]), ax[-1])
-            j = max(0, min(len(ax) - 2, next((i for i in range(len(ax) - 1) if x <= ax[i + 1]), len(ax) - 2)))
-            if len(ax) == 1:
-                coords.append(((ax[0], 1.0),))
-                continue
-            lo, hi = ax[j], ax[j + 1]
-            w = (math.log(x) - math.log(lo)) / (math.log(hi) - math.log(lo))
-            coords.append(((lo, 1 - w), (hi, w)))
-        acc = 0.0
-        for a, wa in coords[0]:
-            for b, wb in coords[1]:
-                for c, wc in coords[2]:
-                    if wa * wb * wc:
-                        r = grid.get((a, b, c))
-                        if r is None or r <= 0:
-                            return None
-                        acc += wa * wb * wc * math.log(r)
-        scale = self.peak_flops[precision] / self.peak_flops.get("fp32", self.peak_flops[precision])
-        return math.exp(acc) * scale
+        return r * self.peak_flops[precision] / self.peak_flops.get("fp32", self.peak_flops[precision])
+
+    def attention_factor(self, bh: float, s: float, d: float) -> float | None:
+        """How much faster (> 1) or slower (< 1) causal fused attention of ``bh`` (batch x heads)
+        sequences of ``s`` tokens and head dimension ``d`` runs, in counted FLOP/s, than at the shape
+        ``attention_flops`` was measured at (`ATTENTION_REFERENCE`), both from the calibrated grid
+        (``calibration.attention_shapes``, interpolated as `shape_flops` does, clamped to its range).
+        The CPU flash kernel's rate falls with short sequences and small head dimensions (1 thread,
+        this host kind: 39 GFLOP/s at (32, 256, 64), 19.5 at gpt-1m's (64, 128, 32)); a ratio of two
+        rates of one run, so the grid's moment cancels. None without a grid."""
+        grid = self.calibration.attention_shapes if self.calibration is not None else None
+        r, ref = _grid_rate(grid, bh, s, d), _grid_rate(grid, *ATTENTION_REFERENCE)
+        return None if r is None or ref is None else r / ref
 
     def shape_factor(self, layout: str, m: float, k: float, n: float) -> float | None:
         """How much faster (> 1) or slower (< 1) an ``m x k @ k x n`` product of ``layout`` runs than
@@ -363,3 +354,38 @@ def load_profile(path: str | os.PathLike) -> Hardware:
         return Hardware(**d)
     except TypeError as e:
         raise ValueError(f"hardware profile {path}: {e}") from None
+
+
+# the shape ``Calibration.attention_flops`` is measured at (`micro.measure_attention`): batch 8 x 4
+# heads, 256 tokens, head dimension 64
+ATTENTION_REFERENCE = (32, 256, 64)
+
+
+def _grid_rate(grid: dict | None, m: float, k: float, n: float) -> float | None:
+    """A rate from a 3-D grid ``{(a, b, c): rate}`` at ``(m, k, n)``: trilinear in the logs of the
+    coordinates on log rate between the grid's points, each coordinate clamped to the grid's range
+    (an axis of one value is constant). None for an empty grid or a missing / non-positive corner."""
+    if not grid:
+        return None
+    import math
+    axes = [sorted({p[i] for p in grid}) for i in range(3)]
+    coords = []
+    for ax, x in zip(axes, (m, k, n)):
+        x = min(max(x, ax[0]), ax[-1])
+        if len(ax) == 1:
+            coords.append(((ax[0], 1.0),))
+            continue
+        j = max(0, min(len(ax) - 2, next((i for i in range(len(ax) - 1) if x <= ax[i + 1]), len(ax) - 2)))
+        lo, hi = ax[j], ax[j + 1]
+        w = (math.log(x) - math.log(lo)) / (math.log(hi) - math.log(lo))
+        coords.append(((lo, 1 - w), (hi, w)))
+    acc = 0.0
+    for a, wa in coords[0]:
+        for b, wb in coords[1]:
+            for c, wc in coords[2]:
+                if wa * wb * wc:
+                    r = grid.get((a, b, c))
+                    if r is None or r <= 0:
+                        return None
+                    acc += wa * wb * wc * math.log(r)
+    return math.exp(acc)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from modelpar.plan import ParallelPlan
 from modelpar.planner.memo import PlannerCache
 from modelpar.planner.profile import ModelProfile, tied_copies
+from modelpar.planner.profile_ops import SDPA_LAYOUT
 
 
 def stage_ranges(profile: ModelProfile, num_stages: int) -> list[tuple[int, int]]:
@@ -74,8 +75,9 @@ class RankLoad:
     gemm_param_bytes: tuple = (0.0, 0.0)   # (fwd, bwd) bytes of parameters the matmuls touch, per micro-batch
     gemm_act_bytes: tuple = (0.0, 0.0)     # (fwd, bwd) other matmul bytes, per sample
     # 2-D products by shape, per sample: ((pass, layout, M, K, N, batch dim), calls) with the batch
-    # dim per sample (`BlockProfile.gemm_shapes`, summed over the rank's blocks); empty under TP
-    # (the shards' shapes are not profiled), where the FLOPs-only curve prices every matmul
+    # dim per sample (`BlockProfile.gemm_shapes`, summed over the rank's blocks); under TP only the
+    # causal attention calls (layout ``"SDPA"``: (B x H / t, S, D)): the shards' matmul shapes are
+    # not profiled, and the FLOPs-only curve prices every matmul
     gemm_shapes: tuple = ()
     # FSDP's busiest backward moment as an earlier model placed it (see `_fsdp_unit_peak`; kept for
     # callers, `rank_memory` now uses bwd_moments / rs_moments): unit i's parameters, the unit after
@@ -372,10 +374,11 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
                 units[r].append(u)
             recs[r].append(rec(i, i == a, i == b - 1))
             acb[r].append((recs[r][-1],) + ac_info[i])
-            if t == 1:
-                for ph, lay, m, k, n, dim, calls in profile.blocks[i].gemm_shapes:
+            for ph, lay, m, k, n, dim, calls in profile.blocks[i].gemm_shapes:
+                # matmul shapes without TP only; attention's (B x H, S, D) under TP too, H / t per rank
+                if t == 1 or lay == SDPA_LAYOUT:
                     dims = [m, k, n]
-                    dims[dim] /= bs
+                    dims[dim] /= bs * (t if lay == SDPA_LAYOUT else 1)
                     key = (ph, lay, *dims, dim)
                     shapes[r][key] = shapes[r].get(key, 0) + calls
         ld.boundary = profile.blocks[b - 1].output_bytes * scale / bs / (t if sp else 1)

@@ -107,7 +107,8 @@ class BlockProfile:
     # the 2-D matrix products (mm / addmm) among the matmul-class calls, as a shape histogram for
     # shape-aware CPU pricing (`cost._load_times`): (pass 0 forward / 1 backward, layout, M, K, N,
     # index of the dimension that grows with the batch, calls), at the profiled batch
-    # (`profile_ops._mm_shape`)
+    # (`profile_ops._mm_shape`); causal CPU flash-attention calls too, as layout ``"SDPA"`` with
+    # (B x H, S, D) (`profile_ops._sdpa_shape`)
     gemm_shapes: tuple[tuple[int, str, int, int, int, int, int], ...] = ()
 
 

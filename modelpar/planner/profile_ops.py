@@ -200,6 +200,10 @@ class _OpCounter(TorchDispatchMode):
                 q, k, v = args[ph:ph + 3]          # backward ops take grad_out first
                 self.attn[idx][ph] += sdpa_flop_count(q.shape, k.shape, v.shape) * (2 if ph else 1)
                 self.attn[idx][2] += 1 - ph
+                key = _sdpa_shape(name, args, kwargs or {}, ph)
+                if key is not None:
+                    d = self.shapes[idx][ph]
+                    d[key] = d.get(key, 0) + 1
             ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             reads_param = any(t.untyped_storage()._cdata in self.param_keys for t in ins)
@@ -223,6 +227,30 @@ class _OpCounter(TorchDispatchMode):
         self.mem[idx][phase] += sum(t.numel() * t.element_size() for t in flat)
         self.ops[idx][phase] += 1
         return out
+
+
+SDPA_LAYOUT = "SDPA"    # `BlockProfile.gemm_shapes`' tag of a causal fused-attention call
+
+
+def _sdpa_shape(name: str, args, kwargs: dict, ph: int) -> tuple | None:
+    """``("SDPA", B x H, S, D, 0)`` of a causal CPU flash self-attention call, else None (masked,
+    non-causal or cross attention, other kernels: those keep the calibrated rate of one shape).
+    Query (B, H, S, D), key and value (B, H_kv, S, D) with H_kv dividing H (grouped-query attention
+    does H query heads' work). The forward's ``is_causal`` is its 5th argument, the backward's its
+    8th (after grad_out, query, key, value, out, logsumexp, dropout_p). The batch dimension is the
+    first (B x H grows with the samples); `cost._load_times` prices the call at its S and D
+    (`Hardware.attention_factor`)."""
+    if name not in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"):
+        return None
+    q, k, v = args[ph:ph + 3]
+    pos = 7 if ph else 4
+    causal = kwargs.get("is_causal", args[pos] if len(args) > pos else False)
+    if not causal or kwargs.get("attn_mask") is not None or q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
+        return None
+    if (q.shape[0], q.shape[2], q.shape[3]) != (k.shape[0], k.shape[2], k.shape[3]) or q.shape[1] % k.shape[1]:
+        return None         # cross attention, other widths; grouped-query heads (H_q a multiple of H_kv) kept
+    b, h, s, d = (int(x) for x in q.shape)
+    return (SDPA_LAYOUT, b * h, s, d, 0)
 
 
 def _layout_char(t: torch.Tensor) -> str | None:

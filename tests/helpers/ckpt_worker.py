@@ -3,7 +3,8 @@ tests: runs a list of scenarios in one launch (the process group is shared) and 
 
 usage: torchrun --nproc-per-node N tests/helpers/ckpt_worker.py OUT.json SPEC.json
 SPEC.json: a list of {"name": ..., "kind": "train" | "c1" | "c2" | "c9", "cfg": {TrainConfig fields},
-"run_dir": ...}. Every rank's error message is kept (``errors``: rank -> message), so a test can
+"run_dir": ...}, or {"name": ..., "kind": "measure", "case": {`modelpar.measure.Case` fields}} (a
+memory measurement, `modelpar.measure.runs.run_cases`: rank 0's result is ``{case name: row}``). Every rank's error message is kept (``errors``: rank -> message), so a test can
 check that all ranks raised the same one.
 """
 
@@ -43,6 +44,12 @@ def run_train(spec: dict) -> dict | None:
             "plan": s["plan"], "world_size": s["world_size"]}
 
 
+def run_measure(spec: dict) -> dict:
+    from modelpar.measure.runs import Case, run_cases
+
+    return run_cases([Case(**spec["case"])], mode="memory")
+
+
 def main() -> None:
     out, spec_file = sys.argv[1], sys.argv[2]
     specs = json.loads(Path(spec_file).read_text())
@@ -55,7 +62,8 @@ def main() -> None:
         err = None
         res = None
         try:
-            res = run_train(spec) if spec["kind"] == "train" else preflight_cases.run(spec)
+            res = (run_train(spec) if spec["kind"] == "train" else run_measure(spec) if spec["kind"] == "measure"
+                   else preflight_cases.run(spec))
         except Exception as e:  # noqa: BLE001 - reported per scenario
             err = f"{type(e).__name__}: {e}"
             print(f"[rank {rank}] {spec['name']}: {traceback.format_exc()}", file=sys.stderr, flush=True)

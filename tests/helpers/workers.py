@@ -32,6 +32,7 @@ class _Group:
     nproc: int
     build: Callable[[Path], list[dict]]
     module: str
+    limit_s: float = 0.0                 # added to a launch's limit where it rides (RIDER_TIMEOUT_S by default)
     work: Path | None = None
     results: dict | None = None          # once some launch ran it
 
@@ -42,11 +43,14 @@ _BASE: list[Path] = []
 LAUNCHES: list[dict] = []                # one row per launch: tag, ranks, scenarios, groups carried
 
 
-def ride(tag: str, nproc: int, build: Callable[[Path], list[dict]], *, module: str) -> None:
-    """Register scenario group ``tag`` (``build(work) -> specs``) to ride in the first ``nproc``-rank launch."""
+def ride(tag: str, nproc: int, build: Callable[[Path], list[dict]], *, module: str,
+         limit_s: float = RIDER_TIMEOUT_S) -> None:
+    """Register scenario group ``tag`` (``build(work) -> specs``) to ride in the first ``nproc``-rank
+    launch; ``limit_s``: the seconds it adds to that launch's limit (and to `LAUNCH_TIMEOUT_S` where
+    it is launched alone)."""
     if tag in GROUPS and GROUPS[tag].module != str(Path(module).resolve()):
         raise ValueError(f"scenario group {tag!r} is registered by two modules")
-    GROUPS[tag] = _Group(nproc, build, str(Path(module).resolve()))
+    GROUPS[tag] = _Group(nproc, build, str(Path(module).resolve()), limit_s)
 
 
 def activate(modules: set[str]) -> None:
@@ -68,25 +72,26 @@ def group_dir(tag: str) -> Path:
 
 def _riders(nproc: int, host: str) -> dict[str, list[dict]]:
     out = {}
-    for tag, g in GROUPS.items():
+    # the groups that asked for the most time run last: a slow or stuck one then holds up no other group
+    for tag, g in sorted(GROUPS.items(), key=lambda kv: kv[1].limit_s):
         if tag == host or g.nproc != nproc or g.results is not None or (_ACTIVE is not None and g.module not in _ACTIVE):
             continue
         out[tag] = [{**s, "name": f"{tag}/{s['name']}"} for s in g.build(group_dir(tag))]
     return out
 
 
-def launch(nproc: int, specs: list[dict], work: Path, tag: str, *, carry: bool = True) -> dict:
+def launch(nproc: int, specs: list[dict], work: Path, tag: str, *, carry: bool = True, extra_s: float = 0.0) -> dict:
     """Run the scenarios ``specs`` (see `ckpt_worker.py`) on ``nproc`` ranks, with the registered groups
     of that size that have not run yet (``carry``); returns ``specs``' results by name. The test fails
-    with the ranks' output on a non-zero exit or a run past its limit (`LAUNCH_TIMEOUT_S`, plus
-    `RIDER_TIMEOUT_S` per carried group)."""
+    with the ranks' output on a non-zero exit or a run past its limit (`LAUNCH_TIMEOUT_S` plus
+    ``extra_s``, plus each carried group's ``limit_s``, `RIDER_TIMEOUT_S` unless it said otherwise)."""
     from modelpar.launch import torchrun_cmd
 
     riders = _riders(nproc, tag) if carry else {}
     every = [*specs, *(s for group in riders.values() for s in group)]
     spec_file, out = work / f"{tag}.spec.json", work / f"{tag}.out.json"
     spec_file.write_text(json.dumps(every))
-    limit = LAUNCH_TIMEOUT_S + RIDER_TIMEOUT_S * len(riders)
+    limit = LAUNCH_TIMEOUT_S + extra_s + sum(GROUPS[t].limit_s for t in riders)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = ["timeout", "-k", "10", str(limit),
            *torchrun_cmd(nproc, [str(ROOT / "tests" / "helpers" / "ckpt_worker.py"), str(out), str(spec_file)])]
@@ -106,5 +111,5 @@ def rider_results(tag: str) -> dict:
     launch of the group alone (which carries nothing else)."""
     g = GROUPS[tag]
     if g.results is None:
-        g.results = launch(g.nproc, g.build(group_dir(tag)), group_dir(tag), tag, carry=False)
+        g.results = launch(g.nproc, g.build(group_dir(tag)), group_dir(tag), tag, carry=False, extra_s=g.limit_s)
     return g.results

@@ -1,0 +1,58 @@
+"""CPU pricing of the shapes the profile recorded (`BlockProfile.gemm_shapes`), for
+`modelpar.planner.cost._load_times`: 2-D matrix products by shape and layout on the calibrated
+matmul grid (`Hardware.shape_factor`), causal fused-attention calls by sequence length and head
+dimension on the calibrated attention grid (`Hardware.attention_factor`). Both return zeros where
+the calibration has no grid, so the FLOPs-only rates price everything as before."""
+
+from __future__ import annotations
+
+from modelpar.planner.hardware import Hardware
+from modelpar.planner.loads import RankLoad
+from modelpar.planner.profile_ops import SDPA_LAYOUT
+
+
+def _shape_seconds(ld: RankLoad, hw: Hardware, b: int, prec: str) -> tuple:
+    """((fwd, bwd) seconds, (fwd, bwd) FLOPs, (fwd, bwd) calls) of the rank's 2-D products that the
+    calibrated shape grid prices: each product's M x K x N at ``b`` samples (its batch dimension
+    scaled), at the square curve's rate for its FLOPs (`Hardware.gemm_flops`) times its shape and
+    layout's factor (`Hardware.shape_factor`); zeros where the load has no shapes (TP) or the
+    calibration no grid (files before schema 3, GPU presets), so the curve prices it all."""
+    cal = hw.calibration
+    if not ld.gemm_shapes or cal is None or not cal.matmul_shapes:
+        return (0.0, 0.0), (0.0, 0.0), (0, 0)
+    sec, fl, calls = [0.0, 0.0], [0.0, 0.0], [0, 0]
+    for (ph, lay, m, k, n, dim), c in ld.gemm_shapes:
+        if lay == SDPA_LAYOUT:          # attention calls: `_attention_seconds`
+            continue
+        d = [m, k, n]
+        d[dim] *= b
+        factor = hw.shape_factor(lay, *d)
+        if factor is None:
+            continue
+        f = 2.0 * d[0] * d[1] * d[2] * c
+        sec[ph] += f / (hw.gemm_flops(prec, f / c) * factor)
+        fl[ph] += f
+        calls[ph] += c
+    return tuple(sec), tuple(fl), tuple(calls)
+
+
+def _attention_seconds(ld: RankLoad, hw: Hardware, b: int, attn_rate: float) -> tuple:
+    """((fwd, bwd) seconds, (fwd, bwd) counted FLOPs) of the rank's causal fused-attention calls
+    the profile recorded by shape (layout ``"SDPA"``: (B x H, S, D) per sample, B x H scaled to
+    ``b`` samples): each at ``attn_rate`` times its shape's factor (`Hardware.attention_factor`);
+    FLOPs as `profile_ops` counts them (4 B H S^2 D forward, twice that backward). Zeros without
+    the calibrated grid or recorded calls: ``attn_rate`` prices all attention FLOPs then."""
+    cal = hw.calibration
+    if not ld.gemm_shapes or cal is None or not cal.attention_shapes:
+        return (0.0, 0.0), (0.0, 0.0)
+    sec, fl = [0.0, 0.0], [0.0, 0.0]
+    for (ph, lay, bh, s, d, _), c in ld.gemm_shapes:
+        if lay != SDPA_LAYOUT:
+            continue
+        factor = hw.attention_factor(bh * b, s, d)
+        if factor is None:
+            continue
+        f = 4.0 * bh * b * s * s * d * (2 if ph else 1) * c
+        sec[ph] += f / (attn_rate * factor)
+        fl[ph] += f
+    return tuple(sec), tuple(fl)
