@@ -254,19 +254,6 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
                    pp_rank, overhead_bytes)
 
 
-def estimate_of(parts: tuple, overhead_bytes: float, pp_rank: int) -> MemoryEstimate:
-    """The `MemoryEstimate` of `MemoryForm.parts` output on pipeline rank ``pp_rank``."""
-    p, g, o, a, f, c, phase = parts
-    return MemoryEstimate(p, g, o, a, f, c, overhead_bytes, pp_rank, phase)
-
-
-def parts_total(parts: tuple, overhead_bytes: float) -> float:
-    """`MemoryEstimate.total` of `estimate_of` (parts, overhead_bytes, ...): the same sum, in the
-    same order, so bitwise the same float."""
-    p, g, o, a, f, c, _ = parts
-    return p + g + o + a + f + c + overhead_bytes
-
-
 class MemoryForm:
     """`rank_memory` of one rank load and plan with the terms that do not depend on the micro-batch
     size, the micro-batch count, the accumulation steps or the micro-batches in flight computed once
@@ -280,13 +267,14 @@ class MemoryForm:
            overhead_bytes: float) -> MemoryEstimate:
         """The estimate at micro-batch size ``b``, ``m`` micro-batches (1 without a pipeline),
         ``accumulation`` local batches, ``W`` micro-batches in flight on the rank (`in_flight`)."""
-        return estimate_of(self.parts(b, m, accumulation, W), overhead_bytes, pp_rank)
+        p, g, o, a, f, c, phase = self.parts(b, m, accumulation, W)
+        return MemoryEstimate(p, g, o, a, f, c, overhead_bytes, pp_rank, phase)
 
     def parts(self, b: int, m: int, accumulation: int, W: float) -> tuple:
         """`at`'s estimate without building it: (params, grads, optimizer, activations,
         fsdp_gathered, comm_buffers, phase), the fields of `MemoryEstimate` before ``overhead``;
-        `parts_total` sums them as `MemoryEstimate.total` does (the search compares totals of many
-        ranks and builds an estimate for the fullest only)."""
+        `search._parts_total` sums them as `MemoryEstimate.total` does (the search compares the
+        totals of many ranks and builds an estimate for the fullest only)."""
         ld, fsdp, ws, P, pp, last = self.ld, self.fsdp, self.ws, self.P, self.pp, self.last
         out, rafw = self.out, self.rafw
         params, grads, opt, data, work, keep = self.params, self.grads, self.opt, self.data, self.work, self.keep

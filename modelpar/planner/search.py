@@ -25,8 +25,7 @@ from modelpar.planner.cost import StepEstimate, _finish, step_form, tp_bytes_per
 from modelpar.planner.hardware import Hardware
 from modelpar.planner.legality import tp_violations
 from modelpar.planner.memo import PlannerCache
-from modelpar.planner.memory import (OPTIMIZER_BYTES, Batch, MemoryEstimate, estimate_of, in_flight, memory_form,
-                                     parts_total, rank_loads)
+from modelpar.planner.memory import OPTIMIZER_BYTES, Batch, MemoryEstimate, in_flight, memory_form, rank_loads
 from modelpar.planner.profile import ModelProfile
 
 VIRTUAL_STAGES = (2, 4, 8)
@@ -189,6 +188,19 @@ def _plan(plans: dict, dr, ds, tp, pp, sched, m, v, ac, k, defer, precision, sp)
     return plan
 
 
+def _estimate_of(parts: tuple, overhead_bytes: float, pp_rank: int) -> MemoryEstimate:
+    """The `MemoryEstimate` of `memory.MemoryForm.parts` output on pipeline rank ``pp_rank``."""
+    p, g, o, a, f, c, phase = parts
+    return MemoryEstimate(p, g, o, a, f, c, overhead_bytes, pp_rank, phase)
+
+
+def _parts_total(parts: tuple, overhead_bytes: float) -> float:
+    """`MemoryEstimate.total` of `_estimate_of` (parts, overhead_bytes, ...): the same sum in the
+    same order, so bitwise the same float."""
+    p, g, o, a, f, c, _ = parts
+    return p + g + o + a + f + c + overhead_bytes
+
+
 def _plan_memory(plan: ParallelPlan, reps, b: int, acc: int, flights: dict, kw: dict, budget: float, memo: dict,
                  forms: dict, overhead: float):
     """(estimate, total) of the most loaded representative rank; stops at the first rank over
@@ -215,14 +227,14 @@ def _plan_memory(plan: ParallelPlan, reps, b: int, acc: int, flights: dict, kw: 
             if form is None:
                 form = forms[fkey] = memory_form(ld, plan, **kw)
             parts = form.parts(b, m if pp else 1, acc, w if pp else 1.0)
-            hit = memo[mkey] = (parts_total(parts, overhead), parts)
+            hit = memo[mkey] = (_parts_total(parts, overhead), parts)
         e_total = hit[0]
         if best is None or e_total > best_total:
             best, best_total, best_r = hit[1], e_total, r
             if e_total > budget:
                 return None, e_total
     # the estimate of the fullest rank only (the others' totals are all the search compares)
-    return estimate_of(best, overhead, best_r), best_total
+    return _estimate_of(best, overhead, best_r), best_total
 
 
 def _representatives(loads) -> list[tuple[int, object]]:
