@@ -247,7 +247,9 @@ def step_form(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, optimi
             if master_weights:
                 opt += local * MASTER_WEIGHT_TRAFFIC / mem_s
         f.opt.append(opt)
-    f.per_b, f.slowest = {}, {}
+    # `fsdp_sharded_accumulation` of this layout's plans is this and not the plan's defer_grad_sync
+    f.shard_acc = plan.dp_shard > 1 and plan.pp == 1
+    f.per_b, f.slowest, f.comms = {}, {}, {}
     return f
 
 
@@ -257,7 +259,7 @@ class StepForm:
     __slots__ = ("loads", "hw", "tp_bytes", "dp_overlap", "reduce_bytes", "attention_kernel", "p2p_scatter_gather",
                  "fsdp_stream_copies", "cache", "prec", "flops_s", "alone", "cal", "mem_s", "phys", "v", "p",
                  "overlap", "curve", "ew_s", "attn_rate", "zb", "layout", "cast_b", "wb", "rep_rt", "shard_share",
-                 "rep_share", "opt", "per_b", "slowest")
+                 "rep_share", "opt", "per_b", "slowest", "shard_acc", "comms")
 
     def _times(self, plan: ParallelPlan, b: int) -> tuple:
         """Per micro-batch size ``b`` (memoized): each rank's forward and backward seconds, the TP
@@ -347,11 +349,14 @@ class StepForm:
         # gradient accumulation: micro-batches after the first add their gradients in place (read 2,
         # write 1 fp32 values per parameter); FSDP without a pipeline adds reduce-scattered shards
         # unless the plan defers the sync (`fsdp_sharded_accumulation`)
-        sharded_acc = fsdp_sharded_accumulation(plan)
+        sharded_acc = self.shard_acc and not plan.defer_grad_sync     # = fsdp_sharded_accumulation(plan)
         t_acc = (mbs - 1) * 12 * ld.params / (plan.dp_shard if sharded_acc else 1) / mem_s
         layout, rep_rt = self.layout, self.rep_rt
-        cm = _comm_terms(ld, plan, hw, b, wb, dp_overlap, reduce_bytes, self.p2p_scatter_gather,
-                         rep_rt and overlap, cache)
+        # the collectives depend here only on the rank and b (the rest is the form's): memoized per form
+        cm = self.comms.get((i, b))
+        if cm is None:
+            cm = self.comms[(i, b)] = _comm_terms(ld, plan, hw, b, wb, dp_overlap, reduce_bytes,
+                                                  self.p2p_scatter_gather, rep_rt and overlap, cache)
         t_p2p = 2 * v * cm["p2p"] if p > 1 else 0.0
         dp_exposed, fsdp_per_mb = 0.0, 0.0
         if plan.dp_shard > 1:
