@@ -4,9 +4,7 @@ The rows, the runtime each ran on and their evaluation (leave-one-out framework 
 printed with the factor and at 1, Korthikanti's activation formulas) are `modelpar.planner.published`
 (its docstring gives the sources); this script only prints them.
 
-Run: ``PYTHONPATH=. .venv/bin/python benchmarks/planner_published.py [--fast] [--mosaic-kernel fa1|fa2]
-[--gemm-split-k N]`` (``--gemm-split-k 16``: the split-K sensitivity check of the GEMMs' wave
-quantization, docs/planner.md; not the model)
+Run: ``PYTHONPATH=. .venv/bin/python benchmarks/planner_published.py [--fast] [--mosaic-kernel fa1|fa2]``
 """
 
 from __future__ import annotations
@@ -20,11 +18,8 @@ from modelpar.planner.published import report
 def main(argv: list[str]) -> int:
     fast = "--fast" in argv
     kernel = argv[argv.index("--mosaic-kernel") + 1] if "--mosaic-kernel" in argv else None
-    split = int(argv[argv.index("--gemm-split-k") + 1]) if "--gemm-split-k" in argv else 1
-    if split < 1:
-        raise SystemExit(f"--gemm-split-k must be >= 1, got {split}")
     t0 = time.perf_counter()
-    print(report(fast, kernel, split))
+    print(report(fast, kernel))
     print(f"in {time.perf_counter() - t0:.1f} s")
     return 0
 

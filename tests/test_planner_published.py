@@ -292,7 +292,7 @@ def test_unfused_core_products_priced_at_their_own_roofline(bench):
     # the per-kernel roofline (Williams et al. 2009) for Megatron-LM's core products: with the
     # layer's matmuls compute-bound in sum, the products' bytes (intensity ~ head dim 96, below
     # the A100's ridge ~155 FLOP/B) add B_c / W - F_c / R per layer and direction
-    from modelpar.planner.runtimes import core_products, core_roofline_excess, wave_quantization_seconds
+    from modelpar.planner.runtimes import core_products, core_roofline_excess
     prof = bench.gpt_profile(51200, 2048, 4, 24, 2304, attention="megatron", dropout=0.1)
     plan = ParallelPlan(precision="bf16", activation_checkpointing="full")
     ld = rank_loads(prof, plan, act_bytes=2)[0]
@@ -303,13 +303,13 @@ def test_unfused_core_products_priced_at_their_own_roofline(bench):
     ex_f, ex_b = core_roofline_excess(ld, prof, BUILTIN["A100-80GB"], micro_batch=16, tp=1)
     assert math.isclose(ex_f, 4 * (byt / W - f / R), rel_tol=1e-9) and ex_f > 0
     assert math.isclose(ex_b, 4 * (2 * byt / W - 2 * f / R), rel_tol=1e-9)
-    # it reaches the step: the Megatron estimate is slower by exactly the excess (+ the replay)
+    # it reaches the step: the Megatron estimate is slower than the planner's (which already holds
+    # the GEMMs' wave quantization, `gpu.layer_wave_seconds`) by exactly the excess (+ the replay)
     base = estimate_step(prof, plan, Batch(16, 16), BUILTIN["A100-80GB"], reduce_bytes=2, replicate=False,
                          autocast_weights=False, master_weights=True, p2p_scatter_gather=True,
                          optimizer="adamw", fused_tp_optimizer=True)
     st, _ = bench.megatron_estimate(prof, plan, Batch(16, 16), ddp="torch", selective=False, micro=16)
-    wf, wb = wave_quantization_seconds(prof, BUILTIN["A100-80GB"], micro_batch=16, tp=1)
-    assert math.isclose(st.total - base.total, 2 * ex_f + ex_b + 4 * (2 * wf + wb), rel_tol=1e-6)
+    assert math.isclose(st.total - base.total, 2 * ex_f + ex_b, rel_tol=1e-6)
     # a fused-attention profile has no such products
     flash = bench.gpt_profile(50368, 2048, 4, 24, 2304, attention="flash", dropout=0.0)
     assert core_roofline_excess(rank_loads(flash, plan, act_bytes=2)[0], flash, BUILTIN["A100-80GB"],
@@ -379,3 +379,59 @@ def test_wave_quantization_seconds_of_the_layer_gemms(bench):
     wf16, _ = wave_quantization_seconds(prof, hw, micro_batch=16, tp=8)
     assert wf16 / (16 * fl) < wf / fl
     assert wave_quantization_seconds(prof, cpu_profile(2), micro_batch=1, tp=8) == (0.0, 0.0)
+
+
+def _without_waves(monkeypatch):
+    """The step model with the GEMMs' wave quantization switched off (`gpu.layer_wave_seconds` -> 0)."""
+    import modelpar.planner.cost as cost
+    monkeypatch.setattr(cost, "layer_wave_seconds", lambda *a, **k: (0.0, 0.0))
+
+
+@pytest.mark.parametrize("mode,ac_every,replayed", [("none", 1, 0), ("full", 1, 4), ("every-k", 2, 2),
+                                                    ("selective", 1, 0)])
+def test_planner_prices_the_gemm_waves_per_layer(bench, monkeypatch, mode, ac_every, replayed):
+    # the term lives in the planner's GPU step pricing (`cost.StepForm`): every bf16 plan on a
+    # built-in GPU pays it per transformer layer of each rank, forward and backward of every
+    # micro-batch, and the replayed forward of the layers its checkpointing recomputes (full: all 4,
+    # every 2nd: 2, selective: the attention cores only, no weight GEMM); the embedding and head none
+    from modelpar.planner.runtimes import wave_quantization_seconds
+    prof = bench.gpt_profile(50368, 2048, 4, 16, 2048, attention="flash", dropout=0.0)
+    hw = BUILTIN["H100-80GB-SXM"]
+    plan = ParallelPlan(dp_shard=8, precision="bf16", activation_checkpointing=mode, ac_every=ac_every)
+    batch = Batch(64, 2)                     # 8 samples per rank in micro-batches of 2: 4 accumulation steps
+    with_w = estimate_step(prof, plan, batch, hw)
+    b = batch.micro_batch_size(plan)
+    acc = batch.accumulation_steps(plan)
+    wf, wb = wave_quantization_seconds(prof, hw, micro_batch=b, tp=1)
+    assert wf > 0 and wb > 0 and acc == 4
+    _without_waves(monkeypatch)
+    without = estimate_step(prof, plan, batch, hw)
+    assert math.isclose(with_w.compute - without.compute, acc * 4 * (wf + wb), rel_tol=1e-9)
+    assert math.isclose(with_w.recompute - without.recompute, acc * replayed * wf, rel_tol=1e-9, abs_tol=1e-15)
+    assert math.isclose(with_w.total - without.total, acc * (4 * (wf + wb) + replayed * wf), rel_tol=1e-6)
+
+
+def test_planner_gemm_waves_under_tp_and_pp_bubble(bench, monkeypatch):
+    # under TP the shards' shapes (column-parallel N / t, row-parallel K / t) set the waves; under a
+    # pipeline each rank pays for its own layers, and the bubble idles for the slowest rank's
+    # per-micro-batch work, replayed forward included; a CPU profile never pays it
+    from modelpar.planner.cost import bubble_fraction
+    from modelpar.planner.runtimes import wave_quantization_seconds
+    prof = bench.gpt_profile(51200, 2048, 8, 32, 4096, attention="flash", dropout=0.0)
+    hw = BUILTIN["A100-80GB"]
+    plan = ParallelPlan(tp=4, pp=2, n_microbatches=4, precision="bf16", activation_checkpointing="full")
+    batch = Batch(8, 8)
+    with_w = estimate_step(prof, plan, batch, hw)
+    b = batch.micro_batch_size(plan)
+    wf, wb = wave_quantization_seconds(prof, hw, micro_batch=b, tp=4)
+    assert (wf, wb) != wave_quantization_seconds(prof, hw, micro_batch=b, tp=1)
+    cpu = cpu_profile(2)
+    cpu_before = estimate_step(prof, plan, batch, cpu)
+    _without_waves(monkeypatch)
+    without = estimate_step(prof, plan, batch, hw)
+    layers, m = 8 / 2, 4
+    assert math.isclose(with_w.compute - without.compute, m * layers * (wf + wb), rel_tol=1e-9)
+    assert math.isclose(with_w.recompute - without.recompute, m * layers * wf, rel_tol=1e-9)
+    bub = bubble_fraction(plan.pp_schedule, 2, m, 1) * m
+    assert bub > 0 and math.isclose(with_w.bubble - without.bubble, bub * layers * (2 * wf + wb), rel_tol=1e-9)
+    assert estimate_step(prof, plan, batch, cpu) == cpu_before

@@ -17,8 +17,8 @@ Sources:
   layout (`BlockProfile.gemm_shapes`) at the square-product curve's rate for its FLOPs
   (`Hardware.gemm_flops`) times its shape's factor from the calibrated grid
   (`Hardware.shape_factor`, log-space interpolation), the other matmul FLOPs at the curve at their
-  mean call; files without the grid, TP loads and GPUs
-  price every matmul the old way.
+  mean call; files without the grid, TP loads and GPUs price every matmul the old way; built-in GPUs
+  (bf16) add each layer's GEMM wave quantization (`gpu.layer_wave_seconds`), replays included.
 - Full recompute adds the blocks' forward per micro-batch (Chen et al. 2016; Korthikanti Sec. 5; a
   transformer's embedding, head and loss are not checkpointed, so they run once); every-k the
   checkpointed blocks' share of it, selective the attention cores' forward
@@ -61,13 +61,13 @@ from modelpar.planner.formulas import (all_gather_time, all_reduce_time, alpha_b
 # one rank's collective times and FSDP2's exposed share live in comms.py, re-exported here
 from modelpar.planner.comms import (DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, _coll,  # noqa: F401
                                     _comm_terms, _fsdp_exposed, _nccl_share, ddp_buckets)
-from modelpar.planner.gpu import gpu_load_times, physics_for
+from modelpar.planner.gpu import gpu_load_times, layer_wave_seconds, physics_for
 from modelpar.planner.calibration import NO_CALIBRATION
 from modelpar.planner.hardware import Hardware
 from modelpar.planner.memo import PlannerCache
 from modelpar.planner.memory import Batch, RankLoad, rank_loads
 from modelpar.planner.profile import ModelProfile
-from modelpar.planner.recompute import recompute_share
+from modelpar.planner.recompute import recompute_layers, recompute_share
 # CPU pricing of the profiled shapes (matmuls by shape and layout, attention by S and D)
 from modelpar.planner.cpu_shapes import _attention_seconds, _shape_seconds  # noqa: F401
 # the result type, MFU / HFU and the wrapping of step parts live in step_estimate.py, re-exported here
@@ -247,7 +247,9 @@ def step_form(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, optimi
             if master_weights:
                 opt += local * MASTER_WEIGHT_TRAFFIC / mem_s
         f.opt.append(opt)
-    f.per_b, f.slowest = {}, {}
+    # `fsdp_sharded_accumulation` of this layout's plans is this and not the plan's defer_grad_sync
+    f.shard_acc = plan.dp_shard > 1 and plan.pp == 1
+    f.per_b, f.slowest, f.comms = {}, {}, {}
     return f
 
 
@@ -257,7 +259,7 @@ class StepForm:
     __slots__ = ("loads", "hw", "tp_bytes", "dp_overlap", "reduce_bytes", "attention_kernel", "p2p_scatter_gather",
                  "fsdp_stream_copies", "cache", "prec", "flops_s", "alone", "cal", "mem_s", "phys", "v", "p",
                  "overlap", "curve", "ew_s", "attn_rate", "zb", "layout", "cast_b", "wb", "rep_rt", "shard_share",
-                 "rep_share", "opt", "per_b", "slowest")
+                 "rep_share", "opt", "per_b", "slowest", "shard_acc", "comms")
 
     def _times(self, plan: ParallelPlan, b: int) -> tuple:
         """Per micro-batch size ``b`` (memoized): each rank's forward and backward seconds, the TP
@@ -283,12 +285,21 @@ class StepForm:
                 t_f, t_b = _load_times(ld, hw, b, prec, self.mem_s, self.ew_s, self.attn_rate, self.curve,
                                        self.flops_s, alone, self.phys, self.attention_kernel)
                 load_times[key] = (ld, (t_f, t_b))
+            # built-in GPU, bf16: each layer's weight-GEMM tile / wave quantization (`gpu.layer_wave_seconds`)
+            w_f = 0.0
+            if self.phys is not None and prec == "bf16" and ld.layer_gemm:
+                tok, h, ffn, layers = ld.layer_gemm
+                wk = (b * tok, h, ffn, plan.tp)
+                w_f, w_b = cache.waves.get(wk) or cache.waves.setdefault(
+                    wk, layer_wave_seconds(*wk, self.phys.sms, self.flops_s, self.mem_s))
+                t_f += layers * w_f
+                t_b += layers * w_b
             if zb != 1.0:
                 t_b *= zb
             if cast_b:                      # autocast's weight casts, forward and backward
                 t_f += cast_b * ld.gemm_param_bytes[0]
                 t_b += cast_b * ld.gemm_param_bytes[0]
-            times.append((ld, t_f, t_b))
+            times.append((ld, t_f, t_b, w_f))
         out = self.per_b[b] = (times, ar_tp, tp_linear)
         return out
 
@@ -304,11 +315,14 @@ class StepForm:
         ac_any = mode in ("full", "every-k", "selective")
         attn_rate, flops_s = self.attn_rate, self.flops_s
         best = None
-        for i, (ld, t_f, t_b) in enumerate(times):
+        for i, (ld, t_f, t_b, w_f) in enumerate(times):
             t_rc, rc_share = 0.0, 0.0
             if ac_any:     # the checkpointed blocks' share / the cores (`modelpar.planner.recompute`)
                 rc_share, attn_f = recompute_share(ld, plan)
                 t_rc = rc_share * t_f + (attn_f * b / attn_rate if attn_rate else attn_f * b / flops_s)
+                if w_f:    # the replayed layers' GEMM waves, per layer (not by the FLOPs share)
+                    layers = ld.layer_gemm[3]
+                    t_rc += (recompute_layers(ld, plan) - rc_share * layers) * w_f
             # DTensor's per-call cost of each sharded Linear (dispatch, sharding propagation, input and
             # output conversion; forward + backward), calibrated on CPU; part of TP's price
             # (the per-Linear cost is calibrated on chains of sharded Linears less their all-reduces
@@ -335,11 +349,14 @@ class StepForm:
         # gradient accumulation: micro-batches after the first add their gradients in place (read 2,
         # write 1 fp32 values per parameter); FSDP without a pipeline adds reduce-scattered shards
         # unless the plan defers the sync (`fsdp_sharded_accumulation`)
-        sharded_acc = fsdp_sharded_accumulation(plan)
+        sharded_acc = self.shard_acc and not plan.defer_grad_sync     # = fsdp_sharded_accumulation(plan)
         t_acc = (mbs - 1) * 12 * ld.params / (plan.dp_shard if sharded_acc else 1) / mem_s
         layout, rep_rt = self.layout, self.rep_rt
-        cm = _comm_terms(ld, plan, hw, b, wb, dp_overlap, reduce_bytes, self.p2p_scatter_gather,
-                         rep_rt and overlap, cache)
+        # the collectives depend here only on the rank and b (the rest is the form's): memoized per form
+        cm = self.comms.get((i, b))
+        if cm is None:
+            cm = self.comms[(i, b)] = _comm_terms(ld, plan, hw, b, wb, dp_overlap, reduce_bytes,
+                                                  self.p2p_scatter_gather, rep_rt and overlap, cache)
         t_p2p = 2 * v * cm["p2p"] if p > 1 else 0.0
         dp_exposed, fsdp_per_mb = 0.0, 0.0
         if plan.dp_shard > 1:

@@ -22,8 +22,8 @@ Dense matmuls (GEMM)
     uses the 256 x 128 tile (the better of its two orientations), no split-K or stream-K; SMs:
     A100 108 (the guide), H100 / H200 SXM 132 (NVIDIA H100 Tensor Core GPU Architecture
     whitepaper, 2022). Applied to the transformer layers' weight GEMMs by their shapes
-    (`runtimes.wave_quantization_seconds`) on the published rows (`published.with_wave_quantization`);
-    modelpar's own ``plan`` / ``estimate`` do not apply it yet (`gpu_load_times` has no shapes under TP).
+    (`layer_wave_seconds`), in the step model's pricing of every bf16 plan on a built-in GPU
+    (`cost.StepForm`): ``plan``, ``estimate``, the search and the published rows alike.
 
 Fused attention (FLOP/s by head dimension and sequence length; FLOPs as the papers count them:
 4 s^2 d per head forward, 2.5x that backward, halved with a causal mask)
@@ -229,10 +229,9 @@ def wave_efficiency(m: float, n: float, sms: int, tile: tuple[int, int] = GEMM_T
     (module docstring, "Dimension quantization"): (m n) / (waves x sms x tile area) with
     waves = ceil(tiles / sms), tiles = ceil(m / t0) ceil(n / t1), the better of the tile's two
     orientations. 1.0 where ``sms`` is 0 (no SM count known) or the output is empty.
-    ``max_split`` > 1 (a sensitivity check, not the model: the split-K option of
-    benchmarks/planner_published.py): the reduction of length ``k`` may also be split into s <= ``max_split``
-    slices of at least ``min_slice`` (split-K: s x tiles blocks), the best s taken; the partial
-    sums' reduction is not charged."""
+    ``max_split`` > 1 (a sensitivity check, not the model; docs/planner.md): the reduction of
+    length ``k`` may also be split into s <= ``max_split`` slices of at least ``min_slice``
+    (split-K: s x tiles blocks), the best s taken; the partial sums' reduction is not charged."""
     if sms <= 0 or m <= 0 or n <= 0:
         return 1.0
     best = 0.0
@@ -244,6 +243,46 @@ def wave_efficiency(m: float, n: float, sms: int, tile: tuple[int, int] = GEMM_T
             waves = math.ceil(tiles / sms)
             best = max(best, m * n * s / (waves * sms * t0 * t1))
     return min(best, 1.0)
+
+
+def layer_gemm_shapes(tokens: float, h: float, f: float, tp: int) -> dict[str, list[tuple]]:
+    """The weight GEMMs of one transformer layer on a rank of a ``tp``-way Megatron split (Shoeybi
+    et al. 2019, Sec. 3: QKV and the first MLP matmul column-parallel, dividing N, the attention
+    output and the second MLP matmul row-parallel, dividing K), for ``tokens`` = T = b s tokens, as
+    (M, K, N) of each product (output M x N, reduction K): forward (T, h, 3h/t), (T, h/t, h),
+    (T, h, f/t), (T, f/t, h); backward per linear the input gradient (T, N, K) and the weight
+    gradient (K, T, N) of its forward (M, K, N). With sequence parallelism the GEMMs see the
+    gathered T tokens, the same shapes; ``tp`` = 1 is the unsplit layer. ``h``: model width,
+    ``f``: FFN width. Returns {"fwd": [...], "bwd": [...]}."""
+    fwd = [(tokens, h, 3 * h / tp), (tokens, h / tp, h), (tokens, h, f / tp), (tokens, f / tp, h)]
+    bwd = [shape for (m, k, n) in fwd for shape in ((m, n, k), (k, m, n))]
+    return {"fwd": fwd, "bwd": bwd}
+
+
+def layer_wave_seconds(tokens: float, h: float, f: float, tp: int, sms: int, flops_s: float, mem_s: float,
+                       max_split: int = 1) -> tuple[float, float]:
+    """(forward, backward) seconds per micro-batch that tile and wave quantization add to one
+    transformer layer's weight GEMMs (`layer_gemm_shapes`; ``tokens`` = T tokens per micro-batch)
+    on a GPU with ``sms`` SMs. Each GEMM of F FLOPs and B bytes (16-bit operands:
+    2 (M K + K N + M N)) takes max(F / (R e), B / W) by its own roofline (R = ``flops_s``, the
+    rate the step model charges, MAMF on a built-in GPU; W = ``mem_s``, the measured HBM rate;
+    e: its output's `wave_efficiency`) where the step model charges it max(F / R, B / W) inside
+    the rank's sum; the result is the sum of the differences (never negative). (0, 0) where
+    ``sms`` is 0. The step model memoizes it per (tokens, widths, TP degree) in the search's
+    `memo.PlannerCache` (``waves``). ``max_split``: `wave_efficiency`'s split-K sensitivity
+    check (1: the model)."""
+    if sms <= 0:
+        return 0.0, 0.0
+    out = []
+    for shapes in layer_gemm_shapes(tokens, h, f, tp).values():
+        ex = 0.0
+        for m, k, n in shapes:
+            fl, byt = 2 * m * k * n, 2 * (m * k + k * n + m * n)
+            base = max(fl / flops_s, byt / mem_s)
+            e = wave_efficiency(m, n, sms, k=k, max_split=max_split)
+            ex += max(0.0, max(fl / (flops_s * e), byt / mem_s) - base)
+        out.append(ex)
+    return out[0], out[1]
 
 
 # built-in hardware profile name -> its physics (hardware.BUILTIN keys)

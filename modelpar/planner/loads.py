@@ -111,6 +111,9 @@ class RankLoad:
     # or its input (whose gradient is sent back); hidden states, never the logits (0: no pipeline)
     p2p: float = 0.0
     attn_shape: tuple | None = None    # (seq, head dim, causal) of a transformer's attention, for GPU tables
+    # (tokens per sample, d_model, ffn, transformer layers of the rank) for the GPU GEMMs' wave
+    # quantization (`gpu.layer_wave_seconds`); () for profiles without a transformer arch
+    layer_gemm: tuple = ()
     # what this load is within its profile (`rank_loads`: TP degree, sequence parallel, stages, pp,
     # activation scale, pipeline rank; `recompute.ac_load` appends its mode): the memo tables'
     # (`memo.PlannerCache`) key for it
@@ -420,6 +423,10 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
     if arch.get("n_head") and arch.get("seq_len"):
         for ld in loads:
             ld.attn_shape = (profile.tokens_per_sample, arch["d_model"] // arch["n_head"], True)
+    if arch.get("d_model") and len(profile.blocks) >= 3:
+        for ld in loads:
+            ld.layer_gemm = (profile.tokens_per_sample, arch["d_model"], arch.get("ffn", 4 * arch["d_model"]),
+                             sum(1 for a in ld.ac_blocks if a[1] >= 0))
     # the logits (model output) and the loss's saved copy of them (log-softmax output); replicated
     # under TP unless the head is vocab-sharded (sequence parallel turns loss parallel on; a head
     # whose projection the profile marks TP-sharded, `vocab_parallel_profile`, computes the loss

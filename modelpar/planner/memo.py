@@ -23,14 +23,15 @@ class PlannerCache:
     - ``buckets``: `comms.ddp_buckets` per (parameter sizes, element bytes);
     - ``comms``: `comms._comm_terms` per (rank load key, degrees, micro-batch, bytes, options);
     - ``load_times``: `cost._load_times` per (rank load key, micro-batch, precision, alone, kernel);
-    - ``recompute_flops``: `recompute.recompute_flops_per_sample` per (mode, ac_every).
+    - ``recompute_flops``: `recompute.recompute_flops_per_sample` per (mode, ac_every);
+    - ``waves``: `gpu.layer_wave_seconds` per (tokens per micro-batch, width, FFN, TP degree) (`cost.StepForm`).
 
     A cache serves one profile and one hardware: `bind` records them on first use and refuses others
     (the tables are not keyed by either).
     """
 
     __slots__ = ("profile", "hw", "block_terms", "moments", "peaks", "projections", "links", "buckets",
-                 "comms", "load_times", "recompute_flops")
+                 "comms", "load_times", "recompute_flops", "waves")
 
     def __init__(self, profile=None, hw=None):
         self.profile = profile
@@ -44,6 +45,7 @@ class PlannerCache:
         self.comms: dict[tuple, tuple] = {}
         self.load_times: dict[tuple, tuple] = {}
         self.recompute_flops: dict[tuple, float] = {}
+        self.waves: dict[tuple, tuple] = {}
 
     def bind(self, *, profile=None, hw=None) -> "PlannerCache":
         """Record the profile / hardware this cache serves (first use), and return ``self``.

@@ -267,6 +267,14 @@ class MemoryForm:
            overhead_bytes: float) -> MemoryEstimate:
         """The estimate at micro-batch size ``b``, ``m`` micro-batches (1 without a pipeline),
         ``accumulation`` local batches, ``W`` micro-batches in flight on the rank (`in_flight`)."""
+        p, g, o, a, f, c, phase = self.parts(b, m, accumulation, W)
+        return MemoryEstimate(p, g, o, a, f, c, overhead_bytes, pp_rank, phase)
+
+    def parts(self, b: int, m: int, accumulation: int, W: float) -> tuple:
+        """`at`'s estimate without building it: (params, grads, optimizer, activations,
+        fsdp_gathered, comm_buffers, phase), the fields of `MemoryEstimate` before ``overhead``;
+        `search._parts_total` sums them as `MemoryEstimate.total` does (the search compares the
+        totals of many ranks and builds an estimate for the fullest only)."""
         ld, fsdp, ws, P, pp, last = self.ld, self.fsdp, self.ws, self.P, self.pp, self.last
         out, rafw = self.out, self.rafw
         params, grads, opt, data, work, keep = self.params, self.grads, self.opt, self.data, self.work, self.keep
@@ -333,19 +341,16 @@ class MemoryForm:
         end_total = self.pgo_d + comm_persist + 2 * held_end
         opt_total = self.pgos_d + held_end + comm_persist
         if opt_total >= best_total and opt_total >= end_total:
-            return MemoryEstimate(params, grads, opt + self.step_tmp, data + held_end, 0.0, comm_persist,
-                                  overhead_bytes, pp_rank, "optimizer")
+            return params, grads, opt + self.step_tmp, data + held_end, 0.0, comm_persist, "optimizer"
         if end_total > best_total:
-            return MemoryEstimate(params, grads, opt, data + 2 * held_end, 0.0, comm_persist, overhead_bytes,
-                                  pp_rank, "pipeline_end")
+            return params, grads, opt, data + 2 * held_end, 0.0, comm_persist, "pipeline_end"
         held, g0, gath0, prev, c = best
         acts = data + self.cast_cache + held
         if c is None:
-            return MemoryEstimate(params, g0, opt, acts + bS + 3 * bls, gath0, comm_persist, overhead_bytes,
-                                  pp_rank, "loss")
+            return params, g0, opt, acts + bS + 3 * bls, gath0, comm_persist, "loss"
         kind, (gK, gG, aA, aK, tK, cK, cG) = c
-        return MemoryEstimate(params, g0 + gK + gG * ws, opt, acts + aA * b + aK, gath0 + tK,
-                              comm_persist + cK + cG * ws, overhead_bytes, pp_rank, kind)
+        return (params, g0 + gK + gG * ws, opt, acts + aA * b + aK, gath0 + tK, comm_persist + cK + cG * ws,
+                kind)
 
     def _projections(self, prev: bool, sharded_acc: bool) -> tuple:
         ld, cache = self.ld, self.cache

@@ -68,8 +68,9 @@ Each row is predicted for the runtime it ran on; describing that runtime is not 
   parameters, none in matmul FLOPs except biases).
 
 Both frameworks' rows: the transformer layers' weight GEMMs pay tile and wave quantization by their
-shapes on the A100's 108 SMs (`with_wave_quantization`, `runtimes.wave_quantization_seconds`;
-NVIDIA's Matrix Multiplication Background guide, cited in `gpu`).
+shapes on the A100's 108 SMs inside the step model (`cost.StepForm`, `gpu.layer_wave_seconds`;
+NVIDIA's Matrix Multiplication Background guide, cited in `gpu`), as every bf16 plan on a built-in
+GPU does: these rows check the planner users run.
 
 The only constants not from the tables in ``modelpar/planner/gpu.py`` are at most one efficiency
 factor per framework, fitted leave-one-out (each row's factor is the geometric mean of published /
@@ -97,7 +98,7 @@ from modelpar.planner.memory import Batch, estimate_memory, rank_loads
 from modelpar.planner.profile import profile_model
 from modelpar.planner.runtimes import (attention_core_seconds, core_roofline_excess, regather_profile,
                                        selective_recompute_profile, tp_backward_overlap_delta,
-                                       vocab_parallel_profile, wave_quantization_seconds)
+                                       vocab_parallel_profile)
 
 A100 = BUILTIN["A100-80GB"]
 GIB = 2 ** 30
@@ -233,13 +234,11 @@ def gpt_profile(vocab: int, seq: int, layers: int, heads: int, d: int, *, attent
 MEGATRON_RUNTIME = dict(optimizer="adamw", fused_tp_optimizer=True)
 
 
-def megatron_estimate(profile, plan, batch, *, ddp: str, selective: bool, micro: int, async_tp: bool = False,
-                      gemm_split: int = 1):
+def megatron_estimate(profile, plan, batch, *, ddp: str, selective: bool, micro: int, async_tp: bool = False):
     """(StepEstimate, MemoryEstimate) of one Megatron-LM run (see module docstring): ``profile``
     with the replicated embedding / head (made vocabulary-parallel here when ``plan.tp`` > 1),
     ``ddp`` ``"torch"`` or ``"local"`` (Megatron's own), ``micro`` samples per micro-batch,
-    ``async_tp``: the asynchronous TP backward collectives (`runtimes.tp_backward_overlap_delta`);
-    ``gemm_split``: the split-K sensitivity check of `with_wave_quantization` (1: the model)."""
+    ``async_tp``: the asynchronous TP backward collectives (`runtimes.tp_backward_overlap_delta`)."""
     prof = regather_profile(vocab_parallel_profile(profile) if plan.tp > 1 else profile)
     mprof = selective_recompute_profile(prof, dropout=True) if selective else prof
     mem = estimate_memory(mprof, plan, batch, overhead_bytes=A100.framework_overhead_bytes,
@@ -261,9 +260,6 @@ def megatron_estimate(profile, plan, batch, *, ddp: str, selective: bool, micro:
     st = dataclasses.replace(st, compute=st.compute + acc * m * (ex[0] + ex[1]),
                              recompute=st.recompute + (acc * m * ex[0] if full else 0.0),
                              bubble=st.bubble + bubble * (ex[0] * (2 if full else 1) + ex[1]))
-    # tile and wave quantization of the layers' weight GEMMs (`runtimes.wave_quantization_seconds`)
-    st = with_wave_quantization(st, prof, micro=micro, tp=plan.tp, layers=(len(prof.blocks) - 2) / plan.pp,
-                                micro_batches=acc * m, full=full, bubble=bubble, max_split=gemm_split)
     if async_tp and plan.tp > 1:
         cache = PlannerCache().bind(hw=A100)
         ar = _coll(plan, "tp", A100, "all_reduce", tp_bytes_per_sample(prof, plan) * micro, plan.tp, False, cache)
@@ -280,21 +276,7 @@ def megatron_estimate(profile, plan, batch, *, ddp: str, selective: bool, micro:
     return st, mem
 
 
-def with_wave_quantization(st, prof, *, micro: int, tp: int, layers: float, micro_batches: int, full: bool,
-                           bubble: float = 0.0, max_split: int = 1):
-    """``st`` (a `StepEstimate`) with the tile and wave quantization of the transformer layers' weight
-    GEMMs (`runtimes.wave_quantization_seconds`) on the slowest rank's ``layers`` layers: forward and
-    backward of each of ``micro_batches`` micro-batches, the replayed forward under ``full``
-    recomputation, and the pipeline's idle time (``bubble``: idle micro-batch times per step).
-    ``max_split`` > 1: the split-K sensitivity check (`gpu.wave_efficiency`), not the model."""
-    wf, wb = wave_quantization_seconds(prof, A100, micro_batch=micro, tp=tp, max_split=max_split)
-    wf, wb = wf * layers, wb * layers
-    return dataclasses.replace(st, compute=st.compute + micro_batches * (wf + wb),
-                               recompute=st.recompute + (micro_batches * wf if full else 0.0),
-                               bubble=st.bubble + bubble * (wf * (2 if full else 1) + wb))
-
-
-def korthikanti_rows(fast: bool = False, gemm_split: int = 1) -> list[Result]:
+def korthikanti_rows(fast: bool = False) -> list[Result]:
     out = []
     for name, h, a, l, tp, pp, v, gpus, B, b, t_full, t_sel in KORTHIKANTI:
         if fast and name not in FAST["korthikanti"]:
@@ -308,8 +290,7 @@ def korthikanti_rows(fast: bool = False, gemm_split: int = 1) -> list[Result]:
                                 activation_checkpointing="none" if sel else "full", precision="bf16",
                                 sequence_parallel=sel)
             batch = Batch(B, B if pp > 1 else b)
-            st, mem = megatron_estimate(prof, plan, batch, ddp="local", selective=sel, micro=b, async_tp=True,
-                                        gemm_split=gemm_split)
+            st, mem = megatron_estimate(prof, plan, batch, ddp="local", selective=sel, micro=b, async_tp=True)
             out.append(Result("korthikanti", "Megatron-LM", f"{name} {mode}", plan.describe(), 1 / published,
                               1 / st.total, "1/s", st, mem, mem.total <= A100.memory_bytes))
     return out
@@ -320,7 +301,7 @@ def paper_flops(B: int, l: int, h: int, V: int = 51200, S: int = 2048) -> float:
     return 96 * B * S * l * h * h * (1 + S / (6 * h) + V / (16 * l * h))
 
 
-def megatron_rows(fast: bool = False, gemm_split: int = 1) -> list[Result]:
+def megatron_rows(fast: bool = False) -> list[Result]:
     out = []
     for name, a, h, l, tp, pp, v, gpus, B, b, ddp, published in MEGATRON:
         if fast and name not in FAST["megatron"]:
@@ -332,7 +313,7 @@ def megatron_rows(fast: bool = False, gemm_split: int = 1) -> list[Result]:
                             virtual_stages=v, pp_schedule="interleaved1f1b" if pp > 1 else "1f1b",
                             activation_checkpointing="full", precision="bf16")
         batch = Batch(B, per_dp if pp > 1 else b)
-        st, mem = megatron_estimate(prof, plan, batch, ddp=ddp, selective=False, micro=b, gemm_split=gemm_split)
+        st, mem = megatron_estimate(prof, plan, batch, ddp=ddp, selective=False, micro=b)
         tflops = paper_flops(B, l, h) / (st.total * gpus) / 1e12
         out.append(Result("megatron", "Megatron-LM", name, plan.describe(), published, tflops, "TFLOP/s",
                           st, mem, mem.total <= A100.memory_bytes))
@@ -342,7 +323,7 @@ def megatron_rows(fast: bool = False, gemm_split: int = 1) -> list[Result]:
 MOSAIC_KERNEL = "fa1"
 
 
-def mosaic_rows(fast: bool = False, kernel: str | None = None, gemm_split: int = 1) -> list[Result]:
+def mosaic_rows(fast: bool = False, kernel: str | None = None) -> list[Result]:
     out = []
     for model, seq, gpus, micro, accum, B, tps, mp, ac, n_params in MOSAIC:
         if fast and (model, seq, micro) not in FAST["mosaic"]:
@@ -356,10 +337,6 @@ def mosaic_rows(fast: bool = False, kernel: str | None = None, gemm_split: int =
         st = estimate_step(prof, plan, batch, A100, reduce_bytes=2, gather_bytes=gather,
                            attention_kernel=kernel or MOSAIC_KERNEL, autocast_weights=(mp == "DEFAULT"),
                            fsdp_stream_copies=False)
-        # tile and wave quantization of the blocks' GEMMs (`runtimes.wave_quantization_seconds`); the
-        # FSDP windows that hide communication are not widened by it (a small term at these shapes)
-        st = with_wave_quantization(st, prof, micro=micro, tp=1, layers=layers, micro_batches=accum, full=ac,
-                                    max_split=gemm_split)
         # llm-foundry's MPT loss: FusedCrossEntropyLoss (flash-attn's xentropy kernel) on the bf16 logits,
         # no fp32 copy: at most the activation-dtype charge (`memory.memory_form`, ``fp32_loss``)
         mem = estimate_memory(prof, plan, batch, overhead_bytes=A100.framework_overhead_bytes, fp32_loss=False)
@@ -441,19 +418,17 @@ def activation_check() -> str:
     return "\n".join(lines)
 
 
-def run(fast: bool = False, kernel: str | None = None, gemm_split: int = 1) -> tuple[list[Result], dict, dict]:
-    """All rows (or the fast subset); returns (results, summary with factor 1, summary with LOO factors).
-    ``gemm_split`` > 1: the split-K sensitivity check (`with_wave_quantization`), not the model."""
-    results = (korthikanti_rows(fast, gemm_split) + megatron_rows(fast, gemm_split)
-               + mosaic_rows(fast, kernel, gemm_split))
+def run(fast: bool = False, kernel: str | None = None) -> tuple[list[Result], dict, dict]:
+    """All rows (or the fast subset); returns (results, summary with factor 1, summary with LOO factors)."""
+    results = korthikanti_rows(fast) + megatron_rows(fast) + mosaic_rows(fast, kernel)
     ones = [1.0] * len(results)
     return results, summarize(results, ones), summarize(results, loo_factors(results))
 
 
-def report(fast: bool = False, kernel: str | None = None, gemm_split: int = 1) -> str:
+def report(fast: bool = False, kernel: str | None = None) -> str:
     """The benchmark's text: every row with factor 1 and with its leave-one-out framework factor,
     the factor for runs outside the table, and the activation-memory check."""
-    results, _, _ = run(fast, kernel, gemm_split)
+    results, _, _ = run(fast, kernel)
     out = [table(results, [1.0] * len(results), "== factor 1 (no fitted constant) =="), ""]
     f = loo_factors(results)
     fw: dict[str, list[float]] = {}

@@ -89,6 +89,20 @@ def recompute_share(ld, plan: ParallelPlan) -> tuple[float, float]:
     return out
 
 
+def recompute_layers(ld, plan: ParallelPlan) -> int:
+    """Transformer layers of ``ld`` (a `loads.RankLoad`) whose whole forward is replayed under
+    ``plan`` (full: all, every-k: the checkpointed ones; selective replays only the attention
+    cores, none nothing), for the terms priced per layer (`gpu.layer_wave_seconds`)."""
+    mode = plan.activation_checkpointing
+    if mode not in ("full", "every-k"):
+        return 0
+    key = ("layers", mode, plan.ac_every)
+    hit = ld.ac_variants.get(key)
+    if hit is None:
+        hit = ld.ac_variants[key] = sum(1 for _, layer, *_ in ld.ac_blocks if is_checkpointed(layer, plan))
+    return hit
+
+
 def recompute_flops_per_sample(profile, plan: ParallelPlan, cache=None) -> float:
     """Forward FLOPs per sample recomputed in backward (for HFU, PaLM App. B): the checkpointed
     blocks' (full: every block, a transformer's embedding and head excluded; every-k), the attention

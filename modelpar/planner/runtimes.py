@@ -244,47 +244,27 @@ def tp_backward_overlap_delta(profile: ModelProfile, hw, *, micro_batch: int, tp
 
 
 def layer_gemm_shapes(profile: ModelProfile, *, micro_batch: int, tp: int) -> dict[str, list[tuple]]:
-    """The weight GEMMs of one transformer layer on a rank of a ``tp``-way Megatron split (Shoeybi
-    et al. 2019, Sec. 3: QKV and the first MLP matmul column-parallel, the attention output and the
-    second MLP matmul row-parallel), for ``micro_batch`` samples of T = b s tokens, as (M, K, N)
-    of each product (output M x N, reduction K): forward (T, h, 3h/t), (T, h/t, h), (T, h, f/t),
-    (T, f/t, h); backward per linear the input gradient (T, N, K) and the weight gradient
-    (K, T, N) of its forward (M, K, N). With sequence parallelism the GEMMs see the gathered
-    T tokens, the same shapes; ``tp`` = 1 is the unsplit layer. h = ``arch["d_model"]``,
-    f = ``arch["ffn"]`` (4 h where absent). Returns {"fwd": [...], "bwd": [...]}."""
+    """`gpu.layer_gemm_shapes` of ``profile``'s transformer layer for ``micro_batch`` samples
+    (T = b s tokens; h = ``arch["d_model"]``, f = ``arch["ffn"]``, 4 h where absent)."""
+    from modelpar.planner.gpu import layer_gemm_shapes as shapes
     arch = profile.arch
     h = arch["d_model"]
-    f = arch.get("ffn", 4 * h)
-    T = micro_batch * profile.tokens_per_sample
-    fwd = [(T, h, 3 * h / tp), (T, h / tp, h), (T, h, f / tp), (T, f / tp, h)]
-    bwd = [shape for (m, k, n) in fwd for shape in ((m, n, k), (k, m, n))]
-    return {"fwd": fwd, "bwd": bwd}
+    return shapes(micro_batch * profile.tokens_per_sample, h, arch.get("ffn", 4 * h), tp)
 
 
 def wave_quantization_seconds(profile: ModelProfile, hw, *, micro_batch: int, tp: int,
                               max_split: int = 1) -> tuple[float, float]:
     """(forward, backward) seconds per micro-batch that tile and wave quantization add to one
-    transformer layer's weight GEMMs on a rank of a ``tp``-way split (`layer_gemm_shapes`), on a
-    built-in GPU (`gpu.wave_efficiency`, sources in `gpu`'s docstring; 0 elsewhere).
-
-    Each GEMM of F FLOPs and B bytes (16-bit operands: 2 (M K + K N + M N)) takes
-    max(F / (R e), B / W) by its own roofline (R: MAMF, W: the measured HBM rate, e: its output's
-    wave efficiency) where the step model charges it max(F / R, B / W) inside the rank's sum; the
-    result is the sum of the differences (never negative). The embedding, the output layer and the
-    attention core keep the model's terms. ``max_split``: `gpu.wave_efficiency`'s split-K
-    sensitivity check (1: the model)."""
-    from modelpar.planner.gpu import physics_for, wave_efficiency
+    transformer layer's weight GEMMs on a rank of a ``tp``-way split (`gpu.layer_wave_seconds`,
+    sources in `gpu`'s docstring), on a built-in GPU at its MAMF; 0 elsewhere. The step model
+    charges the same term per layer of each rank (`cost.StepForm`); the embedding, the output
+    layer and the attention core keep the model's terms. ``max_split``: the split-K sensitivity
+    check (1: the model)."""
+    from modelpar.planner.gpu import layer_wave_seconds, physics_for
     phys = physics_for(hw)
     if phys is None or not phys.sms or not profile.arch.get("d_model"):
         return 0.0, 0.0
     flops_s, mem_s = _rates(hw)
-    out = []
-    for d, shapes in layer_gemm_shapes(profile, micro_batch=micro_batch, tp=tp).items():
-        ex = 0.0
-        for m, k, n in shapes:
-            f, byt = 2 * m * k * n, 2 * (m * k + k * n + m * n)
-            base = max(f / flops_s, byt / mem_s)
-            e = wave_efficiency(m, n, phys.sms, k=k, max_split=max_split)
-            ex += max(0.0, max(f / (flops_s * e), byt / mem_s) - base)
-        out.append(ex)
-    return out[0], out[1]
+    h = profile.arch["d_model"]
+    return layer_wave_seconds(micro_batch * profile.tokens_per_sample, h, profile.arch.get("ffn", 4 * h), tp,
+                              phys.sms, flops_s, mem_s, max_split)

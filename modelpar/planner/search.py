@@ -188,17 +188,30 @@ def _plan(plans: dict, dr, ds, tp, pp, sched, m, v, ac, k, defer, precision, sp)
     return plan
 
 
+def _estimate_of(parts: tuple, overhead_bytes: float, pp_rank: int) -> MemoryEstimate:
+    """The `MemoryEstimate` of `memory.MemoryForm.parts` output on pipeline rank ``pp_rank``."""
+    p, g, o, a, f, c, phase = parts
+    return MemoryEstimate(p, g, o, a, f, c, overhead_bytes, pp_rank, phase)
+
+
+def _parts_total(parts: tuple, overhead_bytes: float) -> float:
+    """`MemoryEstimate.total` of `_estimate_of` (parts, overhead_bytes, ...): the same sum in the
+    same order, so bitwise the same float."""
+    p, g, o, a, f, c, _ = parts
+    return p + g + o + a + f + c + overhead_bytes
+
+
 def _plan_memory(plan: ParallelPlan, reps, b: int, acc: int, flights: dict, kw: dict, budget: float, memo: dict,
                  forms: dict, overhead: float):
     """(estimate, total) of the most loaded representative rank; stops at the first rank over
-    ``budget`` (the total is then a lower bound, enough to prune). A rank's memory depends on the
-    schedule only through the micro-batches it holds in flight, so schedules that agree on that
+    ``budget`` (the total is then a lower bound, enough to prune, and the estimate None). A rank's
+    memory depends on the schedule only through the micro-batches it holds in flight, so schedules that agree on that
     share the estimate (``memo``, one per layout: its loads differ only by the virtual stages), and
     on (b, m, accumulation, in flight) only through `memory.MemoryForm.at`: one form per rank and
     checkpointing / sync variant (``forms``, one per layout), the same numbers as `rank_memory`.
     ``flights``: `memory.in_flight` of each representative rank per micro-batch count (one per
-    layout and schedule: in flight depends on nothing else)."""
-    mem, mem_total = None, 0.0
+    (tp, pp, v) and schedule: in flight depends on nothing else)."""
+    best, best_total, best_r = None, 0.0, 0
     v, m, ac, k, defer = (plan.virtual_stages, plan.n_microbatches, plan.activation_checkpointing, plan.ac_every,
                           plan.defer_grad_sync)
     pp = plan.pp > 1
@@ -213,14 +226,15 @@ def _plan_memory(plan: ParallelPlan, reps, b: int, acc: int, flights: dict, kw: 
             form = forms.get(fkey)
             if form is None:
                 form = forms[fkey] = memory_form(ld, plan, **kw)
-            e = form.at(b, m if pp else 1, acc, w if pp else 1.0, r, overhead)
-            hit = memo[mkey] = (e, e.total)
-        e, e_total = hit
-        if mem is None or e_total > mem_total:
-            mem, mem_total = e, e_total
+            parts = form.parts(b, m if pp else 1, acc, w if pp else 1.0)
+            hit = memo[mkey] = (_parts_total(parts, overhead), parts)
+        e_total = hit[0]
+        if best is None or e_total > best_total:
+            best, best_total, best_r = hit[1], e_total, r
             if e_total > budget:
-                break
-    return mem, mem_total
+                return None, e_total
+    # the estimate of the fullest rank only (the others' totals are all the search compares)
+    return _estimate_of(best, overhead, best_r), best_total
 
 
 def _representatives(loads) -> list[tuple[int, object]]:
@@ -280,6 +294,7 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
     rep = SearchReport(num_devices)
     cache = PlannerCache(profile, hw)        # the memo tables of this search (`memo.PlannerCache`)
     load_cache: dict[tuple, tuple] = {}
+    flight_cache: dict[tuple, tuple[dict, dict]] = {}
     act_bytes = 2 if precision == "bf16" else 4
     flops = (profile.fwd_flops_per_sample, profile.train_flops_per_sample - profile.fwd_flops_per_sample)
     bad = [s for s in schedules if s not in PP_SCHEDULES] + [a for a in checkpointing if a not in AC_MODES]
@@ -359,8 +374,13 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                     continue
                 interleaved = sched.startswith("interleaved")
                 plans: dict[tuple[int, str], ParallelPlan] = {}
-                flights: dict[int, list[float]] = {}
-                flights_k: dict[int, list[float]] = {}
+                # in flight per rank depends only on pp, the schedule, v and m: shared by the layouts of
+                # one (tp, pp, v) (the same representative ranks) and schedule
+                fkey = (tp, pp, v, sched)
+                tabs = flight_cache.get(fkey)
+                if tabs is None:
+                    tabs = flight_cache[fkey] = ({}, {})
+                flights, flights_k = tabs
                 sform = sform_k = None      # step forms: representative ranks / every rank (every-k)
                 for b, m, acc, batch in inner_acc:
                     if interleaved and m % pp:
