@@ -123,9 +123,13 @@ def weights_digest(model: nn.Module) -> str:
 
     h = hashlib.sha256()
     for name, t in model.state_dict().items():
+        if not isinstance(t, torch.Tensor):     # a module's extra state
+            h.update(f"{name}:{t!r};".encode())
+            continue
         t = t.detach().cpu().contiguous()
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
-        h.update(t.view(torch.uint8).numpy() if t.numel() else b"")
+        # flat first: a 0-dim buffer (BatchNorm's num_batches_tracked) cannot be viewed as bytes
+        h.update(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")
     return h.hexdigest()
 
 

@@ -482,6 +482,11 @@ def test_verify_reference_is_rebuilt_and_checked_bitwise(capsys):
 
     assert weights_digest(lm_factory.classifier()) == weights_digest(lm_factory.classifier())
     assert weights_digest(lm_factory.undeclared_conv()) != weights_digest(lm_factory.undeclared_conv())
+    # 0-dim buffers (BatchNorm's num_batches_tracked) are hashed too, by value
+    bn, bn2 = torch.nn.BatchNorm1d(3), torch.nn.BatchNorm1d(3)
+    assert weights_digest(bn) == weights_digest(bn2)
+    bn2.num_batches_tracked += 1
+    assert weights_digest(bn) != weights_digest(bn2)
     common = ["--strategy", "single", "--steps", "1", "--global-batch-size", "4"]
     assert main(["--model", "helpers.lm_factory:classifier", *common]) == 0
     assert "PASS" in capsys.readouterr().out
