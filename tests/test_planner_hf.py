@@ -157,9 +157,26 @@ def test_search_keeps_tp_within_kv_heads():
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_plan_and_estimate_commands_on_hf_models(name, capsys):
-    from modelpar.cli.estimate import main as estimate_main
-    from modelpar.cli.plan import main as plan_main
+def test_plan_and_estimate_commands_on_hf_models(name, capsys, monkeypatch):
+    """plan, estimate and estimate --strategy fsdp, each through its own CLI main, on one tiny HF
+    model. The three calls share one real `profile_for` result (memoized here by its arguments): the
+    profile is the costly part and is the same input for all three; each command's parsing, planning
+    and printing still runs."""
+    import modelpar.cli.estimate as estimate_mod
+    import modelpar.cli.plan as plan_mod
+    from modelpar.cli.common import profile_for
+    real_calls, memo = [], {}
+
+    def shared_profile_for(*args):
+        key = repr(args)                                         # the model config is a dict
+        if key not in memo:
+            real_calls.append(args)
+            memo[key] = profile_for(*args)
+        return memo[key]
+
+    monkeypatch.setattr(plan_mod, "profile_for", shared_profile_for)
+    monkeypatch.setattr(estimate_mod, "profile_for", shared_profile_for)
+    plan_main, estimate_main = plan_mod.main, estimate_mod.main
     build(name, device="meta")                                   # the tiny config builds
     args = cli_args(name) + ["--seq-len", "32", "--nproc", "4", "--global-batch-size", "8",
                              "--hardware", "H100-80GB-SXM"]
@@ -172,6 +189,7 @@ def test_plan_and_estimate_commands_on_hf_models(name, capsys):
     assert cls in out and "yes: best plan" in out
     assert estimate_main(args + ["--strategy", "fsdp"]) == 0
     assert "peak memory per rank" in capsys.readouterr().out
+    assert len(real_calls) == 1 and real_calls[0][0] == cli_args(name)[1]   # one HF profile, of --model
 
 
 def test_estimate_refuses_tp_not_dividing_kv_heads(capsys):
