@@ -5,12 +5,13 @@ head / vocabulary / sequence legality before launch, the fused q|k|v permutation
 import pytest
 import torch
 from helpers.hf_tiny import TINY, build, cli_args
+from helpers.pure_fixtures import requires
 
 from modelpar.parallel import hf_tp
 from modelpar.parallel.tensor import (COLWISE, COLWISE_VOCAB, COLWISE_VOCAB_SEQ, ROWWISE, ROWWISE_SEQ, ROWWISE_VOCAB,
                                       SEQ_NORM, default_tp_plan, tp_plan_for, validate_tp_plan)
 
-pytest.importorskip("transformers")
+pytestmark = requires("transformers")  # checks it is installed without importing it at collection
 
 
 def test_llama_plan_is_its_own_tp_plan_translated():

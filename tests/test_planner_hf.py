@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from helpers.hf_tiny import TINY, build, cli_args
+from helpers.pure_fixtures import requires
 
-pytest.importorskip("transformers")
+pytestmark = requires("transformers")  # checks it is installed without importing it at collection
 
 # tiny Llama with an explicit head_dim (the attribute a config built from overrides keeps otherwise)
 LLAMA = ("hf:llama", {**TINY["llama"][1], "head_dim": 8})

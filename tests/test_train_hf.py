@@ -23,9 +23,9 @@ import torch
 from helpers.ckpt_worker import data_dir
 from helpers import workers
 from helpers.hf_tiny import TINY
+from helpers.pure_fixtures import requires
 
-pytest.importorskip("transformers")
-pytest.importorskip("tokenizers")
+pytestmark = requires("transformers", "tokenizers")  # checks they are installed without importing them at collection
 
 GPT2 = {**TINY["gpt2"][1], "vocab_size": 256}          # byte-level tokens need a vocabulary of 256
 BASE = dict(model="hf:gpt2", model_config=GPT2, seq_len=16, global_batch_size=8, steps=6, warmup_steps=2,
