@@ -52,7 +52,48 @@ def _collective_worker(sizes, rounds: int = ROUNDS) -> dict:
     res["spread"].update(sp)
     res["framework"], sp = _framework_overheads(world, res["in_context"]["all_reduce"])
     res["spread"].update(sp)
+    res["corun_matmul_factor"], res["spread"]["corun_matmul_factor"] = _corun_factor(rank, world, rounds)
     return res
+
+
+CORUN_SHAPE = 512       # the reference product: N x N x N fp32 (none of the benchmark's models)
+
+
+def _corun_factor(rank: int, world: int, rounds: int = ROUNDS, reps: int = 9) -> tuple[float, float]:
+    """(factor, relative spread): a reference `CORUN_SHAPE`-cubed fp32 matmul's time on rank 0 while
+    every other rank runs the same product at the same moment, over its time while the other ranks
+    wait (cores share caches and the memory bus: ranks computing in lockstep each run slower than one
+    alone, which the single-process compute rates do not see). Timed in the thread's CPU time
+    (``time.thread_time``), so a rank descheduled by another process on a busy host does not count
+    as slowed; the best call of ``reps`` per side, the median of ``rounds`` ratios (`robust`). Every
+    rank returns rank 0's numbers."""
+    import torch.distributed as dist
+    n = CORUN_SHAPE
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    c = torch.empty(n, n)
+
+    def best(synced: bool) -> float:
+        ts = []
+        torch.mm(a, b, out=c)
+        for _ in range(reps):
+            if synced:
+                dist.barrier()
+            t = time.thread_time()
+            torch.mm(a, b, out=c)
+            ts.append(time.thread_time() - t)
+        return min(ts)
+
+    ratios = []
+    for _ in range(rounds):
+        dist.barrier()
+        # rank 0 alone: the others wait in the barrier (blocked in gloo's receive, not computing)
+        alone = best(False) if rank == 0 else 0.0
+        dist.barrier()
+        both = best(True)
+        ratios.append(both / alone if rank == 0 else 0.0)
+    val = torch.tensor(robust(ratios) if rank == 0 else (0.0, 0.0), dtype=torch.float64)
+    dist.broadcast(val, 0)
+    return float(val[0]), float(val[1])
 
 
 def worker_main(argv: list[str]) -> int:
@@ -335,6 +376,7 @@ def measure_collectives(world: int = 2, sizes=COLLECTIVE_SIZES, *, timeout_s: fl
     fits["framework"] = res["framework"]
     fits["in_context"] = res["in_context"]
     fits["spread"] = res["spread"]
+    fits["corun_matmul_factor"] = res["corun_matmul_factor"]
     return fits
 
 

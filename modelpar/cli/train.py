@@ -51,9 +51,9 @@ def build_parser():
 
     p = make_parser("modelpar train", (
         "Train a model (built-in, a Hugging Face causal LM, or a factory language model; docs/your-model.md) "
-        "with a parallel plan. With no options: the 3M-parameter GPT on the Python "
+        "with a parallel plan. With no options: the 1M-parameter GPT (gpt-1m) on the Python "
         "standard library's sources, the plan `--strategy auto` picks on 2 local CPU ranks (an uncalibrated "
-        "machine is measured once first, ~40 s)."), epilog=EXAMPLES + "\n" + BATCH_TERMS, config_file=True)
+        "machine is measured once first, ~2 min)."), epilog=EXAMPLES + "\n" + BATCH_TERMS, config_file=True)
     add_fields(p, TrainConfig, skip=("plan_options",))
     add_fields(p, ParallelPlan, only=_plan_only_fields(), dest_prefix="plan_options.", group="further plan options")
     add_fields(p, LayoutOptions, only=("nnodes", "gpus_per_node"), group="many nodes")

@@ -23,11 +23,13 @@ Each row is predicted for the runtime it ran on; describing that runtime is not 
   Megatron's defaults), the vocabulary-parallel embedding and output layer with the loss on sharded
   logits (`runtimes.vocab_parallel_profile`), apex's fused Adam (``fused_tp_optimizer``), fp16
   gradients reduced in fp16 (``reduce_bytes=2``: Megatron-LM's
-  ``accumulate_allreduce_grads_in_fp32`` off under fp16), its own pipeline runtime (two reused
+  ``accumulate_allreduce_grads_in_fp32`` off: ``examples/sc21/CONFIG.sh`` passes ``--fp16
+  --loss-scale 8192`` and not that flag), its own pipeline runtime (two reused
   receive buffers, ``recv_per_microbatch=False``), and the scatter / gather of pipeline transfers
   over the TP ranks (SC'21 Sec. 4.1, ``p2p_scatter_gather``), and Megatron's DDP for PP > 1
   (all-reduce after backward in place: ``dp_overlap=False``, ``ddp_bucket_copy=False``) or torch
-  DDP for PP = 1 (overlapped, bucket copy). Selective
+  DDP for PP = 1 (overlapped, bucket copy; ``run_table_1.sh``: ``DDP=torch`` for 1.7B and 18B,
+  ``DDP=local`` for PP > 1). Selective
   recomputation: `runtimes.selective_recompute_profile` (memory) and
   `runtimes.attention_core_seconds` (the extra forward of the core, per layer and micro-batch).
   Korthikanti's runs (2022, the code that introduced sequence parallelism) overlap the
