@@ -17,12 +17,20 @@ LLAMA = ("hf:llama", {**TINY["llama"][1], "head_dim": 8})
 GPT2 = ("hf:gpt2", {**TINY["gpt2"][1], "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0})
 
 
+_PROFILES = {}
+
+
 def _profile(spec_cfg, seq=16, layers=None, batch=1):
-    from modelpar.models.hf import build_hf
-    from modelpar.planner.profile import profile_model
-    spec, cfg = spec_cfg
-    m = build_hf(spec, cfg, device="meta", seed=None)
-    return m, profile_model(m, torch.zeros(batch, seq, dtype=torch.long, device="meta"))
+    """``(meta model, profile)`` of an HF spec; built once per arguments for this module's tests (the
+    profile is a frozen dataclass and the tests only read the model: they share one)."""
+    key = repr((spec_cfg, seq, layers, batch))
+    if key not in _PROFILES:
+        from modelpar.models.hf import build_hf
+        from modelpar.planner.profile import profile_model
+        spec, cfg = spec_cfg
+        m = build_hf(spec, cfg, device="meta", seed=None)
+        _PROFILES[key] = m, profile_model(m, torch.zeros(batch, seq, dtype=torch.long, device="meta"))
+    return _PROFILES[key]
 
 
 def test_llama_profile_parts_facts_and_attention_flops():
