@@ -23,8 +23,8 @@ Each row is predicted for the runtime it ran on; describing that runtime is not 
   Megatron's defaults), the vocabulary-parallel embedding and output layer with the loss on sharded
   logits (`runtimes.vocab_parallel_profile`), apex's fused Adam (``fused_tp_optimizer``), fp16
   gradients reduced in fp16 (``reduce_bytes=2``: Megatron-LM's
-  ``accumulate_allreduce_grads_in_fp32`` off: ``examples/sc21/CONFIG.sh`` passes ``--fp16
-  --loss-scale 8192`` and not that flag), its own pipeline runtime (two reused
+  ``accumulate_allreduce_grads_in_fp32`` off: Megatron-LM's ``examples/sc21/CONFIG.sh`` sets
+  fp16 with a static loss scale of 8192 and not that option), its own pipeline runtime (two reused
   receive buffers, ``recv_per_microbatch=False``), and the scatter / gather of pipeline transfers
   over the TP ranks (SC'21 Sec. 4.1, ``p2p_scatter_gather``), and Megatron's DDP for PP > 1
   (all-reduce after backward in place: ``dp_overlap=False``, ``ddp_bucket_copy=False``) or torch
