@@ -60,37 +60,30 @@ CORUN_SHAPE = 512       # the reference product: N x N x N fp32 (none of the ben
 
 
 def _corun_factor(rank: int, world: int, rounds: int = ROUNDS, reps: int = 9) -> tuple[float, float]:
-    """(factor, relative spread): a reference `CORUN_SHAPE`-cubed fp32 matmul's time on rank 0 while
-    every other rank runs the same product at the same moment, over its time while the other ranks
-    wait (cores share caches and the memory bus: ranks computing in lockstep each run slower than one
-    alone, which the single-process compute rates do not see). Timed in the thread's CPU time
-    (``time.thread_time``), so a rank descheduled by another process on a busy host does not count
-    as slowed; the best call of ``reps`` per side, the median of ``rounds`` ratios (`robust`). Every
-    rank returns rank 0's numbers."""
+    """(factor, relative spread): seconds of a reference `CORUN_SHAPE`-cubed fp32 matmul on rank 0
+    while every other rank runs the same product at the same moment, over its seconds while the other
+    ranks sleep (cores share caches and the memory bus: ranks computing in lockstep each run slower
+    than one alone, which the single-process compute rates do not see). Best call of ``reps`` per
+    side, the median of ``rounds`` ratios (`robust`); every rank returns rank 0's numbers."""
     import torch.distributed as dist
     n = CORUN_SHAPE
     a, b = torch.randn(n, n), torch.randn(n, n)
     c = torch.empty(n, n)
-
-    def best(synced: bool) -> float:
-        ts = []
-        torch.mm(a, b, out=c)
-        for _ in range(reps):
-            if synced:
-                dist.barrier()
-            t = time.thread_time()
-            torch.mm(a, b, out=c)
-            ts.append(time.thread_time() - t)
-        return min(ts)
-
+    mm = lambda: torch.mm(a, b, out=c)      # noqa: E731
     ratios = []
     for _ in range(rounds):
         dist.barrier()
         # rank 0 alone: the others wait in the barrier (blocked in gloo's receive, not computing)
-        alone = best(False) if rank == 0 else 0.0
+        alone = _time(mm, reps, best=True) if rank == 0 else 0.0
         dist.barrier()
-        both = best(True)
-        ratios.append(both / alone if rank == 0 else 0.0)
+        ts = []
+        mm()
+        for _ in range(reps):
+            dist.barrier()
+            t = time.perf_counter()
+            mm()
+            ts.append(time.perf_counter() - t)
+        ratios.append(min(ts) / alone if rank == 0 else 0.0)
     val = torch.tensor(robust(ratios) if rank == 0 else (0.0, 0.0), dtype=torch.float64)
     dist.broadcast(val, 0)
     return float(val[0]), float(val[1])
