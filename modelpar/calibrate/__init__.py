@@ -117,7 +117,6 @@ def calibrate(out: str | os.PathLike | None = None, ranks: int = 2, *, collectiv
         c["mem_bandwidth"] = coll.pop("mem_bandwidth")
         fresh = coll.pop("fresh")
         cal.update(coll.pop("framework"))
-        cal["corun_matmul_factor"] = coll.pop("corun_matmul_factor")
         times = coll.pop("times")
         in_ctx = coll.pop("in_context")
         lat, bw = coll["all_reduce"]
@@ -186,9 +185,6 @@ def summary_lines(hw: Hardware, times: dict[str, dict[int, float]] | None = None
     if cal.mem_bandwidth_alone is not None:
         out.append(f"  memory bandwidth, one rank alone{'':<6}{cal.mem_bandwidth_alone / 1e9:>9.1f} GB/s   "
                    f"{_sp(cal, 'mem_bandwidth_alone')}")
-    if cal.corun_matmul_factor != 1.0:
-        out.append(f"  matmul beside computing ranks / alone{'':<1}{cal.corun_matmul_factor:>9.2f} x      "
-                   f"{_sp(cal, 'corun_matmul_factor')}")
     if cal.collective_ranks:
         out += [f"  TP Linear, per call (fwd + bwd){'':<7}{cal.tp_linear_overhead_s * 1e6:>9.0f} us     "
                 f"{_sp(cal, 'tp_linear_overhead_s')}",

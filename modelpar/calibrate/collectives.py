@@ -52,41 +52,7 @@ def _collective_worker(sizes, rounds: int = ROUNDS) -> dict:
     res["spread"].update(sp)
     res["framework"], sp = _framework_overheads(world, res["in_context"]["all_reduce"])
     res["spread"].update(sp)
-    res["corun_matmul_factor"], res["spread"]["corun_matmul_factor"] = _corun_factor(rank, world, rounds)
     return res
-
-
-CORUN_SHAPE = 512       # the reference product: N x N x N fp32 (none of the benchmark's models)
-
-
-def _corun_factor(rank: int, world: int, rounds: int = ROUNDS, reps: int = 9) -> tuple[float, float]:
-    """(factor, relative spread): seconds of a reference `CORUN_SHAPE`-cubed fp32 matmul on rank 0
-    while every other rank runs the same product at the same moment, over its seconds while the other
-    ranks sleep (cores share caches and the memory bus: ranks computing in lockstep each run slower
-    than one alone, which the single-process compute rates do not see). Best call of ``reps`` per
-    side, the median of ``rounds`` ratios (`robust`); every rank returns rank 0's numbers."""
-    import torch.distributed as dist
-    n = CORUN_SHAPE
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    c = torch.empty(n, n)
-    mm = lambda: torch.mm(a, b, out=c)      # noqa: E731
-    ratios = []
-    for _ in range(rounds):
-        dist.barrier()
-        # rank 0 alone: the others wait in the barrier (blocked in gloo's receive, not computing)
-        alone = _time(mm, reps, best=True) if rank == 0 else 0.0
-        dist.barrier()
-        ts = []
-        mm()
-        for _ in range(reps):
-            dist.barrier()
-            t = time.perf_counter()
-            mm()
-            ts.append(time.perf_counter() - t)
-        ratios.append(min(ts) / alone if rank == 0 else 0.0)
-    val = torch.tensor(robust(ratios) if rank == 0 else (0.0, 0.0), dtype=torch.float64)
-    dist.broadcast(val, 0)
-    return float(val[0]), float(val[1])
 
 
 def worker_main(argv: list[str]) -> int:
@@ -369,7 +335,6 @@ def measure_collectives(world: int = 2, sizes=COLLECTIVE_SIZES, *, timeout_s: fl
     fits["framework"] = res["framework"]
     fits["in_context"] = res["in_context"]
     fits["spread"] = res["spread"]
-    fits["corun_matmul_factor"] = res["corun_matmul_factor"]
     return fits
 
 

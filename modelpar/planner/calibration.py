@@ -79,10 +79,6 @@ class Calibration:
             (`modelpar.calibrate.micro.measure_attention_shapes`), read as factors over its own point
             at ``attention_flops``' shape (`Hardware.attention_factor`); empty for files without it,
             where ``attention_flops`` prices every call.
-        corun_matmul_factor: a reference fp32 matmul's seconds on one rank while every other
-            calibrated rank runs it at the same moment, over its seconds alone
-            (`modelpar.calibrate.collectives._corun_factor`; cores share caches and the memory bus);
-            1.0 for files without it. The CPU cost model scales multi-rank plans' matmul seconds by it.
         rounds: rounds each term was measured in (the median kept; 1: a file from before
             schema 3, whose terms had no repeats at this level).
         spread: ``{term: relative spread}`` over those rounds, ``(max - min) / |median|``
@@ -109,7 +105,6 @@ class Calibration:
     fsdp_tensor_overhead_s: float = 0.0
     matmul_shapes: dict[str, dict[tuple[int, int, int], float]] = field(default_factory=dict)
     attention_shapes: dict[tuple[int, int, int], float] = field(default_factory=dict)
-    corun_matmul_factor: float = 1.0
     rounds: int = 1
     spread: dict[str, float] = field(default_factory=dict)
 
@@ -160,11 +155,6 @@ class Calibration:
             d["fresh_alloc_min_bytes"] = float("inf")
         d["spread"] = {str(k): (float("inf") if v is None else float(v)) for k, v in d.get("spread", {}).items()}
         d["rounds"] = int(d.get("rounds", 1))
-        f = d.get("corun_matmul_factor", 1.0)
-        if not isinstance(f, (int, float)) or not 0.5 <= f <= 10:
-            raise ValueError(f"calibration's corun_matmul_factor must be a number in [0.5, 10] (a ratio of "
-                             f"seconds), got {f!r}")
-        d["corun_matmul_factor"] = float(f)
         d["matmul_shapes"] = {lay: {tuple(int(x) for x in k.split("x")): float(v) for k, v in g.items()}
                               for lay, g in d.get("matmul_shapes", {}).items()}
         d["attention_shapes"] = {tuple(int(x) for x in k.split("x")): float(v)

@@ -98,12 +98,10 @@ ZERO_BUBBLE_SCHEDULES = ("interleavedzerobubble", "zbvzerobubble", "dualpipev")
 
 
 def _load_times(ld: RankLoad, hw: Hardware, b: int, prec: str, mem_s: float, ew_s: float, attn_rate: float,
-                curve: bool, flops_s: float, alone: bool, phys=None, kernel=None,
-                corun: float = 1.0) -> tuple[float, float]:
+                curve: bool, flops_s: float, alone: bool, phys=None, kernel=None) -> tuple[float, float]:
     """Forward and backward seconds of one micro-batch of ``b`` samples on a rank holding ``ld``
     (memoized by `rank_step`: they do not depend on the schedule or checkpointing). ``phys``: the
-    built-in GPU's published tables (`gpu.gpu_load_times`), None elsewhere. ``corun``: the factor on
-    the matmuls' compute seconds while the other ranks compute too (`Calibration.corun_matmul_factor`)."""
+    built-in GPU's published tables (`gpu.gpu_load_times`), None elsewhere."""
     if phys is not None:
         return gpu_load_times(ld, b, mem_s, flops_s, phys, kernel)
     # fused attention kernels at their own calibrated rate where there is one (on CPU far below
@@ -119,8 +117,8 @@ def _load_times(ld: RankLoad, hw: Hardware, b: int, prec: str, mem_s: float, ew_
     rf = (hw.gemm_flops(prec, rest_f / max(nf - k_f, 1)) if curve and ld.fwd_gemms else flops_s) if rest_f else 1.0
     rb = (hw.gemm_flops(prec, rest_b / max(nb - k_b, 1)) if curve and ld.bwd_gemms else flops_s) if rest_b else 1.0
     # matmuls: roofline of their FLOPs and the bytes they move (weights once per micro-batch)
-    g_f = max((s_f + rest_f / rf) * corun, (ld.gemm_param_bytes[0] + ld.gemm_act_bytes[0] * b) / mem_s)
-    g_b = max((s_b + rest_b / rb) * corun, (ld.gemm_param_bytes[1] + ld.gemm_act_bytes[1] * b) / mem_s)
+    g_f = max(s_f + rest_f / rf, (ld.gemm_param_bytes[0] + ld.gemm_act_bytes[0] * b) / mem_s)
+    g_b = max(s_b + rest_b / rb, (ld.gemm_param_bytes[1] + ld.gemm_act_bytes[1] * b) / mem_s)
     if attn_rate:
         (a_f, a_b), (fa_f, fa_b) = _attention_seconds(ld, hw, b, attn_rate)
         g_f += a_f + max(af * b - fa_f, 0.0) / attn_rate
@@ -204,9 +202,6 @@ def step_form(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, optimi
     mem_s = ((cal.mem_bandwidth_alone if alone and cal.mem_bandwidth_alone is not None else hw.mem_bandwidth)
              * hw.mem_bw_fraction)
     f.phys = phys = physics_for(hw)
-    # CPU ranks computing at the same moments share caches and the memory bus: each rank's matmuls
-    # run at the rate measured beside the others (calibrated on a reference product; 1.0 without it)
-    f.corun = cal.corun_matmul_factor if phys is None and plan.world_size > 1 else 1.0
     if phys is not None:            # built-in GPU: measured HBM fraction and MAMF (gpu.py)
         mem_s = hw.mem_bandwidth * phys.hbm_fraction
     f.mem_s = mem_s
@@ -264,7 +259,7 @@ class StepForm:
     __slots__ = ("loads", "hw", "tp_bytes", "dp_overlap", "reduce_bytes", "attention_kernel", "p2p_scatter_gather",
                  "fsdp_stream_copies", "cache", "prec", "flops_s", "alone", "cal", "mem_s", "phys", "v", "p",
                  "overlap", "curve", "ew_s", "attn_rate", "zb", "layout", "cast_b", "wb", "rep_rt", "shard_share",
-                 "rep_share", "opt", "per_b", "slowest", "shard_acc", "comms", "corun")
+                 "rep_share", "opt", "per_b", "slowest", "shard_acc", "comms")
 
     def _times(self, plan: ParallelPlan, b: int) -> tuple:
         """Per micro-batch size ``b`` (memoized): each rank's forward and backward seconds, the TP
@@ -282,13 +277,13 @@ class StepForm:
         load_times = cache.load_times
         times = []
         for ld in self.loads:
-            key = (ld.key, b, prec, alone, self.attention_kernel, self.corun)
+            key = (ld.key, b, prec, alone, self.attention_kernel)
             hit = load_times.get(key)
             if hit is not None and hit[0] is ld:
                 t_f, t_b = hit[1]
             else:
                 t_f, t_b = _load_times(ld, hw, b, prec, self.mem_s, self.ew_s, self.attn_rate, self.curve,
-                                       self.flops_s, alone, self.phys, self.attention_kernel, self.corun)
+                                       self.flops_s, alone, self.phys, self.attention_kernel)
                 load_times[key] = (ld, (t_f, t_b))
             # built-in GPU, bf16: each layer's weight-GEMM tile / wave quantization (`gpu.layer_wave_seconds`)
             w_f = 0.0

@@ -22,7 +22,7 @@ class PlannerCache:
     - ``links``: `comms._coll_sum`'s link terms per (degrees, axis, operation, ranks, in context);
     - ``buckets``: `comms.ddp_buckets` per (parameter sizes, element bytes);
     - ``comms``: `comms._comm_terms` per (rank load key, degrees, micro-batch, bytes, options);
-    - ``load_times``: `cost._load_times` per (rank load key, micro-batch, precision, alone, kernel, corun);
+    - ``load_times``: `cost._load_times` per (rank load key, micro-batch, precision, alone, kernel);
     - ``recompute_flops``: `recompute.recompute_flops_per_sample` per (mode, ac_every);
     - ``waves``: `gpu.layer_wave_seconds` per (tokens per micro-batch, width, FFN, TP degree) (`cost.StepForm`).
 
