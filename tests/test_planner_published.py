@@ -342,6 +342,67 @@ def test_megatron_async_tp_backward_overlaps_column_parallel_collectives(bench):
     assert asy.tp_comm < sync.tp_comm and asy.compute == sync.compute
 
 
+def test_fused_accumulation_seconds_counts_the_linear_weights(bench):
+    # Megatron-LM's gradient-accumulation fusion (wgrad_gemm_accum_fp32 into main_grad): the
+    # linear weights of a rank's transformer layers, and the output layer's on the last rank, skip
+    # the step model's 12 B/param accumulation pass after the first micro-batch; norms, biases
+    # and the embedding lookup keep it
+    from modelpar.planner.runtimes import fused_accumulation_seconds
+    V, h, L, tp, m = 1024, 64, 4, 2, 6
+    prof = vocab_parallel_profile(_gpt(vocab_size=V, seq_len=64, n_layer=L, n_head=4, d_model=h))
+    hw = BUILTIN["A100-80GB"]
+    W = hw.mem_bandwidth * A100.hbm_fraction
+    plan = ParallelPlan(tp=tp, pp=2, n_microbatches=m, precision="bf16")
+    first, last = rank_loads(prof, plan, act_bytes=2)
+    layer = 12 * h * h / tp                                  # QKV 3h^2 + projection h^2 + MLP 2 x 4h^2
+    assert fused_accumulation_seconds(first, prof, hw, tp=tp, micro_batches=m) == pytest.approx(
+        (m - 1) * 12 * 2 * layer / W)
+    assert fused_accumulation_seconds(last, prof, hw, tp=tp, micro_batches=m) == pytest.approx(
+        (m - 1) * 12 * (2 * layer + V * h / tp) / W)
+    # less than the whole pass: the rest of the rank's parameters keep it
+    assert fused_accumulation_seconds(first, prof, hw, tp=tp, micro_batches=m) < (m - 1) * 12 * first.params / W
+    assert fused_accumulation_seconds(last, prof, hw, tp=tp, micro_batches=1) == 0.0
+
+
+def test_megatron_fp32_accumulation_drops_the_pass_and_holds_18_bytes(bench):
+    # the Korthikanti rows (fp32 main gradients, so the fusion is on): compute lower by exactly the
+    # slowest rank's fused pass, nothing else in the step moves; model state 2 + 4 + 12 B/param
+    from modelpar.planner.runtimes import fused_accumulation_seconds
+    prof = bench.gpt_profile(51200, 2048, 8, 16, 2048, attention="megatron", dropout=0.1)
+    plan = ParallelPlan(tp=8, pp=4, n_microbatches=16, activation_checkpointing="full", precision="bf16")
+    batch = Batch(16, 16)
+    off, m_off = bench.megatron_estimate(prof, plan, batch, ddp="local", selective=False, micro=1, async_tp=True)
+    on, m_on = bench.megatron_estimate(prof, plan, batch, ddp="local", selective=False, micro=1, async_tp=True,
+                                       fp32_accumulation=True)
+    vp = bench.regather_profile(vocab_parallel_profile(prof))
+    last = rank_loads(vp, plan, act_bytes=2)[-1]             # the output layer's stage: the most work
+    saved = fused_accumulation_seconds(last, vp, BUILTIN["A100-80GB"], tp=8, micro_batches=16)
+    assert saved > 0 and off.compute - on.compute == pytest.approx(saved)
+    assert dataclasses.replace(on, compute=off.compute) == off
+    assert m_on.params == pytest.approx(m_off.params / 2) and m_on.optimizer == pytest.approx(1.5 * m_off.optimizer)
+    assert m_on.grads == m_off.grads and m_on.activations == m_off.activations
+    # one micro-batch per step: no accumulation to fuse
+    p1 = ParallelPlan(tp=8, activation_checkpointing="full", precision="bf16")
+    a, _ = bench.megatron_estimate(prof, p1, Batch(4, 4), ddp="local", selective=False, micro=4, async_tp=True)
+    b, _ = bench.megatron_estimate(prof, p1, Batch(4, 4), ddp="local", selective=False, micro=4, async_tp=True,
+                                   fp32_accumulation=True)
+    assert a == b
+
+
+@pytest.mark.parametrize("ddp,pp", [("local", 4), ("torch", 1)])
+def test_megatron_memory_at_unit_scale_is_the_planners(bench, ddp, pp):
+    prof = bench.regather_profile(vocab_parallel_profile(
+        bench.gpt_profile(51200, 2048, 8, 16, 2048, attention="megatron", dropout=0.1)))
+    plan = ParallelPlan(tp=8, pp=pp, n_microbatches=8 if pp > 1 else 1, activation_checkpointing="full",
+                        precision="bf16")
+    batch = Batch(8, 8 if pp > 1 else 4)
+    mine = bench.megatron_memory(prof, plan, batch, ddp=ddp)
+    ref = estimate_memory(prof, plan, batch, overhead_bytes=BUILTIN["A100-80GB"].framework_overhead_bytes,
+                          recv_per_microbatch=False, ddp_bucket_copy=(ddp == "torch"), fp32_loss=False,
+                          optimizer="adamw", fused_tp_optimizer=True)
+    assert mine == ref
+
+
 def test_gemm_tile_and_wave_quantization():
     # NVIDIA's Matrix Multiplication Background guide, Ch. 3: a 1792 x 1792 output in 256 x 128 tiles
     # is 7 x 14 = 98 tiles, one wave of the A100's 108 SMs at 98 / 108; one tile more than a wave
