@@ -41,7 +41,13 @@ Each row is predicted for the runtime it ran on; describing that runtime is not 
   hide their bytes (`runtimes.core_roofline_excess`: the roofline is a per-kernel bound).
   Its fp16 modules hold 16-bit weights (``autocast_weights=False``) beside fp32 main weights in
   its fp16 optimizer (``master_weights``: gradient copy, unscale and inf check, main-to-model
-  weight copy per step).
+  weight copy per step). Korthikanti's rows accumulate gradients in fp32 main-gradient buffers
+  (their model state is 18 B per parameter: the paper's Fig. 1, `megatron_memory`), with which
+  that code's gradient-accumulation fusion is on: the linear weights' gradients are added into
+  the buffer by their weight-gradient GEMMs, so the step model's per-micro-batch accumulation pass
+  is not paid for them (`runtimes.fused_accumulation_seconds`); the SC'21 rows (fp16 gradients:
+  ``CONFIG.sh`` passes no fp32-accumulation option, so Megatron-LM's ``validate_args`` turns the
+  fusion off) keep it.
 - MosaicML: Composer FSDP1 FULL_SHARD (ZeRO-3 over all GPUs), bf16 autocast, FlashAttention v1
   (the A100 table predates llm-foundry's ``gpu-flash2`` extra: its 2023 environments pin
   ``flash-attn==v1.0.3.post0``, e.g. llm-foundry's Dockerfile and MPT notebooks; the reference calls
