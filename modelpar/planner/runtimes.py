@@ -252,13 +252,13 @@ def fused_accumulation_seconds(load, profile: ModelProfile, hw, *, tp: int, micr
     2022; the tensor-parallel layers NVIDIA also ships as apex ``transformer/tensor_parallel``),
     every column- and row-parallel linear and the output layer (``parallel_lm_logits``) run through
     ``LinearWithGradAccumulationAndAsyncCommunication``, whose backward, with
-    ``gradient_accumulation_fusion`` (on by default: the command-line switch is the opt-out
-    ``--no-gradient-accumulation-fusion``, ``store_false``, beside ``--sequence-parallel`` in that
-    code's ``arguments.py``; until Megatron-LM commit 07916bf24, 2022-09-27, "Support gradient
-    accumulation fusion in fp16", ``validate_args`` turned it off unless gradients accumulate in
-    fp32, ``accumulate_allreduce_grads_in_fp32``: so it applies to runs with fp32 main gradients,
-    the Korthikanti rows, and not to the SC'21 rows, whose ``CONFIG.sh`` does not pass that
-    option), computes the weight gradient as
+    ``gradient_accumulation_fusion`` (on by default: Megatron-LM's command-line switch for it is an
+    opt-out, argparse ``store_false`` into ``dest="gradient_accumulation_fusion"``, beside the
+    sequence-parallel switch in that code's ``arguments.py``; until Megatron-LM commit 07916bf24,
+    2022-09-27, "Support gradient accumulation fusion in fp16", ``validate_args`` turned it off
+    unless gradients accumulate in fp32, ``accumulate_allreduce_grads_in_fp32``: so it applies to
+    runs with fp32 main gradients, the Korthikanti rows, and not to the SC'21 rows, whose
+    ``CONFIG.sh`` does not pass that option), computes the weight gradient as
     ``fused_dense_cuda.wgrad_gemm_accum_fp32(total_input, grad_output, weight.main_grad)``: one GEMM
     that adds into the fp32 main-gradient buffer (beta = 1), returning no gradient tensor. So these
     weights never pay the separate in-place accumulation the step model charges every micro-batch
