@@ -43,8 +43,10 @@ def test_fast_published_rows_fit_and_stay_within_reached_errors(bench):
     # 9.6% with the unfused core's per-kernel roofline alone, 12.4% before that; Megatron's
     # asynchronous TP backward hides ~5% of the 22B step, so factor 1 moved away); its
     # leave-one-out factor in this 3-row Megatron subset is set mostly by the 1.7B row (4.5% here;
-    # 2.7% before wave quantization, 4.5% and 6.1% before the two earlier terms)
-    assert one["mean_by_source"]["korthikanti"] <= 0.09
+    # 2.7% before wave quantization, 4.5% and 6.1% before the two earlier terms). Session 10: the
+    # fp16 optimizer's gradient copy is an alias with fp32 main gradients (`runtimes.
+    # main_grad_copy_seconds`): 22B's step 9-10 ms shorter, factor 1 mean 8.1 -> 9.1%
+    assert one["mean_by_source"]["korthikanti"] <= 0.095
     assert loo["mean_by_source"]["korthikanti"] <= 0.05
 
 
@@ -366,7 +368,8 @@ def test_fused_accumulation_seconds_counts_the_linear_weights(bench):
 
 def test_megatron_fp32_accumulation_drops_the_pass_and_holds_18_bytes(bench):
     # the Korthikanti rows (fp32 main gradients, so the fusion is on): compute lower by exactly the
-    # slowest rank's fused pass, nothing else in the step moves; model state 2 + 4 + 12 B/param
+    # slowest rank's fused pass, the optimizer by the gradient copy, nothing else in the step moves;
+    # model state 2 + 4 + 12 B/param
     from modelpar.planner.runtimes import fused_accumulation_seconds
     prof = bench.gpt_profile(51200, 2048, 8, 16, 2048, attention="megatron", dropout=0.1)
     plan = ParallelPlan(tp=8, pp=4, n_microbatches=16, activation_checkpointing="full", precision="bf16")
@@ -378,7 +381,10 @@ def test_megatron_fp32_accumulation_drops_the_pass_and_holds_18_bytes(bench):
     last = rank_loads(vp, plan, act_bytes=2)[-1]             # the output layer's stage: the most work
     saved = fused_accumulation_seconds(last, vp, BUILTIN["A100-80GB"], tp=8, micro_batches=16)
     assert saved > 0 and off.compute - on.compute == pytest.approx(saved)
-    assert dataclasses.replace(on, compute=off.compute) == off
+    # the fp16 optimizer's model-to-main gradient copy (read 2, write 4) is an alias of the fp32 buffer
+    W = BUILTIN["A100-80GB"].mem_bandwidth * A100.hbm_fraction
+    assert off.optimizer - on.optimizer == pytest.approx(6 * last.params / W)
+    assert dataclasses.replace(on, compute=off.compute, optimizer=off.optimizer) == off
     assert m_on.params == pytest.approx(m_off.params / 2) and m_on.optimizer == pytest.approx(1.5 * m_off.optimizer)
     assert m_on.grads == m_off.grads and m_on.activations == m_off.activations
     # one micro-batch per step: no accumulation to fuse
@@ -386,7 +392,7 @@ def test_megatron_fp32_accumulation_drops_the_pass_and_holds_18_bytes(bench):
     a, _ = bench.megatron_estimate(prof, p1, Batch(4, 4), ddp="local", selective=False, micro=4, async_tp=True)
     b, _ = bench.megatron_estimate(prof, p1, Batch(4, 4), ddp="local", selective=False, micro=4, async_tp=True,
                                    fp32_accumulation=True)
-    assert a == b
+    assert a.compute == b.compute and b.optimizer < a.optimizer
 
 
 @pytest.mark.parametrize("ddp,pp", [("local", 4), ("torch", 1)])

@@ -105,7 +105,7 @@ from modelpar.planner.hardware import BUILTIN
 from modelpar.planner.memory import Batch, estimate_memory, rank_loads, rank_memory
 from modelpar.planner.profile import profile_model
 from modelpar.planner.runtimes import (attention_core_seconds, core_roofline_excess, fused_accumulation_seconds,
-                                       regather_profile, selective_recompute_profile,
+                                       main_grad_copy_seconds, regather_profile, selective_recompute_profile,
                                        tp_backward_overlap_delta, vocab_parallel_profile)
 
 A100 = BUILTIN["A100-80GB"]
@@ -277,7 +277,8 @@ def megatron_estimate(profile, plan, batch, *, ddp: str, selective: bool, micro:
     ``fp32_accumulation``: gradients accumulate in fp32 main-gradient buffers (Megatron-LM's
     ``accumulate_allreduce_grads_in_fp32``), which turns its gradient-accumulation fusion on (the
     linear weights' gradients accumulate inside their weight-gradient GEMMs:
-    `runtimes.fused_accumulation_seconds`) and holds 18 B of model state per parameter
+    `runtimes.fused_accumulation_seconds`), makes the fp16 optimizer's gradient copy an alias
+    (`runtimes.main_grad_copy_seconds`) and holds 18 B of model state per parameter
     (`megatron_memory`)."""
     prof = regather_profile(vocab_parallel_profile(profile) if plan.tp > 1 else profile)
     mprof = selective_recompute_profile(prof, dropout=True) if selective else prof
@@ -304,7 +305,8 @@ def megatron_estimate(profile, plan, batch, *, ddp: str, selective: bool, micro:
         loads = rank_loads(prof, plan, act_bytes=2)
         ld = max(loads, key=lambda x: (x.fwd_flops + x.bwd_flops, x.params))
         saved = fused_accumulation_seconds(ld, prof, A100, tp=plan.tp, micro_batches=acc * m)
-        st = dataclasses.replace(st, compute=st.compute - saved)
+        st = dataclasses.replace(st, compute=st.compute - saved,
+                                 optimizer=st.optimizer - main_grad_copy_seconds(ld, A100))
     if async_tp and plan.tp > 1:
         cache = PlannerCache().bind(hw=A100)
         ar = _coll(plan, "tp", A100, "all_reduce", tp_bytes_per_sample(prof, plan) * micro, plan.tp, False, cache)

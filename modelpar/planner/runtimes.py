@@ -286,6 +286,17 @@ def fused_accumulation_seconds(load, profile: ModelProfile, hw, *, tp: int, micr
     return (micro_batches - 1) * 12 * fused / mem_s
 
 
+def main_grad_copy_seconds(load, hw) -> float:
+    """Seconds per step of the fp16 optimizer's model-to-main gradient copy (read 2 B, write 4 B per
+    parameter of a rank holding ``load``; part of `cost.MASTER_WEIGHT_TRAFFIC`) that Megatron-LM
+    does not spend when its main gradients are already fp32: ``Float16OptimizerWithFloat16Params.
+    _copy_model_grads_to_main_grads`` sets ``main_param.grad = model_param.main_grad.float()``, and
+    ``.float()`` of an fp32 tensor returns the tensor itself (no kernel). Subtract it from the step
+    model's optimizer term for runs with fp32 gradient accumulation (the Korthikanti rows)."""
+    _, mem_s = _rates(hw)
+    return 6 * load.params / mem_s
+
+
 def layer_gemm_shapes(profile: ModelProfile, *, micro_batch: int, tp: int) -> dict[str, list[tuple]]:
     """`gpu.layer_gemm_shapes` of ``profile``'s transformer layer for ``micro_batch`` samples
     (T = b s tokens; h = ``arch["d_model"]``, f = ``arch["ffn"]``, 4 h where absent)."""
