@@ -56,9 +56,12 @@ def test_every_ranked_candidate_equals_a_standalone_estimate(model, seq, n, gb, 
     # every candidate of the small searches; every 8th of gpt-1b's ~5,000 (the pure tier's time; the
     # representatives' gap fixed in `search` hit ~1 in 5 of those candidates, so a stride still finds it)
     for c in (rep.ranked if len(rep.ranked) < 1500 else rep.ranked[::8]):
-        # a fresh `rank_step` over the search's representative ranks (`search._representatives`)
+        # a fresh `rank_step` over the ranks the search prices: every rank of a pipeline (their times
+        # give its fill and drain, `formulas.fill_drain_seconds`) and of every-k, else the
+        # representatives (`search._representatives`)
         loads = rank_loads(prof, c.plan, act_bytes=2 if prec == "bf16" else 4)
-        evaluated = loads if c.plan.activation_checkpointing == "every-k" else [ld for _, ld in _representatives(loads)]
+        every = c.plan.activation_checkpointing == "every-k" or c.plan.pp > 1
+        evaluated = loads if every else [ld for _, ld in _representatives(loads)]
         parts = rank_step(evaluated, c.plan, hw,
                           micro_batch_size=c.micro_batch_size, accumulation=c.batch.accumulation_steps(c.plan),
                           optimizer="adamw", tp_bytes=tp_bytes_per_sample(prof, c.plan))

@@ -57,7 +57,7 @@ from __future__ import annotations
 from modelpar.plan import ParallelPlan, runtime_layout
 # the collective (alpha-beta) and pipeline-bubble formulas live in formulas.py, re-exported here
 from modelpar.planner.formulas import (all_gather_time, all_reduce_time, alpha_beta_form,  # noqa: F401
-                                       bubble_fraction, p2p_time)
+                                       bubble_fraction, fill_drain_from_sums, p2p_time)
 # one rank's collective times and FSDP2's exposed share live in comms.py, re-exported here
 from modelpar.planner.comms import (DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, _coll,  # noqa: F401
                                     _comm_terms, _fsdp_exposed, _nccl_share, ddp_buckets)
@@ -305,16 +305,17 @@ class StepForm:
 
     def _slowest(self, plan: ParallelPlan, b: int) -> tuple:
         """The slowest rank at micro-batch size ``b`` under ``plan``'s checkpointing (memoized):
-        (its index, load, forward, backward, recompute and TP seconds)."""
+        (its index, load, forward, backward, recompute and TP seconds, and for GPipe / 1F1B the sums
+        `formulas.fill_drain_from_sums` takes before ``m``: U, D, F_k, B_k, p - k; else None)."""
         mode = plan.activation_checkpointing
-        skey = (b, mode, plan.ac_every)
+        skey = (b, mode, plan.ac_every, plan.pp_schedule)
         hit = self.slowest.get(skey)
         if hit is not None:
             return hit
         times, ar_tp, tp_linear = self._times(plan, b)
         ac_any = mode in ("full", "every-k", "selective")
         attn_rate, flops_s = self.attn_rate, self.flops_s
-        best = None
+        best, fb = None, []
         for i, (ld, t_f, t_b, w_f) in enumerate(times):
             t_rc, rc_share = 0.0, 0.0
             if ac_any:     # the checkpointed blocks' share / the cores (`modelpar.planner.recompute`)
@@ -330,10 +331,18 @@ class StepForm:
             t_tp = (ld.tp_collectives * ar_tp * (2 + rc_share)
                     + ld.tp_linears * tp_linear)
             work = t_f + t_b + t_rc + t_tp
+            fb.append((t_f + t_tp / 2, t_b + t_rc + t_tp / 2))     # TP's cost split evenly (forward, backward)
             key = (work, ld.params)
             if best is None or key > best[0]:
                 best = (key, i, ld, t_f, t_b, t_rc, t_tp)
-        out = self.slowest[skey] = best[1:]
+        # GPipe / 1F1B with one stage per rank and every rank's load: the other stages' times before and
+        # after the slowest rank, for its wait while the pipeline fills and drains
+        # (`formulas.fill_drain_seconds`); None: the bubble fraction (`at`)
+        fill = None
+        if self.p > 1 and self.v == 1 and plan.pp_schedule in ("gpipe", "1f1b") and len(fb) == self.p:
+            k = best[1]
+            fill = (sum(f + b_ for f, b_ in fb[:k]), sum(f + b_ for f, b_ in fb[k + 1:]), *fb[k], self.p - k)
+        out = self.slowest[skey] = (*best[1:], fill)
         return out
 
     def at(self, plan: ParallelPlan, micro_batch_size: int, accumulation: int) -> dict:
@@ -344,7 +353,7 @@ class StepForm:
                                                           self.v, self.p, self.overlap, self.wb)
         dp_overlap, reduce_bytes = self.dp_overlap, self.reduce_bytes
         m = plan.n_microbatches if p > 1 else 1
-        i, ld, t_f, t_b, t_rc, t_tp = self._slowest(plan, b)
+        i, ld, t_f, t_b, t_rc, t_tp, fill = self._slowest(plan, b)
         mbs = accumulation * m                          # micro-batches per step on this rank
         # gradient accumulation: micro-batches after the first add their gradients in place (read 2,
         # write 1 fp32 values per parameter); FSDP without a pipeline adds reduce-scattered shards
@@ -426,8 +435,13 @@ class StepForm:
                 # FSDP2's replicate (DDP semantics under PP / TP) copies the gradients into a flat
                 # buffer and the reduced values back (read + write each way)
                 dp_exposed = t_ar + 16 * ld.params / mem_s
-        per_mb_compute = t_f + t_b + t_tp
-        bub = bubble_fraction(plan.pp_schedule, p, m, v) * m * (per_mb_compute + t_rc)
+        # the bubble: GPipe / 1F1B from the other stages' times along the schedule's critical path
+        # (`formulas.fill_drain_seconds`; (p - 1)(F + B) for equal stages, Narayanan et al. 2021,
+        # Sec. 2.2); other schedules: their bubble fraction of the slowest rank's ideal time
+        if fill is not None:
+            bub = fill_drain_from_sums(plan.pp_schedule, *fill, m)
+        else:
+            bub = bubble_fraction(plan.pp_schedule, p, m, v) * m * (t_f + t_b + t_tp + t_rc)
         return {"compute": mbs * (t_f + t_b) + t_acc, "recompute": mbs * t_rc,
                 "tp_comm": mbs * t_tp, "pp_comm": mbs * t_p2p,
                 "dp_comm": dp_exposed + mbs * fsdp_per_mb, "bubble": accumulation * bub,

@@ -69,3 +69,58 @@ def bubble_share_of_step(schedule: str, p: int, m: int, v: int = 1) -> float:
     """
     f = bubble_fraction(schedule, p, m, v)
     return f / (1 + f)
+
+
+
+def fill_drain_seconds(schedule: str, fwd: list[float], bwd: list[float], k: int, m: int) -> float:
+    """Seconds the slowest pipeline stage ``k`` waits per schedule step while a GPipe or 1F1B
+    pipeline of ``len(fwd)`` stages (one per rank) runs ``m`` micro-batches; ``fwd[s]`` / ``bwd[s]``:
+    stage ``s``'s forward / backward seconds of one micro-batch. The step is m (F_k + B_k) plus this.
+
+    The critical path of m micro-batches through the stages in order and back (each rank runs its
+    actions in the schedule's order, a forward waits for the previous stage's, a backward for the next
+    stage's): stage k waits for the forward of the first micro-batch through the stages before it and,
+    after its last backward, for their backwards, U = sum over s < k of (F_s + B_s). The stages after
+    it, D = sum over s > k of (F_s + B_s), delay k's first and last backward:
+    - GPipe (all forwards, then all backwards; torch's `ScheduleGPipe`): k's first backward waits for
+      the last stage's last forward and the backwards back to k, and everything after is paced by k:
+      U + D.
+    - 1F1B (torch's `Schedule1F1B`: stage s warms up with min(m, p - s) forwards, then alternates
+      one backward and one forward): between k's forward of a micro-batch and its backward run
+      p - k - 1 of k's own forwards (warm-up: the first micro-batch) or backwards (cool-down: the
+      last), which hide that much of D: U + max(0, D - (p-k-1) F_k) + max(0, D - (p-k-1) B_k).
+      With m < p - k micro-batches (torch refuses 1F1B with m < p) GPipe's U + D, exact for m = 1
+      and an upper bound otherwise.
+    With p equal stages both give (p - 1)(F + B), i.e. the bubble (p - 1)/m of the ideal time
+    (Narayanan et al. 2021, Sec. 2.2); with unequal stages the heavy stage waits only for the others.
+    Exact for one stage that is the slowest in forward and in backward (tests: an event model of the
+    schedules).
+
+    Raises:
+        ValueError: another schedule, ``fwd`` / ``bwd`` of different lengths, ``k`` outside them,
+            or ``m < 1``.
+    """
+    p = len(fwd)
+    if len(bwd) != p or not 0 <= k < p or m < 1:
+        raise ValueError(f"fill_drain_seconds: {p} forward and {len(bwd)} backward times, stage k={k}, m={m}")
+    up = sum(fwd[s] + bwd[s] for s in range(k))
+    down = sum(fwd[s] + bwd[s] for s in range(k + 1, p))
+    return fill_drain_from_sums(schedule, up, down, fwd[k], bwd[k], p - k, m)
+
+
+def fill_drain_from_sums(schedule: str, up: float, down: float, f_k: float, b_k: float, after: int,
+                         m: int) -> float:
+    """`fill_drain_seconds` from its sums: ``up`` = U, ``down`` = D, stage k's ``f_k`` / ``b_k``, and
+    ``after`` = p - k (stage k and the stages after it).
+
+    Raises:
+        ValueError: a schedule other than ``gpipe`` or ``1f1b``.
+    """
+    if schedule == "gpipe":
+        return up + down
+    if schedule == "1f1b":
+        if m < after:       # fewer micro-batches than the stages from k on (torch's 1F1B refuses m < p)
+            return up + down
+        hidden = after - 1
+        return up + max(0.0, down - hidden * f_k) + max(0.0, down - hidden * b_k)
+    raise ValueError(f"fill_drain_seconds: pp_schedule {schedule!r} is not gpipe or 1f1b")

@@ -445,7 +445,9 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                                 form = sform_k
                             else:
                                 if sform is None:       # `cost.rank_step` of this layout's candidates
-                                    sform = step_form(loads, pl, hw, optimizer=optimizer,
+                                    # (pipelines: every rank, whose times give the fill and drain)
+                                    sform = step_form([ld for _, ld in every_rank] if pp > 1 else loads, pl, hw,
+                                                      optimizer=optimizer,
                                                       tp_bytes=tp_bytes_per_sample(profile, pl),
                                                       dp_overlap=dp_overlap, cache=cache)
                                 form = sform
