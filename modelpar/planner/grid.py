@@ -132,22 +132,18 @@ def plan_memory(plan, reps, b: int, acc: int, flights: dict, kw: dict, budget: f
         sel = flights[skey] = (_selection(plan, reps, ws, kw["cache"]) if len(reps) > 2
                                else [(r, ld, w, None) for (r, ld), w in zip(reps, ws)])
     best, best_total, best_r = None, 0.0, 0
-
-    def total_of(r, ld, w):
+    extra = []
+    pm = m if pp else 1
+    for r, ld, w, others in sel:
         mkey = (v, r, b, acc, m, ac, k, defer, w)
         hit = memo.get(mkey)
         if hit is None:
-            parts = _form(forms, plan, v, r, ld, kw).parts(b, m if pp else 1, acc, w if pp else 1.0)
+            parts = _form(forms, plan, v, r, ld, kw).parts(b, pm, acc, w if pp else 1.0)
             hit = memo[mkey] = (_parts_total(parts, overhead), parts)
-        return hit
-
-    extra = []
-    for r, ld, w, others in sel:
-        hit = total_of(r, ld, w)
         e_total = hit[0]
         if e_total > budget:
             return None, e_total
-        if best is None or e_total > best_total or (e_total == best_total and r < best_r):
+        if best is None or e_total > best_total:        # rank order: the earliest on ties
             best, best_total, best_r = hit[1], e_total, r
         if others is not None and hit[1][6] not in _FLAT_PHASES:
             # `_selection`'s margins: a later rank's best moment (slope) and a flat branch (last rank)
@@ -156,12 +152,20 @@ def plan_memory(plan, reps, b: int, acc: int, flights: dict, kw: dict, budget: f
             ok = per_other * (w - others[1][2]) > _MARGIN * e_total
             if ok:
                 lr, lld, lw = others[-1]
-                last = total_of(lr, lld, lw)
+                lkey = (v, lr, b, acc, m, ac, k, defer, lw)
+                last = memo.get(lkey)
+                if last is None:
+                    parts = _form(forms, plan, v, lr, lld, kw).parts(b, pm, acc, lw)
+                    last = memo[lkey] = (_parts_total(parts, overhead), parts)
                 ok = last[1][6] not in _FLAT_PHASES or e_total > last[0] * (1 + _MARGIN)
             if not ok:
                 extra.extend(others[1:])
-    for r, ld, w in extra:
-        hit = total_of(r, ld, w)
+    for r, ld, w in extra:       # later than their stretch's first rank, not in rank order
+        mkey = (v, r, b, acc, m, ac, k, defer, w)
+        hit = memo.get(mkey)
+        if hit is None:
+            parts = _form(forms, plan, v, r, ld, kw).parts(b, pm, acc, w if pp else 1.0)
+            hit = memo[mkey] = (_parts_total(parts, overhead), parts)
         e_total = hit[0]
         if e_total > budget:
             return None, e_total
