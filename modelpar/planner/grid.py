@@ -13,7 +13,7 @@ kind wherever the proof's margins do not hold (tests/test_planner_search_speed.p
 from __future__ import annotations
 
 from modelpar.planner.memory import MemoryEstimate, in_flight, memory_form
-from modelpar.planner.recompute import ac_load
+from modelpar.planner.recompute import is_checkpointed
 
 # the phases of `MemoryForm.parts` that do not depend on the micro-batches in flight
 _FLAT_PHASES = ("optimizer", "pipeline_end")
@@ -39,6 +39,22 @@ def memory_class(ld, cache) -> int:
     return cid
 
 
+def _ac_class(ld, plan, cache) -> int:
+    """`memory_class` of `recompute.ac_load` (ld, plan) without building it: ac_load keeps every
+    field of ``ld`` but the saved bytes and the backward moments, which it computes from each block's
+    record and, under every-k, whether the block is checkpointed, under selective its attention-core
+    bytes; equal loads with equal such lists give equal variants."""
+    mode = plan.activation_checkpointing
+    if mode == "every-k":
+        sig = tuple((rec, is_checkpointed(layer, plan)) for rec, layer, *_ in ld.ac_blocks)
+    elif mode == "selective":
+        sig = tuple((rec, core) for rec, _, core, _, _ in ld.ac_blocks)
+    else:
+        return memory_class(ld, cache)
+    content = (memory_class(ld, cache), mode, sig)
+    return cache.mem_class_ids.setdefault(content, len(cache.mem_class_ids))
+
+
 def _form(forms: dict, plan, v: int, r: int, ld, kw: dict):
     """The `memory.MemoryForm` of rank ``r`` under ``plan``'s checkpointing and sync (one per layout)."""
     fkey = (v, r, plan.activation_checkpointing, plan.ac_every, plan.defer_grad_sync)
@@ -55,8 +71,8 @@ def _selection(plan, ranks: list, ws: list, cache) -> list:
     checkpointing only (shared by the layouts of one (tp, pp, v) and schedule).
 
     Proof that the fullest rank (the largest total, the earliest rank on ties, as a scan of every rank
-    finds it) is among them. Group the ranks by `memory_class` of their load under the plan's
-    checkpointing (equal classes: equal forms, equal parts at equal W) and each group into the ranks
+    finds it) is among them. Group the ranks by `_ac_class` (their load under the plan's
+    checkpointing; equal classes: equal forms, equal parts at equal W) and each group into the ranks
     holding all ``m`` micro-batches (W = m) and the others (W < m):
     - W = m: equal parts, equal totals: the group's first rank is the earliest of them.
     - W < m: in `MemoryForm.parts` W enters only the held bytes ``(F - 1) x per_other + F' x per_out``
@@ -75,14 +91,21 @@ def _selection(plan, ranks: list, ws: list, cache) -> list:
     So the earliest rank with the largest total is selected, and the scan over the selected ranks in
     rank order, keeping the earliest on ties, finds it."""
     m = plan.n_microbatches
-    ac = plan.activation_checkpointing in ("selective", "every-k")
+    mode = plan.activation_checkpointing
+    # the ranks' classes under this checkpointing: per rank list and mode, for every schedule and m
+    ikey = ("ids", ranks[0][1].key, len(ranks), mode, plan.ac_every if mode == "every-k" else 0)
+    hit = cache.mem_classes.get(ikey)
+    if hit is not None and hit[0] is ranks[0][1] and hit[1] is ranks[-1][1]:
+        ids = hit[2]
+    else:
+        ids = [_ac_class(ld, plan, cache) for _, ld in ranks]
+        cache.mem_classes[ikey] = (ranks[0][1], ranks[-1][1], ids)
     groups: dict[int, tuple[list, list]] = {}
     prev = float("inf")
-    for (r, ld), w in zip(ranks, ws):
+    for (r, ld), w, cid in zip(ranks, ws, ids):
         if w > prev:                     # W not non-increasing: no stretch argument, every rank
             return [(r2, ld2, w2, None) for (r2, ld2), w2 in zip(ranks, ws)]
         prev = w
-        cid = memory_class(ac_load(ld, plan, cache) if ac else ld, cache)
         full, part = groups.setdefault(cid, ([], []))
         (full if w >= m else part).append((r, ld, w))
     out = []
@@ -138,7 +161,10 @@ def plan_memory(plan, reps, b: int, acc: int, flights: dict, kw: dict, budget: f
         mkey = (v, r, b, acc, m, ac, k, defer, w)
         hit = memo.get(mkey)
         if hit is None:
-            parts = _form(forms, plan, v, r, ld, kw).parts(b, pm, acc, w if pp else 1.0)
+            form = forms.get((v, r, ac, k, defer))
+            if form is None:
+                form = forms[(v, r, ac, k, defer)] = memory_form(ld, plan, **kw)
+            parts = form.parts(b, pm, acc, w if pp else 1.0)
             hit = memo[mkey] = (_parts_total(parts, overhead), parts)
         e_total = hit[0]
         if e_total > budget:

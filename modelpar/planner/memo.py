@@ -25,7 +25,8 @@ class PlannerCache:
     - ``load_times``: `cost._load_times` per (rank load key, micro-batch, precision, alone, kernel);
     - ``recompute_flops``: `recompute.recompute_flops_per_sample` per (mode, ac_every);
     - ``waves``: `gpu.layer_wave_seconds` per (tokens per micro-batch, width, FFN, TP degree) (`cost.StepForm`);
-    - ``mem_classes``: `grid.memory_class` per rank load key, numbering the contents in ``mem_class_ids``.
+    - ``mem_classes``: `grid.memory_class` per rank load key, numbering the contents in ``mem_class_ids``,
+      and `grid._selection`'s class list per (rank list, checkpointing mode).
 
     A cache serves one profile and one hardware: `bind` records them on first use and refuses others
     (the tables are not keyed by either).
