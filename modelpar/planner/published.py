@@ -41,7 +41,13 @@ Each row is predicted for the runtime it ran on; describing that runtime is not 
   hide their bytes (`runtimes.core_roofline_excess`: the roofline is a per-kernel bound).
   Its fp16 modules hold 16-bit weights (``autocast_weights=False``) beside fp32 main weights in
   its fp16 optimizer (``master_weights``: gradient copy, unscale and inf check, main-to-model
-  weight copy per step).
+  weight copy per step). Korthikanti's rows accumulate gradients in fp32 main-gradient buffers
+  (their model state is 18 B per parameter: the paper's Fig. 1, `megatron_memory`), with which
+  that code's gradient-accumulation fusion is on: the linear weights' gradients are added into
+  the buffer by their weight-gradient GEMMs, so the step model's per-micro-batch accumulation pass
+  is not paid for them (`runtimes.fused_accumulation_seconds`); the SC'21 rows (fp16 gradients:
+  ``CONFIG.sh`` passes no fp32-accumulation option, so Megatron-LM's ``validate_args`` turns the
+  fusion off) keep it.
 - MosaicML: Composer FSDP1 FULL_SHARD (ZeRO-3 over all GPUs), bf16 autocast, FlashAttention v1
   (the A100 table predates llm-foundry's ``gpu-flash2`` extra: its 2023 environments pin
   ``flash-attn==v1.0.3.post0``, e.g. llm-foundry's Dockerfile and MPT notebooks; the reference calls
@@ -96,11 +102,11 @@ from modelpar.planner.comms import _coll
 from modelpar.planner.cost import bubble_fraction, estimate_step, tp_bytes_per_sample
 from modelpar.planner.memo import PlannerCache
 from modelpar.planner.hardware import BUILTIN
-from modelpar.planner.memory import Batch, estimate_memory, rank_loads
+from modelpar.planner.memory import Batch, estimate_memory, rank_loads, rank_memory
 from modelpar.planner.profile import profile_model
-from modelpar.planner.runtimes import (attention_core_seconds, core_roofline_excess, regather_profile,
-                                       selective_recompute_profile, tp_backward_overlap_delta,
-                                       vocab_parallel_profile)
+from modelpar.planner.runtimes import (attention_core_seconds, core_roofline_excess, fused_accumulation_seconds,
+                                       main_grad_copy_seconds, regather_profile, selective_recompute_profile,
+                                       tp_backward_overlap_delta, vocab_parallel_profile)
 
 A100 = BUILTIN["A100-80GB"]
 GIB = 2 ** 30
@@ -236,18 +242,49 @@ def gpt_profile(vocab: int, seq: int, layers: int, heads: int, d: int, *, attent
 MEGATRON_RUNTIME = dict(optimizer="adamw", fused_tp_optimizer=True)
 
 
-def megatron_estimate(profile, plan, batch, *, ddp: str, selective: bool, micro: int, async_tp: bool = False):
+def megatron_memory(profile, plan, batch, *, ddp: str, state_scale: tuple[float, float] = (1.0, 1.0)):
+    """Peak `MemoryEstimate` of a Megatron-LM run: the planner's memory model per pipeline rank
+    (`memory.rank_memory`, as `memory.estimate_memory` calls it: Megatron's two reused pipeline
+    buffers, its fused Adam, torch DDP's bucket copy only where ``ddp == "torch"``, and the
+    vocabulary-parallel cross entropy's one fp32 copy of the logits reused in place for the softmax
+    and the gradient: ``fp32_loss=False``), with each rank's ``params`` and ``optimizer`` parts
+    scaled by ``state_scale`` before the peak rank is taken.
+
+    (1, 1) is `estimate_memory`'s answer. (0.5, 1.5): Megatron's fp16 model state with fp32
+    gradient accumulation (Korthikanti's rows; `korthikanti_rows`): 16-bit weights (2 B) and the fp16
+    optimizer's fp32 main weights beside Adam's two moments (12 B) where the planner's bf16 plans
+    hold fp32 weights (4 B) and the moments (8 B); the fp32 main gradients (4 B) are what the
+    planner already holds: 18 B per parameter (Korthikanti et al. 2022, Fig. 1, parameters and
+    optimizer state: 22B on TP 8, 2.72e9 parameters per GPU, at ~45.6 GiB = 18 B each; 16 B would be
+    40.5 GiB)."""
+    b, acc = batch.micro_batch_size(plan), batch.accumulation_steps(plan)
+    loads = rank_loads(profile, plan, act_bytes=2)
+    ests = []
+    for r, ld in enumerate(loads):
+        e = rank_memory(ld, plan, micro_batch_size=b, overhead_bytes=A100.framework_overhead_bytes, pp_rank=r,
+                        accumulation=acc, global_batch_size=batch.global_batch_size, recv_per_microbatch=False,
+                        ddp_bucket_copy=(ddp == "torch"), fp32_loss=False, **MEGATRON_RUNTIME)
+        ests.append(dataclasses.replace(e, params=e.params * state_scale[0], optimizer=e.optimizer * state_scale[1]))
+    return max(ests, key=lambda e: e.total)
+
+
+def megatron_estimate(profile, plan, batch, *, ddp: str, selective: bool, micro: int, async_tp: bool = False,
+                      fp32_accumulation: bool = False):
     """(StepEstimate, MemoryEstimate) of one Megatron-LM run (see module docstring): ``profile``
     with the replicated embedding / head (made vocabulary-parallel here when ``plan.tp`` > 1),
     ``ddp`` ``"torch"`` or ``"local"`` (Megatron's own), ``micro`` samples per micro-batch,
-    ``async_tp``: the asynchronous TP backward collectives (`runtimes.tp_backward_overlap_delta`)."""
+    ``async_tp``: the asynchronous TP backward collectives (`runtimes.tp_backward_overlap_delta`),
+    ``fp32_accumulation``: gradients accumulate in fp32 main-gradient buffers (Megatron-LM's
+    ``accumulate_allreduce_grads_in_fp32``), which turns its gradient-accumulation fusion on (the
+    linear weights' gradients accumulate inside their weight-gradient GEMMs:
+    `runtimes.fused_accumulation_seconds`), makes the fp16 optimizer's gradient copy an alias
+    (`runtimes.main_grad_copy_seconds`) and holds 18 B of model state per parameter
+    (`megatron_memory`)."""
     prof = regather_profile(vocab_parallel_profile(profile) if plan.tp > 1 else profile)
     mprof = selective_recompute_profile(prof, dropout=True) if selective else prof
-    mem = estimate_memory(mprof, plan, batch, overhead_bytes=A100.framework_overhead_bytes,
-                          recv_per_microbatch=False, ddp_bucket_copy=(ddp == "torch"), **MEGATRON_RUNTIME,
-                          # vocab-parallel cross entropy reuses its fp32 copy in place for the softmax
-                          # and the gradient: one 4 B tensor + the 2 B gradient (= 3 x 2 B per logit)
-                          fp32_loss=False)
+    # fp16 weights (2 B) and fp32 main weights + Adam moments (12 B) where the planner's bf16 plans
+    # hold fp32 weights (4 B) and moments (8 B); gradients 4 B either way where they accumulate in fp32
+    mem = megatron_memory(mprof, plan, batch, ddp=ddp, state_scale=(0.5, 1.5) if fp32_accumulation else (1.0, 1.0))
     st = estimate_step(prof, plan, batch, A100, dp_overlap=(ddp == "torch"), reduce_bytes=2,
                        p2p_scatter_gather=True, replicate=False, autocast_weights=False, master_weights=True,
                        **MEGATRON_RUNTIME)
@@ -262,6 +299,14 @@ def megatron_estimate(profile, plan, batch, *, ddp: str, selective: bool, micro:
     st = dataclasses.replace(st, compute=st.compute + acc * m * (ex[0] + ex[1]),
                              recompute=st.recompute + (acc * m * ex[0] if full else 0.0),
                              bubble=st.bubble + bubble * (ex[0] * (2 if full else 1) + ex[1]))
+    if fp32_accumulation:
+        # the rank the step model prices: the most work (equal layers per stage: the one holding the
+        # output layer), then the most parameters, as `cost.StepForm`'s slowest-rank key
+        loads = rank_loads(prof, plan, act_bytes=2)
+        ld = max(loads, key=lambda x: (x.fwd_flops + x.bwd_flops, x.params))
+        saved = fused_accumulation_seconds(ld, prof, A100, tp=plan.tp, micro_batches=acc * m)
+        st = dataclasses.replace(st, compute=st.compute - saved,
+                                 optimizer=st.optimizer - main_grad_copy_seconds(ld, A100))
     if async_tp and plan.tp > 1:
         cache = PlannerCache().bind(hw=A100)
         ar = _coll(plan, "tp", A100, "all_reduce", tp_bytes_per_sample(prof, plan) * micro, plan.tp, False, cache)
@@ -292,7 +337,8 @@ def korthikanti_rows(fast: bool = False) -> list[Result]:
                                 activation_checkpointing="none" if sel else "full", precision="bf16",
                                 sequence_parallel=sel)
             batch = Batch(B, B if pp > 1 else b)
-            st, mem = megatron_estimate(prof, plan, batch, ddp="local", selective=sel, micro=b, async_tp=True)
+            st, mem = megatron_estimate(prof, plan, batch, ddp="local", selective=sel, micro=b, async_tp=True,
+                                         fp32_accumulation=True)
             out.append(Result("korthikanti", "Megatron-LM", f"{name} {mode}", plan.describe(), 1 / published,
                               1 / st.total, "1/s", st, mem, mem.total <= A100.memory_bytes))
     return out

@@ -243,6 +243,60 @@ def tp_backward_overlap_delta(profile: ModelProfile, hw, *, micro_batch: int, tp
     return layers * (new - 2 * ar)
 
 
+def fused_accumulation_seconds(load, profile: ModelProfile, hw, *, tp: int, micro_batches: int) -> float:
+    """Seconds per step of gradient accumulation that Megatron-LM's gradient-accumulation fusion
+    does not spend, on a rank holding ``load`` (`loads.RankLoad`) of ``profile`` split ``tp``-way,
+    running ``micro_batches`` micro-batches per step. Subtract it from the step model's compute.
+
+    The runtime fact: in the Megatron-LM that introduced sequence parallelism (Korthikanti et al.
+    2022; the tensor-parallel layers NVIDIA also ships as apex ``transformer/tensor_parallel``),
+    every column- and row-parallel linear and the output layer (``parallel_lm_logits``) run through
+    ``LinearWithGradAccumulationAndAsyncCommunication``, whose backward, with
+    ``gradient_accumulation_fusion`` (on by default: Megatron-LM's command-line switch for it is an
+    opt-out, argparse ``store_false`` into ``dest="gradient_accumulation_fusion"``, beside the
+    sequence-parallel switch in that code's ``arguments.py``; until Megatron-LM commit 07916bf24,
+    2022-09-27, "Support gradient accumulation fusion in fp16", ``validate_args`` turned it off
+    unless gradients accumulate in fp32, ``accumulate_allreduce_grads_in_fp32``: so it applies to
+    runs with fp32 main gradients, the Korthikanti rows, and not to the SC'21 rows, whose
+    ``CONFIG.sh`` does not pass that option), computes the weight gradient as
+    ``fused_dense_cuda.wgrad_gemm_accum_fp32(total_input, grad_output, weight.main_grad)``: one GEMM
+    that adds into the fp32 main-gradient buffer (beta = 1), returning no gradient tensor. So these
+    weights never pay the separate in-place accumulation the step model charges every micro-batch
+    after the first (`cost.StepForm.at`: 12 bytes per parameter at the HBM rate, `_rates`). What the
+    fusion adds instead, the GEMM's fp32 output read and written (8 B per weight element instead of
+    2 B written), meets 2 K FLOPs per element (K = b s tokens of the micro-batch): K / 4 FLOP/B,
+    512 at K = 2048, above the A100's ridge point (~155 FLOP/B), so the GEMM stays compute-bound and
+    no time is added. The layer norms, the biases (``grad_output.sum(0)``) and the embedding lookup
+    keep their gradients in autograd and Megatron's DDP hook adds them (``main_grad.add_(grad)``):
+    they keep the charge.
+
+    The fused parameters of the rank: the matrices of its transformer layers (``load.ac_blocks``
+    entries with a layer index; the GPT block's QKV, projection and MLP weights) and, on the rank
+    holding the output layer (``load.is_last``), the output layer's matrix; TP-sharded ones divided
+    by ``tp``. 0 with one micro-batch per step."""
+    if micro_batches <= 1 or len(profile.blocks) < 3:
+        return 0.0
+    _, mem_s = _rates(hw)
+
+    def matrices(block) -> float:
+        return sum(n / (tp if sh else 1) for n, mat, sh in block.param_numels if mat)
+
+    layers = sum(1 for e in load.ac_blocks if e[1] >= 0)
+    fused = layers * matrices(profile.blocks[1]) + (matrices(profile.blocks[-1]) if load.is_last else 0.0)
+    return (micro_batches - 1) * 12 * fused / mem_s
+
+
+def main_grad_copy_seconds(load, hw) -> float:
+    """Seconds per step of the fp16 optimizer's model-to-main gradient copy (read 2 B, write 4 B per
+    parameter of a rank holding ``load``; part of `cost.MASTER_WEIGHT_TRAFFIC`) that Megatron-LM
+    does not spend when its main gradients are already fp32: ``Float16OptimizerWithFloat16Params.
+    _copy_model_grads_to_main_grads`` sets ``main_param.grad = model_param.main_grad.float()``, and
+    ``.float()`` of an fp32 tensor returns the tensor itself (no kernel). Subtract it from the step
+    model's optimizer term for runs with fp32 gradient accumulation (the Korthikanti rows)."""
+    _, mem_s = _rates(hw)
+    return 6 * load.params / mem_s
+
+
 def layer_gemm_shapes(profile: ModelProfile, *, micro_batch: int, tp: int) -> dict[str, list[tuple]]:
     """`gpu.layer_gemm_shapes` of ``profile``'s transformer layer for ``micro_batch`` samples
     (T = b s tokens; h = ``arch["d_model"]``, f = ``arch["ffn"]``, 4 h where absent)."""
