@@ -338,6 +338,9 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                     if interleaved and m % pp:
                         pruned["interleaved needs n_microbatches divisible by pp"] += n_ac
                         continue
+                    if sched == "1f1b" and m < pp:      # torch's Schedule1F1B refuses it (ParallelPlan.validate)
+                        pruned["1f1b needs n_microbatches >= pp"] += n_ac
+                        continue
                     # checkpointing modes, by increasing recompute: any that recomputes is dominated
                     # where "none" fits; every-k (larger k first) and full form a chain in which the
                     # first that fits dominates the rest. Modes that cannot fit are skipped by the
