@@ -222,6 +222,12 @@ class ParallelPlan:
             if self.pp_schedule in ("zbvzerobubble", "dualpipev") and self.virtual_stages != 2:
                 raise ValueError(f"pp_schedule={self.pp_schedule!r} needs virtual_stages == 2 (V shape), "
                                  f"got {self.virtual_stages}")
+            # torch.distributed.pipelining refuses these at schedule construction, after the model is
+            # built (Schedule1F1B / ScheduleDualPipeV.__init__): caught here, before any work
+            if self.pp_schedule in ("1f1b", "dualpipev") and self.n_microbatches < self.num_stages:
+                raise ValueError(f"pp_schedule={self.pp_schedule!r} needs n_microbatches >= the number of "
+                                 f"pipeline stages ({self.num_stages}), got n_microbatches="
+                                 f"{self.n_microbatches}; use gpipe or more micro-batches")
             if num_blocks is not None and self.num_stages > num_blocks:
                 raise ValueError(f"pp x virtual_stages = {self.pp} x {self.virtual_stages} = "
                                  f"{self.num_stages} pipeline stages but the model has only "

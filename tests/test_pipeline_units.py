@@ -22,6 +22,17 @@ def test_unknown_schedule_lists_valid_names():
         ParallelPlan(pp=2, pp_schedule="zigzag").validate(2)
 
 
+def test_schedules_torch_refuses_for_few_micro_batches_fail_validation():
+    # torch's Schedule1F1B / ScheduleDualPipeV raise at construction when n_microbatches < stages
+    with pytest.raises(ValueError, match=r"pp_schedule='1f1b' needs n_microbatches >= the number of pipeline "
+                                         r"stages \(2\), got n_microbatches=1"):
+        ParallelPlan(pp=2, pp_schedule="1f1b", n_microbatches=1).validate(2)
+    with pytest.raises(ValueError, match=r"stages \(4\), got n_microbatches=3"):
+        ParallelPlan(pp=2, pp_schedule="dualpipev", virtual_stages=2, n_microbatches=3).validate(2)
+    ParallelPlan(pp=2, pp_schedule="1f1b", n_microbatches=2).validate(2)
+    ParallelPlan(pp=2, pp_schedule="gpipe", n_microbatches=1).validate(2)
+
+
 def test_stage_indices_round_robin_and_v_shape():
     assert [stage_indices(r, 2, 2, "interleaved1f1b") for r in range(2)] == [[0, 2], [1, 3]]
     assert [stage_indices(r, 2, 4, "loopedbfs") for r in range(2)] == [[0, 2, 4, 6], [1, 3, 5, 7]]

@@ -110,3 +110,48 @@ def test_one_step_form_serves_a_layout_as_fresh_rank_steps_do():
                         assert form.at(plan, b, acc) == want, (plan.describe(), b, acc)
                         seen += 1
         assert seen >= 24
+
+
+def test_rank_selection_equals_a_scan_of_every_rank():
+    """`grid.plan_memory` evaluates ranks of identical content once per stretch of micro-batches in
+    flight (`grid._selection`); its result (estimate and total) must equal a scan of every pipeline
+    rank with fresh `rank_memory` calls (the fullest, the earliest on ties), for interleaved and
+    every-k plans at several micro-batch sizes, counts and accumulation steps, and it must evaluate
+    fewer ranks than there are."""
+    from modelpar.plan import ParallelPlan
+    from modelpar.planner.grid import plan_memory
+    from modelpar.planner.memo import PlannerCache
+    from modelpar.planner.memory import in_flight
+
+    prof = _profile("gpt-1b", 2048, "bf16")
+    hw = get_hardware("H100-80GB-SXM")
+    gb, skipped = 512, 0
+    for base in (ParallelPlan(dp_shard=2, tp=2, pp=4, pp_schedule="interleaved1f1b", virtual_stages=2,
+                              precision="bf16"),
+                 ParallelPlan(dp_replicate=2, pp=6, pp_schedule="interleavedzerobubble", virtual_stages=2,
+                              precision="bf16"),
+                 ParallelPlan(dp_replicate=2, pp=8, pp_schedule="1f1b", precision="bf16",
+                              activation_checkpointing="every-k", ac_every=2),
+                 ParallelPlan(dp_shard=4, pp=4, pp_schedule="gpipe", precision="bf16",
+                              activation_checkpointing="every-k", ac_every=4)):
+        cache = PlannerCache(prof, hw)
+        kw = dict(optimizer="adamw", global_batch_size=gb, foreach=True, recv_per_microbatch=True, gloo=False,
+                  cache=cache)
+        loads = rank_loads(prof, base, act_bytes=2, cache=cache)
+        ranks = list(enumerate(loads))
+        memo, forms, flights = {}, {}, {}
+        for m in (base.pp, 2 * base.pp, 4 * base.pp):
+            plan = dataclasses.replace(base, n_microbatches=m)
+            for b in (1, 2, 4):
+                acc = gb // (b * m * plan.dp)
+                est, total = plan_memory(plan, ranks, b, acc, flights, kw, float("inf"), memo, forms,
+                                         hw.framework_overhead_bytes)
+                scan = [rank_memory(ld, plan, micro_batch_size=b, optimizer="adamw",
+                                    overhead_bytes=hw.framework_overhead_bytes, pp_rank=r, accumulation=acc,
+                                    global_batch_size=gb, foreach=True) for r, ld in ranks]
+                want = max(scan, key=lambda e: e.total)       # the first of the largest
+                assert dataclasses.asdict(est) == dataclasses.asdict(want), (plan.describe(), b)
+                assert total == want.total
+                assert [in_flight(plan, r) for r, _ in ranks] == flights[m]
+                skipped += len(ranks) - len(flights[("sel", m, plan.activation_checkpointing, plan.ac_every)])
+    assert skipped > 0

@@ -24,14 +24,17 @@ class PlannerCache:
     - ``comms``: `comms._comm_terms` per (rank load key, degrees, micro-batch, bytes, options);
     - ``load_times``: `cost._load_times` per (rank load key, micro-batch, precision, alone, kernel);
     - ``recompute_flops``: `recompute.recompute_flops_per_sample` per (mode, ac_every);
-    - ``waves``: `gpu.layer_wave_seconds` per (tokens per micro-batch, width, FFN, TP degree) (`cost.StepForm`).
+    - ``waves``: `gpu.layer_wave_seconds` per (tokens per micro-batch, width, FFN, TP degree) (`cost.StepForm`);
+    - ``mem_classes``: `grid.memory_class` per rank load key, numbering the contents in ``mem_class_ids``,
+      and `grid._selection`'s class list per (rank list, checkpointing mode).
 
     A cache serves one profile and one hardware: `bind` records them on first use and refuses others
     (the tables are not keyed by either).
     """
 
     __slots__ = ("profile", "hw", "block_terms", "moments", "peaks", "projections", "links", "buckets",
-                 "comms", "load_times", "recompute_flops", "waves")
+                 "comms", "load_times", "recompute_flops", "waves",
+                 "mem_classes", "mem_class_ids")
 
     def __init__(self, profile=None, hw=None):
         self.profile = profile
@@ -46,6 +49,8 @@ class PlannerCache:
         self.load_times: dict[tuple, tuple] = {}
         self.recompute_flops: dict[tuple, float] = {}
         self.waves: dict[tuple, tuple] = {}
+        self.mem_classes: dict[tuple, tuple] = {}
+        self.mem_class_ids: dict[tuple, int] = {}
 
     def bind(self, *, profile=None, hw=None) -> "PlannerCache":
         """Record the profile / hardware this cache serves (first use), and return ``self``.

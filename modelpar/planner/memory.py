@@ -273,7 +273,7 @@ class MemoryForm:
     def parts(self, b: int, m: int, accumulation: int, W: float) -> tuple:
         """`at`'s estimate without building it: (params, grads, optimizer, activations,
         fsdp_gathered, comm_buffers, phase), the fields of `MemoryEstimate` before ``overhead``;
-        `search._parts_total` sums them as `MemoryEstimate.total` does (the search compares the
+        `grid._parts_total` sums them as `MemoryEstimate.total` does (the search compares the
         totals of many ranks and builds an estimate for the fullest only)."""
         ld, fsdp, ws, P, pp, last = self.ld, self.fsdp, self.ws, self.P, self.pp, self.last
         out, rafw = self.out, self.rafw

@@ -24,8 +24,9 @@ from modelpar.plan import AC_MODES, PP_SCHEDULES, ParallelPlan
 from modelpar.planner.cost import StepEstimate, _finish, step_form, tp_bytes_per_sample
 from modelpar.planner.hardware import Hardware
 from modelpar.planner.legality import tp_violations
+from modelpar.planner.grid import plan_memory as _plan_memory
 from modelpar.planner.memo import PlannerCache
-from modelpar.planner.memory import OPTIMIZER_BYTES, Batch, MemoryEstimate, in_flight, memory_form, rank_loads
+from modelpar.planner.memory import OPTIMIZER_BYTES, Batch, MemoryEstimate, rank_loads
 from modelpar.planner.profile import ModelProfile
 
 VIRTUAL_STAGES = (2, 4, 8)
@@ -188,55 +189,6 @@ def _plan(plans: dict, dr, ds, tp, pp, sched, m, v, ac, k, defer, precision, sp)
     return plan
 
 
-def _estimate_of(parts: tuple, overhead_bytes: float, pp_rank: int) -> MemoryEstimate:
-    """The `MemoryEstimate` of `memory.MemoryForm.parts` output on pipeline rank ``pp_rank``."""
-    p, g, o, a, f, c, phase = parts
-    return MemoryEstimate(p, g, o, a, f, c, overhead_bytes, pp_rank, phase)
-
-
-def _parts_total(parts: tuple, overhead_bytes: float) -> float:
-    """`MemoryEstimate.total` of `_estimate_of` (parts, overhead_bytes, ...): the same sum in the
-    same order, so bitwise the same float."""
-    p, g, o, a, f, c, _ = parts
-    return p + g + o + a + f + c + overhead_bytes
-
-
-def _plan_memory(plan: ParallelPlan, reps, b: int, acc: int, flights: dict, kw: dict, budget: float, memo: dict,
-                 forms: dict, overhead: float):
-    """(estimate, total) of the most loaded representative rank; stops at the first rank over
-    ``budget`` (the total is then a lower bound, enough to prune, and the estimate None). A rank's
-    memory depends on the schedule only through the micro-batches it holds in flight, so schedules that agree on that
-    share the estimate (``memo``, one per layout: its loads differ only by the virtual stages), and
-    on (b, m, accumulation, in flight) only through `memory.MemoryForm.at`: one form per rank and
-    checkpointing / sync variant (``forms``, one per layout), the same numbers as `rank_memory`.
-    ``flights``: `memory.in_flight` of each representative rank per micro-batch count (one per
-    (tp, pp, v) and schedule: in flight depends on nothing else)."""
-    best, best_total, best_r = None, 0.0, 0
-    v, m, ac, k, defer = (plan.virtual_stages, plan.n_microbatches, plan.activation_checkpointing, plan.ac_every,
-                          plan.defer_grad_sync)
-    pp = plan.pp > 1
-    ws = flights.get(m)
-    if ws is None:
-        ws = flights[m] = [in_flight(plan, r) for r, _ in reps]
-    for (r, ld), w in zip(reps, ws):
-        mkey = (v, r, b, acc, m, ac, k, defer, w)
-        hit = memo.get(mkey)
-        if hit is None:
-            fkey = (v, r, ac, k, defer)
-            form = forms.get(fkey)
-            if form is None:
-                form = forms[fkey] = memory_form(ld, plan, **kw)
-            parts = form.parts(b, m if pp else 1, acc, w if pp else 1.0)
-            hit = memo[mkey] = (_parts_total(parts, overhead), parts)
-        e_total = hit[0]
-        if best is None or e_total > best_total:
-            best, best_total, best_r = hit[1], e_total, r
-            if e_total > budget:
-                return None, e_total
-    # the estimate of the fullest rank only (the others' totals are all the search compares)
-    return _estimate_of(best, overhead, best_r), best_total
-
-
 def _representatives(loads) -> list[tuple[int, object]]:
     """The pipeline ranks the search evaluates: the first (most micro-batches in flight), the second
     (the most in flight among the ranks that receive activations, and hold receive buffers), the last
@@ -385,6 +337,9 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                 for b, m, acc, batch in inner_acc:
                     if interleaved and m % pp:
                         pruned["interleaved needs n_microbatches divisible by pp"] += n_ac
+                        continue
+                    if sched == "1f1b" and m < pp:      # torch's Schedule1F1B refuses it (ParallelPlan.validate)
+                        pruned["1f1b needs n_microbatches >= pp"] += n_ac
                         continue
                     # checkpointing modes, by increasing recompute: any that recomputes is dominated
                     # where "none" fits; every-k (larger k first) and full form a chain in which the
