@@ -111,6 +111,37 @@ def test_auto_calibrates_once_and_uses_it(tmp_path, monkeypatch, capsys, fake_co
     assert hw.calibration.attention_flops == FAKE_COMPUTE["attention_flops"]
 
 
+def test_auto_remeasures_a_calibration_from_an_older_schema(tmp_path, monkeypatch, capsys, fake_compute):
+    """`train --strategy auto` measures again a calibration file an older modelpar wrote (schema below
+    SCHEMA_VERSION: the per-shape tables missing; a schema-2 file predicted the main job 57% fast), and
+    leaves a current one and ``MODELPAR_AUTO_CALIBRATE=0`` alone."""
+    import json
+
+    from modelpar.planner.calibration import SCHEMA_VERSION
+    from modelpar.train import auto
+    from modelpar.train.config import TrainConfig
+    target = tmp_path / "calib.json"
+    monkeypatch.setenv("MODELPAR_CALIBRATION", str(target))
+    monkeypatch.setenv("MODELPAR_AUTO_CALIBRATE", "1")
+    assert auto.ensure_calibration(1) == target and len(fake_compute) == 1
+    assert auto.calibration_schema(target) == SCHEMA_VERSION
+    assert not auto.remeasure_stale_calibration(1) and len(fake_compute) == 1      # current: kept
+    old = json.loads(target.read_text())
+    old["schema_version"] = SCHEMA_VERSION - 1
+    target.write_text(json.dumps(old))
+    monkeypatch.setenv("MODELPAR_AUTO_CALIBRATE", "0")
+    auto.hardware_for(TrainConfig(model="gpt-nano"), 1)
+    assert len(fake_compute) == 1 and auto.calibration_schema(target) == SCHEMA_VERSION - 1
+    monkeypatch.setenv("MODELPAR_AUTO_CALIBRATE", "1")
+    auto.hardware_for(TrainConfig(model="gpt-nano"), 1, measure_if_missing=False)    # plan/estimate: never
+    assert len(fake_compute) == 1
+    capsys.readouterr()
+    hw = auto.hardware_for(TrainConfig(model="gpt-nano"), 1)
+    assert len(fake_compute) == 2 and auto.calibration_schema(target) == SCHEMA_VERSION
+    assert f"is from an older modelpar (schema {SCHEMA_VERSION - 1}, now {SCHEMA_VERSION})" in capsys.readouterr().out
+    assert hw.source == "calibrated by modelpar calibrate"
+
+
 def test_calibrate_scales_compute_when_ranks_outnumber_cores(tmp_path, monkeypatch, fake_compute):
     """More local ranks than cores: every rate calibrate timed in one process is scaled by the
     ranks' share of the cores (4 ranks on this 2-core machine computed 2x slower than predicted)."""

@@ -76,12 +76,12 @@ class BatchOptions:
     """Batch and sequence.
 
     Args:
-        global_batch_size: samples per optimizer step.
+        global_batch_size: samples per optimizer step (default: the main job's, `TrainConfig`).
         seq_len: tokens per sample for GPT and Hugging Face language models (0: the preset's; for an HF
             model its max_position_embeddings, at most 2048).
     """
 
-    global_batch_size: int = 32
+    global_batch_size: int = 16
     seq_len: int = 0
 
 

@@ -44,7 +44,47 @@ def hardware_for(cfg, world_size: int, *, measure_if_missing: bool = True):
     local = min(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if cfg.hardware:
         return get_hardware(cfg.hardware, local_ranks=local)
+    if measure_if_missing:
+        remeasure_stale_calibration(local)
     return machine_hardware(local, measure_if_missing=measure_if_missing)[0]
+
+
+def calibration_schema(path: Path) -> int:
+    """The ``schema_version`` of the calibration file at ``path`` (1: a file from before the schema
+    field; 0: unreadable)."""
+    import json
+
+    try:
+        v = json.loads(path.read_text()).get("schema_version", 1)
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return v if isinstance(v, int) else 0
+
+
+def remeasure_stale_calibration(local_ranks: int, say=print) -> bool:
+    """Measure this machine again (`modelpar.calibrate.calibrate`, ~2 min, the file replaced) when its
+    calibration file was written by an older modelpar (``schema_version`` below
+    `modelpar.planner.calibration.SCHEMA_VERSION`) and ``$MODELPAR_AUTO_CALIBRATE`` is not ``0``; CPU
+    only (`train --strategy auto`, like a missing file). Returns whether it measured.
+
+    Why: an old file lacks the later tables (schema 3: per-shape matmul and attention rates), so the
+    planner prices every product on the square-matrix curve; on the 2-core host of the main job a
+    schema-2 file predicted 15,762 tokens/s for the plan that ran 10,029 (calibrations of the current
+    schema on the same host: 11,107 and 13,105)."""
+    from modelpar.calibrate import calibrate
+    from modelpar.planner.calibration import SCHEMA_VERSION
+
+    path = calibration_path()
+    if torch.cuda.is_available() or not path.is_file() or os.environ.get(AUTO_CALIBRATE_ENV, "1") == "0":
+        return False
+    version = calibration_schema(path)
+    if version >= SCHEMA_VERSION:
+        return False
+    say(f"modelpar: this machine's calibration {path} is from an older modelpar (schema {version}, now "
+        f"{SCHEMA_VERSION}); measuring it again with {max(1, local_ranks)} local rank(s) (set "
+        f"{AUTO_CALIBRATE_ENV}=0 to keep it)")
+    calibrate(path, max(1, local_ranks), say=say)
+    return True
 
 
 def choose(cfg, world_size: int, *, strategy: str = "auto", measure_if_missing: bool = True) -> Choice:
