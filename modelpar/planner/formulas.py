@@ -71,7 +71,6 @@ def bubble_share_of_step(schedule: str, p: int, m: int, v: int = 1) -> float:
     return f / (1 + f)
 
 
-
 def fill_drain_seconds(schedule: str, fwd: list[float], bwd: list[float], k: int, m: int) -> float:
     """Seconds the slowest pipeline stage ``k`` waits per schedule step while a GPipe or 1F1B
     pipeline of ``len(fwd)`` stages (one per rank) runs ``m`` micro-batches; ``fwd[s]`` / ``bwd[s]``:
