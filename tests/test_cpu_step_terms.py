@@ -38,3 +38,38 @@ def test_profile_counts_silu_backward_once_per_call():
     b = prof.blocks[0]
     assert b.fwd_mem_bytes == 2 * 4 * 16 * 4
     assert b.bwd_mem_bytes <= 3 * 4 * 16 * 4 + (4 * 16 + 16) * 4, b.bwd_mem_bytes
+
+
+def _tp_parts(hw, plan):
+    from modelpar.cli.common import profile_for
+    from modelpar.planner.cost import step_form
+    from modelpar.planner.memory import rank_loads
+    from modelpar.planner.step_estimate import tp_bytes_per_sample
+
+    prof, _ = profile_for("gpt-nano", {}, 16, "fp32")
+    loads = rank_loads(prof, plan, act_bytes=4)
+    form = step_form(loads, plan, hw, optimizer="adamw", tp_bytes=tp_bytes_per_sample(prof, plan))
+    _, ar_tp, tp_linear = form._times(plan, 4)
+    return loads[0], ar_tp, tp_linear, form.at(plan, 4, 1)["tp_comm"]
+
+
+def test_cpu_tp_prices_one_all_reduce_per_sharded_matrix():
+    # modelpar's DTensor runtime on CPU: every ColwiseParallel Linear all-reduces its input's
+    # gradient in backward (q, k and v separately), every RowwiseParallel its output in forward
+    from modelpar.plan import ParallelPlan
+    from modelpar.planner.hardware import cpu_profile
+
+    plan = ParallelPlan(tp=2)
+    ld, ar_tp, tp_linear, tp_comm = _tp_parts(cpu_profile(2), plan)
+    assert ld.tp_linears > 2 * ld.tp_collectives > 0        # GPT: 6 sharded matrices, 2 block outputs
+    assert ar_tp > 0
+    assert abs(tp_comm - ld.tp_linears * (ar_tp + tp_linear)) <= 1e-12 * tp_comm
+
+
+def test_gpu_and_sequence_parallel_tp_keep_megatrons_count():
+    from modelpar.plan import ParallelPlan
+    from modelpar.planner.hardware import cpu_profile
+
+    plan = ParallelPlan(tp=2, sequence_parallel=True)
+    ld, ar_tp, tp_linear, tp_comm = _tp_parts(cpu_profile(2), plan)
+    assert abs(tp_comm - (2 * ld.tp_collectives * ar_tp + ld.tp_linears * tp_linear)) <= 1e-12 * tp_comm
