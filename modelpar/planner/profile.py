@@ -430,10 +430,8 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
     # spans both passes, a nested one the forward alone; backward = all - forward.
     all_fc = FlopCounterMode(display=False, custom_mapping=_FLOP_FORMULAS)
     fwd_fc = FlopCounterMode(display=False, custom_mapping=_FLOP_FORMULAS)
-    # the op counter sits above the FLOP counters (entered after them, once per pass): FlopCounterMode
-    # decomposes ops that have a composite decomposition (`func.decompose`, e.g. silu_backward into
-    # sigmoid, rsub, mul and add), and a counter below it would count those pieces rather than the
-    # one kernel the runtime runs
+    # the op counter above the FLOP counters (entered after them, per pass): FlopCounterMode decomposes ops
+    # with a composite decomposition (silu_backward: sigmoid, rsub, mul, add); the runtime runs one kernel
     try:
         with tracker, all_fc:
             with fwd_fc, counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
