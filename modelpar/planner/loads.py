@@ -15,30 +15,32 @@ from modelpar.plan import ParallelPlan
 from modelpar.planner.memo import PlannerCache
 from modelpar.planner.profile import ModelProfile, tied_copies
 from modelpar.planner.profile_ops import SDPA_LAYOUT
+from modelpar.stage_split import split_blocks
 
 
 def stage_ranges(profile: ModelProfile, num_stages: int) -> list[tuple[int, int]]:
-    """Block index ranges ``[start, end)`` of each pipeline stage.
+    """Block index ranges ``[start, end)`` of each pipeline stage: `modelpar.stage_split.split_blocks`,
+    the rule the runtime's default split follows too (`modelpar.parallel.pipeline.planned_ranges`).
 
-    Transformers (profile.arch set, blocks ``embed, blocks.*, head``): the layers are split as evenly
-    as possible, embed joins the first stage and head the last (Megatron-LM's layout). Other models:
-    their blocks split as evenly as possible.
+    Transformers (``profile.arch`` set, blocks ``embed, blocks.*, head``): the layers are split as
+    evenly as possible, embed joins the first stage and head the last (Megatron-LM's layout). Other
+    models: the split minimising the largest stage's forward + backward FLOPs per sample; a profile
+    whose first and last blocks are the ``embed`` / ``head`` rest of the model (`profile.default_blocks`
+    of a model with found blocks, e.g. a ResNet) keeps them on the first / last stage.
 
     Raises:
         ValueError: more stages than splittable blocks.
     """
-    n = len(profile.blocks)
-    ends = bool(profile.arch) and n >= 3
-    lo, hi = (1, n - 1) if ends else (0, n)
-    layers = hi - lo
-    if num_stages > layers:
-        raise ValueError(f"{num_stages} pipeline stages but the model has only {layers} blocks")
-    cuts = [lo + (k * layers) // num_stages for k in range(num_stages + 1)]
-    rng = [(cuts[k], cuts[k + 1]) for k in range(num_stages)]
-    if ends:
-        rng[0] = (0, rng[0][1])
-        rng[-1] = (rng[-1][0], n)
-    return rng
+    names = [b.name for b in profile.blocks]
+    ends = bool(profile.arch) or (len(names) >= 3 and names[0] == "embed" and names[-1] == "head")
+    bs = max(profile.batch_size, 1)
+    costs = tuple(max((b.fwd_flops + b.bwd_flops) / bs, 1.0) for b in profile.blocks)
+    return list(_split(costs, num_stages, ends, bool(profile.arch)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _split(costs: tuple, num_stages: int, ends: bool, even: bool) -> tuple:
+    return tuple(split_blocks(costs, num_stages, ends=ends, even=even))
 
 
 @dataclass
