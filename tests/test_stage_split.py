@@ -133,3 +133,18 @@ def test_parallelize_uses_the_planned_split_by_default(monkeypatch):
         compose.parallelize(build_model("mlp-small"), plan, mesh, loss_fn=nn.functional.cross_entropy,
                             device=torch.device("cpu"), example_input=torch.zeros(2, 1000))
     assert calls == [2]
+
+
+def test_the_planner_prices_a_plan_s_own_stage_boundaries():
+    """`estimate --stage-boundaries` / a run folder's plan.json: priced at that split, not the default."""
+    from modelpar.planner.loads import plan_stage_ranges, rank_loads
+    prof, _, _ = _planner_and_runtime("mlp-large")
+    own = ParallelPlan(pp=2, n_microbatches=2, stage_boundaries=(2,))
+    assert plan_stage_ranges(prof, own) == [(0, 2), (2, 5)]
+    assert plan_stage_ranges(prof, ParallelPlan(pp=2, n_microbatches=2)) == [(0, 1), (1, 5)]
+    loads = rank_loads(prof, own, act_bytes=4)
+    assert loads[0].params == sum(b.num_params for b in prof.blocks[:2])
+    gpt, _, _ = _planner_and_runtime("gpt-1m")                  # embed + 4 layers + head: boundaries skip embed
+    assert plan_stage_ranges(gpt, ParallelPlan(pp=2, n_microbatches=2, stage_boundaries=(1,))) == [(0, 2), (2, 6)]
+    with pytest.raises(ValueError, match=r"stage_boundaries=\(4,\) must be 1 strictly increasing block indices in 1..3"):
+        plan_stage_ranges(gpt, ParallelPlan(pp=2, n_microbatches=2, stage_boundaries=(4,)))
