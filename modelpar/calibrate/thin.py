@@ -32,13 +32,14 @@ def thin_dims(layout: str, rows: int, side: int) -> tuple[int, int, int]:
 
 
 def measure_thin_matmuls(rows=THIN_ROWS, weight_mib=THIN_WEIGHT_MIB, layouts=THIN_LAYOUTS, passes: int = 2,
-                         pool_bytes: int = 64 * 2 ** 20, timer=time.perf_counter
+                         pool_bytes: int = 32 * 2 ** 20, timer=time.perf_counter
                          ) -> tuple[dict[str, dict[tuple[int, int], float]], float]:
     """FLOP/s of fp32 products with ``rows`` thin rows and a square weight of ``weight_mib`` MiB, per
     layout (`thin_dims`), operands from memory: each call takes the next of as many operand sets as
-    fill ``pool_bytes`` (one set at 64 MiB and above). The median of ``passes`` passes after a
+    fill ``pool_bytes`` (as the shape grid does, so its 4 MiB point is the grid edge's method; one set
+    at and above the pool). The median of ``passes`` passes after a
     warm-up. Returns ({layout: {(rows, weight bytes): FLOP/s}}, the largest relative spread over the
-    passes, `robust`). About 3 s on one core of this host kind (1.5 s with the `--quick` sizes).
+    passes, `robust`). About 8 s on one loaded core of this host kind; `--quick`: 16 rows, 4 and 16 MiB.
 
     Raises:
         ValueError: ``passes`` < 1, or a row count / weight size that is not positive.
