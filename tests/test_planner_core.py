@@ -231,8 +231,10 @@ def test_search_counts_and_choice():
     m = build_model("gpt-1m", device="meta")
     prof = profile_model(m, _tokens(m, 1))
     hw = cpu_profile(4)
-    plan, rep = choose_plan(prof, 4, hw, global_batch_size=16, precision="fp32")
+    plan, rep = choose_plan(prof, 4, hw, global_batch_size=16, precision="fp32", top_k=None)
     assert rep.considered == rep.num_pruned + len(rep.ranked)
+    # the default (exact top-1 mode) chooses the same plan
+    assert choose_plan(prof, 4, hw, global_batch_size=16, precision="fp32")[0] == plan
     assert plan == rep.ranked[0].plan and plan.world_size == 4
     assert all(a.step.total <= b.step.total for a, b in zip(rep.ranked, rep.ranked[1:]))
     assert rep.pruned["global batch not divisible by dp"] == 0

@@ -1,0 +1,99 @@
+"""The search's exact top-k mode (`search.search_plans(..., top_k=K)`): the first K candidates of
+the full ranking, in its order and with its numbers, without evaluating every candidate.
+
+Every (layout, micro-batch size b, micro-batch count m) group gets a lower bound on the step time of
+each candidate it can produce (any checkpointing mode, deferred sync or not: `step_lower_bound`);
+groups are evaluated exactly (`layouts.evaluate_group`: memory, then step time of the fitting
+candidates) in increasing order of that bound, and the walk stops once K fitting candidates are known
+and the K-th of them (in the full ranking's order: step total, then memory total, then enumeration
+order) is strictly faster than the next group's bound: every candidate not evaluated is then strictly
+slower than the K-th, so it ranks after it in the full ranking too.
+"""
+
+from __future__ import annotations
+
+from bisect import insort
+
+from modelpar.planner.formulas import bubble_fraction
+from modelpar.planner.layouts import Layout, Search, can_defer, evaluate_group, group_pruned
+
+# relative slack taken off every bound: the bound and the exact total are different float sums of
+# the same non-negative terms (tens of additions and products, each rounded by at most 2^-53
+# relative), so the bound computed in floats can exceed its exact value by ~1e-14 relative at most;
+# 1e-9 keeps it below every exact total it bounds
+_SLACK = 1e-9
+
+
+def step_lower_bound(S: Search, L: Layout, b: int, m: int, acc: int) -> float:
+    """A lower bound (seconds) on `StepEstimate.total` of every candidate of group (b, m) of ``L``.
+
+    Proof. ``total`` = compute + recompute + tp_comm + pp_comm + dp_comm + bubble + optimizer
+    (`cost.StepForm.at`, `step_estimate._finish`), for the slowest rank ``i`` of the candidate's
+    form (`StepForm._slowest`: the largest work = t_f + t_b + t_rc + t_tp). With ``mbs`` = accumulation
+    x m (pipelines; else accumulation), the same for every candidate of the group:
+    - compute + recompute + tp_comm = mbs (t_f + t_b + t_rc + t_tp)_i + t_acc >= mbs x W, where
+      W = max over ranks j of W_j = t_f + t_b + 2 c_j a + l_j q (``c_j`` TP collectives, ``a`` the
+      all-reduce time, ``l_j`` sharded Linears, ``q`` their cost): the slowest rank's work is the
+      largest, and each rank's work under any checkpointing exceeds its W_j by t_rc >= 0 and
+      c_j a rc_share >= 0 (recompute seconds and shares are >= 0); t_acc = (mbs - 1) x 12 params /
+      bandwidth >= 0. t_f, t_b are the form's per-b times (`StepForm._times`: one table per layout
+      and b, the same numbers every candidate reads; every-k's form is over every rank, as the
+      pipeline form is, and for pp = 1 both forms hold the one rank).
+    - bubble = accumulation x bub: for the fraction schedules (interleaved, zero-bubble, ZB-V)
+      bub = `bubble_fraction` (p, m, v) x m x work_i >= that x W; for GPipe (every rank's times:
+      `formulas.fill_drain_from_sums`) bub = the sum of the other stages' f + b >= sum_j W_j - W
+      (each stage's f + b is its work >= W_j); for 1F1B bub >= 0 (its terms are sums of seconds and
+      max(0, .)); without a pipeline 0.
+    - optimizer = the slowest rank's optimizer seconds >= the smallest of the form's (``opt``).
+    - pp_comm (2 v x p2p seconds per micro-batch) and dp_comm (exposed collectives and copies, each
+      a max(0, .) or a sum of seconds; the deferred sync's part is `comms._fsdp_exposed` with the
+      reduce-scatter minus without, >= 0 as it is non-decreasing in the backward's collectives)
+      are >= 0 and dropped.
+    The sum of these is taken in floats and lowered by `_SLACK` relative, which exceeds the rounding of
+    both sums, so the returned bound is <= the float total of every candidate of the group."""
+    form = L.sform
+    times, ar_tp, tp_linear = form._times(L.plan(S, m, "none", 1, False), b)
+    ws = [t_f + t_b + ld.tp_collectives * ar_tp * 2 + ld.tp_linears * tp_linear for ld, t_f, t_b, _ in times]
+    w = max(ws)
+    p = L.pp
+    mbs = acc * (m if p > 1 else 1)
+    bub = 0.0
+    if p > 1:
+        if L.sched == "gpipe" and L.v == 1 and len(ws) == p:
+            bub = acc * max(sum(ws) - w, 0.0)
+        elif L.sched != "1f1b":
+            bub = acc * bubble_fraction(L.sched, p, m, L.v) * m * w
+    return (mbs * w + bub + min(form.opt)) * (1.0 - _SLACK)
+
+
+def top_candidates(S: Search, layouts, k: int) -> tuple[list, list, dict]:
+    """The first ``k`` candidates of the full ranking (fewer where fewer fit) and their
+    (step total, memory total) keys, best first; and counts of the work done (groups bounded and
+    evaluated, candidates found fitting)."""
+    entries = []
+    n_ac = S.n_ac
+    rep = S.rep
+    for L in layouts:
+        L.form(S, L.plan(S, L.groups[0][1], "none", 1, False), False)
+        for gi, (b, m, acc, batch) in enumerate(L.groups):
+            if group_pruned(S, L, m):
+                continue
+            if can_defer(S, L, acc):
+                rep.considered += n_ac
+            entries.append((step_lower_bound(S, L, b, m, acc), L.order, gi, L, b, m, acc, batch))
+    entries.sort(key=lambda e: e[:3])
+    best: list[tuple] = []              # (total, memory total, layout order, group, index, candidate)
+    evaluated = found = 0
+    for lb, order, gi, L, b, m, acc, batch in entries:
+        if len(best) >= k and best[k - 1][0] < lb:
+            break
+        ranked, keys = [], []
+        evaluate_group(S, L, b, m, acc, batch, ranked, keys)
+        evaluated += 1
+        found += len(ranked)
+        for j, (c, (t, mt)) in enumerate(zip(ranked, keys)):
+            if len(best) < k or (t, mt, order, gi, j) < best[k - 1][:5]:
+                insort(best, (t, mt, order, gi, j, c))
+                del best[k:]
+    stats = {"groups": len(entries), "evaluated": evaluated, "fitting": found}
+    return [e[5] for e in best], [e[:2] for e in best], stats
