@@ -71,7 +71,8 @@ def test_top_k_is_the_full_rankings_head_hf_llama():
 
 
 def test_lower_bound_never_exceeds_a_candidates_step_time(monkeypatch):
-    """Each evaluated group's bound against the exact step totals of the candidates it produced."""
+    """Each evaluated group's bounds (the first, and the refined one) against the exact step totals of
+    the candidates it produced."""
     from modelpar.planner import layouts, topk
     seen = []
     real = topk.evaluate_group
@@ -79,7 +80,9 @@ def test_lower_bound_never_exceeds_a_candidates_step_time(monkeypatch):
     def spy(S, L, b, m, acc, batch, ranked, keys):
         real(S, L, b, m, acc, batch, ranked, keys)
         lb = topk.step_lower_bound(S, L, b, m, acc)
-        seen.extend((lb, t) for t, _ in keys)
+        refined = topk._refined(S, L, b, m, acc, batch)
+        seen.extend((max(lb, refined), t) for t, _ in keys)
+        assert all(lb <= t for t, _ in keys)
     monkeypatch.setattr(topk, "evaluate_group", spy)
     assert layouts.evaluate_group is real
     prof = _gpt("gpt-1b", "bf16")

@@ -10,6 +10,7 @@ their step time. Both use these functions, so both see the same candidates with 
 from __future__ import annotations
 
 from modelpar.plan import ParallelPlan
+from modelpar.planner.comms import _coll
 from modelpar.planner.cost import _finish, step_form, tp_bytes_per_sample
 from modelpar.planner.grid import plan_memory as _plan_memory
 from modelpar.planner.legality import tp_violations
@@ -22,7 +23,7 @@ class Search:
     __slots__ = ("profile", "hw", "rep", "budget", "cache", "ac_opts", "has_full", "n_ac", "num_layers",
                  "global_batch_size", "optimizer", "precision", "sequence_parallel", "dp_overlap",
                  "allow_fsdp", "defer_grad_sync", "overhead", "state_bytes", "mem_kw", "flops", "act_bytes",
-                 "load_cache", "flight_cache", "ranked", "sort_keys", "schedules", "inner", "ac_bounds",
+                 "load_cache", "flight_cache", "shared_times", "ranked", "sort_keys", "schedules", "inner", "ac_bounds",
                  "representatives", "plan_of", "candidate")
 
 
@@ -37,21 +38,44 @@ class Layout:
     def form(self, S: Search, plan: ParallelPlan, every_k: bool):
         """The layout's `cost.StepForm` (every-k: over every rank; pipelines: every rank too, whose
         times give the fill and drain; else the representative ranks)."""
+        form = self.sform_k if every_k else self.sform
+        if form is not None:
+            return form
+        loads = [ld for _, ld in self.every_rank] if (every_k or self.pp > 1) else self.loads
+        form = step_form(loads, plan, S.hw, optimizer=S.optimizer, tp_bytes=tp_bytes_per_sample(S.profile, plan),
+                         dp_overlap=S.dp_overlap, cache=S.cache)
+        _share_times(S, self, form, plan, every_k)
         if every_k:
-            if self.sform_k is None:
-                self.sform_k = step_form([ld for _, ld in self.every_rank], plan, S.hw, optimizer=S.optimizer,
-                                         tp_bytes=tp_bytes_per_sample(S.profile, plan),
-                                         dp_overlap=S.dp_overlap, cache=S.cache)
-            return self.sform_k
-        if self.sform is None:
-            self.sform = step_form([ld for _, ld in self.every_rank] if self.pp > 1 else self.loads, plan, S.hw,
-                                   optimizer=S.optimizer, tp_bytes=tp_bytes_per_sample(S.profile, plan),
-                                   dp_overlap=S.dp_overlap, cache=S.cache)
-        return self.sform
+            self.sform_k = form
+        else:
+            self.sform = form
+        return form
 
     def plan(self, S: Search, m: int, ac: str, k: int, defer: bool) -> ParallelPlan:
         return S.plan_of(self.plans, self.dr, self.ds, self.tp, self.pp, self.sched, m, self.v, ac, k, defer,
                          S.precision, self.sp)
+
+
+def _share_times(S: Search, L: Layout, form, plan: ParallelPlan, every_k: bool) -> None:
+    """Let ``form`` share its per-micro-batch-size tables (`cost.StepForm._times`' ``per_b``: each
+    rank's forward and backward seconds, the TP all-reduce and per-Linear cost; `StepForm._slowest`'s
+    ``slowest``) with the forms of the other layouts of one (tp, pp, v) that compute the same numbers.
+    Those tables read, besides ``b`` and the plan's checkpointing and schedule (in their keys): the
+    loads (one list per (tp, pp, v) and rank set: the same objects), the precision, hardware and
+    profile (one per search), and of the form: ``alone`` (dp x tp = 1: fixed by tp, pp and the
+    device count), ``zb`` (the schedule), ``cast_b`` (the data-parallel wrapper), ``p`` / ``v``, and
+    the TP all-reduce's link (`comms._coll_sum`'s memoized (table, latency, volume) of the tp axis,
+    read back from the cache): forms equal in all of these get equal tables. Where the link cannot be
+    read back, the form keeps its own tables."""
+    link = None
+    if L.tp > 1:
+        _coll(plan, "tp", S.hw, "all_reduce", 1.0, L.tp, not S.hw.comm_overlap, S.cache)
+        link = S.cache.links.get((plan.tp, plan.dp_shard, plan.dp_replicate, plan.pp, "tp", "all_reduce", plan.tp,
+                                  not S.hw.comm_overlap))
+        if link is None:
+            return
+    key = (L.tp, L.pp, L.v, every_k or L.pp > 1, form.alone, form.zb, form.cast_b, form.mem_s, link)
+    form.per_b, form.slowest = S.shared_times.setdefault(key, ({}, {}))
 
 
 def layouts(S: Search, factorizations):

@@ -13,8 +13,10 @@ slower than the K-th, so it ranks after it in the full ranking too.
 from __future__ import annotations
 
 from bisect import insort
+from heapq import heapify, heappop, heapreplace
 
-from modelpar.planner.formulas import bubble_fraction
+from modelpar.planner.formulas import bubble_fraction, fill_drain_from_sums
+from modelpar.planner.grid import plan_memory as _plan_memory
 from modelpar.planner.layouts import Layout, Search, can_defer, evaluate_group, group_pruned
 
 # relative slack taken off every bound: the bound and the exact total are different float sums of
@@ -66,11 +68,56 @@ def step_lower_bound(S: Search, L: Layout, b: int, m: int, acc: int) -> float:
     return (mbs * w + bub + min(form.opt)) * (1.0 - _SLACK)
 
 
+def mode_lower_bound(S: Search, L: Layout, b: int, m: int, acc: int, ac: str, k: int) -> float:
+    """A lower bound (seconds) on the step total of the group's candidates under checkpointing
+    (``ac``, ``k``), deferred sync or not: `cost.StepForm.at`'s parts less the ones dropped.
+
+    Proof. From the form's slowest rank ``i`` under this checkpointing (`StepForm._slowest`, the same
+    memoized entry `at` reads, so the same floats): compute + recompute + tp_comm = mbs x work_i +
+    t_acc with work_i = t_f + t_b + t_rc + t_tp, and t_acc >= 0 (see `step_lower_bound`); bubble =
+    accumulation x (`formulas.fill_drain_from_sums` of the slowest rank's sums for GPipe / 1F1B, else
+    `bubble_fraction` x m x work_i): computed here exactly as `at` does; optimizer = the slowest
+    rank's, exactly. Dropped: t_acc, pp_comm and dp_comm (>= 0, see `step_lower_bound`); the deferred
+    sync changes only those. Lowered by `_SLACK` for the float sums."""
+    form = L.sform_k if ac == "every-k" else L.sform
+    if form is None:
+        form = L.form(S, L.plan(S, m, ac, k, False), ac == "every-k")
+    plan = L.plan(S, m, ac, k, False)
+    i, _, t_f, t_b, t_rc, t_tp, fill = form._slowest(plan, b)
+    p = L.pp
+    mm = m if p > 1 else 1
+    work = t_f + t_b + t_tp + t_rc
+    if fill is not None:
+        bub = fill_drain_from_sums(L.sched, *fill, mm)
+    else:
+        bub = bubble_fraction(L.sched, p, mm, L.v) * mm * work
+    return (acc * mm * work + acc * bub + form.opt[i]) * (1.0 - _SLACK)
+
+
+def _refined(S: Search, L: Layout, b: int, m: int, acc: int, batch) -> float:
+    """The group's bound once it is known whether its plan without checkpointing fits: where it fits,
+    every other mode is dominated (`layouts.evaluate_group`), so only that mode's candidates remain;
+    where it does not, only the recomputing modes' (the smallest of their `mode_lower_bound`s)."""
+    opts = S.ac_opts
+    if ("none", 1) in opts:
+        plan = L.plan(S, m, "none", 1, False)
+        _, total = _plan_memory(plan, L.reps, b, acc, L.flights, *L.mem_args)     # memoized: evaluate_group reads it
+        if total <= S.budget:
+            return mode_lower_bound(S, L, b, m, acc, "none", 1)
+        opts = [o for o in opts if o[0] != "none"]
+    return min(mode_lower_bound(S, L, b, m, acc, ac, k) for ac, k in opts)
+
+
 def top_candidates(S: Search, layouts, k: int) -> tuple[list, list, dict]:
     """The first ``k`` candidates of the full ranking (fewer where fewer fit) and their
-    (step total, memory total) keys, best first; and counts of the work done (groups bounded and
-    evaluated, candidates found fitting)."""
-    entries = []
+    (step total, memory total) keys, best first; and counts of the work done (groups bounded,
+    refined and evaluated, candidates found fitting).
+
+    Each group enters a heap at `step_lower_bound`; popped the first time, its bound is refined
+    (`_refined`: needs the memory of its plan without checkpointing) and it re-enters the heap; popped
+    again, it is evaluated. A group is evaluated only when no other's bound is lower, and the walk
+    stops when the K-th best known candidate's total is below the lowest bound left."""
+    heap = []
     n_ac = S.n_ac
     rep = S.rep
     for L in layouts:
@@ -80,13 +127,20 @@ def top_candidates(S: Search, layouts, k: int) -> tuple[list, list, dict]:
                 continue
             if can_defer(S, L, acc):
                 rep.considered += n_ac
-            entries.append((step_lower_bound(S, L, b, m, acc), L.order, gi, L, b, m, acc, batch))
-    entries.sort(key=lambda e: e[:3])
+            heap.append((step_lower_bound(S, L, b, m, acc), L.order, gi, 0, L, b, m, acc, batch))
+    heapify(heap)
+    n_groups = len(heap)
     best: list[tuple] = []              # (total, memory total, layout order, group, index, candidate)
-    evaluated = found = 0
-    for lb, order, gi, L, b, m, acc, batch in entries:
+    refined = evaluated = found = 0
+    while heap:
+        lb, order, gi, stage, L, b, m, acc, batch = heap[0]
         if len(best) >= k and best[k - 1][0] < lb:
             break
+        if stage == 0:
+            refined += 1
+            heapreplace(heap, (max(lb, _refined(S, L, b, m, acc, batch)), order, gi, 1, L, b, m, acc, batch))
+            continue
+        heappop(heap)
         ranked, keys = [], []
         evaluate_group(S, L, b, m, acc, batch, ranked, keys)
         evaluated += 1
@@ -95,5 +149,5 @@ def top_candidates(S: Search, layouts, k: int) -> tuple[list, list, dict]:
             if len(best) < k or (t, mt, order, gi, j) < best[k - 1][:5]:
                 insort(best, (t, mt, order, gi, j, c))
                 del best[k:]
-    stats = {"groups": len(entries), "evaluated": evaluated, "fitting": found}
+    stats = {"groups": n_groups, "refined": refined, "evaluated": evaluated, "fitting": found}
     return [e[5] for e in best], [e[:2] for e in best], stats
