@@ -154,60 +154,6 @@ def test_inter_node_bandwidth_counts_the_nics_a_group_drives():
     assert one.dp_comm == pytest.approx(n_one, rel=0.05)
 
 
-# ---- FSDP2's exposed communication on GPUs (issue 14: gpt-1b on 8 H100s showed 0% communication) --
-def test_fsdp_exposed_pieces_by_window():
-    from modelpar.planner.cost import _fsdp_exposed
-    # per micro-batch: unit gathers 10 s in all (first block 1), root gather 2; reduce-scatters 12
-    # (first block 1.5, root 3)
-    cm = {"ag": 10.0, "first": 1.0, "ag_root": 2.0, "rs": 12.0, "rs_unit": 1.5, "rs_root": 3.0}
-    # forward window 5 s hides 5 of the 9 later gathers; backward window 100 s hides the re-gathers
-    # (10) and the middle reduce-scatters (12 - 3 - 1.5); head (2 + 1) and tail (1.5 + 3) never hide
-    got = _fsdp_exposed(cm, 2, 5.0, 100.0, 0.0, reduce=True)
-    assert math.isclose(got, 3.0 + 4.0 + 0.0 + 4.5)
-    # contention: the hidden 5 + 17.5 s cost NCCL's SM share of compute
-    assert math.isclose(_fsdp_exposed(cm, 2, 5.0, 100.0, 0.25, reduce=True), 11.5 + 0.25 * 22.5)
-    # no reduce-scatter this micro-batch (deferred sync): no tail, backward only re-gathers
-    assert math.isclose(_fsdp_exposed(cm, 2, 5.0, 100.0, 0.0, reduce=False), 3.0 + 4.0)
-    # a backward window shorter than its communication exposes the excess
-    assert math.isclose(_fsdp_exposed(cm, 2, 100.0, 10.0, 0.0, reduce=True), 3.0 + 0.0 + 7.5 + 4.5)
-
-
-def test_fsdp_on_h100_exposes_root_gather_and_last_reduce_scatter(bench, monkeypatch):
-    from modelpar.planner import gpu
-    hw = BUILTIN["H100-80GB-SXM"]
-    prof = bench.gpt_profile(50368, 2048, 24, 16, 2048, attention="flash", dropout=0.0)
-    plan = ParallelPlan(dp_shard=8, precision="bf16")
-    batch = Batch(32, 4)
-    st = estimate_step(prof, plan, batch, hw)
-    ld = rank_loads(prof, plan, act_bytes=2)[0]
-    # the root's (embedding, head) bf16 gather before any compute and its fp32 reduce-scatter after
-    # the last, at NCCL's H100 bus bandwidth (ring: 7/8 of the bytes each)
-    root = (2 + 4) * ld.root_params * 7 / 8 / H100.intra_busbw
-    assert st.dp_comm >= root > 0
-    assert st.comm_share > 0.02, st.parts()
-    # NCCL's CTAs slow the compute they overlap: without them the step is shorter
-    monkeypatch.setitem(gpu.GPU_PHYSICS, "H100-80GB-SXM", dataclasses.replace(H100, nccl_sm_share=0.0))
-    quiet = estimate_step(prof, plan, batch, hw)
-    assert quiet.dp_comm < st.dp_comm and quiet.compute == st.compute
-
-
-def test_replicate_under_pipeline_reduces_after_the_schedule(bench):
-    # modelpar runs dp_replicate under PP through FSDP2's replicate, which torch's pipelining
-    # reduces once after the schedule (perform_reduce_grad): the all-reduce is exposed, where torch
-    # DDP's buckets would hide behind the backward; plain DDP is priced as before
-    hw = BUILTIN["H100-80GB-SXM"]
-    prof = bench.gpt_profile(50368, 2048, 24, 16, 2048, attention="flash", dropout=0.0)
-    plan = ParallelPlan(dp_replicate=2, pp=4, n_microbatches=8, pp_schedule="1f1b", precision="bf16")
-    rep = estimate_step(prof, plan, Batch(32, 16), hw)
-    ddp = estimate_step(prof, plan, Batch(32, 16), hw, replicate=False)
-    ld = max(rank_loads(prof, plan, act_bytes=2), key=lambda x: x.params)
-    # ring all-reduce of the fp32 gradients over 2 ranks inside the node: 2 (n-1)/n = 1 x bytes
-    assert rep.dp_comm >= 4 * ld.params / H100.intra_allreduce_busbw > ddp.dp_comm
-    plain = ParallelPlan(dp_replicate=8, precision="bf16")
-    assert estimate_step(prof, plain, Batch(32, 4), hw) == estimate_step(prof, plain, Batch(32, 4), hw,
-                                                                             replicate=False)
-
-
 # ---- full recompute: the checkpointed blocks only ----------------------------------------------
 def test_full_recompute_replays_the_blocks_not_embedding_head_or_loss():
     # modelpar (`parallel.checkpointing`: the transformer blocks), Megatron-LM (--recompute-granularity

@@ -158,13 +158,12 @@ def _comm_terms(ld: RankLoad, plan: ParallelPlan, hw: Hardware, b: int, wb: int,
 
 def _nccl_share(plan: ParallelPlan, axis: str, hw: Hardware, phys) -> float:
     """NCCL's share of the SMs while a collective of mesh axis ``axis`` runs beside compute
-    (`gpu.GpuPhysics.nccl_sm_share`), for groups inside one node (where its channel count is
-    published); 0 across nodes (NCCL builds fewer channels per NIC there; not modelled) and on
-    devices without built-in physics."""
+    (`gpu.GpuPhysics.nccl_sm_share`) for groups inside one node, `GpuPhysics.nccl_sm_share_inter`
+    (NCCL's channels per NIC) for groups spanning nodes; 0 on devices without built-in physics."""
     if phys is None:
         return 0.0
     span = {"dp_shard": plan.tp * plan.dp_shard, "dp_replicate": plan.tp * plan.dp}[axis]
-    return phys.nccl_sm_share if span <= hw.devices_per_node else 0.0
+    return phys.nccl_sm_share if span <= hw.devices_per_node else phys.nccl_sm_share_inter
 
 
 def _fsdp_exposed(cm: dict, gathers: int, t_fwd: float, t_bwd: float, sm_share: float, *,

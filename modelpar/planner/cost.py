@@ -31,8 +31,8 @@ Overlap: DDP overlaps the gradient all-reduce with the last backward except its 
 and reduce-scatters behind the backward, except what precedes or follows all compute (the root's and
 the first block's gather, the first block's and the root's reduce-scatter) and what exceeds each
 window (`_fsdp_exposed`); under a pipeline FSDP reduces once after the schedule, exposed. On built-in
-GPUs the hidden collectives of groups inside a node hold NCCL's share of the SMs
-(`gpu.GpuPhysics.nccl_sm_share`), slowing the compute they overlap by that share of their time. TP and pipeline p2p are not overlapped.
+GPUs the hidden collectives hold NCCL's share of the SMs (`gpu.GpuPhysics.nccl_sm_share` inside a
+node, ``nccl_sm_share_inter`` for groups spanning nodes), slowing the compute they overlap by that share of their time. TP and pipeline p2p are not overlapped.
 Where ``Hardware.comm_overlap`` is False (CPU ranks that own every core: gloo copies and reduces with
 those cores) nothing overlaps: DDP adds its bucketed all-reduces and its bucket copies, FSDP its
 gathers, reduce-scatters and the copies into and out of its flat buffers.

@@ -83,10 +83,16 @@ CTA holding one SM while the collective runs, so overlapped compute gets the rem
 beside a GEMM (NVIDIA developer forum, "Compute-Communication Overlap Causes Severe GEMM Performance
 Degradation because of Tail Effect", 2025, Nsight Systems trace); A100 SXM (108 SMs): NCCL builds 24
 ring channels on an 8x A100 HGX with NVSwitch (NVIDIA/nccl-tests issue #100, NCCL_DEBUG log
-"Channel 23/24"), one CTA each. Applied to groups inside one node only: across nodes NCCL builds
-its channels per NIC and no count for these clusters is cited here, so none is charged. The SM share is the linear part only; the wave-quantization tail
+"Channel 23/24"), one CTA each, for groups inside one node. The SM share is the linear part only; the wave-quantization tail
 that post shows (the GEMM's time nearly doubled for one perfectly sized GEMM) depends on the
 GEMM's tiling and is not modelled.
+Across nodes (``nccl_sm_share_inter``): NCCL builds its rings per NIC, two channels per NIC on a node
+of 8 GPUs with 8 NICs: a 3-node H100 cluster's NCCL_DEBUG log shows 16 ring channels ("Channel
+00/16" ... "15/16"), rank 0 reaching the next node over NET/IBext_v8/7 on odd channels (NVIDIA/nccl
+issue #1453, "Poor NCCL allreduce performance"); a 2-node 8-GPU log shows channels 00-15 over
+NET/IBext/0-7 (deepseek-ai/DeepEP issue #106). So a group spanning nodes holds 16 SMs while its
+collective runs: 16 / 132 on H100 / H200 and, assuming the same two channels per NIC on an A100 node
+with one NIC per GPU (MosaicML's 1,600 Gb/s per 8-GPU node; no A100 multi-node log cited), 16 / 108.
 
 Optimizer step: fused AdamW streams its state at HBM rate (cost.OPT_TRAFFIC bytes per parameter).
 
@@ -164,6 +170,7 @@ class GpuPhysics:
     attention: dict = field(default_factory=dict, repr=False)   # (kernel, dir, causal, hd) -> TFLOP/s at SEQS
     default_kernel: str = "fa2"
     sms: int = 0                     # streaming multiprocessors (GEMM waves: `wave_efficiency`)
+    nccl_sm_share_inter: float = 0.0  # the same share for a group spanning nodes (channels per NIC)
 
     def attention_flops(self, direction: str, seq: int, head_dim: int, causal: bool,
                         kernel: str | None = None) -> float:
@@ -210,15 +217,15 @@ LOSS_BYTES_PER_LOGIT = (14.0, 18.0)
 A100 = GpuPhysics("A100", mamf_bf16=267.9e12, hbm_fraction=0.85, launch_s=5e-6,
                   intra_busbw=200e9, intra_allreduce_busbw=200e9, inter_busbw=21e9,
                   intra_latency=5e-6, inter_latency=10e-6, framework_bytes=1 * GIB, nccl_sm_share=24 / 108,
-                  attention=_A100_ATTN, sms=108)
+                  attention=_A100_ATTN, sms=108, nccl_sm_share_inter=16 / 108)
 H100 = GpuPhysics("H100", mamf_bf16=792.1e12, hbm_fraction=0.85, launch_s=5e-6,
                   intra_busbw=370e9, intra_allreduce_busbw=480e9, inter_busbw=42e9,
                   intra_latency=5e-6, inter_latency=10e-6, framework_bytes=1 * GIB, nccl_sm_share=24 / 132,
-                  attention=_H100_ATTN, sms=132)
+                  attention=_H100_ATTN, sms=132, nccl_sm_share_inter=16 / 132)
 H200 = GpuPhysics("H200", mamf_bf16=792.1e12, hbm_fraction=0.85, launch_s=5e-6,
                   intra_busbw=370e9, intra_allreduce_busbw=475e9, inter_busbw=42e9,
                   intra_latency=5e-6, inter_latency=10e-6, framework_bytes=1 * GIB, nccl_sm_share=24 / 132,
-                  attention=_H100_ATTN, sms=132)
+                  attention=_H100_ATTN, sms=132, nccl_sm_share_inter=16 / 132)
 
 GEMM_TILE = (256, 128)   # cuBLAS's largest thread-block tile (Matrix Multiplication Background, Sec. 2.3)
 
