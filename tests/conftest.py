@@ -235,6 +235,16 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             if row["carried"]:
                 terminalreporter.write_line(f"shared launch {row['tag']} ({row['nproc']} ranks, {row['scenarios']} "
                                             f"scenarios) carried {', '.join(row['carried'])}")
+        if any(row.get("times") for row in workers.LAUNCHES):
+            terminalreporter.section("scenario launches: rank 0's seconds (wall / CPU), slowest scenarios")
+            for row in workers.LAUNCHES:
+                t = row.get("times") or {}
+                if not t:
+                    continue
+                wall, cpu = sum(v["wall_s"] for v in t.values()), sum(v["cpu_s"] for v in t.values())
+                top = sorted(t.items(), key=lambda kv: -kv[1]["cpu_s"])[:8]
+                terminalreporter.write_line(f"{row['tag']} ({row['nproc']} ranks): {len(t)} scenarios, {wall:.0f} s wall, "
+                                            f"{cpu:.0f} s CPU; " + ", ".join(f"{n} {v['wall_s']:.1f}/{v['cpu_s']:.1f}" for n, v in top))
     if not REPORT:
         return
     lines = ["| case | pass | max loss rel diff | max param abs diff | param rel-norm diff | grad-norm rel diff |",
