@@ -204,3 +204,22 @@ def test_train_auto_prints_the_planner_predicted_tokens_per_s(tmp_path, capsys):
     m = re.search(r"^expected ~([\d,]+) tokens/s on A100-80GB \(planner prediction\)$", capsys.readouterr().out,
                   re.MULTILINE)
     assert m and int(m.group(1).replace(",", "")) > 0
+
+
+@pytest.mark.parametrize("strategy, measures", [("auto", True), ("rules", False), ("ddp", False)])
+def test_only_train_strategy_auto_calibrates_by_itself(monkeypatch, strategy, measures):
+    """Issue 13 item 1: `train --strategy auto` may measure an uncalibrated machine; `rules` and the
+    named strategies use the uncalibrated estimate (as plan / estimate / bench do)."""
+    import modelpar.train.resolve as resolve_mod
+    from modelpar.cli.train import main
+
+    seen = []
+
+    def fake_resolve(cfg, world, *, measure_if_missing=False):
+        seen.append(measure_if_missing)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(resolve_mod, "resolve", fake_resolve)
+    with pytest.raises(ValueError, match="stop here"):
+        main(["--model", "gpt-nano", "--strategy", strategy, "--nproc", "2", "--global-batch-size", "4"])
+    assert seen == [measures]
