@@ -62,33 +62,27 @@ class Case:
 
 def planner_boundaries(model_name: str, plan: ParallelPlan,
                        model_config: dict | None = None) -> tuple[int, ...] | None:
-    """The stage boundaries (`ParallelPlan.stage_boundaries`, in model-part block indices) that the
-    planner's `loads.stage_ranges` assumes, so a measured pipeline splits where the prediction does.
+    """The stage boundaries (`ParallelPlan.stage_boundaries`, in model-part block indices) of the
+    planner's split (`modelpar.parallel.pipeline.planned_ranges`, the runtime's default too), so a
+    measured pipeline splits where the prediction does even if ``parallelize``'s default changes.
 
     ``model_name``: a built-in preset, or a Hugging Face model (``hf:<type>`` with ``model_config``
-    overrides), whose repeated blocks (`parallel.parts.find_blocks`, built on the meta device) are
-    split as the planner splits a transformer's layers (the parent's glue before / after them joins
-    the first / last stage).
+    overrides); built on the meta device (no weight allocated).
     """
     if plan.pp <= 1:
         return None
-    from modelpar.models import MLP_PRESETS, PRESETS
-    from modelpar.planner.memory import stage_ranges
-    from modelpar.planner.profile import BlockProfile, ModelProfile
+    from modelpar.models import MLP_PRESETS, build_model
+    from modelpar.parallel.parts import get_model_parts
+    from modelpar.parallel.pipeline import planned_ranges
     if is_hf_name(model_name):
         from modelpar.models.hf import build_hf
-        from modelpar.parallel.parts import find_blocks
-        layers = len(find_blocks(build_hf(model_name, model_config, device="meta", seed=None))[1])
-        n, arch, off = layers + 2, {"n_layer": layers}, 1
-    elif model_name in PRESETS:
-        n, arch = PRESETS[model_name].n_layer + 2, {"n_layer": PRESETS[model_name].n_layer}
-        off = 1
+        model, x = build_hf(model_name, model_config, device="meta", seed=None), None
     else:
-        n, arch, off = len(MLP_PRESETS[model_name]) - 1, {}, 0
-    blk = BlockProfile("b", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
-    prof = ModelProfile(blocks=(blk,) * n, dtype="fp32", batch_size=1, tokens_per_sample=1, arch=arch)
-    rng = stage_ranges(prof, plan.num_stages)
-    return tuple(a - off for a, _ in rng[1:])
+        model = build_model(model_name, device="meta")
+        x = (torch.zeros(1, MLP_PRESETS[model_name][0], device="meta") if model_name in MLP_PRESETS
+             else torch.zeros(1, model.cfg.seq_len, dtype=torch.long, device="meta"))
+    rng = planned_ranges(model, get_model_parts(model), plan.num_stages, x)
+    return tuple(a for a, _ in rng[1:])
 
 
 def _config(case: Case):
