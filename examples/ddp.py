@@ -6,13 +6,14 @@ gradients are all-reduced so the replicas stay identical.
 
 import sys
 
-import torch
-import torch.distributed as dist
-
 from _launch import relaunch, tiny
 
+# the launching process only starts the ranks: torch is imported by the ranks, not by it too
 if relaunch(__file__, 2):
     sys.exit(0)
+
+import torch
+import torch.distributed as dist
 
 from modelpar import plan_for_strategy
 from modelpar.models import build_gpt

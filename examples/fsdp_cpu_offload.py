@@ -9,12 +9,13 @@ the example says why it skips offloading and runs plain FSDP.
 
 import sys
 
-import torch
-
 from _launch import relaunch, tiny
 
+# the launching process only starts the ranks: torch is imported by the ranks, not by it too
 if relaunch(__file__, 2):
     sys.exit(0)
+
+import torch
 
 from modelpar import plan_for_strategy
 from modelpar.models import build_gpt

@@ -9,14 +9,15 @@ of the micro-batches so that the stages work at the same time. Runs as 3 local C
 
 import sys
 
+from _launch import relaunch, tiny
+
+# the launching process only starts the ranks: torch is imported by the ranks, not by it too
+if relaunch(__file__, 3):
+    sys.exit(0)
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-from _launch import relaunch, tiny
-
-if relaunch(__file__, 3):
-    sys.exit(0)
 
 from modelpar import plan_for_strategy
 from modelpar.models import build_mlp

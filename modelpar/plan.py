@@ -217,11 +217,11 @@ class ParallelPlan:
                                  f"virtual_stages={self.virtual_stages}; use one of "
                                  f"{', '.join(MULTI_STAGE_SCHEDULES)} for virtual stages")
             if multi and self.virtual_stages < 2:
-                raise ValueError(f"pp_schedule={self.pp_schedule!r} needs virtual_stages >= 2, got "
-                                 f"{self.virtual_stages}")
+                raise ValueError(f"pp_schedule={self.pp_schedule!r} needs virtual_stages >= 2 (stages per "
+                                 f"rank: --virtual-stages 2), got {self.virtual_stages}")
             if self.pp_schedule in ("zbvzerobubble", "dualpipev") and self.virtual_stages != 2:
-                raise ValueError(f"pp_schedule={self.pp_schedule!r} needs virtual_stages == 2 (V shape), "
-                                 f"got {self.virtual_stages}")
+                raise ValueError(f"pp_schedule={self.pp_schedule!r} needs virtual_stages == 2 (V shape: "
+                                 f"--virtual-stages 2), got {self.virtual_stages}")
             # torch.distributed.pipelining refuses these at schedule construction, after the model is
             # built (Schedule1F1B / ScheduleDualPipeV.__init__): caught here, before any work
             if self.pp_schedule in ("1f1b", "dualpipev") and self.n_microbatches < self.num_stages:

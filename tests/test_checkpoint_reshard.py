@@ -7,8 +7,9 @@ Two chains save and resume across layouts, optimizer state included:
     1 process --(step 2)--> PP x2 --(step 4)--> DDP x TP (2x2) --(step 6)--> FSDP x4
 
 Every resumed segment's losses must match the reference's at the same steps within the parity
-tolerance (1e-5 relative); on the same plan, a resumed run must be bit-identical. Launches: 4 ranks,
-2 ranks, 4 ranks (each runs several scenarios), the 1-process runs in this process. The pairs and
+tolerance (1e-5 relative); on the same plan, a resumed run must be bit-identical. Launches: 2 ranks
+(the second chain's pp2 segments), 4 ranks (every 4-rank segment of both chains, in chain order), 2 ranks
+(the first chain's pp2 segment); the 1-process runs in this process. The pairs and
 their largest loss difference are printed in the terminal summary.
 """
 
@@ -90,14 +91,16 @@ def runs(tmp_path_factory, request):
     tied = dict(model_config={"tie_embeddings": True})
     res["ref_t"] = run_local(spec("ref_t", **single, **tied))
     res["E_t"] = run_local(spec("E_t", ckpt="Et", **single, **tied))
+    # one 4-rank launch between two 2-rank ones (2 rank processes fewer than 4-2-4): the second chain's
+    # 2-rank segment first, then every 4-rank segment of both chains, then the first chain's 2-rank one
+    res.update(launch(2, [spec("F", ckpt="F", resume=step_of(D["E"], 2), **pp2),
+                          spec("F_t", ckpt="Ft", resume=step_of(D["Et"], 2), **pp2, **tied)], w, "l2"))
     res.update(launch(4, [spec("A", ckpt="A", **fsdp4), spec("A_nosave", **fsdp4),
                           spec("A_resume4", resume=step_of(D["A"], 4), **fsdp4),
-                          spec("B", ckpt="B", resume=step_of(D["A"], 2), **ddptp4)], w, "l4a"))
-    res.update(launch(2, [spec("C", ckpt="C", resume=step_of(D["B"], 4), **pp2),
-                          spec("F", ckpt="F", resume=step_of(D["E"], 2), **pp2),
-                          spec("F_t", ckpt="Ft", resume=step_of(D["Et"], 2), **pp2, **tied)], w, "l2"))
-    res.update(launch(4, [spec("G", ckpt="G", resume=step_of(D["F"], 4), **ddptp4),
-                          spec("H", resume=step_of(D["G"], 6), **fsdp4)], w, "l4b"))
+                          spec("B", ckpt="B", resume=step_of(D["A"], 2), **ddptp4),
+                          spec("G", ckpt="G", resume=step_of(D["F"], 4), **ddptp4),
+                          spec("H", resume=step_of(D["G"], 6), **fsdp4)], w, "l4a"))
+    res.update(launch(2, [spec("C", ckpt="C", resume=step_of(D["B"], 4), **pp2)], w, "l2b"))
     res["D"] = run_local(spec("D", resume=step_of(D["C"], 6), **single))
     res["D_t"] = run_local(spec("D_t", resume=step_of(D["Ft"], 4), **single, **tied))
     return {"res": res, "dirs": D, "work": w}

@@ -140,3 +140,15 @@ def test_other_commands_report_bad_input_in_one_line(capsys):
     assert main(["estimate", "--model", "gpt-7b"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("modelpar estimate: error: unknown model 'gpt-7b'") and "Traceback" not in err
+
+
+def test_pipeline_evaluation_needs_one_local_batch_of_validation_samples():
+    """Under a pipeline `evaluate` runs whole local batches only: 8 validation samples under a local
+    batch of 16 averaged nothing and printed 'validation loss nan -> nan' (found in session 11's
+    walkthrough); now refused before launch."""
+    cfg = dict(model="gpt-nano", strategy="pp", nproc=2, global_batch_size=16)
+    with pytest.raises(ValueError, match=r"eval_samples=8 gives each of the 1 data-parallel rank\(s\) fewer "
+                                         r"than one local batch \(16 samples\).*--eval-samples to >= 16"):
+        preflight(TrainConfig(**cfg, eval_samples=8), 2)
+    assert preflight(TrainConfig(**cfg, eval_samples=16), 2)[0].pp == 2
+    assert preflight(TrainConfig(**{**cfg, "strategy": "ddp"}, eval_samples=8), 2)[0].pp == 1

@@ -82,18 +82,19 @@ def _parts(model: str, sched: str, p: int = 2, m: int = 4, batch: int = 32):
 
 @pytest.mark.parametrize("sched", ["gpipe", "1f1b"])
 def test_bubble_of_unequal_stages_follows_the_schedule(sched):
-    """mlp-large (10000-5000-2000-1000-500-10) on 2 stages split as the planner splits it: the first
-    stage holds ~96% of the FLOPs. GPipe fills and drains through the light stage, so the heavy one
+    """mlp-large (10000-5000-2000-1000-500-10) on 2 stages split as the planner splits it (by FLOPs,
+    `modelpar.stage_split`: the first Linear alone, 80% of the forward FLOPs; until session 11 the
+    split was by count, blocks [0, 2), ~96%). GPipe fills and drains through the light stage, so the heavy one
     waits for the light one's F + B of one micro-batch; 1F1B hides it behind the heavy stage's own
     second forward and last-but-one backward. Before, both were priced at the heavy stage's F + B
     (+37.6% / +24.8% on the measured rows)."""
     est, fwd, bwd = _parts("mlp-large", sched)
     heavy = max(range(2), key=lambda r: fwd[r] + bwd[r])
     light = 1 - heavy
-    assert heavy == 0 and fwd[0] + bwd[0] > 10 * (fwd[1] + bwd[1])
+    assert heavy == 0 and fwd[0] + bwd[0] > 2 * (fwd[1] + bwd[1])
     want = fwd[1] + bwd[1] if sched == "gpipe" else 0.0
     assert math.isclose(est.bubble, want, rel_tol=1e-9, abs_tol=1e-12)
-    assert est.bubble < 0.1 * (fwd[heavy] + bwd[heavy])
+    assert est.bubble < 0.5 * (fwd[heavy] + bwd[heavy])
     # the heavy stage's m micro-batches and the bubble are the event model's makespan
     assert math.isclose(4 * (fwd[heavy] + bwd[heavy]) + est.bubble, makespan(sched, fwd, bwd, 4), rel_tol=1e-9)
 

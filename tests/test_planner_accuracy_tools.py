@@ -42,11 +42,12 @@ FAKE_COMPUTE = {"matmul_flops": {256: 1e11, 512: 1.2e11}, "matmul_peak": 1.3e11,
 
 
 class _Calls(list):
-    """`measure_compute`'s calls (the ``sizes`` passed) and, in ``rounds``, the ``rounds`` passed."""
+    """`measure_compute`'s calls (the ``sizes`` passed) and, in ``rounds`` / ``quick``, the ``rounds`` /
+    ``quick`` passed."""
 
     def __init__(self):
         super().__init__()
-        self.rounds = []
+        self.rounds, self.quick = [], []
 
 
 @pytest.fixture
@@ -55,9 +56,10 @@ def fake_compute(monkeypatch):
 
     calls = _Calls()
 
-    def measure(sizes=None, rounds=None):
+    def measure(sizes=None, rounds=None, quick=False):
         calls.append(sizes)
         calls.rounds.append(rounds)
+        calls.quick.append(quick)
         return {**FAKE_COMPUTE, "matmul_flops": dict(FAKE_COMPUTE["matmul_flops"])}
     monkeypatch.setattr(micro, "measure_compute", measure)
     return calls
@@ -88,6 +90,16 @@ def test_calibrate_rounds_reach_the_measurement(tmp_path, fake_compute):
     with pytest.raises(ValueError, match=r"--rounds must be >= 1, got 0"):
         calibrate_main(["--no-collectives", "--nproc", "1", "--rounds", "0", "--out", str(tmp_path / "c.json")])
     assert len(fake_compute) == 2 and not (tmp_path / "c.json").exists()
+
+
+def test_calibrate_quick_reaches_the_measurement_and_the_file_says_so(tmp_path, fake_compute):
+    """``--quick`` (the suite's smoke run, smaller grids) is passed to the compute micro-benchmarks, and
+    the profile it writes says it is a smoke run; without it neither happens."""
+    assert calibrate_main(["--no-collectives", "--nproc", "1", "--out", str(tmp_path / "a.json")]) == 0
+    assert calibrate_main(["--no-collectives", "--nproc", "1", "--quick", "--out", str(tmp_path / "q.json")]) == 0
+    assert fake_compute.quick == [False, True]
+    assert load_profile(tmp_path / "a.json").source == "calibrated by modelpar calibrate"
+    assert load_profile(tmp_path / "q.json").source.startswith("calibrated by modelpar calibrate --quick")
 
 
 def test_auto_calibrates_once_and_uses_it(tmp_path, monkeypatch, capsys, fake_compute):
@@ -267,7 +279,7 @@ def test_calibrate_records_and_prints_each_terms_spread(tmp_path, monkeypatch, c
     its spread; a spread above `NOISY_SPREAD` adds one note that the machine was busy."""
     from modelpar.calibrate import NOISY_SPREAD, micro
 
-    def measure(sizes=None, rounds=None):
+    def measure(sizes=None, rounds=None, quick=False):
         return {**FAKE_COMPUTE, "rounds": 3, "spread": {"matmul_flops[256]": 0.031, "attention_flops": 0.5}}
     monkeypatch.setattr(micro, "measure_compute", measure)
     out = tmp_path / "hw.json"

@@ -54,9 +54,11 @@ def test_rules_follow_precedence():
 @pytest.mark.slow
 def test_calibrate_smoke(tmp_path, capsys):
     out = tmp_path / "hw.json"
-    # one round (`--rounds 1`): the full grid of sizes and terms, each measured once (3 rounds took
-    # ~99 s here); what rounds do with their measurements is tested in test_planner_accuracy_tools
-    assert calibrate_main(["--out", str(out), "--nproc", "2", "--rounds", "1"]) == 0
+    # one round (`--rounds 1`; 3 rounds took ~99 s here) of every term and collective size, the
+    # slowest terms on smaller grids and inputs (`--quick`: the command 137 -> 96 s CPU, ranks
+    # included, load ~7): this checks the command and its file end to end, not the numbers; what
+    # rounds do with their measurements is tested in test_planner_accuracy_tools
+    assert calibrate_main(["--out", str(out), "--nproc", "2", "--rounds", "1", "--quick"]) == 0
     hw = load_profile(out)
     assert hw.peak_flops["fp32"] > 1e8 and 0 < hw.intra_latency < 0.1 and hw.intra_bw > 1e6
     assert json.loads(out.read_text())["source"].startswith("calibrated")

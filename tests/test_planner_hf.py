@@ -165,26 +165,38 @@ def test_search_keeps_tp_within_kv_heads():
     assert tp_violations(arch, 8) == [] and tp_violations(arch, 16) == ["key/value heads n_kv_head=8"]
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_plan_and_estimate_commands_on_hf_models(name, capsys, monkeypatch):
-    """plan, estimate and estimate --strategy fsdp, each through its own CLI main, on one tiny HF
-    model. The three calls share one real `profile_for` result (memoized here by its arguments): the
-    profile is the costly part and is the same input for all three; each command's parsing, planning
-    and printing still runs."""
+_PROFILE_FOR: dict = {}
+
+
+@pytest.fixture
+def shared_profile_for(monkeypatch):
+    """`plan` and `estimate` read `profile_for` results from one memo for this module (keyed by its
+    arguments; profiles are frozen dataclasses): the profile is the costly part of those commands and
+    the same input wherever the arguments are; each command's parsing, checks, planning and printing
+    still run. Returns the list of the arguments of every call the commands made in this test."""
     import modelpar.cli.estimate as estimate_mod
     import modelpar.cli.plan as plan_mod
     from modelpar.cli.common import profile_for
-    real_calls, memo = [], {}
+    asked = []
 
-    def shared_profile_for(*args):
+    def shared(*args):
         key = repr(args)                                         # the model config is a dict
-        if key not in memo:
-            real_calls.append(args)
-            memo[key] = profile_for(*args)
-        return memo[key]
+        asked.append(args)
+        if key not in _PROFILE_FOR:
+            _PROFILE_FOR[key] = profile_for(*args)
+        return _PROFILE_FOR[key]
 
-    monkeypatch.setattr(plan_mod, "profile_for", shared_profile_for)
-    monkeypatch.setattr(estimate_mod, "profile_for", shared_profile_for)
+    monkeypatch.setattr(plan_mod, "profile_for", shared)
+    monkeypatch.setattr(estimate_mod, "profile_for", shared)
+    return asked
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_plan_and_estimate_commands_on_hf_models(name, capsys, shared_profile_for):
+    """plan, estimate and estimate --strategy fsdp, each through its own CLI main, on one tiny HF
+    model; the three ask for one and the same profile (`shared_profile_for`)."""
+    import modelpar.cli.estimate as estimate_mod
+    import modelpar.cli.plan as plan_mod
     plan_main, estimate_main = plan_mod.main, estimate_mod.main
     build(name, device="meta")                                   # the tiny config builds
     args = cli_args(name) + ["--seq-len", "32", "--nproc", "4", "--global-batch-size", "8",
@@ -198,10 +210,11 @@ def test_plan_and_estimate_commands_on_hf_models(name, capsys, monkeypatch):
     assert cls in out and "yes: best plan" in out
     assert estimate_main(args + ["--strategy", "fsdp"]) == 0
     assert "peak memory per rank" in capsys.readouterr().out
-    assert len(real_calls) == 1 and real_calls[0][0] == cli_args(name)[1]   # one HF profile, of --model
+    asked = {repr(a) for a in shared_profile_for}
+    assert len(asked) == 1 and shared_profile_for[0][0] == cli_args(name)[1]   # one HF profile, of --model
 
 
-def test_estimate_refuses_tp_not_dividing_kv_heads(capsys):
+def test_estimate_refuses_tp_not_dividing_kv_heads(capsys, shared_profile_for):
     from modelpar.cli.estimate import main as estimate_main
     args = cli_args("llama") + ["--seq-len", "32", "--nproc", "4", "--hardware", "H100-80GB-SXM"]
     with pytest.raises(ValueError, match=r"tp=4 does not divide the model's key/value heads n_kv_head=2"):

@@ -60,12 +60,15 @@ def machine_hardware(local_ranks: int, *, measure_if_missing: bool = False, say=
 
 
 def calibrate(out: str | os.PathLike | None = None, ranks: int = 2, *, collectives: bool = True, say=print,
-              rounds: int | None = None) -> Path:
+              rounds: int | None = None, quick: bool = False) -> Path:
     """Measure this machine (`modelpar.calibrate.micro`, `modelpar.calibrate.collectives` on
     ``ranks`` local ranks) and save the hardware profile to ``out`` (default
     `default_calibration_path`); returns the path. Only micro-benchmarks are timed, never a model.
     ``rounds``: rounds of every compute term and in-context collective, the median over them kept
-    (default `modelpar.calibrate.micro.ROUNDS`; 1 is fastest and records no spread).
+    (default `modelpar.calibrate.micro.ROUNDS`; 1 is fastest and records no spread). ``quick``: a
+    smoke run of the whole command (``--quick``): every term measured and saved, the slowest on
+    smaller grids and inputs (`micro.QUICK_SHAPE_DIMS`, `collectives.QUICK_TP_INPUTS`); the file's
+    ``source`` says so, since its shape table and TP terms are coarser than a full calibration's.
 
     Raises:
         ValueError: ``ranks`` < 1 or ``rounds`` < 1.
@@ -82,7 +85,7 @@ def calibrate(out: str | os.PathLike | None = None, ranks: int = 2, *, collectiv
     out = str(out or default_calibration_path())
     load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
-    c = measure_compute(rounds=rounds)
+    c = measure_compute(rounds=rounds, quick=quick)
     # more local ranks than cores: each rank computes on its share of a core (compute is timed in
     # this one process); the rates that scale with a core scale by it
     share = min(1.0, (os.cpu_count() or 1) / ranks)
@@ -106,7 +109,7 @@ def calibrate(out: str | os.PathLike | None = None, ranks: int = 2, *, collectiv
                attention_shapes=dict(c.get("attention_shapes", {})))
     coll = {}
     if collectives and ranks > 1:
-        coll = measure_collectives(ranks, rounds=rounds)
+        coll = measure_collectives(ranks, rounds=rounds, quick=quick)
         # one rank alone (this process, the others not started) and every rank at once: ranks in
         # lockstep (data / tensor parallel) share the memory bus, pipeline stages mostly do not
         cal["mem_bandwidth_alone"] = c["mem_bandwidth"]
@@ -134,7 +137,8 @@ def calibrate(out: str | os.PathLike | None = None, ranks: int = 2, *, collectiv
     calibration = Calibration(**cal)
     hw = Hardware("cpu", {"fp32": best, "bf16": best / 2}, base.memory_bytes, c["mem_bandwidth"], bw, lat,
                   bw, lat, ranks, 1.0, mem_bw_fraction=1.0, op_overhead_s=c["op_overhead_s"], comm_overlap=False,
-                  source="calibrated by modelpar calibrate", calibration=calibration, kind="cpu")
+                  source="calibrated by modelpar calibrate" + (" --quick (a smoke run: not for planning)" if quick else ""),
+                  calibration=calibration, kind="cpu")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     save_profile(hw, out)
     for line in summary_lines(hw, {op: times[op] for op in coll} if coll else {}, fresh if coll else {}):

@@ -30,8 +30,9 @@ def _collective_calls(rank: int, world: int, nbytes: int) -> dict:
                          (lambda: dist.recv(full, 0)) if rank == 1 else (lambda: None)}
 
 
-def _collective_worker(sizes, rounds: int = ROUNDS) -> dict:
-    """What each launched rank measures (the process group is up); rank 0's dict is the result."""
+def _collective_worker(sizes, rounds: int = ROUNDS, quick: bool = False) -> dict:
+    """What each launched rank measures (the process group is up); rank 0's dict is the result
+    (``quick``: see `_framework_overheads`)."""
     import torch.distributed as dist
     rank, world = dist.get_rank(), dist.get_world_size()
     res = {op: {} for op in COLLECTIVES}
@@ -50,15 +51,15 @@ def _collective_worker(sizes, rounds: int = ROUNDS) -> dict:
             res[op][nbytes] = _time(fn, 7)
     res["in_context"], sp = _in_context_tables(rank, world, sizes, rounds=rounds)
     res["spread"].update(sp)
-    res["framework"], sp = _framework_overheads(world, res["in_context"]["all_reduce"])
+    res["framework"], sp = _framework_overheads(world, res["in_context"]["all_reduce"], quick=quick)
     res["spread"].update(sp)
     return res
 
 
 def worker_main(argv: list[str]) -> int:
-    """``torchrun ... -m modelpar.calibrate.collectives OUT.json [rounds=N] SIZE [SIZE ...]``: every rank
-    measures (``rounds``: see `_in_context_tables`), rank 0 writes the result (dict keys that are byte
-    counts become strings in JSON)."""
+    """``torchrun ... -m modelpar.calibrate.collectives OUT.json [rounds=N] [quick=1] SIZE [SIZE ...]``:
+    every rank measures (``rounds``: see `_in_context_tables`; ``quick``: `_framework_overheads`), rank 0
+    writes the result (dict keys that are byte counts become strings in JSON)."""
     import warnings
 
     import torch.distributed as dist
@@ -69,7 +70,8 @@ def worker_main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     init_distributed(timeout_s=300)
     rounds = [int(a.split("=", 1)[1]) for a in argv[1:] if a.startswith("rounds=")]
-    res = _collective_worker([int(a) for a in argv[1:] if not a.startswith("rounds=")], *rounds[-1:])
+    quick = "quick=1" in argv[1:]
+    res = _collective_worker([int(a) for a in argv[1:] if "=" not in a], *rounds[-1:], quick=quick)
     if dist.get_rank() == 0:
         write_json_atomic(argv[0], res)
     return 0
@@ -201,17 +203,21 @@ def _alternated(fns, reps: int, *, best: bool = False) -> list[float]:
 
 
 TP_ESTIMATES, FSDP_ESTIMATES = 7, 5     # estimates (medians kept) of the two difference terms
+# the TP chain's (tokens, width) inputs: the fixed part and the per-byte part (`_framework_overheads`);
+# `modelpar calibrate --quick` (a smoke run, not for planning) times the larger on a quarter of the
+# tokens with 3 estimates (the chain at 2048 x 256 was ~19 s CPU per rank of a --rounds 1 calibration)
+TP_INPUTS, QUICK_TP_INPUTS, QUICK_TP_ESTIMATES = ((64, 16), (2048, 256)), ((64, 16), (512, 256)), 3
 
 
 def _tp_linear_cost(mesh, world: int, tokens: int, width: int, all_reduce: dict[int, float],
-                    n: int = 3) -> tuple[float, list[float]]:
+                    n: int = 3, estimates: int = TP_ESTIMATES) -> tuple[float, list[float]]:
     """(input activation bytes, estimates of the seconds per Linear) that tensor parallelism adds,
     forward + backward: ``2n`` Linears alternating width -> 4 width (colwise) and back (rowwise) on a
     (tokens, width) input, minus the same local shards as plain Linears and minus its ``2n - 1``
     all-reduces at the in-context times ``all_reduce`` ({bytes: s}) that the cost model charges them,
     so that model and measurement agree on this chain whatever share of it one calls communication.
-    `TP_ESTIMATES` estimates, each from medians of 5 alternated calls of the two chains (a
-    difference of jittery times: the term with the most repeats)."""
+    ``estimates`` estimates (`TP_ESTIMATES`), each from medians of 5 alternated calls of the two
+    chains (a difference of jittery times: the term with the most repeats)."""
     import torch.distributed as dist
     import torch.nn as nn
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -225,7 +231,7 @@ def _tp_linear_cost(mesh, world: int, tokens: int, width: int, all_reduce: dict[
                             for i in range(2 * n)])
     t_ar = (2 * n - 1) * interpolate_sizes(sorted(all_reduce.items()), act.numel() * 4)
     est = []
-    for _ in range(TP_ESTIMATES):
+    for _ in range(estimates):
         dist.barrier()
         t_tp, t_local = _alternated([lambda: tp(x).sum().backward(), lambda: local(x).sum().backward()], 5)
         est.append((t_tp - t_local - t_ar) / (2 * n))
@@ -233,14 +239,15 @@ def _tp_linear_cost(mesh, world: int, tokens: int, width: int, all_reduce: dict[
 
 
 def _framework_overheads(world: int, all_reduce: dict[int, float], *, d: int = 16,
-                         n: int = 8) -> tuple[dict, dict]:
+                         n: int = 8, quick: bool = False) -> tuple[dict, dict]:
     """Seconds per call that torch's tensor-parallel Linear (DTensor) and FSDP2 unit add beyond the
     arithmetic and the collectives, forward + backward: a chain of ``2n`` tiny (d x d) Linears, plain,
     with alternating colwise / rowwise TP (`_tp_linear_cost`: its all-reduces subtracted at the
     in-context times ``all_reduce``, {bytes: s}, that the cost model charges), and with every Linear an
     FSDP2 unit (the same collectives issued alone subtracted), the chains timed alternately
     (`_alternated`). Each term is the median of its estimates (`TP_ESTIMATES`, `FSDP_ESTIMATES`);
-    the second dict holds their relative spreads (`robust`). Every rank reports the ranks' mean."""
+    the second dict holds their relative spreads (`robust`). Every rank reports the ranks' mean.
+    ``quick``: the TP chain on `QUICK_TP_INPUTS` with `QUICK_TP_ESTIMATES` estimates."""
     import torch.distributed as dist
     import torch.nn as nn
     from torch.distributed.device_mesh import init_device_mesh
@@ -257,7 +264,9 @@ def _framework_overheads(world: int, all_reduce: dict[int, float], *, d: int = 1
         m(x).sum().backward()
 
     plain = chain()
-    tp_costs = [_tp_linear_cost(mesh, world, tokens, width, all_reduce) for tokens, width in ((64, 16), (2048, 256))]
+    tp_costs = [_tp_linear_cost(mesh, world, tokens, width, all_reduce,
+                                estimates=QUICK_TP_ESTIMATES if quick else TP_ESTIMATES)
+                for tokens, width in (QUICK_TP_INPUTS if quick else TP_INPUTS)]
     fs = chain()
     for lin in fs:
         fully_shard(lin, mesh=mesh)
@@ -306,12 +315,12 @@ def _framework_overheads(world: int, all_reduce: dict[int, float], *, d: int = 1
 
 
 def measure_collectives(world: int = 2, sizes=COLLECTIVE_SIZES, *, timeout_s: float = 600,
-                        rounds: int = ROUNDS) -> dict:
+                        rounds: int = ROUNDS, quick: bool = False) -> dict:
     """``{op: (latency s, bandwidth B/s)}`` of gloo all-reduce, all-gather, reduce-scatter and
     send/recv between ``world`` local ranks (launched by `modelpar.launch.run_workers`), each fitted
     by `fit_alpha_beta` over ``sizes``, and ``"mem_bandwidth"``: bytes/s one rank streams while all
     ``world`` ranks stream at once. ``rounds``: rounds of that bandwidth and of the in-context tables
-    (`_in_context_tables`).
+    (`_in_context_tables`); ``quick``: the framework terms' smaller TP chain (`_framework_overheads`).
 
     Raises:
         RuntimeError: the ranks failed or did not finish within ``timeout_s``.
@@ -320,7 +329,8 @@ def measure_collectives(world: int = 2, sizes=COLLECTIVE_SIZES, *, timeout_s: fl
 
     from modelpar.launch import run_workers
     out = os.path.join(tempfile.mkdtemp(prefix="modelpar-calibrate-"), "collectives.json")
-    run = run_workers(["-m", "modelpar.calibrate.collectives", out, f"rounds={rounds}", *map(str, sizes)], world, out, timeout_s=timeout_s)
+    run = run_workers(["-m", "modelpar.calibrate.collectives", out, f"rounds={rounds}", *(["quick=1"] if quick else []),
+                       *map(str, sizes)], world, out, timeout_s=timeout_s)
     if run.result is None:
         raise RuntimeError(f"calibration ranks failed ({run.reason()}):\n{run.output[-3000:]}")
     res = _int_keys(run.result)

@@ -34,6 +34,10 @@ def _time(fn, reps: int, *, best: bool = False) -> float:
 
 
 ROUNDS = 3      # rounds of every compute term (`measure_compute`) and of the in-context collectives
+# `modelpar calibrate --quick` (a smoke run of the whole command, not for planning): the shape grid on
+# three sizes, one pass each, and the zero-bubble chain on a quarter of the tokens
+QUICK_SHAPE_DIMS = (8, 64, 1024)
+QUICK_ZERO_BUBBLE_TOKENS = 256
 
 
 def robust(values) -> tuple[float, float]:
@@ -48,7 +52,7 @@ def robust(values) -> tuple[float, float]:
     return med, (rng / abs(med) if med else (0.0 if not rng else float("inf")))
 
 
-def measure_compute(sizes=MATMUL_SIZES, rounds: int = ROUNDS) -> dict:
+def measure_compute(sizes=MATMUL_SIZES, rounds: int = ROUNDS, *, quick: bool = False) -> dict:
     """Matmul FLOP/s of N x N x N fp32 products over ``sizes``: the peak (``matmul_peak``: the best
     rate of a product repeated on the same operands) and the curve the cost model interpolates
     (`_linear_matmul_rate`); the shape grid (``matmul_shapes``, `measure_shapes`); the attention
@@ -56,7 +60,9 @@ def measure_compute(sizes=MATMUL_SIZES, rounds: int = ROUNDS) -> dict:
     attention rates. Each term is measured once per round, the rounds alternating over all terms
     (a burst of load on a shared machine spoils one round of several terms rather than every
     measurement of one) and kept by `robust` (median over rounds); ``spread`` holds each term's
-    relative spread over the rounds. Units: FLOP/s, s, B/s.
+    relative spread over the rounds. Units: FLOP/s, s, B/s. ``quick``: the shape grid on
+    `QUICK_SHAPE_DIMS` with one pass per shape and the zero-bubble chain on
+    `QUICK_ZERO_BUBBLE_TOKENS` tokens (every term still measured; for checking the command end to end).
 
     Raises:
         ValueError: ``rounds`` < 1.
@@ -81,8 +87,10 @@ def measure_compute(sizes=MATMUL_SIZES, rounds: int = ROUNDS) -> dict:
         add("elementwise_bw", measure_elementwise(reps=4))
         add("mem_bandwidth", 3 * a.numel() * 4 / _time(lambda: torch.add(a, b, out=c), 5))  # read 2 + write 1
     del a, b, c
-    zb, zb_spread = measure_zero_bubble_backward(with_spread=True)
-    shapes, shape_spread = measure_shapes()
+    smaller_zb = {"tokens": QUICK_ZERO_BUBBLE_TOKENS} if quick else {}
+    smaller_grid = {"dims": QUICK_SHAPE_DIMS, "passes": 1} if quick else {}
+    zb, zb_spread = measure_zero_bubble_backward(with_spread=True, **smaller_zb)
+    shapes, shape_spread = measure_shapes(**smaller_grid)
     attn_shapes, spread_attn = measure_attention_shapes(rounds=rounds)
     kept = {k: robust(v) for k, v in per.items()}
     flops = {n: kept[f"matmul_flops[{n}]"][0] for n in sizes}

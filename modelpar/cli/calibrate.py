@@ -19,11 +19,15 @@ class CalibrateOptions:
         collectives: also time the collectives between --nproc local ranks.
         rounds: rounds of every compute term and of the collectives timed between compute segments;
             the median over the rounds is kept and their spread recorded (1: fastest, no spread).
+        quick: a smoke run that checks the command and its file end to end: every term is measured
+            and saved, the slowest on smaller grids (the matmul shape grid on 3 sizes, one pass; the
+            zero-bubble and TP chains on smaller inputs); the profile's source says it is not for planning.
     """
 
     out: str = ""
     collectives: bool = True
     rounds: int = 3
+    quick: bool = False
 
 
 def build_parser():
@@ -44,5 +48,5 @@ def main(argv: list[str]) -> int:
 
     p = build_parser()
     a = parse(p, normalize_argv(argv, p, prog="modelpar calibrate"))
-    calibrate(a.out or None, a.nproc, collectives=a.collectives, rounds=a.rounds)
+    calibrate(a.out or None, a.nproc, collectives=a.collectives, rounds=a.rounds, quick=a.quick)
     return 0

@@ -43,7 +43,7 @@ class PartsOptions:
         blocks: path of the nn.ModuleList / nn.Sequential holding the repeated blocks, e.g.
             hf.model.layers (empty: the longest run of one class in any such container).
         split_points: comma-separated block paths, each starting a pipeline stage, e.g.
-            hf.model.layers.2 for 2 stages (empty: stages balanced by profiled cost).
+            hf.model.layers.2 for 2 stages (empty: the planner's split, `modelpar.stage_split`).
     """
 
     blocks: str = ""

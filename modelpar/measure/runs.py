@@ -62,33 +62,27 @@ class Case:
 
 def planner_boundaries(model_name: str, plan: ParallelPlan,
                        model_config: dict | None = None) -> tuple[int, ...] | None:
-    """The stage boundaries (`ParallelPlan.stage_boundaries`, in model-part block indices) that the
-    planner's `loads.stage_ranges` assumes, so a measured pipeline splits where the prediction does.
+    """The stage boundaries (`ParallelPlan.stage_boundaries`, in model-part block indices) of the
+    planner's split (`modelpar.parallel.pipeline.planned_ranges`, the runtime's default too), so a
+    measured pipeline splits where the prediction does even if ``parallelize``'s default changes.
 
     ``model_name``: a built-in preset, or a Hugging Face model (``hf:<type>`` with ``model_config``
-    overrides), whose repeated blocks (`parallel.parts.find_blocks`, built on the meta device) are
-    split as the planner splits a transformer's layers (the parent's glue before / after them joins
-    the first / last stage).
+    overrides); built on the meta device (no weight allocated).
     """
     if plan.pp <= 1:
         return None
-    from modelpar.models import MLP_PRESETS, PRESETS
-    from modelpar.planner.memory import stage_ranges
-    from modelpar.planner.profile import BlockProfile, ModelProfile
+    from modelpar.models import MLP_PRESETS, build_model
+    from modelpar.parallel.parts import get_model_parts
+    from modelpar.parallel.pipeline import planned_ranges
     if is_hf_name(model_name):
         from modelpar.models.hf import build_hf
-        from modelpar.parallel.parts import find_blocks
-        layers = len(find_blocks(build_hf(model_name, model_config, device="meta", seed=None))[1])
-        n, arch, off = layers + 2, {"n_layer": layers}, 1
-    elif model_name in PRESETS:
-        n, arch = PRESETS[model_name].n_layer + 2, {"n_layer": PRESETS[model_name].n_layer}
-        off = 1
+        model, x = build_hf(model_name, model_config, device="meta", seed=None), None
     else:
-        n, arch, off = len(MLP_PRESETS[model_name]) - 1, {}, 0
-    blk = BlockProfile("b", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
-    prof = ModelProfile(blocks=(blk,) * n, dtype="fp32", batch_size=1, tokens_per_sample=1, arch=arch)
-    rng = stage_ranges(prof, plan.num_stages)
-    return tuple(a - off for a, _ in rng[1:])
+        model = build_model(model_name, device="meta")
+        x = (torch.zeros(1, MLP_PRESETS[model_name][0], device="meta") if model_name in MLP_PRESETS
+             else torch.zeros(1, model.cfg.seq_len, dtype=torch.long, device="meta"))
+    rng = planned_ranges(model, get_model_parts(model), plan.num_stages, x)
+    return tuple(a for a, _ in rng[1:])
 
 
 def _config(case: Case):
@@ -332,14 +326,14 @@ def run_cases(cases: list[Case], *, mode: str = "memory", **kw) -> dict:
 
 
 def worker_main(argv: list[str]) -> int:
-    """``torchrun ... -m modelpar.measure.runs CASES.json OUT.json [memory|time] [rounds]``."""
+    """``torchrun ... -m modelpar.measure.runs CASES.json OUT.json [memory|time] [rounds] [threads]``
+    (everything a rank needs is in its argv and the cases file: no environment side channel)."""
     from modelpar.parallel.mesh import init_distributed
 
     cases_path, out_path = argv[0], argv[1]
     mode = argv[2] if len(argv) > 2 else "memory"
-    threads = int(os.environ.get("MODELPAR_THREADS", "1"))
-    torch.set_num_threads(threads)
-    init_distributed(timeout_s=float(os.environ.get("MODELPAR_TIMEOUT_S", "300")))
+    torch.set_num_threads(int(argv[4]) if len(argv) > 4 else 1)
+    init_distributed(timeout_s=300)
     cases = [Case(**c) for c in json.loads(open(cases_path).read())]
     kw = {"rounds": int(argv[3])} if mode == "time" and len(argv) > 3 else {}
     res = run_cases(cases, mode=mode, **kw)
@@ -365,8 +359,8 @@ def launch(cases: list[Case], world: int, *, mode: str = "memory", timeout: floa
     cp, op = os.path.join(d, "cases.json"), os.path.join(d, "out.json")
     with open(cp, "w") as f:
         json.dump([c.to_dict() for c in cases], f)
-    run = run_workers(["-m", "modelpar.measure.runs", cp, op, mode, str(rounds)], world, op, timeout_s=timeout,
-                      threads=threads, env={"MODELPAR_THREADS": threads})
+    run = run_workers(["-m", "modelpar.measure.runs", cp, op, mode, str(rounds), str(threads)], world, op,
+                      timeout_s=timeout, threads=threads)
     if run.timed_out:
         raise RuntimeError(f"measure launch ({world} ranks) timed out after {timeout} s:\n{run.output[-3000:]}")
     if run.returncode != 0 or run.result is None:

@@ -340,8 +340,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
         split_points: block paths that start a pipeline stage (``--split-points``), instead of balancing.
         blocks: path of the block container (``--blocks``) where `parts.find_blocks`' rule picks wrong.
         block_costs: pipeline stage balancing: per-block costs, or ``"flops"`` (counted on
-            ``example_input``), ``"time"`` (measured), ``"params"``; None: ``"flops"`` when an example
-            input is given, else ``"params"`` (`modelpar.parallel.parts.block_costs`).
+            ``example_input``), ``"time"`` (measured), ``"params"`` (`modelpar.parallel.parts.block_costs`);
+            None: the planner's split (`pipeline.planned_ranges`: a transformer's layers evenly, other
+            models by their profiled FLOPs, which needs ``example_input``; without one, ``"params"``).
         find_unused_parameters: DDP's own option (it then reduces zeros for parameters a rank did not
             use: rank-divergent use is handled instead of refused).
         check_unused_params: check at every optimizer step that the data-parallel ranks used the same
@@ -412,8 +413,11 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
         if split_points:
             from modelpar.parallel.stages import boundaries_from_split_points
             bounds = boundaries_from_split_points(parts, split_points, plan.num_stages)
-        costs = pipeline.stage_costs(parts, block_costs, ex) if bounds is None else None
-        ranges = pipeline.split_stages(parts, plan.num_stages, bounds, block_costs=costs)
+        if bounds is None and block_costs is None and (ex is not None or pipeline.is_transformer(model, parts)):
+            ranges = pipeline.planned_ranges(model, parts, plan.num_stages, ex)   # the planner's split
+        else:
+            costs = pipeline.stage_costs(parts, block_costs, ex) if bounds is None else None
+            ranges = pipeline.split_stages(parts, plan.num_stages, bounds, block_costs=costs)
         if ex is not None:
             specs = pipeline.check_stage_boundaries(parts, ranges, ex)
         ties.check_ties(model, plan, parts, tp_plan=tp_plan, ranges=ranges, ties=tied)

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from modelpar.stage_split import balanced_partition  # noqa: F401  (re-exported: placement, tests)
+
 FORMS_HELP = ("modelpar splits a model at its repeated blocks: the longest run of modules of one class in "
               "an nn.ModuleList or nn.Sequential anywhere in the model (an nn.Sequential model: its children), "
               "or the container named by --blocks PATH; --split-points A,B names the blocks that start a "
@@ -229,41 +231,6 @@ def check_parts_order(model: nn.Module, parts: ModelParts, example_input: torch.
     if diff > 1e-5 * (1 + ref.abs().max().item()):
         raise ValueError(f"{type(model).__name__}.forward is not its children run in order (largest "
                          f"output difference {diff:.3g}). {FORMS_HELP}")
-
-
-def balanced_partition(costs: list[float], num_parts: int) -> list[int]:
-    """Split ``costs`` into ``num_parts`` contiguous non-empty groups minimising the largest group sum.
-
-    Exact dynamic program, O(parts x n^2) (linear partition problem). Returns the start index of
-    every group after the first (``len == num_parts - 1``).
-
-    Raises:
-        ValueError: more parts than items.
-    """
-    n = len(costs)
-    if num_parts > n:
-        raise ValueError(f"cannot split {n} blocks into {num_parts} non-empty stages")
-    if num_parts == 1:
-        return []
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    # best[k][i]: minimal max-sum splitting the first i items into k groups
-    best = [[inf] * (n + 1) for _ in range(num_parts + 1)]
-    arg = [[0] * (n + 1) for _ in range(num_parts + 1)]
-    best[0][0] = 0.0
-    for k in range(1, num_parts + 1):
-        for i in range(k, n - (num_parts - k) + 1):
-            for j in range(k - 1, i):
-                v = max(best[k - 1][j], prefix[i] - prefix[j])
-                if v < best[k][i] - 1e-12:
-                    best[k][i], arg[k][i] = v, j
-    cuts, i = [], n
-    for k in range(num_parts, 1, -1):
-        i = arg[k][i]
-        cuts.append(i)
-    return sorted(cuts)
 
 
 def block_param_costs(parts: ModelParts) -> list[float]:

@@ -1,9 +1,12 @@
 """Pipeline parallel with `torch.distributed.pipelining`.
 
-The model's blocks are cut into ``pp x virtual_stages`` contiguous stages, the split that minimises
-the largest stage cost (exact, `parts.balanced_partition`), with costs counted in FLOPs on an
-example micro-batch (or measured time, or parameter counts) unless boundaries are given; the input part goes with the first stage and the output part with
-the last. Each stage module registers the original modules under their original paths, so stage
+The model's blocks are cut into ``pp x virtual_stages`` contiguous stages. By default the split is
+the planner's (`planned_ranges`: `modelpar.stage_split.split_blocks` on the model's profile, as
+`modelpar.planner.loads.stage_ranges` splits it), so a pipeline holds the blocks the planner priced:
+a transformer's layers evenly, any other model's blocks minimising the largest stage's FLOPs.
+Boundaries, split points or an explicit cost kind (FLOPs counted on an example micro-batch, measured
+time, parameter counts; `stage_costs`) override it; the input part goes with the first stage and the
+output part with the last. Each stage module registers the original modules under their original paths, so stage
 state dicts use the same names as the whole model. A model whose forward does its own glue (the
 "forward" form of `modelpar.parallel.parts`, e.g. a Hugging Face model) gets stage modules that run
 that forward around their blocks (`modelpar.parallel.stages`); its boundary check is the chained
@@ -202,9 +205,56 @@ def split_stages(parts: ModelParts, num_stages: int, boundaries=None, block_cost
     return stage_ranges(parts.num_blocks, boundaries)
 
 
+def is_transformer(model: nn.Module, parts: ModelParts, tokens: int = 1) -> bool:
+    """True where the planner splits ``model``'s layers evenly (its ``arch`` facts exist: the built-in
+    GPT, a Hugging Face model with attention heads); see `planned_ranges`."""
+    return parts.form != "sequential" and bool(_arch_of(model, tokens))
+
+
+def _arch_of(model, tokens):
+    from modelpar.planner.profile import _arch_of as arch_of
+    return arch_of(model, tokens)
+
+
+def planned_ranges(model: nn.Module, parts: ModelParts, num_stages: int,
+                   example_input: torch.Tensor | None = None) -> list[tuple[int, int]]:
+    """The planner's split of ``parts`` into ``num_stages`` stages, as [start, end) ranges of
+    ``parts.blocks``: `modelpar.planner.loads.stage_ranges` (hence `modelpar.stage_split.split_blocks`)
+    on the model's profile, whose blocks are ``parts.blocks`` with the input and output parts as its
+    ``embed`` / ``head`` ends (none for an ``nn.Sequential``).
+
+    A transformer (the planner's ``arch`` facts exist: the built-in GPT, a Hugging Face model with
+    attention heads) is split evenly by layer count, which needs no profile; any other model is
+    profiled (`modelpar.planner.profile.profile_model`, meta / fake tensors, no weight touched) on
+    ``example_input`` for its per-block FLOPs. Deterministic, so every rank gets the same split.
+
+    Raises:
+        ValueError: more stages than blocks; a model that is not a transformer without an example input.
+    """
+    from modelpar.planner.loads import stage_ranges as planner_ranges
+    from modelpar.planner.profile import BlockProfile, ModelProfile, profile_model
+
+    ends = parts.form != "sequential"
+    names = ([("embed", None)] if ends else []) + list(parts.blocks) + ([("head", None)] if ends else [])
+    tokens = example_input.shape[1] if example_input is not None and example_input.dim() == 2 else 1
+    arch = _arch_of(model, tokens) if ends else {}
+    if arch:                                   # even by layers: only the count matters
+        blk = [BlockProfile(n, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0) for n, _ in names]
+        prof = ModelProfile(blocks=tuple(blk), dtype="fp32", batch_size=1, tokens_per_sample=tokens, arch=arch)
+    elif example_input is None:
+        raise ValueError(f"the planner's stage split of {type(model).__name__} needs an example micro-batch "
+                         f"(parallelize(..., example_input=...)) to count its blocks' FLOPs")
+    else:
+        prof = profile_model(model, example_input, blocks=names)
+    rng = planner_ranges(prof, num_stages)
+    off = len(prof.blocks) - parts.num_blocks == 2      # the profile's ends: not blocks of the runtime
+    return stage_ranges(parts.num_blocks, [a - off for a, _ in rng[1:]])
+
+
 def stage_costs(parts: ModelParts, kind, example_input) -> list[float]:
     """Per-block costs for `split_stages`: a list given by the user, or a kind (see `parts.block_costs`);
-    None picks ``"flops"`` with an example input, else ``"params"``.
+    None picks ``"flops"`` with an example input, else ``"params"`` (`parallelize`'s default is not
+    this but `planned_ranges`).
 
     Raises:
         ValueError: a cost list of the wrong length, or an unknown kind.

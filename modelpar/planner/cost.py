@@ -5,9 +5,9 @@ Sources:
   Communication Operations in MPICH", IJHPCA 2005, Sec. 4): for n ranks and B bytes,
   all-reduce 2(n-1) alpha + 2(n-1)/n B/beta; all-gather and reduce-scatter (n-1) alpha + (n-1)/n B/beta
   (B = the full, gathered size); send/recv alpha + B/beta.
-- Tensor parallel: 2 all-reduces of the block output per transformer layer in forward and 2 in
-  backward (Shoeybi et al., "Megatron-LM", 2019, Sec. 3, Fig. 4); sequence parallel replaces each by a
-  reduce-scatter + all-gather of the same volume (Korthikanti et al. 2022, Sec. 4.2.2).
+- Tensor parallel: 2 all-reduces per layer in forward, 2 in backward (Shoeybi et al., "Megatron-LM", 2019,
+  Sec. 3, Fig. 4); sequence parallel: a reduce-scatter + all-gather each (Korthikanti et al. 2022, Sec.
+  4.2.2). CPU without SP: modelpar's DTensor runtime's one per sharded matrix (`StepForm.tp_per_matrix`).
 - Pipeline bubble / ideal time (Narayanan et al. SC'21, Sec. 2.2): (p-1)/m for GPipe and 1F1B,
   (p-1)/(v m) interleaved; ZB-H1 (p-1)/(3m) (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR'24,
   Sec. 3); ZB-V about 0.
@@ -250,6 +250,9 @@ def step_form(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, optimi
     # `fsdp_sharded_accumulation` of this layout's plans is this and not the plan's defer_grad_sync
     f.shard_acc = plan.dp_shard > 1 and plan.pp == 1
     f.per_b, f.slowest, f.comms = {}, {}, {}
+    # CPU without SP (DTensor): colwise Linears all-reduce input grads in backward (q, k, v apart), rowwise
+    # outputs in forward: 1 per sharded matrix (`cpu_step_waits.py`: gpt-1m 26, hf-llama 30; `_tp_linear_cost`)
+    f.tp_per_matrix = hw.kind == "cpu" and phys is None and plan.tp > 1 and not plan.sequence_parallel
     return f
 
 
@@ -259,7 +262,7 @@ class StepForm:
     __slots__ = ("loads", "hw", "tp_bytes", "dp_overlap", "reduce_bytes", "attention_kernel", "p2p_scatter_gather",
                  "fsdp_stream_copies", "cache", "prec", "flops_s", "alone", "cal", "mem_s", "phys", "v", "p",
                  "overlap", "curve", "ew_s", "attn_rate", "zb", "layout", "cast_b", "wb", "rep_rt", "shard_share",
-                 "rep_share", "opt", "per_b", "slowest", "shard_acc", "comms")
+                 "rep_share", "opt", "per_b", "slowest", "shard_acc", "comms", "tp_per_matrix")
 
     def _times(self, plan: ParallelPlan, b: int) -> tuple:
         """Per micro-batch size ``b`` (memoized): each rank's forward and backward seconds, the TP
@@ -324,12 +327,10 @@ class StepForm:
                 if w_f:    # the replayed layers' GEMM waves, per layer (not by the FLOPs share)
                     layers = ld.layer_gemm[3]
                     t_rc += (recompute_layers(ld, plan) - rc_share * layers) * w_f
-            # DTensor's per-call cost of each sharded Linear (dispatch, sharding propagation, input and
-            # output conversion; forward + backward), calibrated on CPU; part of TP's price
-            # (the per-Linear cost is calibrated on chains of sharded Linears less their all-reduces
-            # at these same in-context times)
-            t_tp = (ld.tp_collectives * ar_tp * (2 + rc_share)
-                    + ld.tp_linears * tp_linear)
+            # all-reduces: 2 x forward's (Megatron-LM) or 1 per sharded matrix (`tp_per_matrix`), + replays; and
+            # DTensor's calibrated per-call cost of each sharded Linear (dispatch, conversions; fwd + bwd)
+            ars = (ld.tp_linears if self.tp_per_matrix else 2 * ld.tp_collectives) + rc_share * ld.tp_collectives
+            t_tp = ars * ar_tp + ld.tp_linears * tp_linear
             work = t_f + t_b + t_rc + t_tp
             fb.append((t_f + t_tp / 2, t_b + t_rc + t_tp / 2))     # TP's cost split evenly (forward, backward)
             key = (work, ld.params)

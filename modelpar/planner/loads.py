@@ -15,30 +15,60 @@ from modelpar.plan import ParallelPlan
 from modelpar.planner.memo import PlannerCache
 from modelpar.planner.profile import ModelProfile, tied_copies
 from modelpar.planner.profile_ops import SDPA_LAYOUT
+from modelpar.stage_split import split_blocks
 
 
 def stage_ranges(profile: ModelProfile, num_stages: int) -> list[tuple[int, int]]:
-    """Block index ranges ``[start, end)`` of each pipeline stage.
+    """Block index ranges ``[start, end)`` of each pipeline stage: `modelpar.stage_split.split_blocks`,
+    the rule the runtime's default split follows too (`modelpar.parallel.pipeline.planned_ranges`).
 
-    Transformers (profile.arch set, blocks ``embed, blocks.*, head``): the layers are split as evenly
-    as possible, embed joins the first stage and head the last (Megatron-LM's layout). Other models:
-    their blocks split as evenly as possible.
+    Transformers (``profile.arch`` set, blocks ``embed, blocks.*, head``): the layers are split as
+    evenly as possible, embed joins the first stage and head the last (Megatron-LM's layout). Other
+    models: the split minimising the largest stage's forward + backward FLOPs per sample; a profile
+    whose first and last blocks are the ``embed`` / ``head`` rest of the model (`profile.default_blocks`
+    of a model with found blocks, e.g. a ResNet) keeps them on the first / last stage.
 
     Raises:
         ValueError: more stages than splittable blocks.
     """
+    bs = max(profile.batch_size, 1)
+    costs = tuple(max((b.fwd_flops + b.bwd_flops) / bs, 1.0) for b in profile.blocks)
+    return list(_split(costs, num_stages, _has_ends(profile), bool(profile.arch)))
+
+
+def _has_ends(profile: ModelProfile) -> bool:
+    """The profile's first and last blocks are the input / output parts (not runtime blocks)."""
+    names = [b.name for b in profile.blocks]
+    return len(names) >= 3 and (bool(profile.arch) or (names[0] == "embed" and names[-1] == "head"))
+
+
+def plan_stage_ranges(profile: ModelProfile, plan: ParallelPlan) -> list[tuple[int, int]]:
+    """The stage ranges of ``plan`` over ``profile.blocks``: its ``stage_boundaries`` where given (in
+    the runtime's block indices, as `parallelize` reads them: the profile's input part is not a
+    block), else the planner's split (`stage_ranges`); one stage: every block.
+
+    Raises:
+        ValueError: boundaries that are not strictly increasing inside the blocks, or more stages
+            than blocks.
+    """
     n = len(profile.blocks)
-    ends = bool(profile.arch) and n >= 3
-    lo, hi = (1, n - 1) if ends else (0, n)
-    layers = hi - lo
-    if num_stages > layers:
-        raise ValueError(f"{num_stages} pipeline stages but the model has only {layers} blocks")
-    cuts = [lo + (k * layers) // num_stages for k in range(num_stages + 1)]
-    rng = [(cuts[k], cuts[k + 1]) for k in range(num_stages)]
-    if ends:
-        rng[0] = (0, rng[0][1])
-        rng[-1] = (rng[-1][0], n)
-    return rng
+    if plan.num_stages <= 1:
+        return [(0, n)]
+    if not plan.stage_boundaries:
+        return stage_ranges(profile, plan.num_stages)
+    off = 1 if _has_ends(profile) else 0
+    blocks = n - 2 * off
+    b = tuple(plan.stage_boundaries)
+    if len(b) != plan.num_stages - 1 or any(x >= y for x, y in zip((0,) + b, b + (blocks,))):
+        raise ValueError(f"stage_boundaries={b} must be {plan.num_stages - 1} strictly increasing block indices "
+                         f"in 1..{blocks - 1} (the model has {blocks} blocks)")
+    cuts = [0] + [x + off for x in b] + [n]
+    return [(cuts[k], cuts[k + 1]) for k in range(plan.num_stages)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _split(costs: tuple, num_stages: int, ends: bool, even: bool) -> tuple:
+    return tuple(split_blocks(costs, num_stages, ends=ends, even=even))
 
 
 @dataclass
@@ -351,10 +381,11 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
     t = plan.tp
     sp = plan.sequence_parallel
     bs = profile.batch_size
-    rng = stage_ranges(profile, plan.num_stages) if plan.num_stages > 1 else [(0, len(profile.blocks))]
+    rng = plan_stage_ranges(profile, plan)
     terms = _block_terms(profile, t, sp, scale, cache)
     pre, first_adj, mbs, unit_params, numels_b, unit_gen, unit_first, rec, ac_info = terms
-    loads = [RankLoad(key=(t, sp, plan.num_stages, plan.pp, scale, r)) for r in range(plan.pp)]
+    bkey = (tuple(plan.stage_boundaries),) if plan.stage_boundaries and plan.num_stages > 1 else ()
+    loads = [RankLoad(key=(t, sp, plan.num_stages, plan.pp, scale, r) + bkey) for r in range(plan.pp)]
     sums = [[0] * len(_SUMS) for _ in range(plan.pp)]
     numels: list[list[tuple[float, bool]]] = [[] for _ in range(plan.pp)]
     units: list[list[tuple[float, float]]] = [[] for _ in range(plan.pp)]

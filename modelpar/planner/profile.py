@@ -430,9 +430,11 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
     # spans both passes, a nested one the forward alone; backward = all - forward.
     all_fc = FlopCounterMode(display=False, custom_mapping=_FLOP_FORMULAS)
     fwd_fc = FlopCounterMode(display=False, custom_mapping=_FLOP_FORMULAS)
+    # the op counter above the FLOP counters (entered after them, per pass): FlopCounterMode decomposes ops
+    # with a composite decomposition (silu_backward: sigmoid, rsub, mul, add); the runtime runs one kernel
     try:
-        with tracker, counter, all_fc:
-            with fwd_fc, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with tracker, all_fc:
+            with fwd_fc, counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = torch.func.functional_call(model, {**params, **buffers}, xs)
             outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
             if outside.post:
@@ -443,7 +445,8 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
                     hook_grads(bi, rows)
             handles += _hook_partial_grads(outs, life)
             # a reduction after the model, so the last block's backward hooks see a gradient arrive
-            torch.autograd.backward([o.sum() for o in outs])
+            with counter:
+                torch.autograd.backward([o.sum() for o in outs])
     finally:
         for h in handles:
             h.remove()

@@ -81,7 +81,7 @@ class TrainConfig:
         pp_schedule: gpipe, 1f1b, interleaved1f1b, loopedbfs, interleavedzerobubble, zbvzerobubble, dualpipev.
         n_microbatches: pipeline micro-batches per local batch (0: 2 x pp).
         virtual_stages: pipeline stages per rank (interleaved schedules).
-        stage_boundaries: first block of every stage after the first (empty: balanced by parameters).
+        stage_boundaries: first block of every stage after the first (empty: the planner's split, `modelpar.stage_split`).
         placement_devices: devices for the placement strategy (empty: cuda:0,cuda:1 with 2 GPUs, else cpu,cpu).
         activation_checkpointing: none, full (recompute every block), selective (recompute only each
             block's attention core; with a fused attention kernel this frees little) or every-k

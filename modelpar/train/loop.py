@@ -100,6 +100,11 @@ def preflight(cfg: TrainConfig, world_size: int, resolved=None) -> tuple[Paralle
         boundaries_from_split_points(parts, split_points_of(cfg.split_points), plan.num_stages)
     check_meta_init(cfg, plan)
     batches = batch_terms(cfg, plan, resolved.local_batch_size)
+    if plan.pp > 1 and cfg.eval_samples // plan.dp < batches.local_batch_size:
+        # `evaluate` runs whole local batches only under a pipeline: fewer samples would average none (NaN)
+        raise ValueError(f"eval_samples={cfg.eval_samples} gives each of the {plan.dp} data-parallel rank(s) fewer "
+                         f"than one local batch ({batches.local_batch_size} samples), which a pipeline evaluates "
+                         f"whole; raise --eval-samples to >= {batches.local_batch_size * plan.dp}")
     plan.validate(1 if plan.is_placement else world_size,
                   num_blocks=parts.num_blocks if parts.form != "whole" else None,
                   local_batch_size=batches.local_batch_size)

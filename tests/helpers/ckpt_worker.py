@@ -1,5 +1,7 @@
 """Entry point run by torchrun (or plainly, for one process) for the checkpoint, fault and preflight
-tests: runs a list of scenarios in one launch (the process group is shared) and writes their results.
+tests: runs a list of scenarios in one launch (the process group is shared) and writes their results;
+rank 0's wall and CPU seconds per scenario go to OUT.json.times.json (the terminal summary lists the
+slowest per launch, `helpers.workers.LAUNCHES`).
 
 usage: torchrun --nproc-per-node N tests/helpers/ckpt_worker.py OUT.json SPEC.json
 SPEC.json: a list of {"name": ..., "kind": "train" | "c1" | "c2" | "c9", "cfg": {TrainConfig fields},
@@ -13,6 +15,7 @@ check that all ranks raised the same one.
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -59,10 +62,11 @@ def main() -> None:
     rank, world = init_distributed(timeout_s=90)
     from helpers import preflight_cases
 
-    results = {}
+    results, times = {}, {}
     for spec in specs:
         err = None
         res = None
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             if spec["kind"] == "call":       # {"fn": "helpers.module:function"}: function(spec) -> result
                 import importlib
@@ -80,7 +84,9 @@ def main() -> None:
             dist.all_gather_object(errors, err)
         results[spec["name"]] = {"result": res, "errors": {str(r): e for r, e in enumerate(errors) if e}}
         if rank == 0:
+            times[spec["name"]] = {"wall_s": round(time.perf_counter() - t0, 3), "cpu_s": round(time.process_time() - c0, 3)}
             Path(out).write_text(json.dumps(results, indent=1))
+            Path(f"{out}.times.json").write_text(json.dumps(times, indent=1))
     from modelpar.launch import exit_rank
 
     exit_rank(0)        # every result is written: leave without gloo teardown (see exit_rank)

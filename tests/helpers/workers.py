@@ -40,7 +40,8 @@ class _Group:
 GROUPS: dict[str, _Group] = {}
 _ACTIVE: set[str] | None = None          # module files with selected tests; None: not told (all active)
 _BASE: list[Path] = []
-LAUNCHES: list[dict] = []                # one row per launch: tag, ranks, scenarios, groups carried
+LAUNCHES: list[dict] = []                # one row per launch: tag, ranks, scenarios, groups carried, rank 0's
+                                         # {scenario: {"wall_s", "cpu_s"}} ("times")
 
 
 def ride(tag: str, nproc: int, build: Callable[[Path], list[dict]], *, module: str,
@@ -96,7 +97,9 @@ def launch(nproc: int, specs: list[dict], work: Path, tag: str, *, carry: bool =
     cmd = ["timeout", "-k", "10", str(limit),
            *torchrun_cmd(nproc, [str(ROOT / "tests" / "helpers" / "ckpt_worker.py"), str(out), str(spec_file)])]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=limit + 30)
-    LAUNCHES.append({"tag": tag, "nproc": nproc, "scenarios": len(every), "carried": sorted(riders)})
+    times = Path(f"{out}.times.json")
+    LAUNCHES.append({"tag": tag, "nproc": nproc, "scenarios": len(every), "carried": sorted(riders),
+                     "times": json.loads(times.read_text()) if times.is_file() else {}})
     if proc.returncode != 0 or not out.exists():
         pytest.fail(f"launch {tag} ({nproc} ranks, carrying {sorted(riders) or 'no other group'}) failed, "
                     f"rc {proc.returncode}:\n{proc.stderr[-4000:]}")
