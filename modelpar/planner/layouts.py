@@ -63,8 +63,9 @@ def _share_times(S: Search, L: Layout, form, plan: ParallelPlan, every_k: bool) 
     Those tables read, besides ``b`` and the plan's checkpointing and schedule (in their keys): the
     loads (one list per (tp, pp, v) and rank set: the same objects), the precision, hardware and
     profile (one per search), and of the form: ``alone`` (dp x tp = 1: fixed by tp, pp and the
-    device count), ``zb`` (the schedule), ``cast_b`` (the data-parallel wrapper), ``p`` / ``v``, and
-    the TP all-reduce's link (`comms._coll_sum`'s memoized (table, latency, volume) of the tp axis,
+    device count), ``zb`` (the schedule), ``cast_b`` (the data-parallel wrapper), ``p`` / ``v``,
+    ``tp_per_matrix`` (TP's all-reduce count), and the TP all-reduce's link (`comms._coll_sum`'s
+    memoized (table, latency, volume) of the tp axis,
     read back from the cache): forms equal in all of these get equal tables. Where the link cannot be
     read back, the form keeps its own tables."""
     link = None
@@ -74,7 +75,8 @@ def _share_times(S: Search, L: Layout, form, plan: ParallelPlan, every_k: bool) 
                                   not S.hw.comm_overlap))
         if link is None:
             return
-    key = (L.tp, L.pp, L.v, every_k or L.pp > 1, form.alone, form.zb, form.cast_b, form.mem_s, link)
+    key = (L.tp, L.pp, L.v, every_k or L.pp > 1, form.alone, form.zb, form.cast_b, form.mem_s, link,
+           getattr(form, "tp_per_matrix", None))
     form.per_b, form.slowest = S.shared_times.setdefault(key, ({}, {}))
 
 

@@ -33,19 +33,18 @@ def step_lower_bound(S: Search, L: Layout, b: int, m: int, acc: int) -> float:
     (`cost.StepForm.at`, `step_estimate._finish`), for the slowest rank ``i`` of the candidate's
     form (`StepForm._slowest`: the largest work = t_f + t_b + t_rc + t_tp). With ``mbs`` = accumulation
     x m (pipelines; else accumulation), the same for every candidate of the group:
-    - compute + recompute + tp_comm = mbs (t_f + t_b + t_rc + t_tp)_i + t_acc >= mbs x W, where
-      W = max over ranks j of W_j = t_f + t_b + 2 c_j a + l_j q (``c_j`` TP collectives, ``a`` the
-      all-reduce time, ``l_j`` sharded Linears, ``q`` their cost): the slowest rank's work is the
-      largest, and each rank's work under any checkpointing exceeds its W_j by t_rc >= 0 and
-      c_j a rc_share >= 0 (recompute seconds and shares are >= 0); t_acc = (mbs - 1) x 12 params /
-      bandwidth >= 0. t_f, t_b are the form's per-b times (`StepForm._times`: one table per layout
-      and b, the same numbers every candidate reads; every-k's form is over every rank, as the
-      pipeline form is, and for pp = 1 both forms hold the one rank).
+    - compute + recompute + tp_comm = mbs x work_i + t_acc >= mbs x W, where W is the slowest rank's
+      work without checkpointing (`_slowest` of the group's plan with "none": the same memoized
+      per-b times every candidate reads; every-k's form is over every rank, as the pipeline form
+      is, and for pp = 1 both forms hold the one rank): each rank's work under any checkpointing
+      exceeds its work without by t_rc >= 0 and the replayed all-reduces (rc_share x collectives x
+      all-reduce seconds >= 0), so the largest work does too; t_acc = (mbs - 1) x 12 params /
+      bandwidth >= 0.
     - bubble = accumulation x bub: for the fraction schedules (interleaved, zero-bubble, ZB-V)
       bub = `bubble_fraction` (p, m, v) x m x work_i >= that x W; for GPipe (every rank's times:
-      `formulas.fill_drain_from_sums`) bub = the sum of the other stages' f + b >= sum_j W_j - W
-      (each stage's f + b is its work >= W_j); for 1F1B bub >= 0 (its terms are sums of seconds and
-      max(0, .)); without a pipeline 0.
+      `formulas.fill_drain_from_sums`) bub = the sum of the other stages' work >= (sum of every
+      stage's work without checkpointing) - W = U + D of the "none" sums; for 1F1B bub >= 0 (its
+      terms are sums of seconds and max(0, .)); without a pipeline 0.
     - optimizer = the slowest rank's optimizer seconds >= the smallest of the form's (``opt``).
     - pp_comm (2 v x p2p seconds per micro-batch) and dp_comm (exposed collectives and copies, each
       a max(0, .) or a sum of seconds; the deferred sync's part is `comms._fsdp_exposed` with the
@@ -54,15 +53,14 @@ def step_lower_bound(S: Search, L: Layout, b: int, m: int, acc: int) -> float:
     The sum of these is taken in floats and lowered by `_SLACK` relative, which exceeds the rounding of
     both sums, so the returned bound is <= the float total of every candidate of the group."""
     form = L.sform
-    times, ar_tp, tp_linear = form._times(L.plan(S, m, "none", 1, False), b)
-    ws = [t_f + t_b + ld.tp_collectives * ar_tp * 2 + ld.tp_linears * tp_linear for ld, t_f, t_b, _ in times]
-    w = max(ws)
+    _, _, t_f, t_b, t_rc, t_tp, fill = form._slowest(L.plan(S, m, "none", 1, False), b)
+    w = t_f + t_b + t_rc + t_tp
     p = L.pp
     mbs = acc * (m if p > 1 else 1)
     bub = 0.0
     if p > 1:
-        if L.sched == "gpipe" and L.v == 1 and len(ws) == p:
-            bub = acc * max(sum(ws) - w, 0.0)
+        if L.sched == "gpipe" and fill is not None:
+            bub = acc * (fill[0] + fill[1])
         elif L.sched != "1f1b":
             bub = acc * bubble_fraction(L.sched, p, m, L.v) * m * w
     return (mbs * w + bub + min(form.opt)) * (1.0 - _SLACK)
