@@ -2,7 +2,7 @@
 
 Trains the same model under FSDP on 2 ranks (``--hsdp``: HSDP 2 x 2 on 4) with 1 and with
 ``--steps`` (4) accumulation steps of the same local batch, and measures, with torch's MemTracker
-(the tool `modelpar.planner.measure` uses), the gradient bytes a rank holds after each local
+(the tool `modelpar.measure` uses), the gradient bytes a rank holds after each local
 batch's backward of the third step: MemTracker's Gradient bytes (the ``.grad`` of the registered,
 sharded parameters) plus its Temp bytes (tensors made in backward and still alive then: FSDP's
 unsharded gradients while its sync is off). It prints the largest of these per run and the ratio.
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -34,7 +33,7 @@ def _worker(spec_path: str, out_path: str) -> int:
 
     from modelpar.launch import exit_rank  # noqa: F401
     from modelpar.parallel.mesh import init_distributed  # noqa: F401
-    from modelpar.planner.measure import Case, _snap, _tracker, build_case
+    from modelpar.measure.runs import Case, _snap, _tracker, build_case
     from modelpar.train.data import global_batch_slice
     from modelpar.train.grads import clip_grad_norm_
 
@@ -90,14 +89,14 @@ def main(argv: list[str]) -> int:
     sp, op = os.path.join(d, "cases.json"), os.path.join(d, "out.json")
     with open(sp, "w") as f:
         json.dump(cases, f)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           os.path.abspath(__file__), "--worker", sp, op]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
-    if p.returncode != 0 or not os.path.exists(op):
-        print(p.stderr[-4000:])
+    from modelpar.launch import run_workers
+
+    run = run_workers([os.path.abspath(__file__), "--worker", sp, op], world, op, timeout_s=args.timeout)
+    if run.result is None:
+        print(run.output[-4000:])
+        print(f"no result: {run.reason()}")
         return 2
-    res = json.loads(open(op).read())
+    res = run.result
     largest = {}
     for c in cases:
         per_rank = res[c["name"]]

@@ -31,7 +31,7 @@ os.environ["MODELPAR_CALIBRATION"] = os.path.join(tempfile.mkdtemp(prefix="model
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers.guards import refuse_processes  # noqa: E402
+from helpers.guards import leaked_threads, refuse_processes  # noqa: E402
 LAUNCH_TIMEOUT_S = {2: 600, 4: 420, 8: 600}
 # inductor compiles in this process rather than in a pool of worker processes, each of which imports
 # torch (the compile row: ~2-5 s per rank on 2 cores; the kernels are the same, and the C++ compiler
@@ -75,24 +75,6 @@ def dist_results(tmp_path_factory):
     return get
 
 
-# threads that libraries keep for the whole process by design (tqdm's monitor is started once and
-# reused by every later bar); anything else a test starts must be gone when it ends
-SHARED_THREADS = ("TMonitor", "tqdm_monitor")
-
-
-def _leaked_threads(before: set[int], grace_s: float = 2.0) -> list[str]:
-    import threading
-    import time
-
-    deadline = time.monotonic() + grace_s
-    while True:
-        new = [t for t in threading.enumerate() if t.ident not in before and t.is_alive()
-               and not any(s in (t.name + type(t).__name__) for s in SHARED_THREADS)]
-        if not new or time.monotonic() > deadline:
-            return [f"{t.name} ({type(t).__name__}, daemon={t.daemon})" for t in new]
-        time.sleep(0.05)
-
-
 @pytest.fixture(autouse=True)
 def _clean_env(request):
     """Restore the environment; fail a test that leaves a process group initialised or a thread running
@@ -119,7 +101,7 @@ def _clean_env(request):
         f"the test started a process ({', '.join(started)}) but is not marked slow "
         "(mark it @pytest.mark.slow, or keep it in-process)")
     assert not leaked, "the test left a process group initialised"
-    stray = _leaked_threads(threads)
+    stray = leaked_threads(threads)
     assert not stray, f"the test left thread(s) running: {', '.join(stray)}"
 
 

@@ -55,7 +55,8 @@ def test_shared_options_same_defaults_everywhere():
     for name in defaults:
         if hasattr(cfg, name):
             assert getattr(cfg, name) == defaults[name], name
-    exceptions = {("bench", "global_batch_size")}        # bench: 0 = its per-model rows (docs/bench.md)
+    exceptions = {("bench", "global_batch_size"),         # bench: 0 = its per-model rows (docs/bench.md)
+                  ("bench", "model")}                     # bench: empty = its --models list
     for c in COMMANDS:
         p = parser_for(c)
         for a in p._actions:
@@ -204,3 +205,33 @@ def test_train_auto_prints_the_planner_predicted_tokens_per_s(tmp_path, capsys):
     m = re.search(r"^expected ~([\d,]+) tokens/s on A100-80GB \(planner prediction\)$", capsys.readouterr().out,
                   re.MULTILINE)
     assert m and int(m.group(1).replace(",", "")) > 0
+
+
+@pytest.mark.parametrize("strategy, measures", [("auto", True), ("rules", False), ("ddp", False)])
+def test_only_train_strategy_auto_calibrates_by_itself(monkeypatch, strategy, measures):
+    """Issue 13 item 1: `train --strategy auto` may measure an uncalibrated machine; `rules` and the
+    named strategies use the uncalibrated estimate (as plan / estimate / bench do)."""
+    import modelpar.train.resolve as resolve_mod
+    from modelpar.cli.train import main
+
+    seen = []
+
+    def fake_resolve(cfg, world, *, measure_if_missing=False):
+        seen.append(measure_if_missing)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(resolve_mod, "resolve", fake_resolve)
+    with pytest.raises(ValueError, match="stop here"):
+        main(["--model", "gpt-nano", "--strategy", strategy, "--nproc", "2", "--global-batch-size", "4"])
+    assert seen == [measures]
+
+
+def test_bench_takes_the_shared_model_flag():
+    """`modelpar bench --model M` is `--models M` (the shared spelling); both at once are refused; an
+    unknown name fails before any row runs."""
+    from modelpar.cli.bench import main
+
+    with pytest.raises(ValueError, match="give --model or --models, not both"):
+        main(["--model", "gpt-nano", "--models", "gpt-1m"])
+    with pytest.raises(ValueError, match="no-such-model"):
+        main(["--model", "no-such-model"])

@@ -231,8 +231,10 @@ def test_search_counts_and_choice():
     m = build_model("gpt-1m", device="meta")
     prof = profile_model(m, _tokens(m, 1))
     hw = cpu_profile(4)
-    plan, rep = choose_plan(prof, 4, hw, global_batch_size=16, precision="fp32")
+    plan, rep = choose_plan(prof, 4, hw, global_batch_size=16, precision="fp32", top_k=None)
     assert rep.considered == rep.num_pruned + len(rep.ranked)
+    # the default (exact top-1 mode) chooses the same plan
+    assert choose_plan(prof, 4, hw, global_batch_size=16, precision="fp32")[0] == plan
     assert plan == rep.ranked[0].plan and plan.world_size == 4
     assert all(a.step.total <= b.step.total for a, b in zip(rep.ranked, rep.ranked[1:]))
     assert rep.pruned["global batch not divisible by dp"] == 0
@@ -283,3 +285,12 @@ def test_search_3072_devices_completes(profiled_70b):
     rep = search_plans(prof, 3072, BUILTIN["H100-80GB-SXM"], global_batch_size=3072)
     assert rep.considered > 100_000 and rep.ranked
     assert time.process_time() - t < 60
+    # the exact top-k mode returns this ranking's head (tests/test_planner_topk.py; shares this search)
+    import dataclasses as dc
+
+    def rows(cands):
+        return [(c.plan.to_dict(), c.micro_batch_size, dc.asdict(c.memory), dc.asdict(c.step)) for c in cands]
+    every = rows(rep.ranked)
+    for k in (1, 5, 20):
+        head = search_plans(prof, 3072, BUILTIN["H100-80GB-SXM"], global_batch_size=3072, top_k=k)
+        assert rows(head.ranked) == every[:k] and head.considered == rep.considered, k

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from modelpar.cli.args import add_fields, make_parser, normalize_argv, parse
+from modelpar.cli.args import add_fields, given_fields, make_parser, normalize_argv, parse
 from modelpar.cli.options import BATCH_TERMS, BatchOptions, HardwareOptions, LayoutOptions, ModelOptions
 
 EXAMPLES = """examples:
@@ -64,7 +64,8 @@ def build_parser():
 
     p = make_parser("modelpar bench", __doc__.split("\n\n")[0].split(": ", 1)[1], epilog=EXAMPLES + "\n" + BATCH_TERMS)
     add_fields(p, BenchOptions, defaults={"strategies": ",".join(DEFAULT_ROWS)})
-    add_fields(p, ModelOptions, only=("model_config",))
+    add_fields(p, ModelOptions, defaults={"model": ""},
+               docs={"model": "one model, the shared spelling of --models MODEL (empty: --models)."})
     add_fields(p, LayoutOptions, only=("nproc",))
     add_fields(p, BatchOptions, defaults={"global_batch_size": 0},
                docs={"global_batch_size": "samples per optimizer step (0: 8; 32 for the MLPs: the rows of "
@@ -86,6 +87,10 @@ def main(argv: list[str]) -> int:
         raise ValueError(f"unknown strategies {bad}; valid: {', '.join(ROWS)}")
     from modelpar.models.spec import check_model
 
+    if args.model:                              # the shared --model: one table
+        if "models" in given_fields(p, argv):
+            raise ValueError(f"give --model or --models, not both (--model {args.model}, --models {args.models})")
+        args.models = args.model
     models = [m for m in args.models.split(",") if m]
     if args.model_config and len(models) != 1:
         raise ValueError(f"--model-config applies to one model; --models names {len(models)}: {models}")

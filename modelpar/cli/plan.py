@@ -110,14 +110,17 @@ def main(argv: list[str]) -> int:
     prec = precision_for(a.precision, hw)
     prof, desc = profile_for(a.model, a.model_config, a.seq_len, prec, a.blocks)
     t = time.perf_counter()
+    # only the plans printed (and the one explained) are needed: the exact top-k mode ranks just those
+    # (the summary then says how many were evaluated and found feasible, a lower bound on the total)
     rep = search_plans(prof, n, hw, global_batch_size=a.global_batch_size, optimizer=a.optimizer, precision=prec,
-                       **search_kwargs(a.activation_checkpointing, a.ac_every))
+                       top_k=max(a.top, a.explain, 1), **search_kwargs(a.activation_checkpointing, a.ac_every))
     if a.explain and not 1 <= a.explain <= len(rep.ranked):
         raise ValueError(f"--explain {a.explain}: only {len(rep.ranked)} plans are feasible")
     if a.json:
         c = rep.ranked[a.explain - 1]
         pf = PlanFile(c.plan, c.batch.global_batch_size, c.batch.local_batch_size,
-                      f"modelpar plan --model {a.model}: plan {a.explain} of {len(rep.ranked)} on {n} x {hw.name}")
+                      f"modelpar plan --model {a.model}: plan {a.explain} of >= {rep.topk_stats['fitting']} feasible "
+                      f"on {n} x {hw.name}")
         print(json.dumps(pf.to_dict(), indent=1, sort_keys=True))
         return 0
     print(f"{desc} ({prof.num_params / 1e6:,.1f}M params) on {n} x {hw.name}, "

@@ -151,7 +151,8 @@ def main(argv: list[str]) -> int:
         world = read_plan_file(cfg.plan).plan.world_size      # the plan file's own world size
     else:
         world = world_size(ns, given)
-    resolved = resolve(cfg, world, measure_if_missing=True)   # only train --strategy auto calibrates by itself
+    # only train --strategy auto calibrates by itself (rules and the rest: the uncalibrated estimate)
+    resolved = resolve(cfg, world, measure_if_missing=cfg.strategy.lower() == "auto")
     plan, batches = preflight(cfg, world, resolved)
     print(f"plan: {plan.describe()} on {world} rank(s) -- {resolved.reason}", flush=True)
     if resolved.predicted_tokens_per_s > 0:     # what the user should expect (README: the hosts' range)

@@ -326,14 +326,14 @@ def run_cases(cases: list[Case], *, mode: str = "memory", **kw) -> dict:
 
 
 def worker_main(argv: list[str]) -> int:
-    """``torchrun ... -m modelpar.measure.runs CASES.json OUT.json [memory|time] [rounds]``."""
+    """``torchrun ... -m modelpar.measure.runs CASES.json OUT.json [memory|time] [rounds] [threads]``
+    (everything a rank needs is in its argv and the cases file: no environment side channel)."""
     from modelpar.parallel.mesh import init_distributed
 
     cases_path, out_path = argv[0], argv[1]
     mode = argv[2] if len(argv) > 2 else "memory"
-    threads = int(os.environ.get("MODELPAR_THREADS", "1"))
-    torch.set_num_threads(threads)
-    init_distributed(timeout_s=float(os.environ.get("MODELPAR_TIMEOUT_S", "300")))
+    torch.set_num_threads(int(argv[4]) if len(argv) > 4 else 1)
+    init_distributed(timeout_s=300)
     cases = [Case(**c) for c in json.loads(open(cases_path).read())]
     kw = {"rounds": int(argv[3])} if mode == "time" and len(argv) > 3 else {}
     res = run_cases(cases, mode=mode, **kw)
@@ -359,8 +359,8 @@ def launch(cases: list[Case], world: int, *, mode: str = "memory", timeout: floa
     cp, op = os.path.join(d, "cases.json"), os.path.join(d, "out.json")
     with open(cp, "w") as f:
         json.dump([c.to_dict() for c in cases], f)
-    run = run_workers(["-m", "modelpar.measure.runs", cp, op, mode, str(rounds)], world, op, timeout_s=timeout,
-                      threads=threads, env={"MODELPAR_THREADS": threads})
+    run = run_workers(["-m", "modelpar.measure.runs", cp, op, mode, str(rounds), str(threads)], world, op,
+                      timeout_s=timeout, threads=threads)
     if run.timed_out:
         raise RuntimeError(f"measure launch ({world} ranks) timed out after {timeout} s:\n{run.output[-3000:]}")
     if run.returncode != 0 or run.result is None:

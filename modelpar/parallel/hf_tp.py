@@ -316,15 +316,10 @@ def qkv_permutation(width: int, tp_degree: int, groups: int = 3) -> torch.Tensor
                       for g in range(groups)])
 
 
-def _reorder(v: torch.Tensor, idx: torch.Tensor, dim: int, spec=None) -> torch.Tensor:
-    """``v`` with its ``dim`` reindexed by ``idx`` (a DTensor keeps its mesh and placements; one gather).
-    ``spec``: the DTensor spec of a parameter DDP x TP keeps as its local shard between forwards
-    (``_st_info``): ``v`` is that local shard, and so is the result."""
+def _reorder(v: torch.Tensor, idx: torch.Tensor, dim: int) -> torch.Tensor:
+    """``v`` with its ``dim`` reindexed by ``idx`` (a DTensor keeps its mesh and placements; one gather)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    if spec is not None and not isinstance(v, DTensor):
-        d = DTensor.from_local(v, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
-        return _reorder(d, idx, dim).to_local()
     if isinstance(v, DTensor):
         full = v.full_tensor().index_select(dim, idx.to(v.device))
         return distribute_tensor(full, v.device_mesh, v.placements, src_data_rank=None)
@@ -349,20 +344,16 @@ def _dim_of(leaf: str) -> int:
 
 def attach_canonical_hooks(conv: nn.Module) -> None:
     """``conv.state_dict()`` gives the original column order; ``load_state_dict`` takes it."""
-    def spec(module, leaf):
-        return getattr(getattr(module, leaf, None), "_st_info", None)
-
     def save_hook(module, state, prefix, _meta):
         inv = torch.argsort(module._modelpar_perm)
         for leaf in ("weight", "bias"):
             if prefix + leaf in state:
-                state[prefix + leaf] = _reorder(state[prefix + leaf], inv, _dim_of(leaf), spec(module, leaf))
+                state[prefix + leaf] = _reorder(state[prefix + leaf], inv, _dim_of(leaf))
 
     def load_hook(module, state, prefix, *_args):
         for leaf in ("weight", "bias"):
             if prefix + leaf in state:
-                state[prefix + leaf] = _reorder(state[prefix + leaf], module._modelpar_perm, _dim_of(leaf),
-                                                spec(module, leaf))
+                state[prefix + leaf] = _reorder(state[prefix + leaf], module._modelpar_perm, _dim_of(leaf))
 
     conv.register_state_dict_post_hook(save_hook)
     conv.register_load_state_dict_pre_hook(load_hook)

@@ -348,15 +348,3 @@ def gpu_load_times(ld, b: int, mem_s: float, flops_s: float, phys: GpuPhysics,
     t_f = max(g_f + (ld.fwd_mem * b + loss_f) / mem_s, ld.fwd_ops * phys.launch_s)
     t_b = max(g_b + (ld.bwd_mem * b + loss_b) / mem_s, (ld.ops - ld.fwd_ops) * phys.launch_s)
     return t_f, t_b
-
-
-def print_tables() -> str:
-    """The tables as text (for docs and the published-run benchmark's header)."""
-    lines = []
-    for name, p in (("A100", A100), ("H100", H100)):
-        lines.append(f"{name}: MAMF {p.mamf_bf16 / T:.1f} TFLOP/s bf16; HBM x{p.hbm_fraction}; launch "
-                     f"{p.launch_s * 1e6:.0f} us; NCCL busbw intra {p.intra_busbw / 1e9:.0f} GB/s "
-                     f"(all-reduce {p.intra_allreduce_busbw / 1e9:.0f}), inter {p.inter_busbw / 1e9:.0f} GB/s")
-        for key in sorted(p.attention):
-            lines.append(f"  attention {key}: " + " ".join(f"{x:.0f}" for x in p.attention[key]))
-    return "\n".join(lines)

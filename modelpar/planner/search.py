@@ -21,12 +21,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from modelpar.plan import AC_MODES, PP_SCHEDULES, ParallelPlan
-from modelpar.planner.cost import StepEstimate, _finish, step_form, tp_bytes_per_sample
+from modelpar.planner.cost import StepEstimate
 from modelpar.planner.hardware import Hardware
-from modelpar.planner.legality import tp_violations
-from modelpar.planner.grid import plan_memory as _plan_memory
+from modelpar.planner.layouts import Search, can_defer, evaluate_group, group_pruned, layouts
 from modelpar.planner.memo import PlannerCache
-from modelpar.planner.memory import OPTIMIZER_BYTES, Batch, MemoryEstimate, rank_loads
+from modelpar.planner.memory import OPTIMIZER_BYTES, Batch, MemoryEstimate
+from modelpar.planner.topk import top_candidates
 from modelpar.planner.profile import ModelProfile
 
 VIRTUAL_STAGES = (2, 4, 8)
@@ -72,12 +72,20 @@ class Candidate:
 
 @dataclass
 class SearchReport:
-    """Ranked feasible candidates (fastest first) and what was pruned, by reason."""
+    """Ranked feasible candidates (fastest first) and what was pruned, by reason.
+
+    With ``top_k`` (`search_plans`' top-k mode) ``ranked`` holds the first ``top_k`` of the full
+    ranking only, ``pruned`` counts the layouts pruned whole and what the evaluated groups pruned, and
+    ``topk_stats`` the work: (layout, micro-batch size, micro-batch count) groups bounded
+    (``groups``) and evaluated (``evaluated``), and the fitting candidates found in them
+    (``fitting``, a lower bound on the number that fit)."""
 
     num_devices: int
     considered: int = 0
     pruned: Counter = field(default_factory=Counter)
     ranked: list[Candidate] = field(default_factory=list)
+    top_k: int | None = None
+    topk_stats: dict = field(default_factory=dict)
 
     @property
     def num_pruned(self) -> int:
@@ -96,6 +104,12 @@ class SearchReport:
 
     def summary(self) -> str:
         reasons = ", ".join(f"{r}: {n}" for r, n in self.pruned.most_common())
+        if self.top_k is not None:
+            st = self.topk_stats
+            return (f"{self.considered} candidates considered on {self.num_devices} devices; best "
+                    f"{len(self.ranked)} of >= {st['fitting']} feasible, exact (evaluated {st['evaluated']} of "
+                    f"{st['groups']} candidate groups in order of a lower bound on step time; "
+                    f"{self.num_pruned} pruned so far: {reasons})")
         return (f"{self.considered} candidates considered on {self.num_devices} devices, "
                 f"{self.num_pruned} pruned ({reasons}), {len(self.ranked)} feasible")
 
@@ -204,7 +218,8 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                  dp_overlap: bool = True, memory_fraction: float = 1.0,
                  schedules: tuple[str, ...] = SEARCH_SCHEDULES, allow_fsdp: bool = True,
                  checkpointing: tuple[str, ...] = AC_CHOICES, recv_per_microbatch: bool = True,
-                 ac_every: tuple[int, ...] = AC_EVERY_CHOICES, defer_grad_sync: bool = True) -> SearchReport:
+                 ac_every: tuple[int, ...] = AC_EVERY_CHOICES, defer_grad_sync: bool = True,
+                 top_k: int | None = None) -> SearchReport:
     """Enumerate, prune and rank every plan of ``num_devices`` for one model and batch.
 
     Args:
@@ -227,15 +242,21 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
             gradient sync to the last local batch (`ParallelPlan.defer_grad_sync`): unsharded
             gradients held, one reduce-scatter per step; ranked like any other candidate, so chosen
             only where it fits and is faster.
+        top_k: None: rank every feasible candidate. K >= 1: only the first K of that ranking (the same
+            candidates, order and numbers), found by evaluating candidates in increasing order of a
+            proven lower bound on their step time (`topk`); the report's pruning counts then cover
+            what was evaluated only (`SearchReport.summary` says so).
 
     Returns:
         SearchReport; ``ranked`` is sorted by predicted samples/s, fastest first.
 
     Raises:
-        ValueError: non-positive device count or batch, unknown optimizer.
+        ValueError: non-positive device count or batch, unknown optimizer, top_k < 1.
     """
     if num_devices < 1 or global_batch_size < 1:
         raise ValueError(f"num_devices={num_devices} and global_batch_size={global_batch_size} must be >= 1")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k={top_k!r} must be None (every candidate) or an integer >= 1")
     if optimizer not in OPTIMIZER_BYTES:
         raise ValueError(f"optimizer={optimizer!r} is unknown; valid: {', '.join(OPTIMIZER_BYTES)}")
     budget = hw.memory_bytes * memory_fraction
@@ -245,10 +266,6 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
     num_layers = len(profile.blocks) - 2 if arch and len(profile.blocks) >= 3 else len(profile.blocks)
     rep = SearchReport(num_devices)
     cache = PlannerCache(profile, hw)        # the memo tables of this search (`memo.PlannerCache`)
-    load_cache: dict[tuple, tuple] = {}
-    flight_cache: dict[tuple, tuple[dict, dict]] = {}
-    act_bytes = 2 if precision == "bf16" else 4
-    flops = (profile.fwd_flops_per_sample, profile.train_flops_per_sample - profile.fwd_flops_per_sample)
     bad = [s for s in schedules if s not in PP_SCHEDULES] + [a for a in checkpointing if a not in AC_MODES]
     if bad:
         raise ValueError(f"unknown schedules/checkpointing modes {bad}; valid: {PP_SCHEDULES}, {AC_MODES}")
@@ -257,159 +274,46 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
         raise ValueError(f"no checkpointing mode to search: checkpointing={tuple(checkpointing)}, "
                          f"ac_every={tuple(ac_every)} (every-k needs 1 < k < {num_layers} layers; "
                          f"selective needs attention cores)")
-    n_ac = len(ac_opts)
-    has_full = ("full", 1) in ac_opts
+    S = Search()
+    S.profile, S.hw, S.rep, S.budget, S.cache, S.ac_opts = profile, hw, rep, budget, cache, ac_opts
+    S.has_full, S.n_ac, S.num_layers, S.global_batch_size = ("full", 1) in ac_opts, len(ac_opts), num_layers, \
+        global_batch_size
+    S.optimizer, S.precision, S.sequence_parallel, S.dp_overlap = optimizer, precision, sequence_parallel, dp_overlap
+    S.allow_fsdp, S.defer_grad_sync = allow_fsdp, defer_grad_sync
+    S.overhead = hw.framework_overhead_bytes
+    S.state_bytes = 8 + OPTIMIZER_BYTES[optimizer]
+    S.mem_kw = dict(optimizer=optimizer, global_batch_size=global_batch_size,
+                    foreach=foreach, recv_per_microbatch=recv_per_microbatch, gloo=gloo, cache=cache)
+    S.flops = (profile.fwd_flops_per_sample, profile.train_flops_per_sample - profile.fwd_flops_per_sample)
+    S.act_bytes = 2 if precision == "bf16" else 4
+    S.load_cache, S.flight_cache, S.shared_times = {}, {}, {}
+    S.schedules = lambda pp: _schedules(pp, tuple(schedules))
+    S.inner, S.ac_bounds, S.representatives, S.plan_of, S.candidate = (_inner, _ac_bounds, _representatives, _plan,
+                                                                        Candidate)
     # Hot loop (~10^5 candidates at 3,072 devices). Work that depends only on the degrees, the schedule
-    # or (b, m) is done once outside the inner loops, and a plan does not depend on the micro-batch
+    # or (b, m) is done once per layout (`layouts.layouts`), and a plan does not depend on the micro-batch
     # size, so one ParallelPlan per (m, checkpointing) is shared by its micro-batch sizes. The cyclic
     # garbage collector is paused: the loop allocates ~10^5 acyclic objects, and the collections they
     # would trigger also walk every object of the process (torch's, the profiled model's), about a
     # sixth of the search's time. Every candidate still gets its own memory and step estimate, from
     # per-layout forms (`memory.MemoryForm`, `cost.StepForm`: the same numbers as rank_memory /
     # rank_step, tests/test_planner_search_speed.py).
-    pruned = rep.pruned
-    ranked = rep.ranked
-    sort_keys: list[tuple[float, float]] = []
-    overhead = hw.framework_overhead_bytes
-    state_bytes = 8 + OPTIMIZER_BYTES[optimizer]
-    mem_kw = dict(optimizer=optimizer, global_batch_size=global_batch_size,
-                  foreach=foreach, recv_per_microbatch=recv_per_microbatch, gloo=gloo, cache=cache)
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        for dr, ds, tp, pp in factorizations(num_devices):
-            if ds > 1 and not allow_fsdp:
-                continue
-            dp = dr * ds
-            scheds = _schedules(pp, tuple(schedules))
-            per_dp = global_batch_size // dp
-            inner = _inner(per_dp, pp) if global_batch_size % dp == 0 else []
-            n_inner = max(len(inner), 1) * n_ac
-            layout_total = len(scheds) * n_inner
-            rep.considered += layout_total
-            if global_batch_size % dp:
-                pruned["global batch not divisible by dp"] += layout_total
-                continue
-            # the GPT's embedding and head split over the vocabulary under TP (runtime vocab parallel)
-            if arch and tp > 1 and tp_violations(arch, tp):      # heads, kv heads, widths, vocab (legality.py)
-                pruned["tp does not divide heads/kv heads/hidden/ffn/vocab"] += layout_total
-                continue
-            if not arch and tp > 1 and any(b.num_params and b.num_params < tp for b in profile.blocks):
-                pruned["tp larger than a layer"] += layout_total
-                continue
-            sp = sequence_parallel and tp > 1
-            mem_memo: dict[tuple, tuple] = {}     # rank memory of this layout's plans (see below)
-            forms: dict[tuple, object] = {}      # and its `memory.MemoryForm`s
-            mem_args = (mem_kw, budget, mem_memo, forms, overhead)
-            # (b, m, accumulation steps, the Batch (frozen, shared by its candidates)): the same for every
-            # schedule of the layout
-            inner_acc = [(b, m, global_batch_size // (b * m * dp), Batch(global_batch_size, b * m))
-                         for b, m in inner]
-            for sched, v in scheds:
-                if pp * v > num_layers:
-                    pruned["more pipeline stages than layers"] += n_inner
+        walk = layouts(S, factorizations(num_devices))
+        if top_k is not None:
+            rep.ranked, _, rep.topk_stats = top_candidates(S, walk, top_k)
+            rep.top_k = top_k
+            return rep
+        ranked, sort_keys = rep.ranked, []
+        for L in walk:
+            for b, m, acc, batch in L.groups:
+                if group_pruned(S, L, m):
                     continue
-                key = (tp, pp, v)
-                cached = load_cache.get(key)
-                if cached is None:
-                    plan0 = ParallelPlan(tp=tp, pp=pp, virtual_stages=v, sequence_parallel=sp,
-                                         pp_schedule=sched, precision=precision)
-                    all_loads = rank_loads(profile, plan0, act_bytes=act_bytes, cache=cache)
-                    # interleaved stages hold micro-batches in flight in no rank order: every rank
-                    reps = list(enumerate(all_loads)) if v > 1 else _representatives(all_loads)
-                    cached = load_cache[key] = (reps, [ld for _, ld in reps],
-                                                max(ld.params for _, ld in reps), _ac_bounds(reps),
-                                                list(enumerate(all_loads)))
-                reps, loads, max_params, (core_bound, neg_bound, in_bound), every_rank = cached
-                if max_params / ds * state_bytes + overhead > budget:
-                    pruned["model states exceed memory"] += n_inner
-                    continue
-                interleaved = sched.startswith("interleaved")
-                plans: dict[tuple[int, str], ParallelPlan] = {}
-                # in flight per rank depends only on pp, the schedule, v and m: shared by the layouts of
-                # one (tp, pp, v) (the same representative ranks) and schedule
-                fkey = (tp, pp, v, sched)
-                tabs = flight_cache.get(fkey)
-                if tabs is None:
-                    tabs = flight_cache[fkey] = ({}, {})
-                flights, flights_k = tabs
-                sform = sform_k = None      # step forms: representative ranks / every rank (every-k)
-                for b, m, acc, batch in inner_acc:
-                    if interleaved and m % pp:
-                        pruned["interleaved needs n_microbatches divisible by pp"] += n_ac
-                        continue
-                    if sched == "1f1b" and m < pp:      # torch's Schedule1F1B refuses it (ParallelPlan.validate)
-                        pruned["1f1b needs n_microbatches >= pp"] += n_ac
-                        continue
-                    # checkpointing modes, by increasing recompute: any that recomputes is dominated
-                    # where "none" fits; every-k (larger k first) and full form a chain in which the
-                    # first that fits dominates the rest. Modes that cannot fit are skipped by the
-                    # bounds of `_ac_bounds` (exact: never a candidate that would fit)
-                    can_defer = defer_grad_sync and ds > 1 and pp == 1 and acc > 1
-                    per = 2 if can_defer else 1
-                    if can_defer:
-                        rep.considered += n_ac
-                    fits_none = chain_fit = False
-                    none_over = full_res = None
-                    for ac, k in ac_opts:
-                        if ac != "none" and fits_none:
-                            pruned["dominated (fits without checkpointing)"] += per
-                            continue
-                        if chain_fit and ac in ("every-k", "full"):
-                            pruned["dominated (less recompute fits)"] += per
-                            continue
-                        if ac == "selective" and none_over is not None and none_over > m * b * core_bound:
-                            pruned["activations exceed memory"] += per
-                            continue
-                        if ac == "every-k" and has_full:
-                            if full_res is None:
-                                fplan = _plan(plans, dr, ds, tp, pp, sched, m, v, "full", 1, False, precision, sp)
-                                full_res = _plan_memory(fplan, reps, b, acc, flights, *mem_args)
-                            if full_res[1] - budget > b * (m * neg_bound + in_bound):
-                                pruned["activations exceed memory"] += per
-                                continue
-                        plan = (plans.get((m, ac, k, False))
-                                or _plan(plans, dr, ds, tp, pp, sched, m, v, ac, k, False, precision, sp))
-                        # every-k: every pipeline rank (the representatives bound the others only
-                        # where all stages checkpoint alike); a separate in-flight table, as its ranks differ
-                        ranks = every_rank if ac == "every-k" else reps
-                        fl = flights_k if ac == "every-k" else flights
-                        mem, mem_total = (full_res if (ac == "full" and full_res is not None)
-                                          else _plan_memory(plan, ranks, b, acc, fl, *mem_args))
-                        if mem_total > budget:
-                            pruned["activations exceed memory"] += per
-                            if ac == "none":
-                                none_over = mem_total - budget
-                            continue
-                        fits_none = fits_none or ac == "none"
-                        chain_fit = chain_fit or ac in ("every-k", "full")
-                        variants = [(plan, mem, mem_total)]
-                        if can_defer:           # more memory than the plan without it: only if that fits
-                            dplan = _plan(plans, dr, ds, tp, pp, sched, m, v, ac, k, True, precision, sp)
-                            dmem, dtot = _plan_memory(dplan, ranks, b, acc, fl, *mem_args)
-                            if dtot > budget:
-                                pruned["activations exceed memory"] += 1
-                            else:
-                                variants.append((dplan, dmem, dtot))
-                        for pl, mm, mt in variants:
-                            if ac == "every-k":
-                                if sform_k is None:
-                                    sform_k = step_form([ld for _, ld in every_rank], pl, hw, optimizer=optimizer,
-                                                        tp_bytes=tp_bytes_per_sample(profile, pl),
-                                                        dp_overlap=dp_overlap, cache=cache)
-                                form = sform_k
-                            else:
-                                if sform is None:       # `cost.rank_step` of this layout's candidates
-                                    # (pipelines: every rank, whose times give the fill and drain)
-                                    sform = step_form([ld for _, ld in every_rank] if pp > 1 else loads, pl, hw,
-                                                      optimizer=optimizer,
-                                                      tp_bytes=tp_bytes_per_sample(profile, pl),
-                                                      dp_overlap=dp_overlap, cache=cache)
-                                form = sform
-                            parts = form.at(pl, b, acc)
-                            st = _finish(parts, profile, pl, global_batch_size, flops, cache)
-                            ranked.append(Candidate(pl, batch, mm, st))
-                            sort_keys.append((st.total, mt))
+                if can_defer(S, L, acc):
+                    rep.considered += S.n_ac
+                evaluate_group(S, L, b, m, acc, batch, ranked, sort_keys)
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -420,15 +324,17 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
 
 
 def choose_plan(profile: ModelProfile, num_devices: int, hw: Hardware, *, global_batch_size: int,
-                **kwargs) -> tuple[ParallelPlan, SearchReport]:
+                top_k: int | None = 1, **kwargs) -> tuple[ParallelPlan, SearchReport]:
     """The fastest feasible plan (``--strategy auto``) and the search report.
 
-    The chosen plan's local batch size is ``report.ranked[0].batch.local_batch_size``.
+    ``top_k``: as `search_plans` (default 1: only the best candidate is ranked, exactly the full
+    ranking's first; None ranks every candidate and counts every pruning). The chosen plan's local
+    batch size is ``report.ranked[0].batch.local_batch_size``.
 
     Raises:
         ValueError: no plan fits (the report's pruning reasons are in the message).
     """
-    rep = search_plans(profile, num_devices, hw, global_batch_size=global_batch_size, **kwargs)
+    rep = search_plans(profile, num_devices, hw, global_batch_size=global_batch_size, top_k=top_k, **kwargs)
     if not rep.ranked:
         raise ValueError(f"no plan fits {num_devices} x {hw.name} "
                          f"({hw.memory_bytes / 2**30:.1f} GiB each): {rep.summary()}")

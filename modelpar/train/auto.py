@@ -134,7 +134,7 @@ def _choose(cfg, world_size: int, *, strategy: str = "auto", measure_if_missing:
                                 checkpointing=ac, ac_every=every)
         local = rep.ranked[0].batch.local_batch_size
         predicted = rep.ranked[0].step.samples_per_s * task.tokens_per_sample if task.kind == "lm" else 0.0
-        reason = f"auto: best of {len(rep.ranked)} feasible plans on {hw.name} ({rep.summary()})"
+        reason = f"auto: the fastest feasible plan on {hw.name} ({rep.summary()})"
         if not cfg.hardware and not torch.cuda.is_available() and not calibration_path().is_file():
             reason += (f"; the CPU profile is uncalibrated: run `modelpar calibrate --out {calibration_path()}` "
                        f"once on this machine for measured matmul and collective speeds")

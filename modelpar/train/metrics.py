@@ -3,20 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 import resource
 from pathlib import Path
 
 import torch
-
-
-def rss_bytes() -> int:
-    """Current resident set size of this process, bytes (Linux /proc; 0 where unavailable)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return 0
 
 
 def peak_rss_bytes() -> int:

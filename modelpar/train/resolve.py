@@ -72,7 +72,7 @@ def _given_degrees(cfg) -> dict:
 def resolve(cfg, world_size: int, *, measure_if_missing: bool = False) -> Resolved:
     """The one plan ``cfg`` names on ``world_size`` ranks (see the module docstring).
     ``measure_if_missing``: ``auto`` / ``rules`` may calibrate an uncalibrated machine first (only
-    ``modelpar train`` does).
+    ``modelpar train --strategy auto`` asks for it).
 
     Raises:
         ValueError: contradicting sources (naming both flags), unknown names, a strategy that cannot

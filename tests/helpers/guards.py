@@ -1,4 +1,5 @@
-"""The pure tier's guard: a test not marked ``slow`` starts no process (tests/conftest.py applies it)."""
+"""The suite's guards (tests/conftest.py applies them around every test): a test not marked ``slow``
+starts no process; no test leaves a thread running (`leaked_threads`)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,24 @@ def refuse_processes(who: str):
     finally:
         for owner, attr, orig in saved:
             setattr(owner, attr, orig)
+
+
+# threads that libraries keep for the whole process by design (tqdm's monitor is started once and
+# reused by every later bar); anything else a test starts must be gone when it ends
+SHARED_THREADS = ("TMonitor", "tqdm_monitor")
+
+
+def leaked_threads(before: set[int], grace_s: float = 2.0) -> list[str]:
+    """``name (class, daemon=...)`` of every live thread not in ``before`` (thread idents) and not a
+    library's process-wide thread (`SHARED_THREADS`), after waiting up to ``grace_s`` seconds for them
+    to end; [] when none is left."""
+    import threading
+    import time
+
+    deadline = time.monotonic() + grace_s
+    while True:
+        new = [t for t in threading.enumerate() if t.ident not in before and t.is_alive()
+               and not any(s in (t.name + type(t).__name__) for s in SHARED_THREADS)]
+        if not new or time.monotonic() > deadline:
+            return [f"{t.name} ({type(t).__name__}, daemon={t.daemon})" for t in new]
+        time.sleep(0.05)
