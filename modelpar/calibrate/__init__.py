@@ -93,6 +93,7 @@ def calibrate(out: str | os.PathLike | None = None, ranks: int = 2, *, collectiv
         c["matmul_flops"] = {n: f * share for n, f in c["matmul_flops"].items()}
         c["matmul_shapes"] = {lay: {k: f * share for k, f in g.items()}
                               for lay, g in c.get("matmul_shapes", {}).items()}
+        c["matmul_thin"] = {lay: {k: f * share for k, f in g.items()} for lay, g in c.get("matmul_thin", {}).items()}
         c["attention_shapes"] = {k: f * share for k, f in c.get("attention_shapes", {}).items()}
         for k in ("matmul_peak", "attention_flops", "elementwise_bw"):
             c[k] *= share
@@ -106,7 +107,8 @@ def calibrate(out: str | os.PathLike | None = None, ranks: int = 2, *, collectiv
                zero_bubble_backward_factor=c["zero_bubble_backward_factor"],
                rounds=int(c.get("rounds", 1)), spread=dict(c.get("spread", {})),
                matmul_shapes={lay: dict(g) for lay, g in c.get("matmul_shapes", {}).items()},
-               attention_shapes=dict(c.get("attention_shapes", {})))
+               attention_shapes=dict(c.get("attention_shapes", {})),
+               matmul_thin={lay: dict(g) for lay, g in c.get("matmul_thin", {}).items()})
     coll = {}
     if collectives and ranks > 1:
         coll = measure_collectives(ranks, rounds=rounds, quick=quick)
@@ -174,6 +176,10 @@ def summary_lines(hw: Hardware, times: dict[str, dict[int, float]] | None = None
         out.append(f"  matmul shapes {lay} ({len(g)} M x K x N){'':<11}{g[lo] / 1e9:>5.1f}-{g[hi] / 1e9:.1f} GFLOP/s"
                    f"{_sp(cal, f'matmul_shapes[{lay}]')}  (slowest {'x'.join(map(str, lo))}, fastest "
                    f"{'x'.join(map(str, hi))})")
+    for lay, g in sorted(cal.matmul_thin.items()):
+        lo, hi = min(g, key=g.get), max(g, key=g.get)
+        out.append(f"  matmul thin {lay} ({len(g)} rows x weight){'':<10}{g[lo] / 1e9:>5.1f}-{g[hi] / 1e9:.1f} GFLOP/s"
+                   f"{_sp(cal, 'matmul_thin')}  (slowest {lo[0]} x {lo[1] / 2 ** 20:.0f} MiB)")
     out.append(f"  attention (causal, fused, counted){'':<4}{cal.attention_flops / 1e9:>9.1f} GFLOP/s{_sp(cal, 'attention_flops')}")
     if cal.attention_shapes:
         g = cal.attention_shapes

@@ -57,7 +57,8 @@ def measure_compute(sizes=MATMUL_SIZES, rounds: int = ROUNDS, *, quick: bool = F
     rate of a product repeated on the same operands) and the curve the cost model interpolates
     (`_linear_matmul_rate`); the shape grid (``matmul_shapes``, `measure_shapes`); the attention
     grid (``attention_shapes``, `measure_attention_shapes`); per-op overhead (a tiny add), copy bandwidth, element-wise and fused
-    attention rates. Each term is measured once per round, the rounds alternating over all terms
+    attention rates; thin products with weights beyond the cache (``matmul_thin``,
+    `modelpar.calibrate.thin.measure_thin_matmuls`). Each term is measured once per round, the rounds alternating over all terms
     (a burst of load on a shared machine spoils one round of several terms rather than every
     measurement of one) and kept by `robust` (median over rounds); ``spread`` holds each term's
     relative spread over the rounds. Units: FLOP/s, s, B/s. ``quick``: the shape grid on
@@ -92,13 +93,17 @@ def measure_compute(sizes=MATMUL_SIZES, rounds: int = ROUNDS, *, quick: bool = F
     zb, zb_spread = measure_zero_bubble_backward(with_spread=True, **smaller_zb)
     shapes, shape_spread = measure_shapes(**smaller_grid)
     attn_shapes, spread_attn = measure_attention_shapes(rounds=rounds)
+    from modelpar.calibrate.thin import QUICK_THIN_ROWS, QUICK_THIN_WEIGHT_MIB, measure_thin_matmuls
+    thin, thin_spread = measure_thin_matmuls(**({"rows": QUICK_THIN_ROWS, "weight_mib": QUICK_THIN_WEIGHT_MIB,
+                                             "passes": 1} if quick else {}))
     kept = {k: robust(v) for k, v in per.items()}
     flops = {n: kept[f"matmul_flops[{n}]"][0] for n in sizes}
     spread = {k: s for k, (_, s) in kept.items()}
     spread["zero_bubble_backward_factor"] = zb_spread
     spread.update(shape_spread)
     spread["attention_shapes"] = spread_attn
-    return {"matmul_shapes": shapes, "attention_shapes": attn_shapes, "matmul_flops": flops, "matmul_peak": max(kept["matmul_peak"][0], *flops.values()),
+    spread["matmul_thin"] = thin_spread
+    return {"matmul_thin": thin, "matmul_shapes": shapes, "attention_shapes": attn_shapes, "matmul_flops": flops, "matmul_peak": max(kept["matmul_peak"][0], *flops.values()),
             "op_overhead_s": kept["op_overhead_s"][0], "mem_bandwidth": kept["mem_bandwidth"][0],
             "attention_flops": kept["attention_flops"][0], "fresh": fresh,
             "elementwise_bw": kept["elementwise_bw"][0], "zero_bubble_backward_factor": zb,

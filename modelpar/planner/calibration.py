@@ -3,7 +3,8 @@
 A calibration file is JSON with ``schema_version`` (`SCHEMA_VERSION`), the device description
 (`Hardware` fields) and a ``calibration`` object holding this dataclass. Version 3 adds what the
 measurement knows about its own noise (``rounds``, ``spread``); version-2 files load with one round
-and no spreads. Files written before the schema existed (version 1: a flat `Hardware` dict whose measured tables were string keys of an
+and no spreads. Version 4 adds ``matmul_thin``; older files load without it (thin products beyond
+the shape grid priced at its edge, as before). Files written before the schema existed (version 1: a flat `Hardware` dict whose measured tables were string keys of an
 ``extra`` dict, e.g. ``all_reduce_ctx_1048576``) are read and converted by `from_legacy_extra`, so
 old caches keep working.
 
@@ -17,7 +18,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 
 
@@ -79,6 +80,10 @@ class Calibration:
             (`modelpar.calibrate.micro.measure_attention_shapes`), read as factors over its own point
             at ``attention_flops``' shape (`Hardware.attention_factor`); empty for files without it,
             where ``attention_flops`` prices every call.
+        matmul_thin: ``{layout: {(rows, weight bytes): FLOP/s}}``: thin products whose weight-sized
+            operand reaches far past the last-level cache (`modelpar.calibrate.thin`), read as
+            factors beyond the shape grid's edge (`modelpar.planner.thin_matmul`); empty for files
+            before schema 4, where the grid's edge prices them.
         rounds: rounds each term was measured in (the median kept; 1: a file from before
             schema 3, whose terms had no repeats at this level).
         spread: ``{term: relative spread}`` over those rounds, ``(max - min) / |median|``
@@ -105,6 +110,7 @@ class Calibration:
     fsdp_tensor_overhead_s: float = 0.0
     matmul_shapes: dict[str, dict[tuple[int, int, int], float]] = field(default_factory=dict)
     attention_shapes: dict[tuple[int, int, int], float] = field(default_factory=dict)
+    matmul_thin: dict[str, dict[tuple[int, int], float]] = field(default_factory=dict)
     rounds: int = 1
     spread: dict[str, float] = field(default_factory=dict)
 
@@ -126,6 +132,7 @@ class Calibration:
         d["matmul_shapes"] = {lay: {"x".join(map(str, mkn)): r for mkn, r in sorted(g.items())}
                               for lay, g in self.matmul_shapes.items()}
         d["attention_shapes"] = {"x".join(map(str, k)): r for k, r in sorted(self.attention_shapes.items())}
+        d["matmul_thin"] = {lay: {"x".join(map(str, k)): r for k, r in sorted(g.items())} for lay, g in self.matmul_thin.items()}
         return d
 
     @classmethod
@@ -159,6 +166,8 @@ class Calibration:
                               for lay, g in d.get("matmul_shapes", {}).items()}
         d["attention_shapes"] = {tuple(int(x) for x in k.split("x")): float(v)
                                  for k, v in d.get("attention_shapes", {}).items()}
+        d["matmul_thin"] = {lay: {tuple(int(x) for x in k.split("x")): float(v) for k, v in g.items()}
+                            for lay, g in d.get("matmul_thin", {}).items()}
         return cls(**d)
 
     @classmethod

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from modelpar.planner.calibration import SCHEMA_VERSION, Calibration
+from modelpar.planner.thin_matmul import beyond_grid_factor
 
 GIB = 2 ** 30
 DEVICE_KINDS = ("cpu", "gpu")     # `Hardware.kind`
@@ -129,11 +130,15 @@ class Hardware:
         (files from before schema 3, built-in and estimated profiles: the caller prices the product
         on `gemm_flops`). Interpolation: trilinear in (log M, log K, log N) on log FLOP/s between
         the grid's points, each coordinate clamped to the grid's range; bf16 scales the fp32 grid
-        by ``peak[bf16] / peak[fp32]`` as `gemm_flops` does."""
+        by ``peak[bf16] / peak[fp32]`` as `gemm_flops` does. Thin products whose large operand is
+        past the grid's (weights beyond the last-level cache) take the calibrated factor of
+        `modelpar.planner.thin_matmul.beyond_grid_factor` on the clamped rate (files before schema
+        4: the clamped rate, unchanged)."""
         grid = self.calibration.matmul_shapes.get(layout) if self.calibration is not None else None
         r = _grid_rate(grid, m, k, n)
         if r is None:
             return None
+        r *= beyond_grid_factor(self.calibration, layout, m, k, n)
         return r * self.peak_flops[precision] / self.peak_flops.get("fp32", self.peak_flops[precision])
 
     def attention_factor(self, bh: float, s: float, d: float) -> float | None:
