@@ -110,6 +110,21 @@ def measure_compute(sizes=MATMUL_SIZES, rounds: int = ROUNDS, *, quick: bool = F
             "spread": spread, "rounds": rounds}
 
 
+def time_products(ops, passes: int, timer=time.perf_counter) -> tuple[float, float]:
+    """Seconds per product of ``torch.mm(a, b, out=o)`` over ``ops`` (a list of ``(a, b, o)``): one
+    warm-up pass, then ``passes`` timed passes over every set, kept by `robust` as (median, spread)."""
+    def run():
+        for a, b, o in ops:
+            torch.mm(a, b, out=o)
+    run()
+    ts = []
+    for _ in range(passes):
+        t = timer()
+        run()
+        ts.append((timer() - t) / len(ops))
+    return robust(ts)
+
+
 def _linear_matmul_rate(n: int, pool_bytes: int = 64 * 2 ** 20, passes: int = 3, timer=time.perf_counter) -> float:
     """FLOP/s of the three products a Linear layer runs on ``n x n`` operands -- forward ``x @ W.T``,
     input gradient ``dy @ W``, weight gradient ``dy.T @ x`` -- with operands that are not in cache:
@@ -185,16 +200,7 @@ def measure_shapes(dims=SHAPE_DIMS, layouts=SHAPE_LAYOUTS, pool_bytes: int = 32 
                             b_src.clone() if lay[1] == "N" else b_src.t().clone().t(), torch.empty(m, n))
                            for _ in range(sets)]
 
-                    def run():
-                        for a, b, o in ops:
-                            torch.mm(a, b, out=o)
-                    run()
-                    ts = []
-                    for _ in range(passes):
-                        t = timer()
-                        run()
-                        ts.append((timer() - t) / sets)
-                    med, sp = robust(ts)
+                    med, sp = time_products(ops, passes, timer)
                     rates[lay][(m, k, n)] = 2.0 * m * k * n / med
                     worst = max(worst, sp)
         spread[f"matmul_shapes[{lay}]"] = worst

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from modelpar.calibrate.micro import robust
+from modelpar.calibrate.micro import time_products
 
 THIN_ROWS = (8, 16, 64, 256)                       # the thin dimension (a micro-batch's rows)
 THIN_WEIGHT_MIB = (4, 16, 64)                      # fp32 square weights 1024^2, 2048^2, 4096^2
@@ -61,16 +61,7 @@ def measure_thin_matmuls(rows=THIN_ROWS, weight_mib=THIN_WEIGHT_MIB, layouts=THI
                 else:                     # x (rows x side) @ W.T or W -> rows x side
                     ops = [(torch.randn(r, side), w.t() if lay == "NT" else w, torch.empty(r, side)) for w in weights]
 
-                def run():
-                    for a, b, o in ops:
-                        torch.mm(a, b, out=o)
-                run()
-                ts = []
-                for _ in range(passes):
-                    t = timer()
-                    run()
-                    ts.append((timer() - t) / len(ops))
-                med, sp = robust(ts)
+                med, sp = time_products(ops, passes, timer)
                 out[lay][(r, 4 * side * side)] = 2.0 * m * k * n / med
                 worst = max(worst, sp)
         del weights, w_src
