@@ -1,9 +1,10 @@
 """The search's layouts and their candidates: `layouts` walks every (degrees, schedule) of a search
 with the layout-level prunes, and `evaluate_group` evaluates one (micro-batch size, micro-batch
 count) group of a layout (its checkpointing modes and deferred-sync variants) as `search.search_plans`
-always has, appending each fitting candidate. The full ranking evaluates every group in enumeration
-order; the top-k mode (`topk.top_candidates`) evaluates them in increasing order of a lower bound on
-their step time. Both use these functions, so both see the same candidates with the same numbers
+always has, appending each fitting candidate (`fitting_variants`: the memory test, then
+`StepForm.at`). The full ranking evaluates every group in enumeration order; the top-k mode
+(`topk.top_candidates`) takes one checkpointing mode and variant at a time (`fitting_variants`
+with ``stop``, `step_parts`) in increasing order of a lower bound on their step time. Both use these functions, so both see the same candidates with the same numbers
 (the memo tables are pure: a value does not depend on which candidate filled it first).
 """
 

@@ -1,13 +1,16 @@
 """The search's exact top-k mode (`search.search_plans(..., top_k=K)`): the first K candidates of
 the full ranking, in its order and with its numbers, without evaluating every candidate.
 
-Every (layout, micro-batch size b, micro-batch count m) group gets a lower bound on the step time of
-each candidate it can produce (any checkpointing mode, deferred sync or not: `step_lower_bound`);
-groups are evaluated exactly (`layouts.evaluate_group`: memory, then step time of the fitting
-candidates) in increasing order of that bound, and the walk stops once K fitting candidates are known
-and the K-th of them (in the full ranking's order: step total, then memory total, then enumeration
-order) is strictly faster than the next group's bound: every candidate not evaluated is then strictly
-slower than the K-th, so it ranks after it in the full ranking too.
+A best-first walk (`top_candidates`) over a heap of lower bounds that tighten in stages: every
+(layout, micro-batch size b, micro-batch count m) group enters at `step_lower_bound` (any
+checkpointing mode, deferred sync or not); popped, the memory of its plan without checkpointing
+splits it into the modes that can still produce candidates, each at `mode_lower_bound`; a mode
+popped gets its exact step total (per variant: deferred sync or not), and only a variant popped at
+its exact total has its memory checked (`layouts.fitting_variants`, the full ranking's own test).
+The walk stops once K fitting candidates are known and the K-th of them (in the full ranking's
+order: step total, then memory total, then enumeration order) is strictly faster than the lowest
+key left: every candidate not found is then strictly slower than the K-th, so it ranks after it in
+the full ranking too.
 """
 
 from __future__ import annotations
