@@ -30,6 +30,24 @@ from modelpar.planner.layouts import Layout, Search, can_defer, fitting_variants
 _SLACK = 1e-9
 
 
+def _copy_terms(form, plan, ld) -> tuple[float, float]:
+    """FSDP2's copies on the compute stream on a rank holding ``ld`` (`cost.StepForm.at`, the same
+    floats): (per micro-batch: each gather's copy-out, per step at least once: the reduce-scatter's
+    copy-in); (0, 0) where the form has none (no dp_shard, no overlap, or FSDP1's copies)."""
+    if plan.dp_shard == 1 or not form.overlap or not form.fsdp_stream_copies:
+        return 0.0, 0.0
+    wb, mem_s, root = form.wb, form.mem_s, ld.root_params
+    gathers = 2 if plan.reshard_after_forward else 1
+    return (2 * wb * (gathers * (ld.params - root) + root) / mem_s,
+            (form.wb + form.reduce_bytes) * ld.params / mem_s)
+
+
+def _copy_floor(form, plan) -> tuple[float, float]:
+    """The smallest of `_copy_terms` over the form's ranks, each part apart."""
+    terms = [_copy_terms(form, plan, ld) for ld in form.loads]
+    return min(t[0] for t in terms), min(t[1] for t in terms)
+
+
 def step_lower_bound(S: Search, L: Layout, b: int, m: int, acc: int) -> float:
     """A lower bound (seconds) on `StepEstimate.total` of every candidate of group (b, m) of ``L``.
 
@@ -50,10 +68,13 @@ def step_lower_bound(S: Search, L: Layout, b: int, m: int, acc: int) -> float:
       stage's work without checkpointing) - W = U + D of the "none" sums; for 1F1B bub >= 0 (its
       terms are sums of seconds and max(0, .)); without a pipeline 0.
     - optimizer = the slowest rank's optimizer seconds >= the smallest of the form's (``opt``).
-    - pp_comm (2 v x p2p seconds per micro-batch) and dp_comm (exposed collectives and copies, each
-      a max(0, .) or a sum of seconds; the deferred sync's part is `comms._fsdp_exposed` with the
-      reduce-scatter minus without, >= 0 as it is non-decreasing in the backward's collectives)
-      are >= 0 and dropped.
+    - dp_comm = the exposed collectives and copies: each a max(0, .) or a sum of seconds (the deferred
+      sync's part is `comms._fsdp_exposed` with the reduce-scatter minus without, >= 0 as it is
+      non-decreasing in the backward's collectives), plus, where FSDP2 copies on the compute stream
+      (`_copy_terms`: dp_shard > 1, overlap), mbs x each gather's copy-out and the reduce-scatter's
+      copy-in, every micro-batch (FSDP without a pipeline, not deferred) or once (deferred, or
+      under a pipeline): >= mbs x the smallest copy-out + the smallest copy-in over the ranks
+      (`_copy_floor`); the rest is >= 0 and dropped, as is pp_comm (2 v x p2p seconds per micro-batch).
     The sum of these is taken in floats and lowered by `_SLACK` relative, which exceeds the rounding of
     both sums, so the returned bound is <= the float total of every candidate of the group."""
     form = L.sform
@@ -67,7 +88,8 @@ def step_lower_bound(S: Search, L: Layout, b: int, m: int, acc: int) -> float:
             bub = acc * (fill[0] + fill[1])
         elif L.sched != "1f1b":
             bub = acc * bubble_fraction(L.sched, p, m, L.v) * m * w
-    return (mbs * w + bub + min(form.opt)) * (1.0 - _SLACK)
+    c_mb, c_once = _copy_floor(form, L.plan(S, m, "none", 1, False))
+    return (mbs * w + bub + min(form.opt) + mbs * c_mb + c_once) * (1.0 - _SLACK)
 
 
 def _layout_entries(S: Search, L: Layout, heap: list) -> None:
@@ -81,6 +103,7 @@ def _layout_entries(S: Search, L: Layout, heap: list) -> None:
     n_ac, rep = S.n_ac, S.rep
     per_b: dict[int, tuple] = {}
     plan_m: dict[int, object] = {}
+    c_mb, c_once = _copy_floor(form, L.plan(S, L.groups[0][1], "none", 1, False))
     for gi, (b, m, acc, batch) in enumerate(L.groups):
         if (L.interleaved and m % p) or (sched == "1f1b" and m < p):
             group_pruned(S, L, m)            # counts the reason
@@ -102,7 +125,7 @@ def _layout_entries(S: Search, L: Layout, heap: list) -> None:
                 bub = acc * (fill[0] + fill[1])
             elif sched != "1f1b":
                 bub = acc * bubble_fraction(sched, p, m, v) * m * w
-        heap.append(((mbs * w + bub + opt) * (1.0 - _SLACK), order, gi, -1, 0, 0, L, b, m, acc, batch, None))
+        heap.append(((mbs * w + bub + opt + mbs * c_mb + c_once) * (1.0 - _SLACK), order, gi, -1, 0, 0, L, b, m, acc, batch, None))
 
 
 def mode_lower_bound(S: Search, L: Layout, b: int, m: int, acc: int, ac: str, k: int) -> float:
@@ -114,13 +137,14 @@ def mode_lower_bound(S: Search, L: Layout, b: int, m: int, acc: int, ac: str, k:
     t_acc with work_i = t_f + t_b + t_rc + t_tp, and t_acc >= 0 (see `step_lower_bound`); bubble =
     accumulation x (`formulas.fill_drain_from_sums` of the slowest rank's sums for GPipe / 1F1B, else
     `bubble_fraction` x m x work_i): computed here exactly as `at` does; optimizer = the slowest
-    rank's, exactly. Dropped: t_acc, pp_comm and dp_comm (>= 0, see `step_lower_bound`); the deferred
-    sync changes only those. Lowered by `_SLACK` for the float sums."""
+    rank's, exactly; dp_comm >= FSDP2's copies of rank i (`_copy_terms`: mbs x the copy-out + the
+    copy-in, see `step_lower_bound`). Dropped: t_acc, pp_comm and the rest of dp_comm (>= 0, see
+    `step_lower_bound`); the deferred sync changes only those. Lowered by `_SLACK` for the float sums."""
     form = L.sform_k if ac == "every-k" else L.sform
     if form is None:
         form = L.form(S, L.plan(S, m, ac, k, False), ac == "every-k")
     plan = L.plan(S, m, ac, k, False)
-    i, _, t_f, t_b, t_rc, t_tp, fill = form._slowest(plan, b)
+    i, ld, t_f, t_b, t_rc, t_tp, fill = form._slowest(plan, b)
     p = L.pp
     mm = m if p > 1 else 1
     work = t_f + t_b + t_tp + t_rc
@@ -128,7 +152,8 @@ def mode_lower_bound(S: Search, L: Layout, b: int, m: int, acc: int, ac: str, k:
         bub = fill_drain_from_sums(L.sched, *fill, mm)
     else:
         bub = bubble_fraction(L.sched, p, mm, L.v) * mm * work
-    return (acc * mm * work + acc * bub + form.opt[i]) * (1.0 - _SLACK)
+    c_mb, c_once = _copy_terms(form, plan, ld)
+    return (acc * mm * work + acc * bub + form.opt[i] + acc * mm * c_mb + c_once) * (1.0 - _SLACK)
 
 
 def _mode_entries(S: Search, L: Layout, b: int, m: int, acc: int) -> list[tuple[float, int]]:
@@ -154,7 +179,7 @@ def _mode_entries(S: Search, L: Layout, b: int, m: int, acc: int) -> list[tuple[
 def top_candidates(S: Search, layouts, k: int) -> tuple[list, list, dict]:
     """The first ``k`` candidates of the full ranking (fewer where fewer fit) and their
     (step total, memory total) keys, best first; and counts of the work done (groups bounded,
-    groups whose memory was estimated (``evaluated``), candidates step-timed (``timed``), candidates
+    groups split into modes (``split``), groups with a candidate's memory estimated (``evaluated``), candidates step-timed (``timed``), candidates
     found fitting).
 
     A best-first walk over a heap of lower bounds, in stages (each entry's key is a lower bound on
@@ -178,7 +203,7 @@ def top_candidates(S: Search, layouts, k: int) -> tuple[list, list, dict]:
     n_groups = len(heap)
     best: list[tuple] = []   # (total, memory total, layout order, group, mode, variant, plan, memory, parts, batch)
     fits: dict[tuple, list] = {}        # (layout order, group, mode) -> its fitting variants
-    evaluated, timed, found = set(), 0, 0
+    evaluated, split, timed, found = set(), 0, 0, 0
     gbs, flops, profile, cache, candidate = S.global_batch_size, S.flops, S.profile, S.cache, S.candidate
     while heap:
         lb, order, gi, j, var, stage, L, b, m, acc, batch, extra = heap[0]
@@ -186,6 +211,7 @@ def top_candidates(S: Search, layouts, k: int) -> tuple[list, list, dict]:
             break
         if stage == 0:
             heappop(heap)
+            split += 1
             for mlb, mj in _mode_entries(S, L, b, m, acc):
                 heappush(heap, (max(lb, mlb), order, gi, mj, 0, 1, L, b, m, acc, batch, None))
             continue
@@ -218,5 +244,5 @@ def top_candidates(S: Search, layouts, k: int) -> tuple[list, list, dict]:
         st = _finish(parts, profile, pl, gbs, flops, cache)
         assert st.total == total
         out.append(candidate(pl, batch, mem, st))
-    stats = {"groups": n_groups, "evaluated": len(evaluated), "timed": timed, "fitting": found}
+    stats = {"groups": n_groups, "split": split, "evaluated": len(evaluated), "timed": timed, "fitting": found}
     return out, [e[:2] for e in best], stats
