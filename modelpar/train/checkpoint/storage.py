@@ -8,9 +8,10 @@ A checkpoint is one folder ``CKPT_DIR/step-NNNNNNNN`` (the state after N optimiz
   original name with its global shape, so DCP reshards it on load onto any layout;
 - ``rng/rank-R.pt``: each rank's torch RNG state (restored on the same layout only);
 - ``modelpar.json``: format tag (`FORMAT`, `VERSION`), step (= the data position: the samples of
-  step s depend on (seed, s) only), the fields the writer adds (plan, world size, model name and
-  config, every parameter's name and global shape, ...), and a manifest of every file with its size
-  (a truncated folder is detected on load);
+  step s depend on (seed, s) only), the fields its writers add (`state.Checkpointer`: world size,
+  every parameter's name and global shape, optimizer class; `resume.TrainCheckpoints`: the plan, the
+  run config, the learning-rate schedule, the model config and spec, the ties), and a manifest of
+  every file with its size (a truncated folder is detected on load);
 - ``COMPLETE``: a marker written last.
 
 Saving is atomic (`CheckpointWriter`): every file is written into ``CKPT_DIR/.tmp-step-NNNNNNNN``,
