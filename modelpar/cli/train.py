@@ -54,7 +54,9 @@ def build_parser():
         "with a parallel plan. With no options: the 1M-parameter GPT (gpt-1m) on the Python "
         "standard library's sources, the plan `--strategy auto` picks on 2 local CPU ranks (an uncalibrated "
         "machine is measured once first, ~2 min)."), epilog=EXAMPLES + "\n" + BATCH_TERMS, config_file=True)
-    add_fields(p, TrainConfig, skip=("plan_options",))
+    from modelpar.cli.options import shared_docs
+
+    add_fields(p, TrainConfig, skip=("plan_options",), docs=shared_docs())
     add_fields(p, ParallelPlan, only=_plan_only_fields(), dest_prefix="plan_options.", group="further plan options")
     add_fields(p, LayoutOptions, only=("nnodes", "gpus_per_node"), group="many nodes")
     p.add_argument("--run-dir", default="", help="run in this run folder (its config.yaml and plan.json, "

@@ -32,6 +32,7 @@ EXAMPLES = """examples:
   modelpar verify --model gpt-nano --strategy fsdp+tp --nproc 4 --steps 5
   modelpar verify --model gpt-nano --dp-shard 2 --tp 2 --sequence-parallel --nproc 4
   modelpar verify --model mypkg.models:make_model --plan plan.json --input-shape 32 --num-classes 10
+  modelpar verify --model gpt-nano --nnodes 2 --gpus-per-node 4 --dp-shard 4 --tp 2   # prints the per-node launch line
 """
 
 
@@ -80,7 +81,7 @@ def build_parser():
                     config_file=True)
     add_fields(p, ModelOptions)
     add_fields(p, PartsOptions)
-    add_fields(p, LayoutOptions, only=("nproc", "strategy", "plan"))
+    add_fields(p, LayoutOptions)
     add_fields(p, BatchOptions)
     add_fields(p, HardwareOptions)
     add_fields(p, VerifyOptions)
@@ -122,9 +123,11 @@ def resolve_plan(args, given: set[str] = frozenset()):
     if args.strategy.lower() in ("auto", "rules") and ":" in args.model and not args.plan:
         raise ValueError(f"--strategy {args.strategy} plans built-in models only for now; give --strategy "
                          f"(ddp, fsdp, tp, pp, ...), degrees or --plan for {args.model!r}")
+    from modelpar.cli.options import world_size
+
     cfg = as_train_config(args, given)
-    world = cfg.nproc
-    if cfg.plan and "nproc" not in given:
+    world = world_size(args, given)               # --nproc, or --nnodes x --gpus-per-node
+    if cfg.plan and "nproc" not in given and "nnodes" not in given:
         from modelpar.plan_file import read_plan_file
         world = read_plan_file(cfg.plan).plan.world_size
     if cfg.strategy.lower() in ("single", "placement"):
@@ -391,13 +394,21 @@ def main(argv: list[str]) -> int:
         run_rank_and_exit(lambda: run_rank(args, plan, local), "modelpar verify")
     if plan.world_size == 1:
         return run_rank(args, plan, local)
-    d = Path(tempfile.mkdtemp(prefix="modelpar-verify-"))
+    # many nodes: the folder the ranks read must be on a filesystem every node sees (here: under the
+    # current directory, as train's run folder is under --out-dir)
+    d = Path(tempfile.mkdtemp(prefix="modelpar-verify-", dir="." if args.nnodes > 1 else None))
     opts = {k: v for k, v in args.as_dict().items() if k not in ("config", "__path__", "run_dir")}
     (d / "verify.yaml").write_text(yaml.safe_dump(opts))
     PlanFile(plan, args.global_batch_size, local, "modelpar verify").write(d / "plan.json")
+    target = ["-m", "modelpar", "verify", "--run-dir", str(d.resolve())]
+    if args.nnodes > 1:
+        from modelpar.launch import multinode_commands
+        print(f"plan: {plan.describe()} on {plan.world_size} rank(s); folder {d} (verify.yaml, plan.json) must be "
+              f"on a filesystem every node sees")
+        print(multinode_commands(target, nnodes=args.nnodes, nproc_per_node=plan.world_size // args.nnodes))
+        return 0
     threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
-    code, msg = run_command(["-m", "modelpar", "verify", "--run-dir", str(d)], plan.world_size,
-                            threads=threads).report("modelpar verify")
+    code, msg = run_command(target, plan.world_size, threads=threads).report("modelpar verify")
     if msg:                                      # FAIL: 1; a crash: 1, named; an error on every rank: 2
         print(msg, file=sys.stderr)
     return code
