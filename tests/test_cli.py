@@ -94,14 +94,16 @@ def test_booleans_bare_and_negated_and_old_spellings(capsys):
     from modelpar.cli.train import parse_train_config
 
     cfg, _, _ = parse_train_config(["--compile", "--no-track-memory"])
-    assert cfg.compile and not cfg.track_memory
+    assert cfg.layout.compile and not cfg.track_memory
+    assert parse_train_config(["--no-compile"])[0].layout.compile is False
+    assert parse_train_config([])[0].layout.compile is None           # not given: the strategy's / plan's
     cfg, _, given = parse_train_config(["--global_batch_size", "8", "--track_memory", "false", "--cpu_offload=true"])
-    assert (cfg.global_batch_size, cfg.track_memory, cfg.cpu_offload) == (8, False, True)
+    assert (cfg.global_batch_size, cfg.track_memory, cfg.layout.cpu_offload) == (8, False, True)
     err = capsys.readouterr().err
     assert "deprecated" in err and "--global_batch_size -> --global-batch-size" in err
     # degrees without a strategy run exactly them
     cfg, _, _ = parse_train_config(["--dp-shard", "2", "--tp", "2", "--sequence-parallel"])
-    assert cfg.strategy == "custom" and cfg.plan_options["sequence_parallel"] is True
+    assert cfg.strategy == "custom" and cfg.layout.sequence_parallel is True and cfg.layout.tp == 2
     p = parser_for("verify")
     assert normalize_argv(["--global_batch_size", "8"], p, prog="x") == ["--global_batch_size", "8"]  # train only
 
@@ -256,3 +258,38 @@ def test_bench_takes_the_shared_model_flag():
         main(["--model", "gpt-nano", "--models", "gpt-1m"])
     with pytest.raises(ValueError, match="no-such-model"):
         main(["--model", "no-such-model"])
+
+
+def test_config_holds_one_layout_and_old_run_folders_still_load(tmp_path, capsys):
+    """Issue 13 item 3: `TrainConfig` holds the strategy / plan file and one `layout` (`PlanOptions`,
+    made from `ParallelPlan`: no plan field mirrored by hand); a run folder written before it (flat
+    fields, ``tp: 0``, ``plan_options``) and an old flat ``--config`` file still load."""
+    import yaml
+
+    from modelpar.cli.train import parse_train_config, read_run_folder, write_run_folder
+    from modelpar.plan import ParallelPlan
+    from modelpar.train.config import PLAN_FIELDS, PlanOptions, TrainConfig
+    from modelpar.train.resolve import given_fields
+
+    assert [f.name for f in dataclasses.fields(PlanOptions)] == [f.name for f in dataclasses.fields(ParallelPlan)]
+    assert not {f.name for f in dataclasses.fields(TrainConfig)} & set(PLAN_FIELDS)
+    cfg, resolved = read_run_folder(ROOT / "tests" / "data" / "legacy_run")
+    assert (cfg.model, cfg.steps, cfg.strategy) == ("gpt-nano", 20, "auto")
+    assert given_fields(cfg) == {}                 # every old field held its 'unset' value
+    assert resolved.plan == ParallelPlan(dp_replicate=2) and resolved.local_batch_size == 8
+    old = yaml.safe_load((ROOT / "tests" / "data" / "legacy_run" / "config.yaml").read_text())
+    old.update(tp=2, dp_shard=2, pp_schedule="gpipe", stage_boundaries=[], plan_options={"sequence_parallel": True})
+    flat = TrainConfig.from_dict(old)
+    assert given_fields(flat) == {"tp": 2, "dp_shard": 2, "pp_schedule": "gpipe", "sequence_parallel": True}
+    run = tmp_path / "run"                        # the current form round-trips through a run folder
+    write_run_folder(flat, resolved, type("B", (), {"global_batch_size": 16, "local_batch_size": 8}), run)
+    assert "layout:" in (run / "config.yaml").read_text()
+    assert read_run_folder(run)[0] == flat
+    with pytest.raises(ValueError, match=r"unknown TrainConfig fields \['tp_degree'\]"):
+        TrainConfig.from_dict({**old, "tp_degree": 2})
+    (tmp_path / "old.yaml").write_text(yaml.safe_dump({"steps": 5, "tp": 2, "dp_shard": 2}))
+    cfg, _, _ = parse_train_config(["--config", str(tmp_path / "old.yaml"), "--pp-schedule", "gpipe"])
+    assert cfg.steps == 5 and given_fields(cfg) == {"tp": 2, "dp_shard": 2, "pp_schedule": "gpipe"}
+    assert "put them under 'layout:'" in capsys.readouterr().err
+    (tmp_path / "new.yaml").write_text((run / "config.yaml").read_text())
+    assert parse_train_config(["--config", str(tmp_path / "new.yaml")])[0] == flat

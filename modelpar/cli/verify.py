@@ -17,7 +17,6 @@ writes it (``plan.json``) with the options (``verify.yaml``) into a folder the r
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -63,19 +62,9 @@ class VerifyOptions:
     out: str = ""
 
 
-def plan_flag_fields() -> tuple[list[str], list[str]]:
-    """(TrainConfig fields that are plan fields too, ParallelPlan fields TrainConfig lacks)."""
-    from modelpar.plan import ParallelPlan
-    from modelpar.train.config import TrainConfig
-
-    cfg = {f.name for f in dataclasses.fields(TrainConfig)}
-    plan = [f.name for f in dataclasses.fields(ParallelPlan)]
-    return [n for n in plan if n in cfg], [n for n in plan if n not in cfg]
-
-
 def build_parser():
-    from modelpar.plan import ParallelPlan
-    from modelpar.train.config import TrainConfig
+    from modelpar.cli.train import add_parallel_plan_fields
+    from modelpar.train.config import PlanOptions, TrainConfig, plan_option_docs
 
     p = make_parser("modelpar verify", __doc__.split("\n\n")[1], epilog=EXAMPLES + "\n" + BATCH_TERMS,
                     config_file=True)
@@ -85,10 +74,8 @@ def build_parser():
     add_fields(p, BatchOptions)
     add_fields(p, HardwareOptions)
     add_fields(p, VerifyOptions)
-    mirrored, only_plan = plan_flag_fields()
     add_fields(p, TrainConfig, only=("check_unused_params", "sync_batchnorm"))
-    add_fields(p, TrainConfig, only=mirrored, group="plan options")
-    add_fields(p, ParallelPlan, only=only_plan, dest_prefix="plan_options.", group="plan options")
+    add_parallel_plan_fields(p, PlanOptions, plan_option_docs())      # the same plan flags as train
     p.add_argument("--run-dir", default="", help="a folder with verify.yaml and plan.json written by the "
                    "launcher (what each rank is started with)")
     return p
@@ -98,17 +85,14 @@ def as_train_config(args, given: set[str]):
     """The `TrainConfig` whose plan fields are verify's options (for `modelpar.train.resolve`)."""
     from modelpar.train.config import TrainConfig
 
-    mirrored, _ = plan_flag_fields()
-    kw = {k: getattr(args, k) for k in mirrored}
-    if any(k in given for k in ("dp_replicate", "dp_shard", "tp", "pp")) and "strategy" not in given and not args.plan:
-        kw["strategy"] = "custom"
-    else:
-        kw["strategy"] = args.strategy
-    opts = {k: getattr(args.plan_options, k) for k in vars(args.plan_options)} if args.plan_options else {}
+    layout = {k: v for k, v in vars(args.layout).items() if v is not None}
+    degrees = any(k in layout for k in ("dp_replicate", "dp_shard", "tp", "pp"))
+    strategy = "custom" if degrees and "strategy" not in given and not args.plan else args.strategy
     return TrainConfig(model=args.model if ":" not in args.model else "gpt-nano", plan=args.plan, nproc=args.nproc,
                        global_batch_size=args.global_batch_size, local_batch_size=args.local_batch_size,
                        seq_len=args.seq_len, optimizer=args.optimizer, hardware=args.hardware, seed=args.seed,
-                       model_config=args.model_config if ":" not in args.model else {}, plan_options=opts, **kw)
+                       model_config=args.model_config if ":" not in args.model else {}, strategy=strategy,
+                       layout=layout)
 
 
 def resolve_plan(args, given: set[str] = frozenset()):
