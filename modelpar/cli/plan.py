@@ -211,7 +211,7 @@ def _priced(a, given: set[str], pf, prof, n: int, hw, prec: str):
             plan cannot split, or a --global-batch-size that contradicts the plan file's.
     """
     from modelpar.planner.cost import estimate_step
-    from modelpar.planner.legality import check_tp_degree
+    from modelpar.planner.legality import check_tp_degree, split_violations
     from modelpar.planner.memory import Batch, estimate_memory
     from modelpar.planner.search import Candidate
 
@@ -231,6 +231,10 @@ def _priced(a, given: set[str], pf, prof, n: int, hw, prec: str):
     blocks = len(prof.blocks) - 2 if prof.arch and len(prof.blocks) >= 3 else len(prof.blocks)
     plan.validate(n, num_blocks=blocks)
     check_tp_degree(prof.arch, plan.tp)           # heads / key-value heads / widths / vocabulary
+    bad = split_violations(prof.tp_splits, plan.tp)   # any model's TP plan (case C7), as the search checks
+    if bad:
+        raise ValueError(f"tensor parallel degree tp={plan.tp} does not divide {', '.join(bad)} (split by "
+                         f"the model's TP plan); choose a TP degree that divides every split dimension")
     batch = Batch(gbs, local or gbs // plan.dp)   # no local batch given: what train runs (global / dp)
     batch.accumulation_steps(plan)                # raises naming the numbers
     plan.validate(n, num_blocks=blocks, local_batch_size=batch.local_batch_size)
