@@ -77,8 +77,9 @@ class SearchReport:
     With ``top_k`` (`search_plans`' top-k mode) ``ranked`` holds the first ``top_k`` of the full
     ranking only, ``pruned`` counts the layouts pruned whole and what the evaluated groups pruned, and
     ``topk_stats`` the work: (layout, micro-batch size, micro-batch count) groups bounded
-    (``groups``) and evaluated (``evaluated``), and the fitting candidates found in them
-    (``fitting``, a lower bound on the number that fit)."""
+    (``groups``) and with a candidate's memory estimated (``evaluated``), candidates whose step time
+    was computed (``timed``), and the fitting candidates found (``fitting``, a lower bound on the
+    number that fit)."""
 
     num_devices: int
     considered: int = 0
@@ -108,7 +109,8 @@ class SearchReport:
             st = self.topk_stats
             return (f"{self.considered} candidates considered on {self.num_devices} devices; best "
                     f"{len(self.ranked)} of >= {st['fitting']} feasible, exact (evaluated {st['evaluated']} of "
-                    f"{st['groups']} candidate groups in order of a lower bound on step time; "
+                    f"{st['groups']} candidate groups, {st['timed']} step times, in order of a lower bound "
+                    f"on step time; "
                     f"{self.num_pruned} pruned so far: {reasons})")
         return (f"{self.considered} candidates considered on {self.num_devices} devices, "
                 f"{self.num_pruned} pruned ({reasons}), {len(self.ranked)} feasible")
