@@ -131,7 +131,7 @@ def _exact_answer(a, given, pf, prof, desc, n: int, hw) -> int:
 
     plan = pf.plan.validate(n, num_blocks=None)
     from modelpar.planner.legality import check_tp_degree
-    check_tp_degree(prof.arch, plan.tp)           # heads / key-value heads / widths / vocabulary
+    check_tp_degree(prof.arch, plan.tp, prof.tp_split)   # heads / key-value heads / widths / vocabulary
     m = plan.n_microbatches if plan.pp > 1 else 1
     if a.micro_batch_size:
         local = a.micro_batch_size * m
