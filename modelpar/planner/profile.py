@@ -47,8 +47,7 @@ from modelpar.planner.profile_ops import (_FLOP_FORMULAS, _FlashAttention, _hook
                                           _Lifetimes, _nbytes, _OpCounter, _Outside, count_elementwise_bytes,
                                           tied_copies)
 
-__all__ = ["BlockProfile", "ModelProfile", "count_elementwise_bytes", "default_blocks", "profile_model",
-           "tied_copies"]
+__all__ = ["BlockProfile", "ModelProfile", "count_elementwise_bytes", "default_blocks", "profile_model", "tied_copies"]
 
 @dataclass(frozen=True)
 class BlockProfile:
@@ -495,6 +494,7 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
         cum_saved += saved[i]
     x0 = inputs[0]
     tokens = x0.shape[1] if (x0.dim() == 2 and not x0.is_floating_point()) else 1
-    return ModelProfile(blocks=tuple(rows), dtype="bf16" if dtype == torch.bfloat16 else "fp32",
-                        batch_size=int(x0.shape[0]), tokens_per_sample=int(tokens),
-                        arch=_arch_of(model, int(tokens), vocab_parallel), tp_split=tp_split_dims(model, styles))
+    arch = _arch_of(model, int(tokens), vocab_parallel)       # a transformer's facts; else its TP splits
+    return ModelProfile(blocks=tuple(rows), dtype="bf16" if dtype == torch.bfloat16 else "fp32", arch=arch,
+                        batch_size=int(x0.shape[0]), tokens_per_sample=int(tokens), tp_split=() if arch
+                        else tp_split_dims(model, styles))
