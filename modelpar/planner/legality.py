@@ -1,4 +1,4 @@
-"""Which tensor-parallel degrees a model's shape allows (pure: reads `ModelProfile.arch`, or `tp_split`).
+"""Which tensor-parallel degrees a model's shape allows (pure: reads `ModelProfile.arch`).
 
 A TP split divides the attention heads among the ranks (query heads and, for grouped-query attention,
 the key/value heads each: a rank holds whole heads and the key/value heads its query heads read,
@@ -29,41 +29,37 @@ def tp_violations(arch: dict, tp: int) -> list[str]:
     return out
 
 
-def check_tp_degree(arch: dict, tp: int, tp_split: tuple = ()) -> None:
-    """Raise ValueError naming every shape fact ``tp`` does not divide (see `tp_violations`); without
-    ``arch``, every split dimension of ``tp_split`` (`ModelProfile.tp_split`: module, dimension, size)."""
+def check_tp_degree(arch: dict, tp: int) -> None:
+    """Raise ValueError naming every shape fact ``tp`` does not divide (see `tp_violations`)."""
     bad = tp_violations(arch, tp)
     if bad:
         raise ValueError(f"tensor parallel degree tp={tp} does not divide the model's {'; '.join(bad)}: "
                          f"each rank must hold whole heads and an equal share of each split dimension")
-    bad = [f"{d}={n}" for d, n in tp_split if n % tp] if (tp > 1 and not arch) else []
-    if bad:
-        raise ValueError(f"tensor parallel degree tp={tp} does not divide {', '.join(bad)} (the TP plan's "
-                         f"colwise / rowwise splits): each rank must hold an equal share of each split dimension")
 
 
-def tp_split_dims(model, styles: dict[str, str]) -> tuple[tuple[str, int], ...]:
-    """``(("path.out_features", 5), ...)``: the dimension each split of the runtime's TP plan divides
-    (``styles``: `modelpar.parallel.tensor.tp_kinds`; colwise: a Linear's output features or a Conv1D's
-    ``nf``, rowwise: input features / ``nx``; embeddings and other modules are not listed), as
-    `modelpar.parallel.tensor.validate_tp_plan` checks them at launch (case C7). Read where ``arch`` is
-    empty (models that are not transformers), so the planner proposes no TP degree the runtime refuses."""
-    mods = dict(model.named_modules())
-    out = []
+def tp_splits(model, styles: dict[str, str]) -> tuple[tuple[str, str, int], ...]:
+    """``(module path, dimension, size)`` of every dimension the TP plan ``styles`` (``{path: "colwise" |
+    "rowwise"}``, `modelpar.parallel.tensor.tp_kinds` of the runtime's derived plan) splits: an
+    ``nn.Linear``'s ``out_features`` (colwise) or ``in_features`` (rowwise), an ``nn.Embedding``'s
+    ``num_embeddings``, a GPT-2 ``Conv1D``'s ``nf`` / ``nx``. Reads module attributes only (meta models
+    included). For any model, where ``arch`` holds no shape facts (case C7: a user's Linear chain)."""
+    import torch.nn as nn
+
+    mods, out = dict(model.named_modules()), []
     for path, kind in styles.items():
         m = mods.get(path)
-        col = kind == "colwise"
-        for dim in (("out_features", "nf") if col else ("in_features", "nx")):
-            if isinstance(getattr(m, dim, None), int):
-                out.append((f"{path}.{dim}", int(getattr(m, dim))))
-                break
+        if isinstance(m, nn.Linear):
+            dim = "out_features" if kind == "colwise" else "in_features"
+        elif isinstance(m, nn.Embedding):
+            dim = "num_embeddings"
+        elif type(m).__name__ == "Conv1D" and hasattr(m, "nf"):
+            dim = "nf" if kind == "colwise" else "nx"
+        else:
+            continue
+        out.append((path, dim, int(getattr(m, dim))))
     return tuple(out)
 
 
-def split_violations(profile, tp: int) -> list[str]:
-    """`tp_violations` of a profile: its ``arch`` facts, or (no ``arch``) its ``tp_split`` dimensions."""
-    if tp <= 1:
-        return []
-    if profile.arch:
-        return tp_violations(profile.arch, tp)
-    return [f"{d}={n}" for d, n in profile.tp_split if n % tp]
+def split_violations(splits, tp: int) -> list[str]:
+    """The entries of `tp_splits` that ``tp`` does not divide, as ``"path.dim=size"`` ([] if none)."""
+    return [f"{p}.{d}={n}" for p, d, n in splits if tp > 1 and n % tp]

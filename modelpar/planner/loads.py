@@ -92,6 +92,8 @@ class RankLoad:
     bwd_mem: float = 0.0
     ops: float = 0.0               # fwd+bwd ops per micro-batch (not per sample)
     fwd_ops: float = 0.0
+    calls: float = 0.0             # fwd+bwd aten calls per micro-batch, views and matmuls included
+    fwd_calls: float = 0.0
     tp_collectives: int = 0        # TP all-reduces in one forward of the rank's blocks
     is_last: bool = False          # holds the model's last block (logits and loss)
     loss_parallel: bool = False    # the last stage's loss runs on vocab-sharded logits (TP)
@@ -283,7 +285,7 @@ def _backward_moments(recs: tuple, own: bool = False, cache: PlannerCache | None
 # additive per-block fields of a `RankLoad`, in this order (summed over a stage by prefix sums)
 _SUMS = ("params", "root_params", "saved", "saved_ac", "fwd_flops", "bwd_flops", "fwd_mem", "bwd_mem",
          "ops", "fwd_ops", "fwd_gemms", "bwd_gemms", "attn_f", "attn_b", "attn_calls", "tp_linears",
-         "gp_f", "gp_b", "ga_f", "ga_b", "tp_collectives")
+         "gp_f", "gp_b", "ga_f", "ga_b", "tp_collectives", "calls", "fwd_calls")
 
 
 def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: PlannerCache):
@@ -341,7 +343,8 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: P
                sum(1 for _, mat, sh in bl.param_numels if mat and sh) if t > 1 else 0,
                bl.fwd_gemm_param_bytes * scale * shr, bl.bwd_gemm_param_bytes * scale * shr,
                bl.fwd_gemm_act_bytes * scale / bs * tp_div, bl.bwd_gemm_act_bytes * scale / bs * tp_div,
-               (2 if (transformer and not is_end) else 1) if t > 1 else 0)
+               (2 if (transformer and not is_end) else 1) if t > 1 else 0,
+               bl.fwd_calls + bl.bwd_calls, bl.fwd_calls)
         pre.append(tuple(a + b for a, b in zip(pre[-1], row)))
 
     @functools.lru_cache(maxsize=None)
@@ -435,7 +438,7 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
     for ld, acc in zip(loads, sums):
         (ld.params, ld.root_params, ld.saved, ld.saved_ac, ld.fwd_flops, ld.bwd_flops, ld.fwd_mem, ld.bwd_mem,
          ld.ops, ld.fwd_ops, ld.fwd_gemms, ld.bwd_gemms, af, ab, ld.attn_calls, ld.tp_linears,
-         gpf, gpb, gaf, gab, ld.tp_collectives) = acc
+         gpf, gpb, gaf, gab, ld.tp_collectives, ld.calls, ld.fwd_calls) = acc
         ld.attn_flops, ld.gemm_param_bytes, ld.gemm_act_bytes = (af, ab), (gpf, gpb), (gaf, gab)
     for ld, rc, ab, sh in zip(loads, recs, acb, shapes):
         ld.gemm_shapes = tuple(sorted(sh.items()))
