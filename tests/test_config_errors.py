@@ -81,9 +81,13 @@ def test_degrees_that_contradict_the_strategy_are_an_error():
 
 
 def test_every_plan_field_is_reachable_from_train_config():
-    plan, _ = _pre(world=4, strategy="custom", dp_shard=2, tp=2, plan_options={"sequence_parallel": True})
+    plan, _ = _pre(world=4, strategy="custom", layout={"dp_shard": 2, "tp": 2, "sequence_parallel": True})
     assert plan.sequence_parallel and plan.describe() == "fsdp2 x tp2+sp"
-    with pytest.raises(ValueError, match="plan_options has unknown ParallelPlan fields"):
+    plan, _ = _pre(world=2, strategy="fsdp", layout={"reshard_after_forward": False, "activation_checkpointing": "full"})
+    assert (plan.dp_shard, plan.reshard_after_forward, plan.activation_checkpointing) == (2, False, "full")
+    with pytest.raises(ValueError, match="layout has unknown ParallelPlan fields"):
+        _pre(world=2, strategy="ddp", layout={"tp_degree": 2})
+    with pytest.raises(ValueError, match="plan_options has unknown ParallelPlan fields"):   # the old form
         _pre(world=2, strategy="ddp", plan_options={"tp_degree": 2})
 
 

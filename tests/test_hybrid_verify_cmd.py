@@ -61,3 +61,21 @@ def test_bad_model_and_plan_exit_2(capsys):
 def test_one_process_plan_runs_in_process(capsys):
     assert verify_main(["--model", "mlp-small", "--plan", "{}", "--steps", "2"]) == 0
     assert "PASS" in capsys.readouterr().out
+
+
+def test_many_nodes_resolve_once_and_print_the_launch_line(tmp_path, capsys, monkeypatch):
+    """Issue 13 item 1: `verify --nnodes N --gpus-per-node G` resolves the plan on N x G ranks once,
+    writes it beside the options into a folder under the current directory (a filesystem every node
+    sees) and prints the torchrun / srun line instead of launching; the topology is checked."""
+    from modelpar.plan_file import read_plan_file
+
+    monkeypatch.chdir(tmp_path)
+    assert verify_main(["--model", "gpt-nano", "--nnodes", "2", "--gpus-per-node", "2", "--dp-shard", "2",
+                        "--tp", "2"]) == 0
+    out = capsys.readouterr().out
+    (d,) = list(tmp_path.glob("modelpar-verify-*"))
+    assert "torchrun --nnodes 2 --nproc-per-node 2" in out and f"--run-dir {d}" in out and "srun" in out
+    plan = read_plan_file(d / "plan.json").plan
+    assert (plan.dp_shard, plan.tp, plan.world_size) == (2, 2, 4)
+    assert verify_main(["--model", "gpt-nano", "--nnodes", "2", "--gpus-per-node", "2", "--nproc", "3"]) == 2
+    assert "--nproc 3 disagrees with --nnodes 2 x --gpus-per-node 2 = 4" in capsys.readouterr().err
