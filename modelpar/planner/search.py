@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from modelpar.plan import AC_MODES, PP_SCHEDULES, ParallelPlan
 from modelpar.planner.cost import StepEstimate
 from modelpar.planner.hardware import Hardware
+from modelpar.planner.loads import _has_ends
 from modelpar.planner.layouts import Search, can_defer, evaluate_group, group_pruned, layouts
 from modelpar.planner.memo import PlannerCache
 from modelpar.planner.memory import OPTIMIZER_BYTES, Batch, MemoryEstimate
@@ -264,8 +265,9 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
     budget = hw.memory_bytes * memory_fraction
     foreach = hw.kind != "cpu"             # torch's optimizers use foreach kernels on accelerators
     gloo = hw.kind == "cpu"                # CPU ranks communicate over gloo (its reduce-scatter copies)
-    arch = profile.arch
-    num_layers = len(profile.blocks) - 2 if arch and len(profile.blocks) >= 3 else len(profile.blocks)
+    # the blocks a pipeline can split: without the input / output parts where the profile has them (a
+    # transformer's, or `profile.default_blocks`' embed / head of a model with found blocks: `loads._has_ends`)
+    num_layers = len(profile.blocks) - 2 if _has_ends(profile) else len(profile.blocks)
     rep = SearchReport(num_devices)
     cache = PlannerCache(profile, hw)        # the memo tables of this search (`memo.PlannerCache`)
     bad = [s for s in schedules if s not in PP_SCHEDULES] + [a for a in checkpointing if a not in AC_MODES]
