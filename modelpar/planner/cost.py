@@ -68,6 +68,7 @@ from modelpar.planner.memo import PlannerCache
 from modelpar.planner.memory import Batch, RankLoad, rank_loads
 from modelpar.planner.profile import ModelProfile
 from modelpar.planner.recompute import recompute_layers, recompute_share
+from modelpar.planner.records import SlowestRank
 # CPU pricing of the profiled shapes (matmuls by shape and layout, attention by S and D)
 from modelpar.planner.cpu_shapes import _attention_seconds, _shape_seconds  # noqa: F401
 # the result type, MFU / HFU and the wrapping of step parts live in step_estimate.py, re-exported here
@@ -306,10 +307,9 @@ class StepForm:
         out = self.per_b[b] = (times, ar_tp, tp_linear)
         return out
 
-    def _slowest(self, plan: ParallelPlan, b: int) -> tuple:
-        """The slowest rank at micro-batch size ``b`` under ``plan``'s checkpointing (memoized):
-        (its index, load, forward, backward, recompute and TP seconds, and for GPipe / 1F1B the sums
-        `formulas.fill_drain_from_sums` takes before ``m``: U, D, F_k, B_k, p - k; else None)."""
+    def _slowest(self, plan: ParallelPlan, b: int) -> SlowestRank:
+        """The slowest rank at micro-batch size ``b`` under ``plan``'s checkpointing (memoized; ``fill``:
+        GPipe / 1F1B's sums before ``m`` for `formulas.fill_drain_from_sums`, (U, D, F_k, B_k, p - k))."""
         mode = plan.activation_checkpointing
         skey = (b, mode, plan.ac_every, plan.pp_schedule)
         hit = self.slowest.get(skey)
@@ -318,7 +318,7 @@ class StepForm:
         times, ar_tp, tp_linear = self._times(plan, b)
         ac_any = mode in ("full", "every-k", "selective")
         attn_rate, flops_s = self.attn_rate, self.flops_s
-        best, fb = None, []
+        best_key, best, fb = None, None, []
         for i, (ld, t_f, t_b, w_f) in enumerate(times):
             t_rc, rc_share = 0.0, 0.0
             if ac_any:     # the checkpointed blocks' share / the cores (`modelpar.planner.recompute`)
@@ -334,16 +334,16 @@ class StepForm:
             work = t_f + t_b + t_rc + t_tp
             fb.append((t_f + t_tp / 2, t_b + t_rc + t_tp / 2))     # TP's cost split evenly (forward, backward)
             key = (work, ld.params)
-            if best is None or key > best[0]:
-                best = (key, i, ld, t_f, t_b, t_rc, t_tp)
+            if best_key is None or key > best_key:
+                best_key, best = key, SlowestRank(index=i, load=ld, t_f=t_f, t_b=t_b, t_rc=t_rc, t_tp=t_tp, fill=None)
         # GPipe / 1F1B with one stage per rank and every rank's load: the other stages' times before and
         # after the slowest rank, for its wait while the pipeline fills and drains
         # (`formulas.fill_drain_seconds`); None: the bubble fraction (`at`)
         fill = None
         if self.p > 1 and self.v == 1 and plan.pp_schedule in ("gpipe", "1f1b") and len(fb) == self.p:
-            k = best[1]
+            k = best.index
             fill = (sum(f + b_ for f, b_ in fb[:k]), sum(f + b_ for f, b_ in fb[k + 1:]), *fb[k], self.p - k)
-        out = self.slowest[skey] = (*best[1:], fill)
+        out = self.slowest[skey] = best._replace(fill=fill) if fill is not None else best
         return out
 
     def at(self, plan: ParallelPlan, micro_batch_size: int, accumulation: int) -> dict:
@@ -354,7 +354,8 @@ class StepForm:
                                                           self.v, self.p, self.overlap, self.wb)
         dp_overlap, reduce_bytes = self.dp_overlap, self.reduce_bytes
         m = plan.n_microbatches if p > 1 else 1
-        i, ld, t_f, t_b, t_rc, t_tp, fill = self._slowest(plan, b)
+        s = self._slowest(plan, b)
+        i, ld, fill, t_f, t_b, t_rc, t_tp = s.index, s.load, s.fill, s.t_f, s.t_b, s.t_rc, s.t_tp
         mbs = accumulation * m                          # micro-batches per step on this rank
         # gradient accumulation: micro-batches after the first add their gradients in place (read 2,
         # write 1 fp32 values per parameter); FSDP without a pipeline adds reduce-scattered shards
