@@ -76,8 +76,8 @@ def train_steps(model_name: str, device: str, *, micro_batch: int, steps: int, p
         for blk in model.blocks:
             blk.compile()
     pm = parallelize(model, ParallelPlan(precision=precision), MeshInfo(None), loss_fn=lm_loss, device=dev)
-    from modelpar.train.step import adamw
-    opt = adamw(model.parameters(), lr=1e-4)        # fused, as `modelpar train` runs it
+    from modelpar.train.step import make_optimizer
+    opt = make_optimizer(model.parameters(), "adamw", lr=1e-4)      # the builder `modelpar train` uses
     g = torch.Generator().manual_seed(seed)
     seq = model.cfg.seq_len
     x = torch.randint(0, model.cfg.vocab_size, (micro_batch, seq), generator=g).to(dev)
@@ -104,6 +104,7 @@ def placement_check(devices=("cpu", "cuda:0"), *, model_name: str = "gpt-3m", st
     from modelpar.parallel.compose import parallelize
     from modelpar.parallel.mesh import MeshInfo
     from modelpar.plan import ParallelPlan
+    from modelpar.train.step import make_optimizer
 
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -117,7 +118,7 @@ def placement_check(devices=("cpu", "cuda:0"), *, model_name: str = "gpt-3m", st
     seq = ref_model.cfg.seq_len
     out = {}
     for name, pm, mod in (("reference", ref, ref_model), ("placement", split, split_model)):
-        opt = torch.optim.SGD(mod.parameters(), lr=0.1)
+        opt = make_optimizer(mod.parameters(), "sgd", lr=0.1)
         g.manual_seed(seed + 1)
         losses = []
         for _ in range(steps):
@@ -131,7 +132,7 @@ def placement_check(devices=("cpu", "cuda:0"), *, model_name: str = "gpt-3m", st
     return {**out, "max_rel_diff": diff, "devices": list(devices)}
 
 
-# ---- the item-7 sweep (issue 14): GPTs of ~125M, ~1B, ~3B in bf16, with and without checkpointing --
+# ---- the GPU sweep (`benchmarks/gpu_check.py`): GPTs of ~125M, ~1B, ~3B in bf16, with and without checkpointing --
 
 # name -> (base preset, overrides). GPT-3-style shapes (Brown et al. 2020, Table 2.1) with a
 # 50,304-token vocabulary (GPT-2's 50,257 padded to a multiple of 64, as nanoGPT and Megatron pad)
@@ -216,7 +217,7 @@ def _oom_types() -> tuple[type, ...]:
 def measure_row(name: str, seq: int, micro_batch: int, ac: str, device: str, *, steps: int = 4,
                 warmup: int = 2, models: dict | None = None, seed: int = 0, deadline: float | None = None) -> dict:
     """Train one sweep row on one device: bf16 autocast (fp32 master weights), fused AdamW, the plan's
-    checkpointing, as `modelpar train` runs it (`parallelize` + `train.step.adamw`).
+    checkpointing, as `modelpar train` runs it (`parallelize` + `train.step.make_optimizer`).
 
     Returns ``{"times_s": [...timed steps], "median_s", "peak_bytes", "static_bytes", "losses"}``:
     ``peak_bytes`` = ``torch.cuda.max_memory_allocated`` over the timed steps (stats reset after the
@@ -228,14 +229,14 @@ def measure_row(name: str, seq: int, micro_batch: int, ac: str, device: str, *, 
     from modelpar.parallel.compose import parallelize
     from modelpar.parallel.mesh import MeshInfo
     from modelpar.plan import ParallelPlan
-    from modelpar.train.step import adamw
+    from modelpar.train.step import make_optimizer
 
     dev = torch.device(device)
     cuda = dev.type == "cuda"
     model = sweep_model(name, seq, str(dev), models=models, seed=seed)
     pm = parallelize(model, ParallelPlan(precision="bf16", activation_checkpointing=ac), MeshInfo(None),
                      loss_fn=lm_loss, device=dev)
-    opt = adamw(model.parameters(), lr=1e-4)
+    opt = make_optimizer(model.parameters(), "adamw", lr=1e-4)
     g = torch.Generator().manual_seed(seed)
     vocab = model.cfg.vocab_size
     x = torch.randint(0, vocab, (micro_batch, seq), generator=g).to(dev)
