@@ -318,7 +318,7 @@ class StepForm:
         times, ar_tp, tp_linear = self._times(plan, b)
         ac_any = mode in ("full", "every-k", "selective")
         attn_rate, flops_s = self.attn_rate, self.flops_s
-        best_key, best, fb = None, None, []
+        best_key, best, fb = None, 0, []
         for i, (ld, t_f, t_b, w_f) in enumerate(times):
             t_rc, rc_share = 0.0, 0.0
             if ac_any:     # the checkpointed blocks' share / the cores (`modelpar.planner.recompute`)
@@ -335,15 +335,15 @@ class StepForm:
             fb.append((t_f + t_tp / 2, t_b + t_rc + t_tp / 2))     # TP's cost split evenly (forward, backward)
             key = (work, ld.params)
             if best_key is None or key > best_key:
-                best_key, best = key, SlowestRank(index=i, load=ld, t_f=t_f, t_b=t_b, t_rc=t_rc, t_tp=t_tp, fill=None)
+                best_key, best = key, (i, ld, t_f, t_b, t_rc, t_tp)      # the first fields of `SlowestRank`
         # GPipe / 1F1B with one stage per rank and every rank's load: the other stages' times before and
         # after the slowest rank, for its wait while the pipeline fills and drains
         # (`formulas.fill_drain_seconds`); None: the bubble fraction (`at`)
         fill = None
         if self.p > 1 and self.v == 1 and plan.pp_schedule in ("gpipe", "1f1b") and len(fb) == self.p:
-            k = best.index
+            k = best[0]
             fill = (sum(f + b_ for f, b_ in fb[:k]), sum(f + b_ for f, b_ in fb[k + 1:]), *fb[k], self.p - k)
-        out = self.slowest[skey] = best._replace(fill=fill) if fill is not None else best
+        out = self.slowest[skey] = SlowestRank(*best, fill)
         return out
 
     def at(self, plan: ParallelPlan, micro_batch_size: int, accumulation: int) -> dict:

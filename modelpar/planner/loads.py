@@ -16,7 +16,7 @@ from modelpar.plan import ParallelPlan
 from modelpar.planner.memo import PlannerCache
 from modelpar.planner.profile import ModelProfile, tied_copies
 from modelpar.planner.profile_ops import SDPA_LAYOUT
-from modelpar.planner.records import BlockRecord, BlockTerms, BwdMoment, ReduceMoment
+from modelpar.planner.records import BlockRecord, BlockTerms, BwdMoment, ReduceMoment, fast_new
 from modelpar.stage_split import split_blocks
 
 
@@ -201,6 +201,7 @@ def _backward_moments(recs: tuple, own: bool = False, cache: PlannerCache | None
 
     ``cache``: memoized there per (``recs``, ``own``) (`memo.PlannerCache.moments`).
     """
+    _bwd, _rs = _NEW_BWD, _NEW_RS
     if cache is not None:
         hit = cache.moments.get((recs, own))
         if hit is None:
@@ -243,14 +244,16 @@ def _backward_moments(recs: tuple, own: bool = False, cache: PlannerCache | None
                     break
             else:
                 kept.append((ex + gi, gs + gq))
-                bwd.append(BwdMoment(act=cum[k + 1] + ex + gi, act_ac=cum_ac[k + (0 if own else 1)] + sv + ex + gi,
-                                     done_units=done_u[k], done_root=done_r[k], stored=gs,
-                                     unit=0.0 if root else pk, prev_unit=prev_u[k], next_unit=next_u[k],
-                                     units_upto=upto[k], pending=gq))
+                # (act, act_ac, done_units, done_root, stored, unit, prev_unit, next_unit, units_upto, pending)
+                bwd.append(_bwd((cum[k + 1] + ex + gi, cum_ac[k + (0 if own else 1)] + sv + ex + gi, done_u[k],
+                                 done_r[k], gs, 0.0 if root else pk, prev_u[k], next_u[k], upto[k], gq)))
         if not root:
-            rs.append(ReduceMoment(act=cum[k] + gin_in, act_ac=cum_ac[k] + gin_in, done_units=done_u[k],
-                                   done_root=done_r[k], unit=pk, prev_unit=prev_u[k], units_before=upto[k] - pk))
+            # (act, act_ac, done_units, done_root, unit, prev_unit, units_before)
+            rs.append(_rs((cum[k] + gin_in, cum_ac[k] + gin_in, done_u[k], done_r[k], pk, prev_u[k], upto[k] - pk)))
     return tuple(dict.fromkeys(bwd)), tuple(dict.fromkeys(rs))
+
+
+_NEW_BWD, _NEW_RS = fast_new(BwdMoment), fast_new(ReduceMoment)
 
 
 # additive per-block fields of a `RankLoad`, in this order (summed over a stage by prefix sums)

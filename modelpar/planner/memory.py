@@ -32,10 +32,11 @@ from modelpar.plan import ParallelPlan, runtime_layout
 from modelpar.planner.loads import RankLoad, _adamw_temp, rank_loads, stage_ranges  # noqa: F401  (re-exported)
 from modelpar.planner.memo import PlannerCache
 from modelpar.planner.profile import ModelProfile
-from modelpar.planner.records import BwdMoment, MemoryParts, MomentTerms, ProjMode, ReduceMoment
+from modelpar.planner.records import BwdMoment, MemoryParts, MomentTerms, ProjMode, ReduceMoment, fast_new
 
 OPTIMIZER_BYTES = {"sgd": 0, "sgd_momentum": 4, "adamw": 8}   # fp32 state bytes per parameter
 MIB = 2 ** 20
+_terms, _parts = fast_new(MomentTerms), fast_new(MemoryParts)     # (values in field order)
 
 
 @dataclass(frozen=True)
@@ -103,25 +104,25 @@ def _bwd_terms(c: BwdMoment, mode: ProjMode) -> MomentTerms:
     # gradients from earlier micro-batches the stored ones were added in place
     if not fsdp:
         if prev:
-            return MomentTerms(0.0, 0.0, A, 4 * gq, 0.0, 0.0, 0.0)
-        return MomentTerms(4 * (done_u + done_r + gs), 0.0, A, 4 * gq, 0.0, 0.0, 0.0)
+            return _terms((0.0, 0.0, A, 4 * gq, 0.0, 0.0, 0.0))
+        return _terms((4 * (done_u + done_r + gs), 0.0, A, 4 * gq, 0.0, 0.0, 0.0))
     pre = work * u_prev if rafw else 0.0    # the prefetched unit's flat all-gather output
     if prev:
         # gradient sync off (accumulation; every backward of a pipeline, whose runtime calls
         # set_requires_gradient_sync(False)): unsharded gradients accumulate (in the base); the
         # pipeline also keeps units gathered after their backward (set_reshard_after_backward(False),
         # in the base)
-        return MomentTerms(0.0, 0.0, A, work * gq, (work * u if (rafw and not pp) else 0.0), pre, 0.0)
+        return _terms((0.0, 0.0, A, work * gq, (work * u if (rafw and not pp) else 0.0), pre, 0.0))
     if pp:
         # a pipeline's first backward: completed units keep their unsharded gradients (accumulated
         # in fp32) and stay gathered; nothing is reduce-scattered until the schedule ends
-        return MomentTerms(4 * (done_u + done_r), 0.0, A, work * (gs + gq), (work * (u + done_u) if rafw else 0.0),
-                           pre, 0.0)
+        return _terms((4 * (done_u + done_r), 0.0, A, work * (gs + gq), (work * (u + done_u) if rafw else 0.0),
+                       pre, 0.0))
     # reduce-scattered (sharded) gradients of completed units; the root's and unit k's unsharded
     # gradients so far; unit k gathered; the retained fp32 reduce-scatter input of the unit after k
     # (accumulating into sharded gradients held in the base: completed units add nothing)
-    return MomentTerms(0.0, 0.0 if held else 4 * done_u, A, work * (done_r + gs + gq), (work * u if rafw else 0.0),
-                       pre + 4 * u_next, 0.0)
+    return _terms((0.0, 0.0 if held else 4 * done_u, A, work * (done_r + gs + gq), (work * u if rafw else 0.0),
+                   pre + 4 * u_next, 0.0))
 
 
 def _rs_terms(c: ReduceMoment, mode: ProjMode, collective: bool) -> MomentTerms:
@@ -140,8 +141,8 @@ def _rs_terms(c: ReduceMoment, mode: ProjMode, collective: bool) -> MomentTerms:
     buf = 4 * u + (work * u_prev if rafw else 0.0)
     done = 0.0 if held else 4 * done_u
     if not collective:
-        return MomentTerms(0.0, done, A, work * (done_r + u), gath, buf, 0.0)
-    return MomentTerms(0.0, done, A, work * done_r, gath, buf + (4 * u if mode.gloo else 0.0), 4 * u)
+        return _terms((0.0, done, A, work * (done_r + u), gath, buf, 0.0))
+    return _terms((0.0, done, A, work * done_r, gath, buf + (4 * u if mode.gloo else 0.0), 4 * u))
 
 
 def _projections(bwd_moments: tuple, rs_moments: tuple, mode: ProjMode) -> tuple:
@@ -261,7 +262,7 @@ class MemoryForm:
 
     __slots__ = ("ld", "cache", "fsdp", "ws", "P", "params", "grads", "opt", "data", "work", "ac", "S", "pp",
                  "last", "out", "rafw", "recv_mult", "comm_add", "ddp_view", "sharded_layout", "cast_cache",
-                 "root_g", "po", "pgo_d", "pgos_d", "modes", "keep", "step_tmp", "gloo", "loss_out")
+                 "root_g", "po", "pgo_d", "pgos_d", "modes", "proj", "keep", "step_tmp", "gloo", "loss_out")
 
     def at(self, b: int, m: int, accumulation: int, W: float, pp_rank: int,
            overhead_bytes: float) -> MemoryEstimate:
@@ -327,10 +328,11 @@ class MemoryForm:
                 if tot > best_total:
                     best_total, best = tot, (held, g0, gath0, prev, None)
             # the block / reduce moments, as totals b * A + K + G / dp_shard (see `_projections`)
-            mode = self.modes[prev][sharded_acc]
-            proj = ld.projections.get(mode)
+            proj = self.proj[prev][sharded_acc]         # this form's, else the load's table
             if proj is None:
-                proj = ld.projections[mode] = self._projections(mode)
+                mode = self.modes[prev][sharded_acc]
+                proj = self.proj[prev][sharded_acc] = ld.projections.get(mode) or self._projections(mode)
+                ld.projections[mode] = proj
             for A, K, G, c in proj:
                 tot = base + b * A + K + ws * G
                 if tot > best_total:
@@ -341,16 +343,16 @@ class MemoryForm:
         end_total = self.pgo_d + comm_persist + 2 * held_end
         opt_total = self.pgos_d + held_end + comm_persist
         if opt_total >= best_total and opt_total >= end_total:
-            return MemoryParts(params, grads, opt + self.step_tmp, data + held_end, 0.0, comm_persist, "optimizer")
+            return _parts((params, grads, opt + self.step_tmp, data + held_end, 0.0, comm_persist, "optimizer"))
         if end_total > best_total:
-            return MemoryParts(params, grads, opt, data + 2 * held_end, 0.0, comm_persist, "pipeline_end")
+            return _parts((params, grads, opt, data + 2 * held_end, 0.0, comm_persist, "pipeline_end"))
         held, g0, gath0, prev, c = best
         acts = data + self.cast_cache + held
         if c is None:
-            return MemoryParts(params, g0, opt, acts + bS + 3 * bls, gath0, comm_persist, "loss")
+            return _parts((params, g0, opt, acts + bS + 3 * bls, gath0, comm_persist, "loss"))
         kind, t = c
-        return MemoryParts(params, g0 + t.grads_k + t.grads_g * ws, opt, acts + t.acts_a * b + t.acts_k,
-                           gath0 + t.gathered_k, comm_persist + t.buffers_k + t.buffers_g * ws, kind)
+        return _parts((params, g0 + t.grads_k + t.grads_g * ws, opt, acts + t.acts_a * b + t.acts_k,
+                       gath0 + t.gathered_k, comm_persist + t.buffers_k + t.buffers_g * ws, kind))
 
     def _projections(self, mode: ProjMode) -> tuple:
         ld, cache = self.ld, self.cache
@@ -434,6 +436,7 @@ def memory_form(ld: RankLoad, plan: ParallelPlan, *, optimizer: str, global_batc
     # `_projections`' mode per (gradients of earlier micro-batches, sharded accumulation): its memo key
     f.modes = tuple(tuple(ProjMode(fsdp=fsdp, ac=ac, prev=prev, rafw=rafw, work=work, pp=pp, gloo=gloo,
                                    sharded_acc=sacc) for sacc in (False, True)) for prev in (False, True))
+    f.proj = [[None, None], [None, None]]
     f.keep = pp and recv_per_microbatch
     # modelpar's TP leaves some parameters plain tensors, and torch's fused kernel refuses mixed
     # lists, so tensor-parallel plans step with the single-tensor loop (`modelpar.train.step.adamw`)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 from modelpar.plan import ParallelPlan
+from modelpar.planner.records import BlockRecord
 
 
 def is_checkpointed(layer: int, plan: ParallelPlan) -> bool:
@@ -58,7 +59,7 @@ def ac_load(ld, plan: ParallelPlan, cache=None):
             kept = max(sv - core, 0.0)
         else:
             kept = ac_in if is_checkpointed(layer, plan) else sv
-        recs.append(rec._replace(kept=kept))
+        recs.append(BlockRecord(sv, kept, rec.peaks, rec.params, rec.is_root, rec.in_grad))   # `kept` replaced
         kept_total += kept
     bwd, rs = _backward_moments(tuple(recs), True, cache)
     out = dataclasses.replace(ld, saved_ac=kept_total, bwd_moments=bwd, rs_moments=rs, projections={},
