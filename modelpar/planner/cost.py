@@ -57,7 +57,7 @@ from __future__ import annotations
 from modelpar.plan import ParallelPlan, runtime_layout
 # the collective (alpha-beta) and pipeline-bubble formulas live in formulas.py, re-exported here
 from modelpar.planner.formulas import (all_gather_time, all_reduce_time, alpha_beta_form,  # noqa: F401
-                                       bubble_fraction, fill_drain_from_sums, p2p_time)
+                                       bubble_fraction, fill_drain_from_sums)
 # one rank's collective times and FSDP2's exposed share live in comms.py, re-exported here
 from modelpar.planner.comms import (DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, _coll,  # noqa: F401
                                     _comm_terms, _fsdp_exposed, _nccl_share, ddp_buckets)
@@ -248,7 +248,7 @@ def step_form(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, optimi
             if master_weights:
                 opt += local * MASTER_WEIGHT_TRAFFIC / mem_s
         f.opt.append(opt)
-    # `fsdp_sharded_accumulation` of this layout's plans is this and not the plan's defer_grad_sync
+    # `runtime_layout(plan).sharded_grad_accumulation` of this layout's plans is this and not defer_grad_sync
     f.shard_acc = plan.dp_shard > 1 and plan.pp == 1
     f.per_b, f.slowest, f.comms = {}, {}, {}
     # CPU without SP (DTensor): colwise Linears all-reduce input grads in backward (q, k, v apart), rowwise
@@ -359,8 +359,8 @@ class StepForm:
         mbs = accumulation * m                          # micro-batches per step on this rank
         # gradient accumulation: micro-batches after the first add their gradients in place (read 2,
         # write 1 fp32 values per parameter); FSDP without a pipeline adds reduce-scattered shards
-        # unless the plan defers the sync (`fsdp_sharded_accumulation`)
-        sharded_acc = self.shard_acc and not plan.defer_grad_sync     # = fsdp_sharded_accumulation(plan)
+        # unless the plan defers the sync (`plan.runtime_layout`)
+        sharded_acc = self.shard_acc and not plan.defer_grad_sync     # = runtime_layout(plan).sharded_grad_accumulation
         t_acc = (mbs - 1) * 12 * ld.params / (plan.dp_shard if sharded_acc else 1) / mem_s
         layout, rep_rt = self.layout, self.rep_rt
         # the collectives depend here only on the rank and b (the rest is the form's): memoized per form
@@ -448,12 +448,6 @@ class StepForm:
                 "tp_comm": mbs * t_tp, "pp_comm": mbs * t_p2p,
                 "dp_comm": dp_exposed + mbs * fsdp_per_mb, "bubble": accumulation * bub,
                 "optimizer": self.opt[i]}
-
-
-def fsdp_sharded_accumulation(plan: ParallelPlan) -> bool:
-    """FSDP without a pipeline and without ``defer_grad_sync``: each local batch of gradient
-    accumulation is reduce-scattered and the shards accumulate (FSDP2's default; `ParallelModel`)."""
-    return runtime_layout(plan).sharded_grad_accumulation
 
 
 def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: Hardware, *,
