@@ -127,8 +127,8 @@ def _estimate_of(parts: MemoryParts, overhead_bytes: float, pp_rank: int) -> Mem
 def _parts_total(parts: MemoryParts, overhead_bytes: float) -> float:
     """`MemoryEstimate.total` of `_estimate_of` (parts, overhead_bytes, ...): the same sum in the
     same order, so bitwise the same float."""
-    return (parts.params + parts.grads + parts.optimizer + parts.activations + parts.fsdp_gathered
-            + parts.comm_buffers + overhead_bytes)
+    params, grads, optimizer, activations, fsdp_gathered, comm_buffers, _phase = parts     # field order
+    return params + grads + optimizer + activations + fsdp_gathered + comm_buffers + overhead_bytes
 
 
 def plan_memory(plan, reps, b: int, acc: int, flights: dict, kw: dict, budget: float, memo: dict,

@@ -211,11 +211,11 @@ def _backward_moments(recs: tuple, own: bool = False, cache: PlannerCache | None
     cum, cum_ac, done_u, done_r = [0.0] * (nb + 1), [0.0] * (nb + 1), [0.0] * (nb + 1), [0.0] * (nb + 1)
     prev_u, upto = [0.0] * nb, [0.0] * nb
     last_u, tot_u = 0.0, 0.0
-    for k, r in enumerate(recs):
-        cum[k + 1], cum_ac[k + 1] = cum[k] + r.saved, cum_ac[k] + r.kept
+    for k, (saved, kept, _peaks, params, is_root, _in_grad) in enumerate(recs):     # `BlockRecord`s
+        cum[k + 1], cum_ac[k + 1] = cum[k] + saved, cum_ac[k] + kept
         prev_u[k] = last_u
-        if not r.is_root:
-            last_u, tot_u = r.params, tot_u + r.params
+        if not is_root:
+            last_u, tot_u = params, tot_u + params
         upto[k] = tot_u
     next_u, nxt = [0.0] * nb, 0.0
     for k in range(nb - 1, -1, -1):           # parameters of units / root blocks after k
