@@ -25,7 +25,7 @@ share caches and memory bandwidth) in two ways:
    per-step fixed term (profiled non-view ops x the calibrated per-op overhead).
 
 Run: ``python benchmarks/step_time_ops.py [--models hf-llama,hf-gpt2,gpt] [--batch 16] [--hardware cal.json]
-[--cpu-time-rates]`` (the last re-measures the curve and grid on CPU time, for a shared machine)
+[--cpu-time-rates [--save-hardware FILE]]`` (re-measures the compute terms on CPU time, for a shared machine)
 (1 thread; the hardware file from ``modelpar calibrate``). Diagnostic only: nothing here is fitted.
 """
 
@@ -133,16 +133,29 @@ def _grid_rate(hw, op: str, shapes) -> tuple[float, float] | None:
 
 
 def cpu_time_rates(hw):
-    """``hw`` with its square curve and shape grid re-measured here on this thread's CPU time
-    (`micro._linear_matmul_rate`, `micro.measure_shapes` with ``timer=time.thread_time``): on a
-    shared machine, wall-clock rates carry the neighbours' load, CPU-time rates much less."""
+    """``hw`` with its compute terms re-measured here on this thread's CPU time: the square curve
+    and shape grid (`micro._linear_matmul_rate`, `micro.measure_shapes`), the attention rate and
+    grid, the element-wise rate, the streaming bandwidth and the per-op overhead (`micro`'s own
+    functions with ``timer=time.thread_time``): on a shared machine, wall-clock rates carry the
+    neighbours' load, CPU-time rates much less. Collectives and allocator terms stay as loaded."""
     import dataclasses
 
     from modelpar.calibrate import micro
-    curve = {n: micro._linear_matmul_rate(n, timer=time.thread_time) for n in micro.MATMUL_SIZES}
-    grid, _ = micro.measure_shapes(passes=3, timer=time.thread_time)
-    return dataclasses.replace(hw, calibration=dataclasses.replace(hw.calibration, matmul_flops=curve,
-                                                                   matmul_shapes=grid))
+    tt = time.thread_time
+    curve = {n: micro._linear_matmul_rate(n, timer=tt) for n in micro.MATMUL_SIZES}
+    grid, _ = micro.measure_shapes(passes=3, timer=tt)
+    attn_grid, _ = micro.measure_attention_shapes(timer=tt)
+    a, b = torch.ones(32 * 2 ** 20), torch.ones(32 * 2 ** 20)
+    c = torch.empty_like(a)
+    bw = 3 * a.numel() * 4 / micro._time(lambda: torch.add(a, b, out=c), 5, timer=tt)
+    del a, b, c
+    op = micro._time(micro._op_chain, 30, best=True, timer=tt) / (2 * micro._CHAIN)
+    cal = dataclasses.replace(hw.calibration, matmul_flops=curve, matmul_shapes=grid, attention_shapes=attn_grid,
+                              dispatch_overhead_s=micro.measure_dispatch_overhead(timer=tt),
+                              attention_flops=micro.measure_attention(timer=tt),
+                              elementwise_bw=micro.measure_elementwise(reps=4, timer=tt),
+                              mem_bandwidth_alone=bw)
+    return dataclasses.replace(hw, calibration=cal, mem_bandwidth=bw, op_overhead_s=op)
 
 
 def _alone(func, shapes, rest) -> float:
@@ -253,8 +266,11 @@ def report(name: str, batch: int, hw) -> None:
         t0 = time.thread_time()
         step()
         ts.append(time.thread_time() - t0)
+    from modelpar.planner.cost import _framework_seconds
     print(f"   fixed cost (1 x 4 tokens): {sorted(ts)[len(ts) // 4] * 1e3:.1f} ms CPU per step; the planner's per-op "
-          f"term {ld.ops * hw.op_overhead_s * 1e3:.1f} ms")
+          f"term {ld.ops * hw.op_overhead_s * 1e3:.1f} ms ({ld.ops:.0f} ops), its framework term "
+          f"{sum(_framework_seconds(ld, hw)) * 1e3:.1f} ms ({ld.calls:.0f} calls x "
+          f"{(cal.dispatch_overhead_s or 0) * 1e6:.1f} us; `cost._framework_seconds`)")
 
 
 def main(argv: list[str]) -> int:
@@ -266,12 +282,17 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--batch", type=int, default=16, help="samples (16: a DDP rank's local batch of the benchmark)")
     ap.add_argument("--hardware", help="calibration file (default: `modelpar calibrate`'s)")
     ap.add_argument("--cpu-time-rates", action="store_true",
-                    help="re-measure the matmul curve and shape grid here on this thread's CPU time (`cpu_time_rates`)")
+                    help="re-measure the compute terms here on this thread's CPU time (`cpu_time_rates`)")
+    ap.add_argument("--save-hardware", default=None,
+                    help="with --cpu-time-rates: write the re-measured profile here (for other diagnostics)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     hw = load_hardware(args.hardware)
     if args.cpu_time_rates:
         hw = cpu_time_rates(hw)
+        if args.save_hardware:
+            from modelpar.planner.hardware import save_profile
+            save_profile(hw, args.save_hardware)
     for m in args.models.split(","):
         report(m, args.batch, hw)
     return 0

@@ -1,10 +1,13 @@
-"""Checkpoint files on one process: atomic save, keep-last, async save, and bad files giving one
-clear error naming the path and the problem, with nothing already saved overwritten."""
+"""Checkpoint files on one process: atomic save, keep-last, async save, bad files giving one clear
+error naming the path and the problem, with nothing already saved overwritten, and a checkpoint that
+an earlier modelpar wrote (``tests/data/ckpt-v1``, `tests/data/make_checkpoint_fixture.py`) still
+loading, exporting and resuming to the same tensors."""
 
 from __future__ import annotations
 
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -149,3 +152,86 @@ def test_meta_records_names_and_shapes(saved):
     meta = json.loads((step_dir(saved[0], 6) / "modelpar.json").read_text())
     assert meta["format"] == "modelpar-checkpoint" and meta["step"] == 6 and meta["world_size"] == 1
     assert meta["params"]["head.out.weight"] == [256, 64] and meta["optimizer"] == "AdamW"
+
+
+# ---- a checkpoint written by an earlier modelpar (tests/data/make_checkpoint_fixture.py) -----------
+FIXTURE = Path(__file__).resolve().parent / "data" / "ckpt-v1"
+FIXTURE_MODEL = {"d_model": 8, "n_head": 1, "n_layer": 1, "tie_embeddings": True}
+FIXTURE_TIE = [("embed.tok.weight", "head.out.weight")]
+
+
+@pytest.fixture
+def fixture_ckpt(tmp_path):
+    """(a copy of the fixture's folder of checkpoints, the tensors the writing modelpar loaded back)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    shutil.copytree(FIXTURE / "checkpoints", tmp_path / "checkpoints")
+    return tmp_path / "checkpoints", load_file(str(FIXTURE / "expected.safetensors"))
+
+
+def _fresh_fixture_model():
+    m = build_gpt("gpt-nano", seq_len=16, seed=7, **FIXTURE_MODEL)
+    return m, torch.optim.AdamW(m.parameters())
+
+
+def _assert_as_written(m, opt, expected):
+    model = {k[len("model/"):]: v for k, v in expected.items() if k.startswith("model/")}
+    sd = m.state_dict()
+    assert set(model) == set(sd) - {"head.out.weight"} and m.head.out.weight is m.embed.tok.weight
+    for n, v in model.items():
+        assert torch.equal(sd[n], v), n
+    names = {id(p): n for n, p in m.named_parameters()}
+    got = {f"optim/{names[id(p)]}/{k}": torch.as_tensor(v) for p, st in opt.state.items() for k, v in st.items()}
+    want = {k: v for k, v in expected.items() if k.startswith("optim/")}
+    assert got.keys() == want.keys() and len(want) == 3 * len(model)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+
+
+def test_checkpoint_from_an_earlier_modelpar_loads(fixture_ckpt):
+    ck, expected = fixture_ckpt
+    m, opt = _fresh_fixture_model()
+    assert not torch.equal(m.embed.tok.weight, expected["model/embed.tok.weight"])      # another init
+    meta = load_checkpoint(checkpoint_module([m], FIXTURE_TIE), opt, ck)
+    assert meta["step"] == 2 and meta["version"] == 1 and meta["tied_parameters"] == [list(FIXTURE_TIE[0])]
+    _assert_as_written(m, opt, expected)
+
+
+def test_checkpoint_from_an_earlier_modelpar_exports(fixture_ckpt, tmp_path):
+    from safetensors import safe_open
+
+    ck, expected = fixture_ckpt
+    sd = export_checkpoint(ck, tmp_path / "m.safetensors")
+    assert sd.keys() == {k[len("model/"):] for k in expected if k.startswith("model/")}
+    assert all(torch.equal(v, expected[f"model/{k}"]) for k, v in sd.items())
+    with safe_open(str(tmp_path / "m.safetensors"), "pt") as f:
+        assert json.loads(f.metadata()["modelpar_tied"]) == {"head.out.weight": "embed.tok.weight"}
+
+
+def test_checkpoint_from_an_earlier_modelpar_resumes(fixture_ckpt):
+    """The training loop's resume: the saved run's config matches, the layout is the same (so this
+    rank's RNG state is restored too), and the start step is the saved one."""
+    from types import SimpleNamespace
+
+    from modelpar.plan import ParallelPlan
+    from modelpar.train.checkpoint import TrainCheckpoints
+    from modelpar.train.config import TrainConfig
+
+    ck, expected = fixture_ckpt
+    m, opt = _fresh_fixture_model()
+    said = []
+    cfg = TrainConfig(model="gpt-nano", model_config=dict(FIXTURE_MODEL), seq_len=16, global_batch_size=4, steps=4,
+                      data="fixture-text", resume=str(ck), ckpt_dir=str(ck))
+    pm = SimpleNamespace(modules=[m], ties=FIXTURE_TIE, plan=ParallelPlan())
+    torch.manual_seed(123)
+    tc = TrainCheckpoints(cfg, pm, opt, say=said.append)
+    assert tc.start_step == tc.loaded_step == 2 and tc.saver is None
+    assert said and "resumed from" in said[0] and "at step 2" in said[0]
+    rng = torch.load(ck / "step-00000002" / "rng" / "rank-0.pt", weights_only=True)["cpu"]
+    assert torch.equal(torch.get_rng_state(), rng)
+    _assert_as_written(m, opt, expected)
+    with pytest.raises(CheckpointError, match=r"differs in what fixes the model and the sample order: seed: "
+                                              r"checkpoint 0 vs now 1"):
+        TrainCheckpoints(TrainConfig(**{**cfg.to_dict(), "seed": 1}), pm, _fresh_fixture_model()[1])

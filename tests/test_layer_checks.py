@@ -122,7 +122,7 @@ def test_buffer_sync_without_groups_is_off():
 def test_checkpoint_io_on_one_process_gives_no_dist_warning(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from modelpar.train.dcp_quiet import single_process_dcp
+    from modelpar.train.checkpoint.storage import single_process_dcp
 
     state = {"w": torch.arange(4.0)}
     with warnings.catch_warnings(record=True) as seen:

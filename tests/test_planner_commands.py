@@ -67,7 +67,8 @@ def test_calibrate_smoke(tmp_path, capsys):
         ctx = sorted(hw.calibration.collectives[op].in_context.items())
         assert len(ctx) >= 4 and all(v > 0 for _, v in ctx), (op, ctx)
         assert all(a[1] <= b[1] for a, b in zip(ctx, ctx[1:])), (op, ctx)
-    assert json.loads(out.read_text())["schema_version"] == 4
+    assert json.loads(out.read_text())["schema_version"] == 5
+    assert 0 < hw.calibration.dispatch_overhead_s < 1e-3          # seconds per aten call of tiny blocks
     # the thin beyond-cache table, every layout, at the quick sizes (16 rows x 4 and 16 MiB)
     assert all(len(hw.calibration.matmul_thin[lay]) == 2 for lay in ("NT", "NN", "TN"))
     # every term measured in rounds, its spread recorded: compute, collectives between segments, the

@@ -448,3 +448,19 @@ def test_planner_gemm_waves_under_tp_and_pp_bubble(bench, monkeypatch):
     bub = bubble_fraction(plan.pp_schedule, 2, m, 1) * m
     assert bub > 0 and math.isclose(with_w.bubble - without.bubble, bub * layers * (2 * wf + wb), rel_tol=1e-9)
     assert estimate_step(prof, plan, batch, cpu) == cpu_before
+
+
+def test_composer_loss_delta_counts_fused_loss_and_two_train_metrics():
+    # llm-foundry's fused cross entropy (4 + 4 B per logit) plus Composer's two per-micro-batch train
+    # metrics (a forward torch cross entropy each, 14 B) against the step model's 14 + 18 B
+    from modelpar.planner.runtimes import composer_loss_delta_seconds
+    prof = _gpt(vocab_size=512, seq_len=64, n_layer=2, n_head=4, d_model=64)
+    hw = BUILTIN["A100-80GB"]
+    ld = rank_loads(prof, ParallelPlan(dp_shard=8, precision="bf16"), act_bytes=2)[0]
+    logits = 64 * 512 * 3                                   # tokens x vocabulary, micro-batch 3
+    mem_s = hw.mem_bandwidth * A100.hbm_fraction
+    got = composer_loss_delta_seconds(ld, hw, micro_batch=3, micro_batches=2)
+    assert got == pytest.approx(2 * (8 + 28 - 32) * logits / mem_s)
+    assert composer_loss_delta_seconds(ld, hw, micro_batch=3, micro_batches=2, metrics=0) < 0
+    pp = rank_loads(prof, ParallelPlan(pp=2, n_microbatches=2, precision="bf16"), act_bytes=2)
+    assert composer_loss_delta_seconds(pp[0], hw, micro_batch=3, micro_batches=2) == 0.0

@@ -55,11 +55,11 @@ def test_beyond_grid_thin_products_are_priced_below_the_edge():
 
 
 def test_schema_round_trip_and_old_files(tmp_path):
-    assert SCHEMA_VERSION == 4
+    assert SCHEMA_VERSION == 5         # 4 added matmul_thin; 5 dispatch_overhead_s
     out = tmp_path / "hw.json"
     save_profile(_hw(matmul_thin=THIN), out)
     d = json.loads(out.read_text())
-    assert d["schema_version"] == 4
+    assert d["schema_version"] == SCHEMA_VERSION
     assert d["calibration"]["matmul_thin"]["NT"][f"16x{64 * MIB}"] == 1e10
     assert load_profile(out).calibration.matmul_thin == THIN
     # a schema-3 file (no table) loads with an empty one and prices at the edge, as before

@@ -77,7 +77,7 @@ def train_steps(model_name: str, device: str, *, micro_batch: int, steps: int, p
             blk.compile()
     pm = parallelize(model, ParallelPlan(precision=precision), MeshInfo(None), loss_fn=lm_loss, device=dev)
     from modelpar.train.step import make_optimizer
-    opt = make_optimizer(model.parameters(), "adamw", lr=1e-4)      # the builder `modelpar train` uses
+    opt = make_optimizer(model.parameters(), "adamw", lr=1e-4, weight_decay=0.1)   # `modelpar train`'s builder
     g = torch.Generator().manual_seed(seed)
     seq = model.cfg.seq_len
     x = torch.randint(0, model.cfg.vocab_size, (micro_batch, seq), generator=g).to(dev)
@@ -217,7 +217,8 @@ def _oom_types() -> tuple[type, ...]:
 def measure_row(name: str, seq: int, micro_batch: int, ac: str, device: str, *, steps: int = 4,
                 warmup: int = 2, models: dict | None = None, seed: int = 0, deadline: float | None = None) -> dict:
     """Train one sweep row on one device: bf16 autocast (fp32 master weights), fused AdamW, the plan's
-    checkpointing, as `modelpar train` runs it (`parallelize` + `train.step.make_optimizer`).
+    checkpointing, as `modelpar train` runs it (`parallelize` + `train.step.make_optimizer`: fused AdamW,
+    decay on matrices only).
 
     Returns ``{"times_s": [...timed steps], "median_s", "peak_bytes", "static_bytes", "losses"}``:
     ``peak_bytes`` = ``torch.cuda.max_memory_allocated`` over the timed steps (stats reset after the
@@ -236,7 +237,7 @@ def measure_row(name: str, seq: int, micro_batch: int, ac: str, device: str, *, 
     model = sweep_model(name, seq, str(dev), models=models, seed=seed)
     pm = parallelize(model, ParallelPlan(precision="bf16", activation_checkpointing=ac), MeshInfo(None),
                      loss_fn=lm_loss, device=dev)
-    opt = make_optimizer(model.parameters(), "adamw", lr=1e-4)
+    opt = make_optimizer(model.parameters(), "adamw", lr=1e-4, weight_decay=0.1)   # `modelpar train`'s builder
     g = torch.Generator().manual_seed(seed)
     vocab = model.cfg.vocab_size
     x = torch.randint(0, vocab, (micro_batch, seq), generator=g).to(dev)

@@ -98,12 +98,13 @@ def calibrate(out: str | os.PathLike | None = None, ranks: int = 2, *, collectiv
         for k in ("matmul_peak", "attention_flops", "elementwise_bw"):
             c[k] *= share
         c["op_overhead_s"] /= share
+        c["dispatch_overhead_s"] /= share
         say(f"  {ranks} ranks on {os.cpu_count()} cores: compute rates x {share:.2f} per rank")
     best = c["matmul_peak"]
     base = cpu_profile(ranks)
     lat, bw = base.intra_latency, base.intra_bw
     cal = dict(matmul_flops=dict(c["matmul_flops"]), attention_flops=c["attention_flops"],
-               elementwise_bw=c["elementwise_bw"], core_share=share,
+               elementwise_bw=c["elementwise_bw"], core_share=share, dispatch_overhead_s=c["dispatch_overhead_s"],
                zero_bubble_backward_factor=c["zero_bubble_backward_factor"],
                rounds=int(c.get("rounds", 1)), spread=dict(c.get("spread", {})),
                matmul_shapes={lay: dict(g) for lay, g in c.get("matmul_shapes", {}).items()},
@@ -189,6 +190,8 @@ def summary_lines(hw: Hardware, times: dict[str, dict[int, float]] | None = None
     out += [
             f"  element-wise operators (counted){'':<6}{(cal.elementwise_bw or 0) / 1e9:>9.1f} GB/s   {_sp(cal, 'elementwise_bw')}",
             f"  per-op overhead{'':<23}{hw.op_overhead_s * 1e6:>9.1f} us     {_sp(cal, 'op_overhead_s')}",
+            f"  per aten call of tiny blocks{'':<10}{(cal.dispatch_overhead_s or 0) * 1e6:>9.1f} us     "
+            f"{_sp(cal, 'dispatch_overhead_s')}",
             f"  memory bandwidth per rank (all ranks){'':<1}{hw.mem_bandwidth / 1e9:>9.1f} GB/s   {_sp(cal, 'mem_bandwidth')}",
             f"  zero-bubble split backward / plain{'':<4}{cal.zero_bubble_backward_factor:>9.2f} x      "
             f"{_sp(cal, 'zero_bubble_backward_factor')}"]

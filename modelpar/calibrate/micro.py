@@ -19,17 +19,18 @@ FRESH_SIZES_MIB = (8, 16, 31, 33, 64)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 
 
-def _time(fn, reps: int, *, best: bool = False) -> float:
+def _time(fn, reps: int, *, best: bool = False, timer=time.perf_counter) -> float:
     """Median (``best``: smallest) seconds of ``fn`` over ``reps`` calls after one warm-up. Compute
     rates take the best call, which a busy neighbour on a shared machine can only slow down;
-    collectives take the median, as their spread (TCP on loopback) is part of what training sees."""
+    collectives take the median, as their spread (TCP on loopback) is part of what training sees.
+    ``timer``: the clock (``time.thread_time`` for CPU-time diagnostics on a shared machine)."""
     import statistics
     fn()
     ts = []
     for _ in range(reps):
-        t = time.perf_counter()
+        t = timer()
         fn()
-        ts.append(time.perf_counter() - t)
+        ts.append(timer() - t)
     return min(ts) if best else statistics.median(ts)
 
 
@@ -56,7 +57,8 @@ def measure_compute(sizes=MATMUL_SIZES, rounds: int = ROUNDS, *, quick: bool = F
     """Matmul FLOP/s of N x N x N fp32 products over ``sizes``: the peak (``matmul_peak``: the best
     rate of a product repeated on the same operands) and the curve the cost model interpolates
     (`_linear_matmul_rate`); the shape grid (``matmul_shapes``, `measure_shapes`); the attention
-    grid (``attention_shapes``, `measure_attention_shapes`); per-op overhead (a tiny add), copy bandwidth, element-wise and fused
+    grid (``attention_shapes``, `measure_attention_shapes`); per-op overhead (a tiny add) and per
+    dispatched call of tiny blocks (`measure_dispatch_overhead`), copy bandwidth, element-wise and fused
     attention rates; thin products with weights beyond the cache (``matmul_thin``,
     `modelpar.calibrate.thin.measure_thin_matmuls`). Each term is measured once per round, the rounds alternating over all terms
     (a burst of load on a shared machine spoils one round of several terms rather than every
@@ -84,6 +86,7 @@ def measure_compute(sizes=MATMUL_SIZES, rounds: int = ROUNDS, *, quick: bool = F
         for n in sizes:
             add(f"matmul_flops[{n}]", _linear_matmul_rate(n, passes=1))
         add("op_overhead_s", _time(_op_chain, 30, best=True) / (2 * _CHAIN))   # forward op + its backward op
+        add("dispatch_overhead_s", measure_dispatch_overhead())
         add("attention_flops", measure_attention())
         add("elementwise_bw", measure_elementwise(reps=4))
         add("mem_bandwidth", 3 * a.numel() * 4 / _time(lambda: torch.add(a, b, out=c), 5))  # read 2 + write 1
@@ -105,6 +108,7 @@ def measure_compute(sizes=MATMUL_SIZES, rounds: int = ROUNDS, *, quick: bool = F
     spread["matmul_thin"] = thin_spread
     return {"matmul_thin": thin, "matmul_shapes": shapes, "attention_shapes": attn_shapes, "matmul_flops": flops, "matmul_peak": max(kept["matmul_peak"][0], *flops.values()),
             "op_overhead_s": kept["op_overhead_s"][0], "mem_bandwidth": kept["mem_bandwidth"][0],
+            "dispatch_overhead_s": kept["dispatch_overhead_s"][0],
             "attention_flops": kept["attention_flops"][0], "fresh": fresh,
             "elementwise_bw": kept["elementwise_bw"][0], "zero_bubble_backward_factor": zb,
             "spread": spread, "rounds": rounds}
@@ -207,12 +211,13 @@ def measure_shapes(dims=SHAPE_DIMS, layouts=SHAPE_LAYOUTS, pool_bytes: int = 32 
     return rates, spread
 
 
-def measure_elementwise(tokens: int = 2048, width: int = 256, reps: int = 9) -> float:
+def measure_elementwise(tokens: int = 2048, width: int = 256, reps: int = 9, timer=time.perf_counter) -> float:
     """Bytes/s that a transformer block's non-matmul operators reach, counted as `profile_model`
     counts them (inputs + outputs of each non-view, non-matmul operator), forward + backward, on
     activations of (tokens, width) fp32 and the MLP's (tokens, 4 x width): layer norm, GELU on the
     4x-wide hidden, the head reshapes' copies, two residual adds, cross-entropy. GELU's erf and the
-    norms' reductions keep them well below the streaming bandwidth. Best of ``reps`` runs."""
+    norms' reductions keep them well below the streaming bandwidth. Best of ``reps`` runs.
+    ``timer``: as in `_time`."""
     import torch.nn.functional as F
 
     from modelpar.planner.profile import count_elementwise_bytes
@@ -229,7 +234,7 @@ def measure_elementwise(tokens: int = 2048, width: int = 256, reps: int = 9) -> 
         F.cross_entropy(y, target).backward()
 
     nbytes = count_elementwise_bytes(run)
-    return nbytes / _time(run, reps, best=True)
+    return nbytes / _time(run, reps, best=True, timer=timer)
 
 
 def measure_zero_bubble_backward(tokens: int = 1024, width: int = 256, blocks: int = 6, *,
@@ -282,7 +287,8 @@ def measure_zero_bubble_backward(tokens: int = 1024, width: int = 256, blocks: i
     return (factor, robust(ratios)[1]) if with_spread else factor
 
 
-def measure_attention(batch: int = 8, heads: int = 4, seq: int = 256, head_dim: int = 64) -> float:
+def measure_attention(batch: int = 8, heads: int = 4, seq: int = 256, head_dim: int = 64,
+                      timer=time.perf_counter) -> float:
     """Counted FLOP/s of causal ``scaled_dot_product_attention`` forward + backward (fp32, the fused
     kernel torch picks): FLOPs as the profile counts them (torch's ``sdpa_flop_count``, full (seq x
     seq) products, backward twice the forward) over the measured time."""
@@ -292,7 +298,7 @@ def measure_attention(batch: int = 8, heads: int = 4, seq: int = 256, head_dim: 
     def run():
         torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 
-    return 3 * sdpa_flop_count(q.shape, k.shape, v.shape) / _time(run, 7, best=True)
+    return 3 * sdpa_flop_count(q.shape, k.shape, v.shape) / _time(run, 7, best=True, timer=timer)
 
 
 # the attention grid (`measure_attention_shapes`): sequence lengths and head dimensions, at the
@@ -330,6 +336,59 @@ def measure_attention_shapes(seqs=ATTENTION_SEQS, head_dims=ATTENTION_HEAD_DIMS,
 
 
 _CHAIN = 64
+
+
+class _PreNormMLP(torch.nn.Module):
+    """x + down(gelu(up(norm(x)))): the module structure of a transformer block's MLP half."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+def count_calls(fn) -> int:
+    """Aten calls ``fn()`` dispatches (views and matmuls included), counted as
+    `modelpar.planner.profile_model` counts a model's (`BlockProfile.fwd_calls`: all but
+    `profile_ops.UNCOUNTED_CALLS`)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from modelpar.planner.profile_ops import UNCOUNTED_CALLS
+
+    class _Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            _Count.n += func.overloadpacket.__name__ not in UNCOUNTED_CALLS
+            return func(*args, **(kwargs or {}))
+    with _Count():
+        fn()
+    return _Count.n
+
+
+def measure_dispatch_overhead(blocks: int = 8, tokens: int = 4, width: int = 16, reps: int = 30,
+                              timer=time.perf_counter) -> float:
+    """Seconds per dispatched aten call of ``blocks`` tiny pre-norm MLP blocks (LayerNorm, Linear
+    width -> 4 width, GELU, Linear back, residual) on (1, tokens, width) fp32 inputs, forward +
+    backward with autograd, over every call they dispatch (`count_calls`: views and matmuls
+    included). The kernels are negligible at this size, so this is what a model's framework costs
+    per call as a model pays it: the module calls, the views each Linear makes and their autograd
+    nodes, the engine's walk over the graph, allocation and the tiny kernels' dispatch. The per-op
+    chain (`_op_chain`: scalar multiplies, no modules, no views) reads 4.3 us per op on this host
+    kind, loaded, where this reads 10.2 us per call and a built-in GPT at 1 x 4 tokens 9.8
+    (`benchmarks/step_time_ops.py`'s fixed-cost part). Best of ``reps`` (``timer``: as in `_time`)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[_PreNormMLP(width) for _ in range(blocks)])
+    src = torch.randn(1, tokens, width)
+
+    def run():
+        x = src.clone().requires_grad_()
+        net(x).sum().backward()
+        net.zero_grad(set_to_none=True)
+    return _time(run, reps, best=True, timer=timer) / count_calls(run)
 
 
 def _op_chain() -> None:

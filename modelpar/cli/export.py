@@ -1,7 +1,7 @@
 """``modelpar export CHECKPOINT [--out PATH] [--format auto|safetensors|hf]``: the model of a
 checkpoint saved under any plan and world size, as one consolidated safetensors file
-(`modelpar.train.export.export_checkpoint`) or, for a Hugging Face model, as a transformers folder
-(`modelpar.train.export.export_hf_folder`; the checkpoint records the model's config, so no
+(`modelpar.train.checkpoint.export.export_checkpoint`) or, for a Hugging Face model, as a transformers folder
+(`modelpar.train.checkpoint.export.export_hf_folder`; the checkpoint records the model's config, so no
 ``--model`` is needed)."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def build_parser():
 
 def main(argv: list[str]) -> int:
     from modelpar.train.checkpoint import CheckpointError, read_checkpoint_meta, resolve_checkpoint
-    from modelpar.train.export import checkpoint_model_spec, export_checkpoint, export_hf_folder
+    from modelpar.train.checkpoint.export import checkpoint_model_spec, export_checkpoint, export_hf_folder
 
     p = build_parser()
     a = parse(p, normalize_argv(argv, p, prog="modelpar export"))

@@ -4,7 +4,9 @@ A calibration file is JSON with ``schema_version`` (`SCHEMA_VERSION`), the devic
 (`Hardware` fields) and a ``calibration`` object holding this dataclass. Version 3 adds what the
 measurement knows about its own noise (``rounds``, ``spread``); version-2 files load with one round
 and no spreads. Version 4 adds ``matmul_thin``; older files load without it (thin products beyond
-the shape grid priced at its edge, as before). Files written before the schema existed (version 1: a flat `Hardware` dict whose measured tables were string keys of an
+the shape grid priced at its edge, as before). Version 5 adds ``dispatch_overhead_s``; older files
+load without it (None: the per-op term prices the profiled non-view, non-matmul ops at the hardware's
+``op_overhead_s``, as before). Files written before the schema existed (version 1: a flat `Hardware` dict whose measured tables were string keys of an
 ``extra`` dict, e.g. ``all_reduce_ctx_1048576``) are read and converted by `from_legacy_extra`, so
 old caches keep working.
 
@@ -18,7 +20,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 
 
@@ -84,6 +86,12 @@ class Calibration:
             operand reaches far past the last-level cache (`modelpar.calibrate.thin`), read as
             factors beyond the shape grid's edge (`modelpar.planner.thin_matmul`); empty for files
             before schema 4, where the grid's edge prices them.
+        dispatch_overhead_s: framework seconds per dispatched aten call as a module-structured
+            model pays it, every call counted (views and matmuls included: module calls, autograd
+            nodes and the engine, allocation, tiny kernels), from a chain of tiny pre-norm MLP blocks
+            forward + backward (`modelpar.calibrate.micro.measure_dispatch_overhead`); priced per
+            profiled call (`BlockProfile.fwd_calls`) in place of ``op_overhead_s`` per non-view,
+            non-matmul op. None: not measured (files before schema 5), the old per-op term.
         rounds: rounds each term was measured in (the median kept; 1: a file from before
             schema 3, whose terms had no repeats at this level).
         spread: ``{term: relative spread}`` over those rounds, ``(max - min) / |median|``
@@ -111,6 +119,7 @@ class Calibration:
     matmul_shapes: dict[str, dict[tuple[int, int, int], float]] = field(default_factory=dict)
     attention_shapes: dict[tuple[int, int, int], float] = field(default_factory=dict)
     matmul_thin: dict[str, dict[tuple[int, int], float]] = field(default_factory=dict)
+    dispatch_overhead_s: float | None = None
     rounds: int = 1
     spread: dict[str, float] = field(default_factory=dict)
 

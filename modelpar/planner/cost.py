@@ -70,7 +70,7 @@ from modelpar.planner.profile import ModelProfile
 from modelpar.planner.recompute import recompute_layers, recompute_share
 from modelpar.planner.records import SlowestRank
 # CPU pricing of the profiled shapes (matmuls by shape and layout, attention by S and D)
-from modelpar.planner.cpu_shapes import _attention_seconds, _shape_seconds  # noqa: F401
+from modelpar.planner.cpu_shapes import _attention_seconds, _framework_seconds, _shape_seconds  # noqa: F401
 # the result type, MFU / HFU and the wrapping of step parts live in step_estimate.py, re-exported here
 from modelpar.planner.step_estimate import StepEstimate, _finish, hfu, mfu, tp_bytes_per_sample  # noqa: F401
 
@@ -124,10 +124,11 @@ def _load_times(ld: RankLoad, hw: Hardware, b: int, prec: str, mem_s: float, ew_
         (a_f, a_b), (fa_f, fa_b) = _attention_seconds(ld, hw, b, attn_rate)
         g_f += a_f + max(af * b - fa_f, 0.0) / attn_rate
         g_b += a_b + max(ab * b - fa_b, 0.0) / attn_rate
-    t_f = g_f + ld.fwd_mem * b / ew_s + ld.fwd_ops * hw.op_overhead_s
+    fw_f, fw_b = _framework_seconds(ld, hw)         # per-call framework cost (dispatch, autograd, modules)
+    t_f = g_f + ld.fwd_mem * b / ew_s + fw_f
     # backward: every micro-batch's weight gradients are new tensors (the first become .grad,
     # later ones are added into it)
-    t_b = (g_b + ld.bwd_mem * b / ew_s + (ld.ops - ld.fwd_ops) * hw.op_overhead_s
+    t_b = (g_b + ld.bwd_mem * b / ew_s + fw_b
            + hw.fresh_seconds(ld.param_sizes, 4, alone=alone))
     return t_f, t_b
 

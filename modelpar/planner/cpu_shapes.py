@@ -2,7 +2,8 @@
 `modelpar.planner.cost._load_times`: 2-D matrix products by shape and layout on the calibrated
 matmul grid (`Hardware.shape_factor`), causal fused-attention calls by sequence length and head
 dimension on the calibrated attention grid (`Hardware.attention_factor`). Both return zeros where
-the calibration has no grid, so the FLOPs-only rates price everything as before."""
+the calibration has no grid, so the FLOPs-only rates price everything as before. And the
+framework's fixed cost of a micro-batch (`_framework_seconds`)."""
 
 from __future__ import annotations
 
@@ -56,3 +57,16 @@ def _attention_seconds(ld: RankLoad, hw: Hardware, b: int, attn_rate: float) -> 
         sec[ph] += f / (attn_rate * factor)
         fl[ph] += f
     return tuple(sec), tuple(fl)
+
+
+def _framework_seconds(ld: RankLoad, hw: Hardware) -> tuple[float, float]:
+    """(fwd, bwd) seconds of framework cost per micro-batch (independent of its size): every aten
+    call the profile recorded (`RankLoad.calls`, views and matmuls included) at the calibrated cost
+    per call of a module-structured model (`Calibration.dispatch_overhead_s`, schema 5); on files
+    without it (and loads profiled before the calls were counted), the profiled non-view,
+    non-matmul ops at ``hw.op_overhead_s``, as before."""
+    cal = hw.calibration
+    d = cal.dispatch_overhead_s if cal is not None else None
+    if d is None or not ld.calls:
+        return ld.fwd_ops * hw.op_overhead_s, (ld.ops - ld.fwd_ops) * hw.op_overhead_s
+    return ld.fwd_calls * d, (ld.calls - ld.fwd_calls) * d

@@ -97,6 +97,12 @@ with one NIC per GPU (MosaicML's 1,600 Gb/s per 8-GPU node; no A100 multi-node l
 Optimizer step: fused AdamW streams its state at HBM rate (cost.OPT_TRAFFIC bytes per parameter).
 
 Loss: cross entropy over fp32 copies of the logits (`LOSS_BYTES_PER_LOGIT`), memory-bound.
+flash-attn's fused cross entropy (``csrc/xentropy/xentropy_kernel.cu`` of flash-attention v1.0.3, the
+kernel llm-foundry's ``fused_crossentropy`` loss installs as ``xentropy-cuda-lib``):
+``cunn_SoftMaxXEntropyForward`` runs one block per row and reads the 16-bit row twice (max and sum,
+then the sum of exponentials), writing only per-row loss and log-sum-exp; ``cunn_SoftMaxXEntropyBackward``
+reads the row once and writes its gradient once: `FUSED_XENTROPY_BYTES_PER_LOGIT` (4, 4) bytes per
+logit element (both reads charged at HBM, an upper bound where the second hits L2).
 
 Framework memory (CUDA context + NCCL buffers + caching-allocator fragmentation): 1 GiB allowance per
 rank; the CUDA context alone is ~300-500 MiB on these GPUs (PyTorch "CUDA semantics" notes: the
@@ -213,6 +219,9 @@ GIB = 2 ** 30
 # cast back (read 4, write 2): 14 and 18 bytes per logit element. Megatron-LM's vocab-parallel cross
 # entropy also works on an fp32 copy of its logit shard (``output.float()``).
 LOSS_BYTES_PER_LOGIT = (14.0, 18.0)
+# flash-attn v1.0.3's xentropy kernel on 16-bit logits (module docstring, "Loss"): forward two reads of
+# 2 B, backward one read and one write of 2 B, per logit element
+FUSED_XENTROPY_BYTES_PER_LOGIT = (4.0, 4.0)
 
 A100 = GpuPhysics("A100", mamf_bf16=267.9e12, hbm_fraction=0.85, launch_s=5e-6,
                   intra_busbw=200e9, intra_allreduce_busbw=200e9, inter_busbw=21e9,

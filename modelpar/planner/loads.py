@@ -92,6 +92,8 @@ class RankLoad:
     bwd_mem: float = 0.0
     ops: float = 0.0               # fwd+bwd ops per micro-batch (not per sample)
     fwd_ops: float = 0.0
+    calls: float = 0.0             # fwd+bwd aten calls per micro-batch, views and matmuls included
+    fwd_calls: float = 0.0
     tp_collectives: int = 0        # TP all-reduces in one forward of the rank's blocks
     is_last: bool = False          # holds the model's last block (logits and loss)
     num_tensors: int = 0           # parameter tensors (optimizer kernels are launched per tensor on CPU)
@@ -259,7 +261,7 @@ _NEW_BWD, _NEW_RS = fast_new(BwdMoment), fast_new(ReduceMoment)
 # additive per-block fields of a `RankLoad`, in this order (summed over a stage by prefix sums)
 _SUMS = ("params", "root_params", "saved", "saved_ac", "fwd_flops", "bwd_flops", "fwd_mem", "bwd_mem",
          "ops", "fwd_ops", "fwd_gemms", "bwd_gemms", "attn_f", "attn_b", "attn_calls", "tp_linears",
-         "gp_f", "gp_b", "ga_f", "ga_b", "tp_collectives")
+         "gp_f", "gp_b", "ga_f", "ga_b", "tp_collectives", "calls", "fwd_calls")
 # those that are `RankLoad` fields of the same name; the rest are (forward, backward) pairs
 _LOAD_SUMS = tuple(k for k in _SUMS if k not in ("attn_f", "attn_b", "gp_f", "gp_b", "ga_f", "ga_b"))
 _PARAMS, _ROOT, _SAVED, _SAVED_AC = (_SUMS.index(k) for k in ("params", "root_params", "saved", "saved_ac"))
@@ -328,7 +330,8 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: P
                sum(1 for _, mat, sh in bl.param_numels if mat and sh) if t > 1 else 0,
                bl.fwd_gemm_param_bytes * scale * shr, bl.bwd_gemm_param_bytes * scale * shr,
                bl.fwd_gemm_act_bytes * scale / bs * tp_div, bl.bwd_gemm_act_bytes * scale / bs * tp_div,
-               (2 if (transformer and not is_end) else 1) if t > 1 else 0)
+               (2 if (transformer and not is_end) else 1) if t > 1 else 0,
+               bl.fwd_calls + bl.bwd_calls, bl.fwd_calls)
         pre.append(tuple(a + b for a, b in zip(pre[-1], row)))
 
     @functools.lru_cache(maxsize=None)

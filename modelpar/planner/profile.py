@@ -8,7 +8,7 @@ allocated and the user's module is never modified. It records, per block:
 - parameters (count, bytes at the profiled dtype);
 - forward and backward FLOPs, from ``torch.utils.flop_counter.FlopCounterMode`` (matmul-class ops);
 - bytes moved by the other (memory-bound) ops, inputs + outputs, views excluded;
-- the number of dispatched non-view ops (for a per-op overhead term);
+- the number of dispatched non-view, non-matmul ops, and of all aten calls (per-op overhead terms);
 - bytes saved for backward, via ``torch.autograd.graph.saved_tensors_hooks``: every storage counted
   once, parameters excluded, attributed to the block whose forward saved it first; the part of it a
   tensor-parallel split would shard: what is saved between a colwise Linear's output and its rowwise
@@ -61,7 +61,7 @@ class BlockProfile:
     bwd_flops: int
     fwd_mem_bytes: int          # bytes read + written by non-matmul, non-view forward ops
     bwd_mem_bytes: int
-    fwd_ops: int                # non-view ops dispatched in forward
+    fwd_ops: int                # non-view, non-matmul ops dispatched in forward
     bwd_ops: int
     saved_bytes: int            # bytes kept for backward (storages once, parameters excluded)
     saved_tp_sharded_bytes: int  # part of saved_bytes a TP split shards by the TP degree
@@ -115,6 +115,9 @@ class BlockProfile:
     # modelpar's runtime (DTensor's ColwiseParallel) keeps at full length for backward; Megatron-LM
     # re-gathers it in backward instead (`runtimes.regather_profile` sets this to 0)
     saved_gathered_bytes: int = 0
+    # aten calls dispatched (views and matmuls too), fwd / bwd: each costs `Calibration.dispatch_overhead_s`
+    fwd_calls: int = 0
+    bwd_calls: int = 0
 
 
 @dataclass(frozen=True)
@@ -319,12 +322,7 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
     param_keys = {p.untyped_storage()._cdata for p in params.values()}
 
     n = len(blocks)
-    saved = [0] * n
-    saved_tp = [0] * n
-    in_bytes = [0] * n
-    out_bytes = [0] * n
-    saved_in = [0] * n
-    saved_g = [0] * n
+    saved, saved_tp, in_bytes, out_bytes, saved_in, saved_g = ([0] * n for _ in range(6))
     gather_keys: set[int] = set()             # input storages of matmul modules outside the sharded region
     in_keys: list[set[int]] = [set() for _ in range(n)]
     life = _Lifetimes(n)                      # storage lifetimes; also dedupes saved storages
@@ -489,7 +487,7 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
             bwd_peaks=tuple((own - cum_saved - saved[i], inn, g // esize, pend // esize)
                             for own, inn, g, pend in peaks[i]),
             saved_input_bytes=saved_in[i], attn_core_saved_bytes=core_saved[i], tied_numels=tuple(tied),
-            saved_gathered_bytes=saved_g[i],
+            saved_gathered_bytes=saved_g[i], fwd_calls=counter.calls[i][0], bwd_calls=counter.calls[i][1],
             gemm_shapes=tuple(GemmShape(ph, *k, c) for ph in (0, 1) for k, c in sorted(counter.shapes[i][ph].items()))))
         cum_saved += saved[i]
     x0 = inputs[0]

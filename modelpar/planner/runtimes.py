@@ -322,3 +322,31 @@ def wave_quantization_seconds(profile: ModelProfile, hw, *, micro_batch: int, tp
     h = profile.arch["d_model"]
     return layer_wave_seconds(micro_batch * profile.tokens_per_sample, h, profile.arch.get("ffn", 4 * h), tp,
                               phys.sms, flops_s, mem_s, max_split)
+
+
+def composer_loss_delta_seconds(load, hw, *, micro_batch: int, micro_batches: int, metrics: int = 2) -> float:
+    """Seconds per step to add to the step model's loss charge for a rank holding ``load``
+    (`loads.RankLoad`; ``load.out`` / 2 logit elements per sample) running ``micro_batches``
+    micro-batches of ``micro_batch`` samples under llm-foundry's MPT on Composer (2023). Negative
+    where the runtime moves fewer bytes than the model charges.
+
+    The step model charges torch's cross entropy under autocast: `gpu.LOSS_BYTES_PER_LOGIT` (14, 18)
+    bytes per logit element. That runtime instead
+    - computes the training loss with flash-attn's fused cross entropy (``ComposerMPTCausalLM``'s
+      ``loss_fn`` default ``fused_crossentropy``, the v1.0.3 ``xentropy`` kernel):
+      `gpu.FUSED_XENTROPY_BYTES_PER_LOGIT` (4, 4);
+    - updates its training metrics after every micro-batch's backward (Composer's
+      ``Trainer._train_microbatch`` calls ``_eval_train_metrics`` on the micro-batch's outputs, under
+      ``torch.no_grad()`` and the precision context): ``ComposerMPTCausalLM``'s train metrics are
+      ``LanguageCrossEntropy`` and ``LanguagePerplexity`` (a subclass with the same ``update``), each
+      running ``torch.nn.CrossEntropyLoss(reduction="sum")`` over the whole micro-batch's logits
+      (``composer/metrics/nlp.py``): ``metrics`` forward-only torch cross entropies under autocast,
+      `gpu.LOSS_BYTES_PER_LOGIT`'s forward 14 B each.
+    All memory-bound, at the GPU's streaming rate (`_rates`). 0 on a rank without the output layer."""
+    from modelpar.planner.gpu import FUSED_XENTROPY_BYTES_PER_LOGIT as fused, LOSS_BYTES_PER_LOGIT as torch_ce
+    if not load.is_last:
+        return 0.0
+    _, mem_s = _rates(hw)
+    logits = load.out / 2 * micro_batch
+    per_logit = sum(fused) + metrics * torch_ce[0] - sum(torch_ce)
+    return micro_batches * per_logit * logits / mem_s

@@ -174,7 +174,7 @@ def build_model_for(cfg, device: str = "cpu") -> nn.Module:
 def model_spec(cfg) -> dict:
     """What a checkpoint records to rebuild the model without ``--model``: the name, the overrides, the
     tokenization, and for a Hugging Face model its whole config (``hf_config``, the config's
-    ``to_dict()``; `modelpar.train.export.export_hf_folder` writes it back)."""
+    ``to_dict()``; `modelpar.train.checkpoint.export.export_hf_folder` writes it back)."""
     spec = {"kind": _kind(cfg), "model": cfg.model, "model_config": dict(cfg.model_config or {}),
             "tokenizer": os.path.abspath(cfg.tokenizer) if cfg.tokenizer else "",
             "token_dtype": cfg.token_dtype}

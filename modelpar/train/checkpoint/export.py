@@ -1,12 +1,12 @@
-"""``modelpar export``: the model of a checkpoint (any layout) as one safetensors file
-(`export_checkpoint`), or, for a Hugging Face model, as a folder that
+"""Checkpoint export (``modelpar export``): the model of a checkpoint (any layout) as one safetensors
+file (`export_checkpoint`), or, for a Hugging Face model, as a folder that
 ``transformers.AutoModelForCausalLM.from_pretrained(folder)`` loads (`export_hf_folder`).
 
 Both read the checkpoint's model tensors whole in one process (`read_model_state`: DCP reassembles
-the shards of any layout), with tied parameters (case C13) held once. The state dict stays in the
-canonical layout of the plain model: a layout-specific permutation is undone by the function that
-maps modelpar names to the model's own (`modelpar.models.hf.hf_state_dict` for Hugging Face models),
-the one place such a mapping lives.
+the shards of any layout, `modelpar.train.checkpoint.storage.read_whole`), with tied parameters
+(case C13) held once. The state dict stays in the canonical layout of the plain model: a
+layout-specific permutation is undone by the function that maps modelpar names to the model's own
+(`modelpar.models.hf.hf_state_dict` for Hugging Face models), the one place such a mapping lives.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from modelpar.train.checkpoint import CheckpointError, read_checkpoint_meta
-from modelpar.train.dcp_quiet import single_process_dcp
+from modelpar.train.checkpoint.state import drop_tied_aliases
+from modelpar.train.checkpoint.storage import CheckpointError, read_checkpoint_meta, read_whole
 
 
 def read_model_state(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor], dict[str, str]]:
@@ -30,27 +30,12 @@ def read_model_state(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Ten
     Raises:
         CheckpointError: see `read_checkpoint_meta`; a checkpoint without model tensors.
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     meta = read_checkpoint_meta(path)
-    p = meta["path"]
-    md = dcp.FileSystemReader(p).read_metadata()
-    sd = {k[len("model."):]: torch.empty(tuple(v.size), dtype=v.properties.dtype)
-          for k, v in md.state_dict_metadata.items()
-          if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    sd = read_whole(meta["path"], "model.")
     if not sd:
-        raise CheckpointError(f"checkpoint {p!r} holds no model tensors")
-    state = {"model": sd}
-    with single_process_dcp():
-        dcp.load(state, checkpoint_id=p, no_dist=True)
-    aliases = {}
-    for tie in meta.get("tied_parameters", []):    # saved once, under the first name held
-        kept = [n for n in tie if n in state["model"]]
-        for alias in (n for n in tie if kept and n != kept[0]):
-            state["model"].pop(alias, None)
-            aliases[alias] = kept[0]
-    return meta, state["model"], aliases
+        raise CheckpointError(f"checkpoint {meta['path']!r} holds no model tensors")
+    aliases = drop_tied_aliases(sd, meta.get("tied_parameters", []))    # saved once, under the first name held
+    return meta, sd, aliases
 
 
 def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> dict[str, torch.Tensor]:

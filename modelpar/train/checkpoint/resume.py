@@ -1,5 +1,8 @@
-"""The checkpoint hooks of `modelpar train` (`TrainCheckpoints`): resume, periodic saves, close.
-The files themselves: `modelpar.train.checkpoint`."""
+"""The training loop's checkpoint policy (`TrainCheckpoints`, the hooks of `modelpar train`): which
+checkpoint to resume (``--resume auto|PATH``), what must match between the saved run and this one,
+what a resume carries onto another layout, when to save and what run metadata to record. Saving and
+loading a rank's state: `modelpar.train.checkpoint.state`; the files: `modelpar.train.checkpoint.storage`.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +11,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from modelpar.train.checkpoint import (Checkpointer, CheckpointError, _rank, _world, checkpoint_module,
-                                       latest_checkpoint, list_checkpoints, load_checkpoint, read_checkpoint_meta,
-                                       resolve_checkpoint)
+from modelpar.train.checkpoint.state import Checkpointer, checkpoint_module, load_checkpoint
+from modelpar.train.checkpoint.storage import (CheckpointError, _rank, _world, latest_checkpoint, list_checkpoints,
+                                               read_checkpoint_meta, resolve_checkpoint)
 
+# the run config fields that fix the model and the sample order: a resume refuses to change them
 _MUST_MATCH = ("model", "model_config", "seed", "global_batch_size", "seq_len", "optimizer", "data", "tokenizer",
                "token_dtype")
 
@@ -24,6 +28,15 @@ class TrainCheckpoints:
     saving layout each rank's RNG state is restored too; on another layout the per-rank RNG streams
     cannot be mapped, so each rank is reseeded from (seed, step, rank) and a note says so (this only
     matters with dropout > 0).
+
+    Saves go to ``cfg.ckpt_dir`` (default ``OUT_DIR/checkpoints``) every ``cfg.ckpt_every`` steps, at
+    step 0 and at the last step, keeping the newest ``cfg.keep_last``. A fresh run refuses a
+    ``ckpt_dir`` that already holds checkpoints, so it cannot prune another run's work.
+
+    Raises:
+        CheckpointError: the checkpoint to resume cannot be used (see `load_checkpoint`), or its run
+            differs in a field of ``_MUST_MATCH`` (the differing fields named).
+        ValueError: a fresh run's ``ckpt_dir`` holds checkpoints; the checkpoint is past ``cfg.steps``.
     """
 
     def __init__(self, cfg, pm, opt, *, say=print):
@@ -82,7 +95,7 @@ class TrainCheckpoints:
                 self.say("  note: new layout, so per-rank dropout RNG streams were reseeded from (seed, step, rank)")
 
     def after_step(self, steps_done: int) -> None:
-        """Save if ``steps_done`` is a multiple of ckpt_every (0 included) or the last step."""
+        """Collective. Save if ``steps_done`` is a multiple of ckpt_every (0 included) or the last step."""
         if self.saver is None or steps_done == self.loaded_step:
             return
         if steps_done % self.every == 0 or steps_done == self.cfg.steps:
@@ -110,5 +123,6 @@ class TrainCheckpoints:
         return None
 
     def close(self) -> None:
+        """Finish an async save in flight; collective."""
         if self.saver is not None:
             self.saver.close()
