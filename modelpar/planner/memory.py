@@ -36,7 +36,7 @@ from modelpar.planner.records import BwdMoment, MemoryParts, MomentTerms, ProjMo
 
 OPTIMIZER_BYTES = {"sgd": 0, "sgd_momentum": 4, "adamw": 8}   # fp32 state bytes per parameter
 MIB = 2 ** 20
-_terms, _parts = fast_new(MomentTerms), fast_new(MemoryParts)     # (values in field order)
+_terms, _parts, _mode = fast_new(MomentTerms), fast_new(MemoryParts), fast_new(ProjMode)   # (values in field order)
 
 
 @dataclass(frozen=True)
@@ -260,7 +260,7 @@ class MemoryForm:
 
     __slots__ = ("ld", "cache", "fsdp", "ws", "P", "params", "grads", "opt", "data", "work", "ac", "S", "pp",
                  "last", "out", "rafw", "recv_mult", "comm_add", "ddp_view", "sharded_layout", "cast_cache",
-                 "root_g", "po", "pgo_d", "pgos_d", "modes", "proj", "keep", "step_tmp", "gloo", "loss_out")
+                 "root_g", "po", "pgo_d", "pgos_d", "proj", "keep", "step_tmp", "gloo", "loss_out")
 
     def at(self, b: int, m: int, accumulation: int, W: float, pp_rank: int,
            overhead_bytes: float) -> MemoryEstimate:
@@ -328,7 +328,7 @@ class MemoryForm:
             # the block / reduce moments, as totals b * A + K + G / dp_shard (see `_projections`)
             proj = self.proj[prev][sharded_acc]         # this form's, else the load's table
             if proj is None:
-                mode = self.modes[prev][sharded_acc]
+                mode = _mode((self.fsdp, self.ac, prev, self.rafw, self.work, self.pp, self.gloo, sharded_acc))
                 proj = self.proj[prev][sharded_acc] = ld.projections.get(mode) or self._projections(mode)
                 ld.projections[mode] = proj
             for A, K, G, c in proj:
@@ -431,9 +431,8 @@ def memory_form(ld: RankLoad, plan: ParallelPlan, *, optimizer: str, global_batc
     # (reshard_after_forward=False on the root); with reshard_after_forward=False every unit does
     f.root_g = work * (ld.root_params + (0.0 if rafw else P - ld.root_params)) if fsdp else 0.0
     f.po = params + opt
-    # `_projections`' mode per (gradients of earlier micro-batches, sharded accumulation): its memo key
-    f.modes = tuple(tuple(ProjMode(fsdp=fsdp, ac=ac, prev=prev, rafw=rafw, work=work, pp=pp, gloo=gloo,
-                                   sharded_acc=sacc) for sacc in (False, True)) for prev in (False, True))
+    # `_projections` per (gradients of earlier micro-batches, sharded accumulation), filled by `parts`
+    # from the load's table (keyed by `records.ProjMode`)
     f.proj = [[None, None], [None, None]]
     f.keep = pp and recv_per_microbatch
     # modelpar's TP leaves some parameters plain tensors, and torch's fused kernel refuses mixed

@@ -26,7 +26,9 @@ from __future__ import annotations
 import dataclasses
 
 from modelpar.plan import ParallelPlan
-from modelpar.planner.records import BlockRecord
+from modelpar.planner.records import BlockRecord, fast_new
+
+_record = fast_new(BlockRecord)     # (values in field order)
 
 
 def is_checkpointed(layer: int, plan: ParallelPlan) -> bool:
@@ -59,7 +61,7 @@ def ac_load(ld, plan: ParallelPlan, cache=None):
             kept = max(sv - core, 0.0)
         else:
             kept = ac_in if is_checkpointed(layer, plan) else sv
-        recs.append(BlockRecord(sv, kept, rec.peaks, rec.params, rec.is_root, rec.in_grad))   # `kept` replaced
+        recs.append(_record((sv, kept, rec.peaks, rec.params, rec.is_root, rec.in_grad)))   # `kept` replaced
         kept_total += kept
     bwd, rs = _backward_moments(tuple(recs), True, cache)
     out = dataclasses.replace(ld, saved_ac=kept_total, bwd_moments=bwd, rs_moments=rs, projections={},
