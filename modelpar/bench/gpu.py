@@ -132,7 +132,7 @@ def placement_check(devices=("cpu", "cuda:0"), *, model_name: str = "gpt-3m", st
     return {**out, "max_rel_diff": diff, "devices": list(devices)}
 
 
-# ---- the item-7 sweep (issue 14): GPTs of ~125M, ~1B, ~3B in bf16, with and without checkpointing --
+# ---- the GPU sweep (`benchmarks/gpu_check.py`): GPTs of ~125M, ~1B, ~3B in bf16, with and without checkpointing --
 
 # name -> (base preset, overrides). GPT-3-style shapes (Brown et al. 2020, Table 2.1) with a
 # 50,304-token vocabulary (GPT-2's 50,257 padded to a multiple of 64, as nanoGPT and Megatron pad)

@@ -184,7 +184,7 @@ def measure_shapes(dims=SHAPE_DIMS, layouts=SHAPE_LAYOUTS, pool_bytes: int = 32 
     `_linear_matmul_rate` (each call takes the next of as many operand sets as fill ``pool_bytes``).
     Per shape the median of ``passes`` passes after a warm-up. Thin products (one small dimension)
     run well below the square curve at equal FLOPs (36-65 GFLOP/s vs 67-72 for (2048 x 688) x
-    (688 x 256) on this host kind, issue 12's finding), which a FLOPs-only curve cannot see.
+    (688 x 256) measured on the 2-core CPU host the tests run on), which a FLOPs-only curve cannot see.
     Returns ({layout: {(M, K, N): FLOP/s}}, {"matmul_shapes[<layout>]": the largest relative spread
     over the passes of any shape of that layout}). ``timer``: as in `_linear_matmul_rate`."""
     import statistics

@@ -57,7 +57,7 @@ from __future__ import annotations
 from modelpar.plan import ParallelPlan, runtime_layout
 # the collective (alpha-beta) and pipeline-bubble formulas live in formulas.py, re-exported here
 from modelpar.planner.formulas import (all_gather_time, all_reduce_time, alpha_beta_form,  # noqa: F401
-                                       bubble_fraction, fill_drain_from_sums, p2p_time)
+                                       bubble_fraction, fill_drain_from_sums)
 # one rank's collective times and FSDP2's exposed share live in comms.py, re-exported here
 from modelpar.planner.comms import (DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, _coll,  # noqa: F401
                                     _comm_terms, _fsdp_exposed, _nccl_share, ddp_buckets)
@@ -68,6 +68,7 @@ from modelpar.planner.memo import PlannerCache
 from modelpar.planner.memory import Batch, RankLoad, rank_loads
 from modelpar.planner.profile import ModelProfile
 from modelpar.planner.recompute import recompute_layers, recompute_share
+from modelpar.planner.records import SlowestRank
 # CPU pricing of the profiled shapes (matmuls by shape and layout, attention by S and D)
 from modelpar.planner.cpu_shapes import _attention_seconds, _framework_seconds, _shape_seconds  # noqa: F401
 # the result type, MFU / HFU and the wrapping of step parts live in step_estimate.py, re-exported here
@@ -248,7 +249,7 @@ def step_form(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, optimi
             if master_weights:
                 opt += local * MASTER_WEIGHT_TRAFFIC / mem_s
         f.opt.append(opt)
-    # `fsdp_sharded_accumulation` of this layout's plans is this and not the plan's defer_grad_sync
+    # `runtime_layout(plan).sharded_grad_accumulation` of this layout's plans is this and not defer_grad_sync
     f.shard_acc = plan.dp_shard > 1 and plan.pp == 1
     f.per_b, f.slowest, f.comms = {}, {}, {}
     # CPU without SP (DTensor): colwise Linears all-reduce input grads in backward (q, k, v apart), rowwise
@@ -307,10 +308,9 @@ class StepForm:
         out = self.per_b[b] = (times, ar_tp, tp_linear)
         return out
 
-    def _slowest(self, plan: ParallelPlan, b: int) -> tuple:
-        """The slowest rank at micro-batch size ``b`` under ``plan``'s checkpointing (memoized):
-        (its index, load, forward, backward, recompute and TP seconds, and for GPipe / 1F1B the sums
-        `formulas.fill_drain_from_sums` takes before ``m``: U, D, F_k, B_k, p - k; else None)."""
+    def _slowest(self, plan: ParallelPlan, b: int) -> SlowestRank:
+        """The slowest rank at micro-batch size ``b`` under ``plan``'s checkpointing (memoized; ``fill``:
+        GPipe / 1F1B's sums before ``m`` for `formulas.fill_drain_from_sums`, (U, D, F_k, B_k, p - k))."""
         mode = plan.activation_checkpointing
         skey = (b, mode, plan.ac_every, plan.pp_schedule)
         hit = self.slowest.get(skey)
@@ -319,7 +319,7 @@ class StepForm:
         times, ar_tp, tp_linear = self._times(plan, b)
         ac_any = mode in ("full", "every-k", "selective")
         attn_rate, flops_s = self.attn_rate, self.flops_s
-        best, fb = None, []
+        best_key, best, fb = None, 0, []
         for i, (ld, t_f, t_b, w_f) in enumerate(times):
             t_rc, rc_share = 0.0, 0.0
             if ac_any:     # the checkpointed blocks' share / the cores (`modelpar.planner.recompute`)
@@ -335,16 +335,16 @@ class StepForm:
             work = t_f + t_b + t_rc + t_tp
             fb.append((t_f + t_tp / 2, t_b + t_rc + t_tp / 2))     # TP's cost split evenly (forward, backward)
             key = (work, ld.params)
-            if best is None or key > best[0]:
-                best = (key, i, ld, t_f, t_b, t_rc, t_tp)
+            if best_key is None or key > best_key:
+                best_key, best = key, (i, ld, t_f, t_b, t_rc, t_tp)      # the first fields of `SlowestRank`
         # GPipe / 1F1B with one stage per rank and every rank's load: the other stages' times before and
         # after the slowest rank, for its wait while the pipeline fills and drains
         # (`formulas.fill_drain_seconds`); None: the bubble fraction (`at`)
         fill = None
         if self.p > 1 and self.v == 1 and plan.pp_schedule in ("gpipe", "1f1b") and len(fb) == self.p:
-            k = best[1]
+            k = best[0]
             fill = (sum(f + b_ for f, b_ in fb[:k]), sum(f + b_ for f, b_ in fb[k + 1:]), *fb[k], self.p - k)
-        out = self.slowest[skey] = (*best[1:], fill)
+        out = self.slowest[skey] = SlowestRank(*best, fill)
         return out
 
     def at(self, plan: ParallelPlan, micro_batch_size: int, accumulation: int) -> dict:
@@ -355,12 +355,13 @@ class StepForm:
                                                           self.v, self.p, self.overlap, self.wb)
         dp_overlap, reduce_bytes = self.dp_overlap, self.reduce_bytes
         m = plan.n_microbatches if p > 1 else 1
-        i, ld, t_f, t_b, t_rc, t_tp, fill = self._slowest(plan, b)
+        s = self._slowest(plan, b)
+        i, ld, fill, t_f, t_b, t_rc, t_tp = s.index, s.load, s.fill, s.t_f, s.t_b, s.t_rc, s.t_tp
         mbs = accumulation * m                          # micro-batches per step on this rank
         # gradient accumulation: micro-batches after the first add their gradients in place (read 2,
         # write 1 fp32 values per parameter); FSDP without a pipeline adds reduce-scattered shards
-        # unless the plan defers the sync (`fsdp_sharded_accumulation`)
-        sharded_acc = self.shard_acc and not plan.defer_grad_sync     # = fsdp_sharded_accumulation(plan)
+        # unless the plan defers the sync (`plan.runtime_layout`)
+        sharded_acc = self.shard_acc and not plan.defer_grad_sync     # = runtime_layout(plan).sharded_grad_accumulation
         t_acc = (mbs - 1) * 12 * ld.params / (plan.dp_shard if sharded_acc else 1) / mem_s
         layout, rep_rt = self.layout, self.rep_rt
         # the collectives depend here only on the rank and b (the rest is the form's): memoized per form
@@ -448,12 +449,6 @@ class StepForm:
                 "tp_comm": mbs * t_tp, "pp_comm": mbs * t_p2p,
                 "dp_comm": dp_exposed + mbs * fsdp_per_mb, "bubble": accumulation * bub,
                 "optimizer": self.opt[i]}
-
-
-def fsdp_sharded_accumulation(plan: ParallelPlan) -> bool:
-    """FSDP without a pipeline and without ``defer_grad_sync``: each local batch of gradient
-    accumulation is reduce-scattered and the shards accumulate (FSDP2's default; `ParallelModel`)."""
-    return runtime_layout(plan).sharded_grad_accumulation
 
 
 def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: Hardware, *,

@@ -31,11 +31,6 @@ def all_gather_time(nbytes: float, n: int, bw: float, lat: float) -> float:
     return 0.0 if n <= 1 else steps * lat + volume * nbytes / bw
 
 
-def p2p_time(nbytes: float, bw: float, lat: float) -> float:
-    """One send/recv of ``nbytes``: lat + nbytes/bw seconds."""
-    return lat + nbytes / bw
-
-
 def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
     """Pipeline bubble time / ideal time (see module docstring). 0 without a pipeline.
 

@@ -13,6 +13,7 @@ kind wherever the proof's margins do not hold (tests/test_planner_search_speed.p
 from __future__ import annotations
 
 from modelpar.planner.memory import MemoryEstimate, in_flight, memory_form
+from modelpar.planner.records import MemoryParts
 from modelpar.planner.recompute import is_checkpointed
 
 # the phases of `MemoryForm.parts` that do not depend on the micro-batches in flight
@@ -118,17 +119,16 @@ def _selection(plan, ranks: list, ws: list, cache) -> list:
     return out
 
 
-def _estimate_of(parts: tuple, overhead_bytes: float, pp_rank: int) -> MemoryEstimate:
+def _estimate_of(parts: MemoryParts, overhead_bytes: float, pp_rank: int) -> MemoryEstimate:
     """The `MemoryEstimate` of `memory.MemoryForm.parts` output on pipeline rank ``pp_rank``."""
-    p, g, o, a, f, c, phase = parts
-    return MemoryEstimate(p, g, o, a, f, c, overhead_bytes, pp_rank, phase)
+    return MemoryEstimate(*parts[:6], overhead_bytes, pp_rank, parts.phase)   # the same field order
 
 
-def _parts_total(parts: tuple, overhead_bytes: float) -> float:
+def _parts_total(parts: MemoryParts, overhead_bytes: float) -> float:
     """`MemoryEstimate.total` of `_estimate_of` (parts, overhead_bytes, ...): the same sum in the
     same order, so bitwise the same float."""
-    p, g, o, a, f, c, _ = parts
-    return p + g + o + a + f + c + overhead_bytes
+    params, grads, optimizer, activations, fsdp_gathered, comm_buffers, _phase = parts     # field order
+    return params + grads + optimizer + activations + fsdp_gathered + comm_buffers + overhead_bytes
 
 
 def plan_memory(plan, reps, b: int, acc: int, flights: dict, kw: dict, budget: float, memo: dict,
@@ -171,7 +171,7 @@ def plan_memory(plan, reps, b: int, acc: int, flights: dict, kw: dict, budget: f
             return None, e_total
         if best is None or e_total > best_total:        # rank order: the earliest on ties
             best, best_total, best_r = hit[1], e_total, r
-        if others is not None and hit[1][6] not in _FLAT_PHASES:
+        if others is not None and hit[1].phase not in _FLAT_PHASES:
             # `_selection`'s margins: a later rank's best moment (slope) and a flat branch (last rank)
             form = _form(forms, plan, v, r, ld, kw)
             per_other = b * form.S + (b * form.loss_out if form.last else 0.0)
@@ -183,7 +183,7 @@ def plan_memory(plan, reps, b: int, acc: int, flights: dict, kw: dict, budget: f
                 if last is None:
                     parts = _form(forms, plan, v, lr, lld, kw).parts(b, pm, acc, lw)
                     last = memo[lkey] = (_parts_total(parts, overhead), parts)
-                ok = last[1][6] not in _FLAT_PHASES or e_total > last[0] * (1 + _MARGIN)
+                ok = last[1].phase not in _FLAT_PHASES or e_total > last[0] * (1 + _MARGIN)
             if not ok:
                 extra.extend(others[1:])
     for r, ld, w in extra:       # later than their stretch's first rank, not in rank order

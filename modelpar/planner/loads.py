@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from modelpar.plan import ParallelPlan
 from modelpar.planner.memo import PlannerCache
 from modelpar.planner.profile import ModelProfile, tied_copies
 from modelpar.planner.profile_ops import SDPA_LAYOUT
+from modelpar.planner.records import BlockRecord, BlockTerms, BwdMoment, ReduceMoment, fast_new
 from modelpar.stage_split import split_blocks
 
 
@@ -81,8 +83,6 @@ class RankLoad:
     max_unit_params: float = 0.0   # largest FSDP unit (one block)
     saved: float = 0.0             # saved bytes per sample, TP-split applied (a stage's input excluded)
     saved_ac: float = 0.0          # with full checkpointing: block inputs kept per sample (same)
-    max_block_saved: float = 0.0   # recompute transient per sample (one block's saved bytes)
-    logits: float = 0.0            # last-stage output bytes per sample (logits + their gradient)
     boundary: float = 0.0          # stage output bytes per sample (p2p send/recv buffers)
     recv: float = 0.0              # bytes per sample received per micro-batch: stage inputs (non-first
                                    # stages) + output gradients (non-last stages), over the rank's stages
@@ -97,7 +97,6 @@ class RankLoad:
     tp_collectives: int = 0        # TP all-reduces in one forward of the rank's blocks
     is_last: bool = False          # holds the model's last block (logits and loss)
     loss_parallel: bool = False    # the last stage's loss runs on vocab-sharded logits (TP)
-    max_param: float = 0.0         # largest parameter tensor (elements, TP applied)
     num_tensors: int = 0           # parameter tensors (optimizer kernels are launched per tensor on CPU)
     opt_temp: float = -1.0         # elements of the single-tensor AdamW step transient (`_adamw_temp`);
                                    # computed on first use (-1: not yet), from numels
@@ -112,20 +111,14 @@ class RankLoad:
     # causal attention calls (layout ``"SDPA"``: (B x H / t, S, D)): the shards' matmul shapes are
     # not profiled, and the FLOPs-only curve prices every matmul
     gemm_shapes: tuple = ()
-    # FSDP's busiest backward moment as an earlier model placed it (see `_fsdp_unit_peak`; kept for
-    # callers, `rank_memory` now uses bwd_moments / rs_moments): unit i's parameters, the unit after
-    # it, activations still saved per sample, parameters whose gradients are already reduce-scattered
-    fsdp_unit: float = 0.0
-    fsdp_next: float = 0.0
-    fsdp_saved: float = 0.0
-    fsdp_done: float = 0.0
     # the backward of one micro-batch on this rank, as candidate peak moments (`_backward_moments`):
-    # inside each block's backward, and (FSDP) at each unit's reduce-scatter; component tuples that
-    # `rank_memory` weighs with the plan's batch, sharding and schedule
+    # inside each block's backward (`records.BwdMoment`), and (FSDP) at each unit's reduce-scatter
+    # (`records.ReduceMoment`), that `rank_memory` weighs with the plan's batch, sharding and schedule
     bwd_moments: tuple = ()
     rs_moments: tuple = ()
     out: float = 0.0               # last stage: the model output (logits) bytes per sample
-    projections: dict = field(default_factory=dict, repr=False, compare=False)   # `_projections` cache
+    # `memory._projections` per `records.ProjMode`
+    projections: dict = field(default_factory=dict, repr=False, compare=False)
     # elements of each parameter tensor (TP applied) and of each FSDP unit (sum of its tensors, TP
     # applied, unsharded), for the step-time model's fresh-allocation term (CPU allocators hand tensors
     # above the mmap threshold new pages on every allocation; see cost.fresh_bytes)
@@ -166,22 +159,6 @@ def _adamw_temp(numels: list[tuple[float, bool]]) -> float:
     return best
 
 
-def _fsdp_unit_peak(ld: RankLoad, units: list[tuple[float, float]]) -> None:
-    """Locate FSDP's busiest backward moment on a rank: while unit i runs its backward, its gathered
-    parameters and unsharded gradient are live together with unit i+1's (gathered parameters,
-    unsharded gradient and the reduce-scatter input), per FSDP2's backward prefetch and asynchronous
-    reduce-scatter (Zhao et al. 2023, Sec. 3.3). ``units``: (parameters, saved bytes per sample) of
-    each FSDP unit in forward order. The unit maximising 8 U_i + 12 U_{i+1} (fp32 bytes) is kept."""
-    best = -1.0
-    for i, (u, _) in enumerate(units):
-        nxt = units[i + 1][0] if i + 1 < len(units) else 0.0
-        if 8 * u + 12 * nxt > best:
-            best = 8 * u + 12 * nxt
-            ld.fsdp_unit, ld.fsdp_next = u, nxt
-            ld.fsdp_saved = sum(sv for _, sv in units[:i + 1])
-            ld.fsdp_done = sum(p for p, _ in units[i + 1:])
-
-
 def _scaled_peaks(peaks: tuple, in_grad, ex_mul: float, g_mul: float, shr: float,
                   cache: PlannerCache | None = None) -> tuple:
     """`BlockProfile.bwd_peaks` per sample with TP applied (``in_grad``: incoming gradient bytes that
@@ -198,10 +175,7 @@ def _scaled_peaks(peaks: tuple, in_grad, ex_mul: float, g_mul: float, shr: float
 
 def _backward_moments(recs: tuple, own: bool = False, cache: PlannerCache | None = None) -> tuple[tuple, tuple]:
     """Candidate peak moments of one micro-batch's backward on a rank, from its blocks in forward
-    order. ``recs``: per block (saved bytes and full-checkpointing input bytes per sample; its
-    in-backward peaks as (extra bytes, incoming gradient bytes per sample, parameters whose gradient
-    is stored, parameters whose gradient is computed but not yet stored); parameters; is an FSDP root
-    block (embed/head); gradient w.r.t. the block's input per sample).
+    order. ``recs``: a `records.BlockRecord` per block.
 
     Backward runs the blocks in reverse. Inside block k's backward (`BlockProfile.bwd_peaks`) the
     live activations of the micro-batch are the saved bytes of blocks <= k (later blocks' were freed
@@ -213,12 +187,8 @@ def _backward_moments(recs: tuple, own: bool = False, cache: PlannerCache | None
     reduce-scatter (FSDP2 ``post_backward``: reshard, then reduce) its gathered parameters are freed
     and the unsharded gradient is copied into the reduce-scatter input.
 
-    Returns ``(block moments, reduce moments)``; a block moment is (activations per sample, the same
-    under full checkpointing, completed unit parameters, completed root parameters, parameters of
-    block k with a stored gradient, unit k's parameters, the previous unit's, the next unit's, units
-    up to k, parameters of block k with a gradient not yet stored); a reduce moment is (activations
-    per sample, with checkpointing, completed unit parameters, completed root parameters, unit k's
-    parameters, the previous unit's, units before k).
+    Returns ``(block moments, reduce moments)``: tuples of `records.BwdMoment` and
+    `records.ReduceMoment`.
 
     Only moments that can be the largest are kept: in a run of identical blocks every quantity
     changes by the same step from one block to the next, so the total is linear along the run's
@@ -234,6 +204,7 @@ def _backward_moments(recs: tuple, own: bool = False, cache: PlannerCache | None
 
     ``cache``: memoized there per (``recs``, ``own``) (`memo.PlannerCache.moments`).
     """
+    _bwd, _rs = _NEW_BWD, _NEW_RS
     if cache is not None:
         hit = cache.moments.get((recs, own))
         if hit is None:
@@ -243,19 +214,20 @@ def _backward_moments(recs: tuple, own: bool = False, cache: PlannerCache | None
     cum, cum_ac, done_u, done_r = [0.0] * (nb + 1), [0.0] * (nb + 1), [0.0] * (nb + 1), [0.0] * (nb + 1)
     prev_u, upto = [0.0] * nb, [0.0] * nb
     last_u, tot_u = 0.0, 0.0
-    for k, r in enumerate(recs):
-        cum[k + 1], cum_ac[k + 1] = cum[k] + r[0], cum_ac[k] + r[1]
+    for k, (saved, kept, _peaks, params, is_root, _in_grad) in enumerate(recs):     # `BlockRecord`s
+        cum[k + 1], cum_ac[k + 1] = cum[k] + saved, cum_ac[k] + kept
         prev_u[k] = last_u
-        if not r[4]:
-            last_u, tot_u = r[3], tot_u + r[3]
+        if not is_root:
+            last_u, tot_u = params, tot_u + params
         upto[k] = tot_u
     next_u, nxt = [0.0] * nb, 0.0
     for k in range(nb - 1, -1, -1):           # parameters of units / root blocks after k
         next_u[k] = nxt
-        done_u[k] = done_u[k + 1] + (recs[k + 1][3] if k + 1 < nb and not recs[k + 1][4] else 0.0)
-        done_r[k] = done_r[k + 1] + (recs[k + 1][3] if k + 1 < nb and recs[k + 1][4] else 0.0)
-        if not recs[k][4]:
-            nxt = recs[k][3]
+        after = recs[k + 1] if k + 1 < nb else None
+        done_u[k] = done_u[k + 1] + (after.params if after is not None and not after.is_root else 0.0)
+        done_r[k] = done_r[k + 1] + (after.params if after is not None and after.is_root else 0.0)
+        if not recs[k].is_root:
+            nxt = recs[k].params
     keep = set()
     k = 0
     while k < nb:                             # runs of identical blocks: their ends, and one inside
@@ -266,37 +238,54 @@ def _backward_moments(recs: tuple, own: bool = False, cache: PlannerCache | None
         k = e + 1
     bwd, rs = [], []
     for k in sorted(keep, reverse=True):
-        sv, _, peaks, pk, root, gin_in = recs[k]
+        rk = recs[k]
+        sv, pk, root, gin_in = rk.saved, rk.params, rk.is_root, rk.in_grad
         kept: list[tuple] = []
-        for ex, gi, gs, gq in peaks:
+        for ex, gi, gs, gq in rk.peaks:
             for a, g in kept:       # an earlier peak beats this one (a loop: no generator per peak)
                 if a - (ex + gi) >= 4 * (gs + gq - g):
                     break
             else:
                 kept.append((ex + gi, gs + gq))
-                bwd.append((cum[k + 1] + ex + gi, cum_ac[k + (0 if own else 1)] + sv + ex + gi, done_u[k], done_r[k],
-                            gs, 0.0 if root else pk, prev_u[k], next_u[k], upto[k], gq))
+                # (act, act_ac, done_units, done_root, stored, unit, prev_unit, next_unit, units_upto, pending)
+                bwd.append(_bwd((cum[k + 1] + ex + gi, cum_ac[k + (0 if own else 1)] + sv + ex + gi, done_u[k],
+                                 done_r[k], gs, 0.0 if root else pk, prev_u[k], next_u[k], upto[k], gq)))
         if not root:
-            rs.append((cum[k] + gin_in, cum_ac[k] + gin_in, done_u[k], done_r[k], pk, prev_u[k],
-                       upto[k] - pk))
+            # (act, act_ac, done_units, done_root, unit, prev_unit, units_before)
+            rs.append(_rs((cum[k] + gin_in, cum_ac[k] + gin_in, done_u[k], done_r[k], pk, prev_u[k], upto[k] - pk)))
     return tuple(dict.fromkeys(bwd)), tuple(dict.fromkeys(rs))
+
+
+_NEW_BWD, _NEW_RS = fast_new(BwdMoment), fast_new(ReduceMoment)
 
 
 # additive per-block fields of a `RankLoad`, in this order (summed over a stage by prefix sums)
 _SUMS = ("params", "root_params", "saved", "saved_ac", "fwd_flops", "bwd_flops", "fwd_mem", "bwd_mem",
          "ops", "fwd_ops", "fwd_gemms", "bwd_gemms", "attn_f", "attn_b", "attn_calls", "tp_linears",
          "gp_f", "gp_b", "ga_f", "ga_b", "tp_collectives", "calls", "fwd_calls")
+# those that are `RankLoad` fields of the same name; the rest are (forward, backward) pairs
+_LOAD_SUMS = tuple(k for k in _SUMS if k not in ("attn_f", "attn_b", "gp_f", "gp_b", "ga_f", "ga_b"))
+_PARAMS, _ROOT, _SAVED, _SAVED_AC = (_SUMS.index(k) for k in ("params", "root_params", "saved", "saved_ac"))
 
 
-def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: PlannerCache):
+class _BlockArgs(NamedTuple):
+    """What `_block_terms`' ``record`` reads of one block (per sample, TP applied)."""
+
+    block: object       # the `profile.BlockProfile`
+    saved: float        # saved bytes
+    saved_first: float  # saved bytes as its stage's first block (its input not counted)
+    ac_in: float        # input bytes (what full checkpointing keeps)
+    params: float       # local parameters
+    is_end: bool        # a transformer's embed / head
+    ex_mul: float       # scale of the profiled backward temporaries
+    g_div: float        # scale of the gradient bytes
+    shr: float          # local share of the block's parameters
+
+
+def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: PlannerCache) -> BlockTerms:
     """Per-block contributions to a `RankLoad` for TP degree ``t`` (memoized in ``cache``, which
     serves one profile, per degree, sequence parallel and activation scale: the search builds ~200
-    layouts from a few of these).
-
-    Returns (prefix sums of the additive fields `_SUMS` over blocks, per block: (saved, saved_ac)
-    corrections when the block is its stage's first, max-block saved bytes, FSDP-unit parameters
-    (None for the root's embed / head), parameter numels, (generic, as a stage's first) unit
-    entries, and a function giving the block's backward record for its position in the stage)."""
+    layouts from a few of these); fields in `records.BlockTerms`."""
     key = (t, sp, scale)
     hit = cache.block_terms.get(key)
     if hit is not None:
@@ -305,7 +294,7 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: P
     n = len(profile.blocks)
     transformer = bool(profile.arch)
     pre = [(0,) * len(_SUMS)]
-    first_adj, mbs, unit_params, numels, unit_gen, unit_first, rec_args = [], [], [], [], [], [], []
+    first_adj, unit_params, numels, rec_args = [], [], [], []
     ac_info = []        # per block: (layer index or -1, core saved bytes, fwd FLOPs, attention fwd FLOPs)
     for i, bl in enumerate(profile.blocks):
         is_end = transformer and (i == 0 or i == n - 1)
@@ -316,7 +305,6 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: P
         # runtime keeps whole (`BlockProfile.saved_gathered_bytes`; 0 for Megatron-LM's runtime)
         g = bl.saved_gathered_bytes
         saved = ((bl.saved_bytes - g) / t + g) if sp else (rep + bl.saved_tp_sharded_bytes / t)
-        mbs.append(saved * scale / bs)
         ac_in = bl.input_bytes / (t if sp else 1)
         # a stage's first block saves (or, checkpointed, keeps) its input, which is the batch (first
         # stage: a view of the global batch every rank holds, `RankLoad.data`) or the pipeline's
@@ -324,8 +312,6 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: P
         saved_first = saved - bl.saved_input_bytes / (t if sp else 1)
         first_adj.append(((saved_first - saved) * scale / bs, -ac_in * scale / bs))
         unit_params.append(None if is_end else local)
-        unit_gen.append(None if is_end else (local, saved * scale / bs))
-        unit_first.append(None if is_end else (local, saved_first * scale / bs))
         numels.append([(k / t if sh else k, mat) for k, mat, sh in bl.param_numels])
         ac_info.append((-1 if is_end else (i - 1 if transformer else i), bl.attn_core_saved_bytes / t * scale / bs,
                         bl.fwd_flops / bs / t, bl.fwd_attn_flops / bs / t))
@@ -333,8 +319,10 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: P
         tp_div = 1.0 / t if sp else (1 - frac) + frac / t   # share of traffic left per rank
         shr = local / bl.num_params if bl.num_params else 1.0
         g_div = (1.0 / t if sp else 1.0) * scale / bs
-        rec_args.append((bl, i, saved * scale / bs, saved_first * scale / bs, ac_in * scale / bs, local, is_end,
-                         scale / bs * tp_div, g_div, shr))
+        rec_args.append(_BlockArgs(block=bl, saved=saved * scale / bs, saved_first=saved_first * scale / bs,
+                                   ac_in=ac_in * scale / bs, params=local, is_end=is_end, ex_mul=scale / bs * tp_div,
+                                   g_div=g_div, shr=shr))
+        # in the order of `_SUMS`
         row = (local, local if is_end else 0.0, saved * scale / bs, ac_in * scale / bs,
                bl.fwd_flops / bs / t, bl.bwd_flops / bs / t,
                bl.fwd_mem_bytes * scale / bs * tp_div, bl.bwd_mem_bytes * scale / bs * tp_div,
@@ -348,9 +336,10 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: P
         pre.append(tuple(a + b for a, b in zip(pre[-1], row)))
 
     @functools.lru_cache(maxsize=None)
-    def rec(i: int, first: bool, last: bool) -> tuple:
+    def rec(i: int, first: bool, last: bool) -> BlockRecord:
         """Block i's backward record (see `_backward_moments`) at its place in a stage."""
-        bl, _, sv, sv_first, ac_in, local, is_end, ex_mul, g_div, shr = rec_args[i]
+        a = rec_args[i]
+        bl, g_div = a.block, a.g_div
         # the block's backward peaks (profile): its extra temporaries shard like its saved bytes,
         # its gradients like its parameters; the gradient arriving from the block after it is
         # what that block received as input (replicated unless sequence parallel); at a stage's
@@ -358,12 +347,13 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: P
         # model's last block it is the loss's gradient of the logits (the profile's backward
         # starts from a sum, which makes none)
         peaks = _scaled_peaks(bl.bwd_peaks or ((0, bl.output_bytes, 0, 0),),
-                              bl.output_bytes if i == n - 1 else (0.0 if last else None), ex_mul, g_div, shr,
+                              bl.output_bytes if i == n - 1 else (0.0 if last else None), a.ex_mul, g_div, a.shr,
                               cache)
-        return (sv_first if first else sv, 0.0 if first else ac_in, peaks, local, is_end,
-                bl.input_bytes * g_div if i > 0 else 0.0)
+        return BlockRecord(saved=a.saved_first if first else a.saved, kept=0.0 if first else a.ac_in, peaks=peaks,
+                           params=a.params, is_root=a.is_end, in_grad=bl.input_bytes * g_div if i > 0 else 0.0)
 
-    out = (pre, first_adj, mbs, unit_params, numels, unit_gen, unit_first, rec, ac_info)
+    out = BlockTerms(prefix=pre, first_adj=first_adj, unit_params=unit_params, numels=numels, record=rec,
+                     ac_info=ac_info)
     cache.block_terms[key] = out
     return out
 
@@ -387,12 +377,13 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
     bs = profile.batch_size
     rng = plan_stage_ranges(profile, plan)
     terms = _block_terms(profile, t, sp, scale, cache)
-    pre, first_adj, mbs, unit_params, numels_b, unit_gen, unit_first, rec, ac_info = terms
+    pre, first_adj, unit_params, numels_b, rec, ac_info = (terms.prefix, terms.first_adj, terms.unit_params,
+                                                           terms.numels, terms.record, terms.ac_info)
     bkey = (tuple(plan.stage_boundaries),) if plan.stage_boundaries and plan.num_stages > 1 else ()
     loads = [RankLoad(key=(t, sp, plan.num_stages, plan.pp, scale, r) + bkey) for r in range(plan.pp)]
     sums = [[0] * len(_SUMS) for _ in range(plan.pp)]
     numels: list[list[tuple[float, bool]]] = [[] for _ in range(plan.pp)]
-    units: list[list[tuple[float, float]]] = [[] for _ in range(plan.pp)]
+    units: list[list[float]] = [[] for _ in range(plan.pp)]       # FSDP units' parameters, in order
     recs: list[list[tuple]] = [[] for _ in range(plan.pp)]
     acb: list[list[tuple]] = [[] for _ in range(plan.pp)]
     shapes: list[dict] = [{} for _ in range(plan.pp)]
@@ -405,24 +396,23 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
         hi, lo = pre[b], pre[a]
         for j in range(len(acc)):
             acc[j] += hi[j] - lo[j]
-        acc[2] += first_adj[a][0]
-        acc[3] += first_adj[a][1]
-        ld.max_block_saved = max(ld.max_block_saved, max(mbs[a:b]))
+        acc[_SAVED] += first_adj[a][0]
+        acc[_SAVED_AC] += first_adj[a][1]
         ld.max_unit_params = max([ld.max_unit_params] + [u for u in unit_params[a:b] if u is not None])
         for i in range(a, b):
             numels[r].extend(numels_b[i])
-            u = unit_first[i] if i == a else unit_gen[i]
+            u = unit_params[i]
             if u is not None:
                 units[r].append(u)
             recs[r].append(rec(i, i == a, i == b - 1))
             acb[r].append((recs[r][-1],) + ac_info[i])
-            for ph, lay, m, k, n, dim, calls in profile.blocks[i].gemm_shapes:
+            for g in profile.blocks[i].gemm_shapes:         # `records.GemmShape`
                 # matmul shapes without TP only; attention's (B x H, S, D) under TP too, H / t per rank
-                if t == 1 or lay == SDPA_LAYOUT:
-                    dims = [m, k, n]
-                    dims[dim] /= bs * (t if lay == SDPA_LAYOUT else 1)
-                    key = (ph, lay, *dims, dim)
-                    shapes[r][key] = shapes[r].get(key, 0) + calls
+                if t == 1 or g.layout == SDPA_LAYOUT:
+                    dims = [g.m, g.k, g.n]
+                    dims[g.batch_dim] /= bs * (t if g.layout == SDPA_LAYOUT else 1)
+                    key = (g.phase, g.layout, *dims, g.batch_dim)
+                    shapes[r][key] = shapes[r].get(key, 0) + g.calls
         ld.boundary = profile.blocks[b - 1].output_bytes * scale / bs / (t if sp else 1)
         if s > 0:
             ld.recv += profile.blocks[a].input_bytes * scale / bs / (t if sp else 1)
@@ -433,25 +423,26 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
         ld.data = data
     for r, extra in enumerate(tied_copies(profile, rng, plan.pp, t)):    # a tie's copy on a later stage
         for k, mat, end in extra:
-            sums[r][0], sums[r][1] = sums[r][0] + k, sums[r][1] + (k if end else 0.0)
+            sums[r][_PARAMS] += k
+            sums[r][_ROOT] += k if end else 0.0
             numels[r].append((k, mat))
     for ld, acc in zip(loads, sums):
-        (ld.params, ld.root_params, ld.saved, ld.saved_ac, ld.fwd_flops, ld.bwd_flops, ld.fwd_mem, ld.bwd_mem,
-         ld.ops, ld.fwd_ops, ld.fwd_gemms, ld.bwd_gemms, af, ab, ld.attn_calls, ld.tp_linears,
-         gpf, gpb, gaf, gab, ld.tp_collectives, ld.calls, ld.fwd_calls) = acc
-        ld.attn_flops, ld.gemm_param_bytes, ld.gemm_act_bytes = (af, ab), (gpf, gpb), (gaf, gab)
+        tot = dict(zip(_SUMS, acc))
+        for k in _LOAD_SUMS:
+            setattr(ld, k, tot[k])
+        ld.attn_flops = (tot["attn_f"], tot["attn_b"])
+        ld.gemm_param_bytes = (tot["gp_f"], tot["gp_b"])
+        ld.gemm_act_bytes = (tot["ga_f"], tot["ga_b"])
     for ld, rc, ab, sh in zip(loads, recs, acb, shapes):
         ld.gemm_shapes = tuple(sorted(sh.items()))
         ld.bwd_moments, ld.rs_moments = _backward_moments(tuple(rc), False, cache)
         ld.ac_blocks = tuple(ab)
     for ld, nl, un in zip(loads, numels, units):
         sizes = [k for k, _ in nl]
-        ld.max_param = max(sizes, default=0.0)
         ld.numels = tuple(nl)
         ld.num_tensors = len(nl)
         ld.param_sizes = tuple(sizes)
-        ld.unit_sizes = tuple([u for u, _ in un])
-        _fsdp_unit_peak(ld, un)
+        ld.unit_sizes = tuple(un)
     last = loads[(len(rng) - 1) % plan.pp]
     last.is_last = True
     arch = profile.arch
@@ -467,7 +458,6 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
     # whose projection the profile marks TP-sharded, `vocab_parallel_profile`, computes the loss
     # on sharded logits: Megatron-LM's parallel cross entropy, torch's loss_parallel)
     head_sharded = profile.blocks[-1].tp_sharded_params > 0 or bool(profile.arch.get("vocab_parallel"))
-    last.logits = 2 * profile.blocks[-1].output_bytes * scale / bs / (t if (sp or head_sharded) else 1)
-    last.out = last.logits / 2
+    last.out = profile.blocks[-1].output_bytes * scale / bs / (t if (sp or head_sharded) else 1)
     last.loss_parallel = t > 1 and (sp or head_sharded)
     return loads

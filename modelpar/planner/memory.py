@@ -32,9 +32,11 @@ from modelpar.plan import ParallelPlan, runtime_layout
 from modelpar.planner.loads import RankLoad, _adamw_temp, rank_loads, stage_ranges  # noqa: F401  (re-exported)
 from modelpar.planner.memo import PlannerCache
 from modelpar.planner.profile import ModelProfile
+from modelpar.planner.records import BwdMoment, MemoryParts, MomentTerms, ProjMode, ReduceMoment, fast_new
 
 OPTIMIZER_BYTES = {"sgd": 0, "sgd_momentum": 4, "adamw": 8}   # fp32 state bytes per parameter
 MIB = 2 ** 20
+_terms, _parts, _mode = fast_new(MomentTerms), fast_new(MemoryParts), fast_new(ProjMode)   # (values in field order)
 
 
 @dataclass(frozen=True)
@@ -86,76 +88,73 @@ class MemoryEstimate:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("pp_rank", "phase")}
 
 
+
 # ---- stages ----------------------------------------------------------------------------------
 
 
-def _bwd_terms(c: tuple, mode: tuple) -> tuple:
-    """A block moment (`_backward_moments`) beyond what every backward moment of the step holds, as
-    linear forms in the micro-batch b and ws = 1 / dp_shard: (gradients K, gradients G, activations
-    A, activations K, gathered parameters K, buffers K, buffers G), i.e. gradients = K + G ws,
-    activations = A b + K. ``mode`` = (FSDP, full checkpointing, gradients from earlier
-    micro-batches, reshard_after_forward, bytes of a gathered parameter, pipeline)."""
-    act, act_ac, done_u, done_r, gs, u, u_prev, u_next, _, gq = c
-    fsdp, ac, prev, rafw, work, pp = mode[:6]
-    held = len(mode) > 7 and mode[7]         # sharded gradients of earlier local batches (in the base)
+def _bwd_terms(c: BwdMoment, mode: ProjMode) -> MomentTerms:
+    """A block moment (`loads._backward_moments`) beyond what every backward moment of the step
+    holds, as `records.MomentTerms` (linear forms in the micro-batch b and ws = 1 / dp_shard)."""
+    # (unpacked in field order: ~10^5 calls per search, where attribute reads cost)
+    act, act_ac, done_u, done_r, gs, u, u_prev, u_next, _units_upto, gq = c
+    fsdp, ac, prev, rafw, work, pp, _gloo, held = mode   # held: earlier local batches' sharded gradients (base)
     A = act_ac if ac else act
     # weight gradients a matmul computed and AccumulateGrad has not stored yet are temporaries; with
     # gradients from earlier micro-batches the stored ones were added in place
     if not fsdp:
         if prev:
-            return 0.0, 0.0, A, 4 * gq, 0.0, 0.0, 0.0
-        return 4 * (done_u + done_r + gs), 0.0, A, 4 * gq, 0.0, 0.0, 0.0
+            return _terms((0.0, 0.0, A, 4 * gq, 0.0, 0.0, 0.0))
+        return _terms((4 * (done_u + done_r + gs), 0.0, A, 4 * gq, 0.0, 0.0, 0.0))
     pre = work * u_prev if rafw else 0.0    # the prefetched unit's flat all-gather output
     if prev:
         # gradient sync off (accumulation; every backward of a pipeline, whose runtime calls
         # set_requires_gradient_sync(False)): unsharded gradients accumulate (in the base); the
         # pipeline also keeps units gathered after their backward (set_reshard_after_backward(False),
         # in the base)
-        return 0.0, 0.0, A, work * gq, (work * u if (rafw and not pp) else 0.0), pre, 0.0
+        return _terms((0.0, 0.0, A, work * gq, (work * u if (rafw and not pp) else 0.0), pre, 0.0))
     if pp:
         # a pipeline's first backward: completed units keep their unsharded gradients (accumulated
         # in fp32) and stay gathered; nothing is reduce-scattered until the schedule ends
-        return (4 * (done_u + done_r), 0.0, A, work * (gs + gq), (work * (u + done_u) if rafw else 0.0),
-                pre, 0.0)
+        return _terms((4 * (done_u + done_r), 0.0, A, work * (gs + gq), (work * (u + done_u) if rafw else 0.0),
+                       pre, 0.0))
     # reduce-scattered (sharded) gradients of completed units; the root's and unit k's unsharded
     # gradients so far; unit k gathered; the retained fp32 reduce-scatter input of the unit after k
     # (accumulating into sharded gradients held in the base: completed units add nothing)
-    return (0.0, 0.0 if held else 4 * done_u, A, work * (done_r + gs + gq), (work * u if rafw else 0.0),
-            pre + 4 * u_next, 0.0)
+    return _terms((0.0, 0.0 if held else 4 * done_u, A, work * (done_r + gs + gq), (work * u if rafw else 0.0),
+                   pre + 4 * u_next, 0.0))
 
 
-def _rs_terms(c: tuple, mode: tuple, collective: bool) -> tuple:
+def _rs_terms(c: ReduceMoment, mode: ProjMode, collective: bool) -> MomentTerms:
     """FSDP unit k's reduce-scatter beyond the base, as `_bwd_terms`: on its copy-in (the unsharded
     gradient, in the parameters' dtype, copied into the fp32 reduce-scatter input) or during the
     collective (the unsharded gradient freed; input and output, which becomes the sharded gradient;
-    gloo (``mode[6]``) first copies the input into a flat buffer of its own, ProcessGroupGloo's
+    gloo (``mode.gloo``) first copies the input into a flat buffer of its own, ProcessGroupGloo's
     reduce_scatter, where NCCL reduces in place). Unit k itself is resharded. With sharded gradients
-    of earlier local batches held (``mode[7]``, in the base) the output is a temporary that FSDP2
+    of earlier local batches held (``mode.sharded_acc``, in the base) the output is a temporary that FSDP2
     adds into them (``foreach_reduce``), and completed units add nothing."""
-    act, act_ac, done_u, done_r, u, u_prev, _ = c
-    fsdp, ac, prev, rafw, work, pp, gloo = mode[:7]
-    held = len(mode) > 7 and mode[7]
+    act, act_ac, done_u, done_r, u, u_prev, _units_before = c          # `ReduceMoment`, in field order
+    _fsdp, ac, _prev, rafw, work, _pp, gloo, held = mode                # `ProjMode`, in field order
     A = act_ac if ac else act
     gath = 0.0 if rafw else -work * u
     buf = 4 * u + (work * u_prev if rafw else 0.0)
     done = 0.0 if held else 4 * done_u
     if not collective:
-        return 0.0, done, A, work * (done_r + u), gath, buf, 0.0
-    return 0.0, done, A, work * done_r, gath, buf + (4 * u if gloo else 0.0), 4 * u
+        return _terms((0.0, done, A, work * (done_r + u), gath, buf, 0.0))
+    return _terms((0.0, done, A, work * done_r, gath, buf + (4 * u if gloo else 0.0), 4 * u))
 
 
-def _projections(bwd_moments: tuple, rs_moments: tuple, mode: tuple) -> tuple:
+def _projections(bwd_moments: tuple, rs_moments: tuple, mode: ProjMode) -> tuple:
     """A rank's block and reduce moments (`RankLoad.bwd_moments`, ``rs_moments``) for one ``mode``
-    (`_bwd_terms`, plus gloo) as (A, K, G, (kind, terms)), total = A b + K + G / dp_shard beyond the
+    as (A, K, G, (kind, `records.MomentTerms`)), total = A b + K + G / dp_shard beyond the
     base, keeping only those that can be the largest for some b >= 1 and dp_shard >= 1: none that
     another bounds in A, K and G, and, where G is zero throughout, only the upper convex hull of
     (A, K) over slopes b >= 1."""
-    fsdp, ac, prev, rafw, work, pp, gloo = mode[:7]
     terms = [("backward", _bwd_terms(c, mode)) for c in bwd_moments]
-    if fsdp and not prev and not pp:
+    if mode.fsdp and not mode.prev and not mode.pp:
         for c in rs_moments:
             terms.append(("fsdp_reduce", _rs_terms(c, mode, False)))
             terms.append(("fsdp_reduce", _rs_terms(c, mode, True)))
+    # (A, K, G) of `MomentTerms` (grads_k, grads_g, acts_a, acts_k, gathered_k, buffers_k, buffers_g)
     cands = sorted(((t[2], t[0] + t[3] + t[4] + t[5], t[1] + t[6], (kind, t)) for kind, t in terms),
                    key=lambda x: (-x[0], -x[1], -x[2]))
     if len(cands) < 2:
@@ -261,18 +260,18 @@ class MemoryForm:
 
     __slots__ = ("ld", "cache", "fsdp", "ws", "P", "params", "grads", "opt", "data", "work", "ac", "S", "pp",
                  "last", "out", "rafw", "recv_mult", "comm_add", "ddp_view", "sharded_layout", "cast_cache",
-                 "root_g", "po", "pgo_d", "pgos_d", "key0", "keep", "step_tmp", "gloo", "loss_out", "loss_n")
+                 "root_g", "po", "pgo_d", "pgos_d", "proj", "keep", "step_tmp", "gloo", "loss_out", "loss_n")
 
     def at(self, b: int, m: int, accumulation: int, W: float, pp_rank: int,
            overhead_bytes: float) -> MemoryEstimate:
         """The estimate at micro-batch size ``b``, ``m`` micro-batches (1 without a pipeline),
         ``accumulation`` local batches, ``W`` micro-batches in flight on the rank (`in_flight`)."""
-        p, g, o, a, f, c, phase = self.parts(b, m, accumulation, W)
-        return MemoryEstimate(p, g, o, a, f, c, overhead_bytes, pp_rank, phase)
+        q = self.parts(b, m, accumulation, W)      # `MemoryEstimate`'s fields before overhead, in order
+        return MemoryEstimate(*q[:6], overhead_bytes, pp_rank, q.phase)
 
-    def parts(self, b: int, m: int, accumulation: int, W: float) -> tuple:
-        """`at`'s estimate without building it: (params, grads, optimizer, activations,
-        fsdp_gathered, comm_buffers, phase), the fields of `MemoryEstimate` before ``overhead``;
+    def parts(self, b: int, m: int, accumulation: int, W: float) -> MemoryParts:
+        """`at`'s estimate without building it: `records.MemoryParts`, the fields of `MemoryEstimate`
+        before ``overhead``;
         `grid._parts_total` sums them as `MemoryEstimate.total` does (the search compares the
         totals of many ranks and builds an estimate for the fullest only)."""
         ld, fsdp, ws, P, pp, last = self.ld, self.fsdp, self.ws, self.P, self.pp, self.last
@@ -327,10 +326,11 @@ class MemoryForm:
                 if tot > best_total:
                     best_total, best = tot, (held, g0, gath0, prev, None)
             # the block / reduce moments, as totals b * A + K + G / dp_shard (see `_projections`)
-            key = self.key0 + 4 * prev + 128 * sharded_acc
-            proj = ld.projections.get(key)
+            proj = self.proj[prev][sharded_acc]         # this form's, else the load's table
             if proj is None:
-                proj = ld.projections[key] = self._projections(prev, sharded_acc)
+                mode = _mode((self.fsdp, self.ac, prev, self.rafw, self.work, self.pp, self.gloo, sharded_acc))
+                proj = self.proj[prev][sharded_acc] = ld.projections.get(mode) or self._projections(mode)
+                ld.projections[mode] = proj
             for A, K, G, c in proj:
                 tot = base + b * A + K + ws * G
                 if tot > best_total:
@@ -341,20 +341,19 @@ class MemoryForm:
         end_total = self.pgo_d + comm_persist + 2 * held_end
         opt_total = self.pgos_d + held_end + comm_persist
         if opt_total >= best_total and opt_total >= end_total:
-            return params, grads, opt + self.step_tmp, data + held_end, 0.0, comm_persist, "optimizer"
+            return _parts((params, grads, opt + self.step_tmp, data + held_end, 0.0, comm_persist, "optimizer"))
         if end_total > best_total:
-            return params, grads, opt, data + 2 * held_end, 0.0, comm_persist, "pipeline_end"
+            return _parts((params, grads, opt, data + 2 * held_end, 0.0, comm_persist, "pipeline_end"))
         held, g0, gath0, prev, c = best
         acts = data + self.cast_cache + held
         if c is None:
-            return params, g0, opt, acts + bS + self.loss_n * bls, gath0, comm_persist, "loss"
-        kind, (gK, gG, aA, aK, tK, cK, cG) = c
-        return (params, g0 + gK + gG * ws, opt, acts + aA * b + aK, gath0 + tK, comm_persist + cK + cG * ws,
-                kind)
+            return _parts((params, g0, opt, acts + bS + self.loss_n * bls, gath0, comm_persist, "loss"))
+        kind, t = c
+        return _parts((params, g0 + t.grads_k + t.grads_g * ws, opt, acts + t.acts_a * b + t.acts_k,
+                       gath0 + t.gathered_k, comm_persist + t.buffers_k + t.buffers_g * ws, kind))
 
-    def _projections(self, prev: bool, sharded_acc: bool) -> tuple:
+    def _projections(self, mode: ProjMode) -> tuple:
         ld, cache = self.ld, self.cache
-        mode = (self.fsdp, self.ac, prev, self.rafw, self.work, self.pp, self.gloo, sharded_acc)
         pkey = (ld.bwd_moments, ld.rs_moments, mode)
         proj = cache.projections.get(pkey) if cache is not None else None
         if proj is None:
@@ -426,9 +425,7 @@ def memory_form(ld: RankLoad, plan: ParallelPlan, *, optimizer: str, global_batc
         f.comm_add = 4 * max(ld.max_unit_params, ld.root_params)
     elif ddp and ddp_bucket_copy is not False:
         f.comm_add = 4 * P
-    if ddp_view:
-        grads = 0.0
-    f.grads = grads
+    grads = f.grads = 0.0 if ddp_view else grads
     f.sharded_layout = layout.sharded_grad_accumulation
     # autocast keeps a bf16 copy of every weight it cast, from forward to the end of backward
     f.cast_cache = 2 * P if (bf16 and not fsdp) else 0.0
@@ -436,7 +433,9 @@ def memory_form(ld: RankLoad, plan: ParallelPlan, *, optimizer: str, global_batc
     # (reshard_after_forward=False on the root); with reshard_after_forward=False every unit does
     f.root_g = work * (ld.root_params + (0.0 if rafw else P - ld.root_params)) if fsdp else 0.0
     f.po = params + opt
-    f.key0 = fsdp + 2 * ac + 8 * rafw + 16 * pp + 32 * gloo + 64 * bf16     # `_projections` cache key
+    # `_projections` per (gradients of earlier micro-batches, sharded accumulation), filled by `parts`
+    # from the load's table (keyed by `records.ProjMode`)
+    f.proj = [[None, None], [None, None]]
     f.keep = pp and recv_per_microbatch
     # modelpar's TP leaves some parameters plain tensors, and torch's fused kernel refuses mixed
     # lists, so tensor-parallel plans step with the single-tensor loop (`modelpar.train.step.adamw`)

@@ -43,6 +43,7 @@ from torch.utils.module_tracker import ModuleTracker
 
 from modelpar.plan import CORE_ATTR
 from modelpar.planner.legality import tp_splits
+from modelpar.planner.records import GemmShape
 from modelpar.planner.profile_ops import (_FLOP_FORMULAS, _FlashAttention, _hook_partial_grads,  # noqa: F401
                                           _Lifetimes, _nbytes, _OpCounter, _Outside, count_elementwise_bytes,
                                           tied_copies)
@@ -106,11 +107,10 @@ class BlockProfile:
     # gradients are summed across the stages), with its gradient and optimizer state
     tied_numels: tuple[tuple[int, int, bool, bool], ...] = ()
     # the 2-D matrix products (mm / addmm) among the matmul-class calls, as a shape histogram for
-    # shape-aware CPU pricing (`cost._load_times`): (pass 0 forward / 1 backward, layout, M, K, N,
-    # index of the dimension that grows with the batch, calls), at the profiled batch
-    # (`profile_ops._mm_shape`); causal CPU flash-attention calls too, as layout ``"SDPA"`` with
-    # (B x H, S, D) (`profile_ops._sdpa_shape`)
-    gemm_shapes: tuple[tuple[int, str, int, int, int, int, int], ...] = ()
+    # shape-aware CPU pricing (`cost._load_times`): `records.GemmShape` entries (pass, layout, M, K,
+    # N, the dimension that grows with the batch, calls), at the profiled batch; causal CPU
+    # flash-attention calls too (layout ``"SDPA"``)
+    gemm_shapes: tuple[GemmShape, ...] = ()
     # part of saved_bytes that is the input of a matmul module outside the TP-sharded region (a
     # colwise projection, a replicated head): under sequence parallel the all-gather's output, which
     # modelpar's runtime (DTensor's ColwiseParallel) keeps at full length for backward; Megatron-LM
@@ -159,7 +159,7 @@ class ModelProfile:
         d["blocks"] = tuple(BlockProfile(**{**b, "param_numels": tuple(tuple(x) for x in b.get("param_numels", ())),
                                             "bwd_peaks": tuple(tuple(x) for x in b.get("bwd_peaks", ())),
                                             "tied_numels": tuple(tuple(x) for x in b.get("tied_numels", ())),
-                                            "gemm_shapes": tuple(tuple(x) for x in b.get("gemm_shapes", ()))})
+                                            "gemm_shapes": tuple(GemmShape(*x) for x in b.get("gemm_shapes", ()))})
                             for b in d["blocks"])
         return cls(**{**d, "tp_splits": tuple(tuple(x) for x in d.get("tp_splits", ()))})
 
@@ -489,7 +489,7 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
                             for own, inn, g, pend in peaks[i]),
             saved_input_bytes=saved_in[i], attn_core_saved_bytes=core_saved[i], tied_numels=tuple(tied),
             saved_gathered_bytes=saved_g[i], fwd_calls=counter.calls[i][0], bwd_calls=counter.calls[i][1],
-            gemm_shapes=tuple((ph, *k, c) for ph in (0, 1) for k, c in sorted(counter.shapes[i][ph].items()))))
+            gemm_shapes=tuple(GemmShape(ph, *k, c) for ph in (0, 1) for k, c in sorted(counter.shapes[i][ph].items()))))
         cum_saved += saved[i]
     x0 = inputs[0]
     tokens = x0.shape[1] if (x0.dim() == 2 and not x0.is_floating_point()) else 1

@@ -26,6 +26,9 @@ from __future__ import annotations
 import dataclasses
 
 from modelpar.plan import ParallelPlan
+from modelpar.planner.records import BlockRecord, fast_new
+
+_record = fast_new(BlockRecord)     # (values in field order)
 
 
 def is_checkpointed(layer: int, plan: ParallelPlan) -> bool:
@@ -53,12 +56,12 @@ def ac_load(ld, plan: ParallelPlan, cache=None):
 
     recs, kept_total = [], 0.0
     for rec, layer, core, _, _ in ld.ac_blocks:
-        sv, ac_in = rec[0], rec[1]
+        sv, ac_in = rec.saved, rec.kept       # a `records.BlockRecord`
         if mode == "selective":
             kept = max(sv - core, 0.0)
         else:
             kept = ac_in if is_checkpointed(layer, plan) else sv
-        recs.append((sv, kept) + tuple(rec[2:]))
+        recs.append(_record((sv, kept, rec.peaks, rec.params, rec.is_root, rec.in_grad)))   # `kept` replaced
         kept_total += kept
     bwd, rs = _backward_moments(tuple(recs), True, cache)
     out = dataclasses.replace(ld, saved_ac=kept_total, bwd_moments=bwd, rs_moments=rs, projections={},

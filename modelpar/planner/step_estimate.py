@@ -45,21 +45,12 @@ class StepEstimate:
         return self.bubble / self.total
 
     @property
-    def compute_share(self) -> float:
-        return (self.compute + self.recompute + self.optimizer) / self.total
-
-    @property
     def samples_per_s(self) -> float:
         return self.samples / self.total
 
     @property
     def tokens_per_s(self) -> float:
         return self.samples * self.tokens_per_sample / self.total
-
-    def achieved_flops_per_device(self, *, count_recompute: bool = True) -> float:
-        """FLOP/s per device; with ``count_recompute`` the hardware FLOPs (as Megatron reports)."""
-        f = self.hardware_flops if count_recompute else self.model_flops
-        return f / (self.total * self.num_devices)
 
     def parts(self) -> dict[str, float]:
         keep = ("compute", "recompute", "tp_comm", "pp_comm", "dp_comm", "bubble", "optimizer")

@@ -7,7 +7,7 @@ Linear's forward and input gradient, the weight-sized result of its weight gradi
 once it is far past the last-level cache the rate follows its bytes (and the rows that reuse each
 byte), not the FLOPs: the shape grid (`Hardware.shape_flops`), whose largest operand is
 ``4 x 1024 x 1024`` bytes, clamps to its edge and prices mlp-large's 200 MB layer at 16 rows at
-25.6 GFLOP/s where it runs at 14.4 (1 thread, this host kind; h-tp2's measurement, session 11).
+25.6 GFLOP/s where it runs at 14.4 (1 thread, measured on the 2-core CPU host the tests run on).
 
 ``Calibration.matmul_thin`` (`modelpar.calibrate.thin`) holds, per layout, the rates at a few row
 counts and operand sizes, the smallest at the grid's edge operand. The factor is the table's rate at

@@ -1,0 +1,144 @@
+"""The planner's small records: named tuples with the fields the memory and step-time models pass
+between their stages (`loads`, `memory`, `cost`, `grid`).
+
+Named tuples, not dataclasses: they hash and compare as the plain tuples they replace (several are
+memo-table keys, `memo.PlannerCache`), unpack positionally where a caller wants every field, and
+cost a tuple's construction in the search's inner loops. Units as the models use them: bytes,
+parameters (elements), seconds; "per sample" where a field scales with the micro-batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple
+
+
+class GemmShape(NamedTuple):
+    """One entry of `profile.BlockProfile.gemm_shapes`: a 2-D matrix product's shape and how often
+    the block calls it, at the profiled batch (`profile_ops._mm_shape`; causal fused attention as
+    layout ``"SDPA"`` with (B x H, S, D), `profile_ops._sdpa_shape`)."""
+
+    phase: int          # 0 forward, 1 backward
+    layout: str         # operand layout tag (or ``"SDPA"``)
+    m: int
+    k: int
+    n: int
+    batch_dim: int      # index (0..2) of the dimension among (m, k, n) that grows with the batch
+    calls: int
+
+
+class BlockRecord(NamedTuple):
+    """One block's backward at its place in a stage (`loads._block_terms`), the input of
+    `loads._backward_moments`. Per sample unless said otherwise; TP applied."""
+
+    saved: float        # saved activation bytes (a stage's first block: without its input)
+    kept: float         # full checkpointing: the input bytes it keeps (0 as a stage's first block);
+                        # `recompute.ac_load`: what the block keeps under that mode
+    peaks: tuple        # in-backward peaks (`BlockProfile.bwd_peaks`): (extra bytes, incoming
+                        # gradient bytes, parameters with a stored gradient, parameters whose gradient
+                        # is computed but not yet stored), `loads._scaled_peaks`
+    params: float       # the block's parameters (elements)
+    is_root: bool       # a transformer's embed / head: FSDP's root, not a unit
+    in_grad: float      # bytes of the gradient w.r.t. the block's input (0 for the model's first block)
+
+
+class BwdMoment(NamedTuple):
+    """A candidate peak inside block k's backward (`loads._backward_moments`). Bytes per sample and
+    parameters (elements)."""
+
+    act: float          # saved activations of blocks <= k, plus the block's temporaries and incoming gradient
+    act_ac: float       # the same under full checkpointing (or the mode's kept bytes, ``own``)
+    done_units: float   # parameters of completed FSDP units (blocks after k)
+    done_root: float    # parameters of completed root blocks (embed / head after k)
+    stored: float       # parameters of block k whose gradient is already stored
+    unit: float         # unit k's parameters (0 for a root block)
+    prev_unit: float    # the previous unit's parameters (being all-gathered by the prefetch)
+    next_unit: float    # the next unit's (its reduce-scatter input retained)
+    units_upto: float   # parameters of the units up to k
+    pending: float      # parameters of block k whose gradient is computed but not yet stored
+
+
+class ReduceMoment(NamedTuple):
+    """FSDP unit k's reduce-scatter (`loads._backward_moments`). Bytes per sample and parameters."""
+
+    act: float          # saved activations of blocks < k, plus the gradient w.r.t. block k's input
+    act_ac: float       # the same under full checkpointing / the mode's kept bytes
+    done_units: float   # parameters of completed units
+    done_root: float    # parameters of completed root blocks
+    unit: float         # unit k's parameters
+    prev_unit: float    # the previous unit's
+    units_before: float  # parameters of the units before k
+
+
+class ProjMode(NamedTuple):
+    """What of a plan decides a rank's backward and reduce moments (`memory._projections`); also the
+    memo key of the projections (`RankLoad.projections`, `PlannerCache.projections`)."""
+
+    fsdp: bool          # dp_shard > 1
+    ac: bool            # any activation checkpointing
+    prev: bool          # gradients from earlier micro-batches / local batches exist
+    rafw: bool          # FSDP's reshard_after_forward
+    work: int           # bytes of a gathered / working parameter (2 bf16, 4 fp32)
+    pp: bool            # a pipeline
+    gloo: bool          # collectives on gloo (its reduce-scatter copies its input)
+    sharded_acc: bool   # sharded gradients of earlier local batches held (FSDP accumulation)
+
+
+class MomentTerms(NamedTuple):
+    """A moment beyond a step's base bytes as linear forms in the micro-batch b and ws = 1 / dp_shard
+    (`memory._bwd_terms`, `memory._rs_terms`): gradients = grads_k + grads_g ws, activations =
+    acts_a b + acts_k, gathered parameters gathered_k, buffers = buffers_k + buffers_g ws (bytes)."""
+
+    grads_k: float
+    grads_g: float
+    acts_a: float
+    acts_k: float
+    gathered_k: float
+    buffers_k: float
+    buffers_g: float
+
+
+class MemoryParts(NamedTuple):
+    """`memory.MemoryForm.parts`: `memory.MemoryEstimate`'s fields before ``overhead`` (bytes), and
+    the moment of the peak."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    fsdp_gathered: float
+    comm_buffers: float
+    phase: str
+
+
+class BlockTerms(NamedTuple):
+    """`loads._block_terms`: one profile's per-block contributions to a `loads.RankLoad` for one TP
+    degree, sequence parallel and activation scale."""
+
+    prefix: list            # prefix sums over blocks of the additive fields `loads._SUMS`
+    first_adj: list         # per block: (saved, saved_ac) corrections when it is its stage's first
+    unit_params: list       # per block: FSDP-unit parameters, None for a transformer's embed / head
+    numels: list            # per block: [(elements, is a matrix)] of its parameters
+    record: Callable        # record(i, first, last) -> the block's `BlockRecord` at that place
+    ac_info: list           # per block: (layer index or -1, attention-core saved bytes, forward
+                            # FLOPs, fused-attention forward FLOPs), per sample
+
+
+class SlowestRank(NamedTuple):
+    """`cost.StepForm._slowest`: the pipeline rank with the most work at one micro-batch size and
+    checkpointing mode (seconds per micro-batch)."""
+
+    index: int              # its position in the form's loads
+    load: object            # its `loads.RankLoad`
+    t_f: float              # forward
+    t_b: float              # backward
+    t_rc: float             # recompute
+    t_tp: float             # TP collectives and per-Linear cost
+    fill: tuple | None      # GPipe / 1F1B: `formulas.fill_drain_from_sums`' sums before m, else None
+
+
+def fast_new(cls):
+    """A constructor of the named tuple ``cls`` from one tuple of its values in field order, without
+    the Python frame of ``cls(...)`` (`tuple.__new__` itself, as ``cls._make`` uses): for the search's
+    inner loops, where a record is built ~10^5 times per search."""
+    return functools.partial(tuple.__new__, cls)
