@@ -9,7 +9,9 @@ Two processes (``multiprocessing``, spawn; torch threads 1 each) build the same 
 is timed in the main thread's CPU time (``time.thread_time``: time the thread was descheduled, e.g.
 by other load on the host, is not counted), the median over the trial's steps kept. Printed: per
 process, the median and spread (min-max) over the pairs of alone and together, and of the per-pair
-ratio together / alone.
+ratio together / alone, and the share of each step's wall time the process was on a core (on a
+loaded host well below 1: "together" then overlaps the two steps' computing only in part, and
+"alone" shares the caches with other load).
 
 Run: ``python benchmarks/compute_contention.py [--model gpt-1m] [--pairs 12] [--steps 3] [--batch 16]
 [--json OUT.json]``.
@@ -35,14 +37,17 @@ def _worker(rank: int, args, barrier, q) -> None:
     for _ in range(2):
         step(b)
 
+    share = []      # thread CPU / wall of each timed step: how much of the step the process was on a core
+
     def trial(active: bool) -> float | None:
         ts = []
         for _ in range(args.steps):
             barrier.wait()
             if active:
-                t = time.thread_time()
+                t, w = time.thread_time(), time.perf_counter()
                 step(b)
                 ts.append(time.thread_time() - t)
+                share.append(ts[-1] / (time.perf_counter() - w))
         barrier.wait()
         return statistics.median(ts) if ts else None
 
@@ -59,7 +64,7 @@ def _worker(rank: int, args, barrier, q) -> None:
             else:
                 row["together"] = trial(True)
         rows.append(row)
-    q.put((rank, rows))
+    q.put((rank, {"rows": rows, "share": statistics.median(share)}))
 
 
 def _stats(xs: list[float]) -> str:
@@ -82,20 +87,23 @@ def main(argv: list[str]) -> int:
     ps = [ctx.Process(target=_worker, args=(r, args, barrier, q)) for r in range(2)]
     for p in ps:
         p.start()
+    import os
+    load0 = os.getloadavg()[0]
     res = dict(q.get() for _ in ps)
     for p in ps:
         p.join()
     out = {}
     for r in (0, 1):
-        rows = res[r]
+        rows = res[r]["rows"]
         ratio = [x["together"] / x["alone"] for x in rows]
         out[r] = {"rows": rows, "ratio_median": statistics.median(ratio)}
         print(f"process {r} ({args.model}, batch {args.batch}, {args.pairs} pairs x {args.steps} steps, thread CPU s/step)")
         print(f"  alone    {_stats([x['alone'] for x in rows])}")
         print(f"  together {_stats([x['together'] for x in rows])}")
         print(f"  together / alone per pair: {_stats(ratio)}")
-    allr = [x["together"] / x["alone"] for r in (0, 1) for x in res[r]]
-    print(f"both processes: together / alone {_stats(allr)}")
+        print(f"  thread CPU / wall per timed step (median): {res[r]['share']:.2f}")
+    allr = [x["together"] / x["alone"] for r in (0, 1) for x in res[r]["rows"]]
+    print(f"both processes: together / alone {_stats(allr)}; load average {load0:.1f} -> {os.getloadavg()[0]:.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -63,10 +63,10 @@ def test_alone_is_alone_and_together_is_together(monkeypatch):
             with lock:
                 inside[0] -= 1
         return fn
-    res = _run_ranks(2, {"k": build, "j": build}, rounds=2, reps=1)
+    res = _run_ranks(2, {"k": build}, rounds=2, reps=1)
     assert res[0] == res[1]                 # every rank returns the ranks' mean
     terms, factor, spread = res[0]
-    assert terms == {"k": 2.0, "j": 2.0} and factor == pytest.approx(2.0) and spread == pytest.approx(0.0)
+    assert terms == {"k": 2.0} and factor == pytest.approx(2.0) and spread == pytest.approx(0.0)
 
 
 def test_real_kernels_give_positive_ratios_and_bad_input_is_refused():
@@ -89,7 +89,17 @@ def _nano():
     return profile_model(meta, torch.zeros(1, meta.cfg.seq_len, dtype=torch.long, device="meta"))
 
 
-def test_lockstep_ranks_pay_the_factor_a_pipeline_and_old_files_do_not(tmp_path):
+def test_off_by_default():
+    """The factor is recorded but not applied until evidence shows the slowdown (`APPLY_COMPUTE_CONTENTION`)."""
+    from modelpar.planner import cpu_shapes
+    hw = dataclasses.replace(cpu_profile(2), calibration=Calibration(compute_contention=1.25))
+    assert cpu_shapes.APPLY_COMPUTE_CONTENTION is False
+    assert lockstep_contention(ParallelPlan(dp_replicate=2), hw) == 1.0
+
+
+def test_lockstep_ranks_pay_the_factor_a_pipeline_and_old_files_do_not(tmp_path, monkeypatch):
+    from modelpar.planner import cpu_shapes
+    monkeypatch.setattr(cpu_shapes, "APPLY_COMPUTE_CONTENTION", True)
     base = dataclasses.replace(cpu_profile(2), calibration=Calibration(matmul_flops={64: 1e10, 512: 5e10},
                                                                        attention_flops=1e10, elementwise_bw=2e9))
     slow = dataclasses.replace(base, calibration=dataclasses.replace(base.calibration, compute_contention=1.25))

@@ -74,6 +74,13 @@ def _framework_seconds(ld: RankLoad, hw: Hardware) -> tuple[float, float]:
     return ld.fwd_calls * d, (ld.calls - ld.fwd_calls) * d
 
 
+# Whether the step model applies `Calibration.compute_contention` (`lockstep_contention`). Off: the
+# calibration-independent check (`benchmarks/compute_contention.py`, gpt-1m's one-process step alone
+# vs beside a second process, thread CPU time, 12 pairs, host load ~15 on 2 cores) read together /
+# alone 1.01 median (0.92-1.13), no ~10% slowdown; the calibration records the factor regardless.
+APPLY_COMPUTE_CONTENTION = False
+
+
 def lockstep_contention(plan: ParallelPlan, hw: Hardware) -> float:
     """The factor (>= 1 when measured so) on a rank's compute seconds -- matmuls, attention,
     element-wise operators and the framework's per-call cost; not the memory-bound roofline terms
@@ -85,13 +92,14 @@ def lockstep_contention(plan: ParallelPlan, hw: Hardware) -> float:
     the measurement. 1.0 for a single rank, for a pure pipeline (``dp * tp == 1``: its stages run
     different work, offset by the schedule and idle in its bubbles, the same reason `cost.step_form`
     gives them the one-rank ``mem_bandwidth_alone``; not measured for them), and for files without
-    the measurement (schema < 6, GPU presets): today's numbers.
+    the measurement (schema < 6, GPU presets): today's numbers. 1.0 everywhere while
+    `APPLY_COMPUTE_CONTENTION` is off (the default: the evidence showed no slowdown).
 
     Measured on the 2-core AMD EPYC host kind (private 1 MiB L2 per core, one shared 32 MiB L3),
     loaded: see docs/planner.md's "compute contention" section and `benchmarks/compute_contention.py`
     (gpt-1m's one-process step in thread CPU time alone vs with a second process stepping at the
     same moment)."""
     cal = hw.calibration
-    if cal is None or plan.dp * plan.tp <= 1:
+    if not APPLY_COMPUTE_CONTENTION or cal is None or plan.dp * plan.tp <= 1:
         return 1.0
     return cal.compute_contention
