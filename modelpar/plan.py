@@ -325,6 +325,23 @@ def plan_for_strategy(strategy: str, world_size: int, **overrides: Any) -> Paral
     return ParallelPlan(**deg)
 
 
+def strategy_of(plan: ParallelPlan) -> str:
+    """The strategy shorthand whose family ``plan`` belongs to (DESIGN.md, "Strategy names"): the
+    axes with a degree > 1 name it (``ddp``, ``fsdp``, ``hsdp``, ``tp``, ``pp``, ``ddp+tp``,
+    ``fsdp+tp``; ``single`` on one rank, ``placement`` for a device list); any other combination of
+    axes (a pipeline with data parallelism, HSDP with TP, ...) is ``custom``. ``modelpar plan
+    --strategy S`` ranks the plans with ``strategy_of(plan) == S``."""
+    if plan.is_placement:
+        return "placement"
+    axes = tuple(n for n, d in (("dp_replicate", plan.dp_replicate), ("dp_shard", plan.dp_shard),
+                                ("tp", plan.tp), ("pp", plan.pp)) if d > 1)
+    return _FAMILIES.get(axes, "custom")
+
+
+_FAMILIES = {(): "single", ("dp_replicate",): "ddp", ("dp_shard",): "fsdp", ("tp",): "tp", ("pp",): "pp",
+             ("dp_replicate", "dp_shard"): "hsdp", ("dp_replicate", "tp"): "ddp+tp", ("dp_shard", "tp"): "fsdp+tp"}
+
+
 def gradient_accumulation_steps(global_batch_size: int, local_batch_size: int, dp_degree: int) -> int:
     """global / (local x dp), the derived number of forward/backward passes per optimizer step.
 

@@ -68,8 +68,14 @@ def leave_after_error(e: BaseException, prog: str) -> None:
 def run_rank_and_exit(fn: Callable[[], int], prog: str) -> None:
     """Run a launched rank's work ``fn`` (returns the command's exit code, the same on every rank)
     and end the process (module docstring). Never returns."""
-    from modelpar.launch import exit_rank
+    import warnings
 
+    from modelpar.launch import exit_rank
+    from modelpar.parallel.layer_checks import ParallelLayoutWarning
+
+    # the launcher starts ranks with PYTHONWARNINGS=ignore (torch's notices); modelpar's own warnings
+    # about the layout (BatchNorm statistics per rank, case C15) must still reach the user
+    warnings.filterwarnings("default", category=ParallelLayoutWarning)
     try:
         code = fn()
     except Exception as e:  # noqa: BLE001 - every error ends this rank, reported

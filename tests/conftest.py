@@ -31,7 +31,7 @@ os.environ["MODELPAR_CALIBRATION"] = os.path.join(tempfile.mkdtemp(prefix="model
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers.guards import leaked_threads, refuse_processes  # noqa: E402
+from helpers.guards import leaked_threads, left_process_group, refuse_processes  # noqa: E402
 LAUNCH_TIMEOUT_S = {2: 600, 4: 420, 8: 600}
 # inductor compiles in this process rather than in a pool of worker processes, each of which imports
 # torch (the compile row: ~2-5 s per rank on 2 cores; the kernels are the same, and the C++ compiler
@@ -83,16 +83,12 @@ def _clean_env(request):
     ``-m "not slow"``, starts none)."""
     import threading
 
-    import torch.distributed as dist
-
     saved = dict(os.environ)
     threads = {t.ident for t in threading.enumerate()}
     pure = request.node.get_closest_marker("slow") is None
     with (refuse_processes(request.node.nodeid) if pure else contextlib.nullcontext([])) as started:
         yield
-    leaked = dist.is_available() and dist.is_initialized()
-    if leaked:
-        dist.destroy_process_group()
+    leaked = left_process_group()
     os.environ.clear()
     os.environ.update(saved)
     call = getattr(request.node, "_modelpar_call_report", None)

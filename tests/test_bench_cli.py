@@ -8,7 +8,6 @@ import pytest
 from modelpar.bench import suite
 from modelpar.cli import bench as cli
 
-pytestmark = pytest.mark.slow
 ARGS = ["--models", "gpt-nano", "--warmup", "0", "--steps", "1", "--no-fit", "--timeout", "180"]
 
 
@@ -17,6 +16,7 @@ def rows(out):
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow
 def test_bench_tables_charts_resume(tmp_path, capsys):
     out = tmp_path / "b"
     rc = cli.bench_main([*ARGS, "--strategies", "single,pp,pp-interleaved", "--out-dir", str(out)])
@@ -42,6 +42,7 @@ def test_bench_tables_charts_resume(tmp_path, capsys):
     assert calls == [] and len(rows(out)) == 3
 
 
+@pytest.mark.slow          # the rows are stand-ins, but the command still starts a process
 def test_interrupted_bench_keeps_finished_rows(tmp_path, monkeypatch):
     out = tmp_path / "i"
     seen = []
@@ -59,11 +60,13 @@ def test_interrupted_bench_keeps_finished_rows(tmp_path, monkeypatch):
 
 
 def test_bad_arguments_exit_2(capsys):
+    """Refused before anything runs: pure tier (the guard fails it if a process starts)."""
     assert cli.bench_main(["--strategies", "warp"]) == 2
     assert "unknown strategies ['warp']" in capsys.readouterr().err
     assert cli.bench_main(["--models", "gpt-huge"]) == 2
 
 
+@pytest.mark.slow
 def test_bench_runs_a_hugging_face_model(tmp_path, capsys):
     """`--models hf:<type> --model-config` (issue 12): the rows train the HF model, the planner predicts
     them, and the chart files get a file-safe name."""

@@ -47,40 +47,63 @@ def test_one_spelling_dashes():
         assert not under, (c, under)
 
 
-def test_shared_options_same_defaults_everywhere():
+# issue 13 item 1: the shared options every command takes (topology: where the world spans nodes)
+SHARED_FLAGS = ("model", "model_config", "nproc", "nnodes", "gpus_per_node", "global_batch_size", "seq_len",
+                "hardware", "plan", "strategy")
+TAKES = {"train": SHARED_FLAGS, "plan": SHARED_FLAGS, "estimate": SHARED_FLAGS, "verify": SHARED_FLAGS,
+         "bench": ("model", "model_config", "nproc", "global_batch_size", "seq_len", "hardware"),
+         "calibrate": ("nproc",), "export": ()}
+# (command, field) -> why its default or help differs from the shared group's
+OWN_DEFAULT = {("bench", "global_batch_size"): "0 = its per-model rows (docs/bench.md)",
+               ("bench", "model"): "empty = its --models list"}
+OWN_HELP = {**OWN_DEFAULT, ("calibrate", "nproc"): "ranks that will share the machine in training"}
+
+
+def test_shared_options_same_names_defaults_and_help_everywhere():
+    """Every command's parser has its shared options, each with the shared group's default and help
+    text (`modelpar.cli.options`), apart from the few listed above with their reason; `TrainConfig`
+    holds the same defaults."""
+    from modelpar.cli.options import shared_docs
     from modelpar.train.config import TrainConfig
 
-    defaults = shared_defaults()
+    assert set(TAKES) == set(COMMANDS)
+    defaults, docs = shared_defaults(), shared_docs()
+    assert set(SHARED_FLAGS) <= set(defaults) and all(docs[f] for f in SHARED_FLAGS)
     cfg = TrainConfig()
     for name in defaults:
         if hasattr(cfg, name):
             assert getattr(cfg, name) == defaults[name], name
-    exceptions = {("bench", "global_batch_size"),         # bench: 0 = its per-model rows (docs/bench.md)
-                  ("bench", "model")}                     # bench: empty = its --models list
     for c in COMMANDS:
         p = parser_for(c)
-        for a in p._actions:
-            if a.dest in defaults and (c, a.dest) not in exceptions:
-                assert a.default == defaults[a.dest], (c, a.dest, a.default, defaults[a.dest])
-    shared = {f"--{f.name.replace('_', '-')}" for cls in SHARED for f in dataclasses.fields(cls)}
-    assert shared <= option_strings(parser_for("train")) | {"--nnodes", "--gpus-per-node"}
-    for c in ("plan", "estimate"):
-        assert {"--model", "--model-config", "--nproc", "--nnodes", "--gpus-per-node", "--global-batch-size",
-                "--seq-len", "--hardware"} <= option_strings(parser_for(c)), c
+        by_dest = {a.dest: a for a in p._actions}
+        missing = [f for f in TAKES[c] if f"--{f.replace('_', '-')}" not in option_strings(p)]
+        assert not missing, (c, missing)
+        for name in defaults:
+            a = by_dest.get(name)
+            if a is None:
+                continue
+            if (c, name) not in OWN_DEFAULT:
+                assert a.default == defaults[name], (c, name, a.default, defaults[name])
+            if (c, name) not in OWN_HELP:
+                assert a.help == docs[name], (c, name, a.help)
+    for (c, name) in OWN_HELP:                    # each exception is real (no stale entries)
+        assert name in {a.dest for a in parser_for(c)._actions}, (c, name)
 
 
 def test_booleans_bare_and_negated_and_old_spellings(capsys):
     from modelpar.cli.train import parse_train_config
 
     cfg, _, _ = parse_train_config(["--compile", "--no-track-memory"])
-    assert cfg.compile and not cfg.track_memory
+    assert cfg.layout.compile and not cfg.track_memory
+    assert parse_train_config(["--no-compile"])[0].layout.compile is False
+    assert parse_train_config([])[0].layout.compile is None           # not given: the strategy's / plan's
     cfg, _, given = parse_train_config(["--global_batch_size", "8", "--track_memory", "false", "--cpu_offload=true"])
-    assert (cfg.global_batch_size, cfg.track_memory, cfg.cpu_offload) == (8, False, True)
+    assert (cfg.global_batch_size, cfg.track_memory, cfg.layout.cpu_offload) == (8, False, True)
     err = capsys.readouterr().err
     assert "deprecated" in err and "--global_batch_size -> --global-batch-size" in err
     # degrees without a strategy run exactly them
     cfg, _, _ = parse_train_config(["--dp-shard", "2", "--tp", "2", "--sequence-parallel"])
-    assert cfg.strategy == "custom" and cfg.plan_options["sequence_parallel"] is True
+    assert cfg.strategy == "custom" and cfg.layout.sequence_parallel is True and cfg.layout.tp == 2
     p = parser_for("verify")
     assert normalize_argv(["--global_batch_size", "8"], p, prog="x") == ["--global_batch_size", "8"]  # train only
 
@@ -235,3 +258,38 @@ def test_bench_takes_the_shared_model_flag():
         main(["--model", "gpt-nano", "--models", "gpt-1m"])
     with pytest.raises(ValueError, match="no-such-model"):
         main(["--model", "no-such-model"])
+
+
+def test_config_holds_one_layout_and_old_run_folders_still_load(tmp_path, capsys):
+    """Issue 13 item 3: `TrainConfig` holds the strategy / plan file and one `layout` (`PlanOptions`,
+    made from `ParallelPlan`: no plan field mirrored by hand); a run folder written before it (flat
+    fields, ``tp: 0``, ``plan_options``) and an old flat ``--config`` file still load."""
+    import yaml
+
+    from modelpar.cli.train import parse_train_config, read_run_folder, write_run_folder
+    from modelpar.plan import ParallelPlan
+    from modelpar.train.config import PLAN_FIELDS, PlanOptions, TrainConfig
+    from modelpar.train.resolve import given_fields
+
+    assert [f.name for f in dataclasses.fields(PlanOptions)] == [f.name for f in dataclasses.fields(ParallelPlan)]
+    assert not {f.name for f in dataclasses.fields(TrainConfig)} & set(PLAN_FIELDS)
+    cfg, resolved = read_run_folder(ROOT / "tests" / "data" / "legacy_run")
+    assert (cfg.model, cfg.steps, cfg.strategy) == ("gpt-nano", 20, "auto")
+    assert given_fields(cfg) == {}                 # every old field held its 'unset' value
+    assert resolved.plan == ParallelPlan(dp_replicate=2) and resolved.local_batch_size == 8
+    old = yaml.safe_load((ROOT / "tests" / "data" / "legacy_run" / "config.yaml").read_text())
+    old.update(tp=2, dp_shard=2, pp_schedule="gpipe", stage_boundaries=[], plan_options={"sequence_parallel": True})
+    flat = TrainConfig.from_dict(old)
+    assert given_fields(flat) == {"tp": 2, "dp_shard": 2, "pp_schedule": "gpipe", "sequence_parallel": True}
+    run = tmp_path / "run"                        # the current form round-trips through a run folder
+    write_run_folder(flat, resolved, type("B", (), {"global_batch_size": 16, "local_batch_size": 8}), run)
+    assert "layout:" in (run / "config.yaml").read_text()
+    assert read_run_folder(run)[0] == flat
+    with pytest.raises(ValueError, match=r"unknown TrainConfig fields \['tp_degree'\]"):
+        TrainConfig.from_dict({**old, "tp_degree": 2})
+    (tmp_path / "old.yaml").write_text(yaml.safe_dump({"steps": 5, "tp": 2, "dp_shard": 2}))
+    cfg, _, _ = parse_train_config(["--config", str(tmp_path / "old.yaml"), "--pp-schedule", "gpipe"])
+    assert cfg.steps == 5 and given_fields(cfg) == {"tp": 2, "dp_shard": 2, "pp_schedule": "gpipe"}
+    assert "put them under 'layout:'" in capsys.readouterr().err
+    (tmp_path / "new.yaml").write_text((run / "config.yaml").read_text())
+    assert parse_train_config(["--config", str(tmp_path / "new.yaml")])[0] == flat

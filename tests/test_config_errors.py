@@ -29,6 +29,39 @@ def test_tp_degree_not_dividing_hidden_case_c7():
         validate_tp_plan(model, derive_tp_plan(model), 4)
 
 
+def test_planner_never_proposes_a_tp_degree_a_split_width_refuses_case_c7():
+    """Before: the planner read divisibility from a GPT's / HF config's facts only, so for a user's
+    Linear chain with hidden 10 it ranked tp4 plans (and `estimate --strategy tp` priced Linear(4, 5) at
+    TP 2) that the runtime then refuses."""
+    import torch
+    from modelpar.planner.hardware import get_hardware
+    from modelpar.planner.legality import split_violations
+    from modelpar.planner.profile import ModelProfile, profile_model
+    from modelpar.planner.search import search_plans
+
+    model = nn.Sequential(nn.Linear(8, 10), nn.ReLU(), nn.Linear(10, 8))
+    prof = profile_model(model, torch.randn(2, 8))
+    assert prof.tp_splits == (("0", "out_features", 10), ("2", "in_features", 10))
+    assert ModelProfile.from_dict(prof.to_dict()) == prof
+    rep = search_plans(prof, 4, get_hardware("cpu", local_ranks=4), global_batch_size=16)
+    tps = {c.plan.tp for c in rep.ranked}
+    assert 4 not in tps and 2 in tps, tps          # tp2 divides 10, tp4 does not
+    assert rep.pruned["tp does not divide a split width of the TP plan"] > 0
+    prof = profile_model(nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 4)), torch.randn(2, 4))
+    assert split_violations(prof.tp_splits, 2) == ["0.out_features=5", "2.in_features=5"]
+
+
+def test_estimate_refuses_a_tp_degree_a_split_width_refuses_case_c7(tmp_path, monkeypatch, capsys):
+    from modelpar.cli import main
+
+    (tmp_path / "c7_est.py").write_text(
+        "import torch.nn as nn\n\ndef c7():\n    return nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 4))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rc = main(["estimate", "--model", "c7_est:c7", "--strategy", "tp", "--nproc", "2", "--hardware", "cpu"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "tensor parallel degree tp=2 does not divide 0.out_features=5, 2.in_features=5" in err, err
+
+
 def test_world_size_not_product_of_degrees():
     with pytest.raises(ValueError, match=r"dp_replicate x dp_shard x tp x pp = 1 x 2 x 2 x 1 = 4 does not equal "
                                          r"the world size 2"):
@@ -48,9 +81,13 @@ def test_degrees_that_contradict_the_strategy_are_an_error():
 
 
 def test_every_plan_field_is_reachable_from_train_config():
-    plan, _ = _pre(world=4, strategy="custom", dp_shard=2, tp=2, plan_options={"sequence_parallel": True})
+    plan, _ = _pre(world=4, strategy="custom", layout={"dp_shard": 2, "tp": 2, "sequence_parallel": True})
     assert plan.sequence_parallel and plan.describe() == "fsdp2 x tp2+sp"
-    with pytest.raises(ValueError, match="plan_options has unknown ParallelPlan fields"):
+    plan, _ = _pre(world=2, strategy="fsdp", layout={"reshard_after_forward": False, "activation_checkpointing": "full"})
+    assert (plan.dp_shard, plan.reshard_after_forward, plan.activation_checkpointing) == (2, False, "full")
+    with pytest.raises(ValueError, match="layout has unknown ParallelPlan fields"):
+        _pre(world=2, strategy="ddp", layout={"tp_degree": 2})
+    with pytest.raises(ValueError, match="plan_options has unknown ParallelPlan fields"):   # the old form
         _pre(world=2, strategy="ddp", plan_options={"tp_degree": 2})
 
 

@@ -52,26 +52,31 @@ def test_parts_by_execution_order_and_exact_forward(name):
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
-@pytest.mark.parametrize("ranges", [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)], [(0, 1), (1, 2), (2, 3), (3, 4)]])
-def test_chain_of_stages_equals_the_whole_forward(name, ranges):
+def test_chain_of_stages_equals_the_whole_forward(name):
+    """Two, three and four stages of one model (built and cut into parts once: the stage modules are
+    built from the parts and released again for every split)."""
     m = build(name, dropout=0.0).eval()
     x = _input(name)
     parts = get_model_parts(m, example_input=x)
-    got, mods = _chain(parts, ranges, x)
     with torch.no_grad():
-        assert torch.equal(got, m(x))
-    # stage state dicts: original names; blocks partitioned; input part on the first, output part on the last
+        whole = m(x)
     full = set(m.state_dict())
-    keys = [set(s.state_dict()) for s in mods]
-    assert set().union(*keys) == full
-    for i, (k, (a, b)) in enumerate(zip(keys, ranges)):
-        mine = {f"{parts.container}.{j}." for j in range(a, b)}
-        blocks_here = {key for key in k if key.startswith(parts.container + ".")}
-        assert all(any(key.startswith(p) for p in mine) for key in blocks_here)
-        assert all(any(key.startswith(p) for key in k) for p in mine)
-        assert any(key.startswith(EXPECTED[name][1][0]) for key in k) == (i == 0)
-        assert any(key.startswith(EXPECTED[name][2][-1]) for key in k) == (i == len(ranges) - 1)
-    assert all(not getattr(b, "_forward_hooks") for _, b in parts.blocks)      # released
+    for ranges in ([(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)], [(0, 1), (1, 2), (2, 3), (3, 4)]):
+        got, mods = _chain(parts, ranges, x)
+        assert torch.equal(got, whole), ranges
+        # stage state dicts: original names; blocks partitioned; input part on the first, output part on the last
+        keys = [set(s.state_dict()) for s in mods]
+        assert set().union(*keys) == full, ranges
+        for i, (k, (a, b)) in enumerate(zip(keys, ranges)):
+            mine = {f"{parts.container}.{j}." for j in range(a, b)}
+            blocks_here = {key for key in k if key.startswith(parts.container + ".")}
+            assert all(any(key.startswith(p) for p in mine) for key in blocks_here), ranges
+            assert all(any(key.startswith(p) for key in k) for p in mine), ranges
+            assert any(key.startswith(EXPECTED[name][1][0]) for key in k) == (i == 0), ranges
+            assert any(key.startswith(EXPECTED[name][2][-1]) for key in k) == (i == len(ranges) - 1), ranges
+        assert all(not getattr(b, "_forward_hooks") for _, b in parts.blocks), ranges      # released
+    with torch.no_grad():
+        assert torch.equal(m(x), whole)           # building and releasing stages left the model as it was
 
 
 def test_gpt2_tie_is_one_parameter_on_the_first_and_last_stage():

@@ -87,3 +87,63 @@ def test_calibrate_smoke(tmp_path, capsys):
                  "compute_contention"):
         assert term in c.spread and c.spread[term] >= 0, term
     assert "spread" in capsys.readouterr().out
+
+
+PINNED = "tests/data/cal_pinned.json"
+
+
+def _rows(out: str) -> list[str]:
+    """The table rows of `modelpar plan` (rank, plan, numbers)."""
+    return [l for l in out.splitlines() if l[:3].strip().isdigit()]
+
+
+def test_plan_strategy_ranks_one_family_or_says_why(capsys):
+    """Issue 13 item 1: `plan --strategy S` ranks only plans of S's family (`strategy_of`), in the same
+    order and with the same numbers as the full ranking; a family with no feasible plan, and the
+    strategies the planner does not rank, are explained."""
+    from modelpar.plan import ParallelPlan, strategy_of
+
+    assert [strategy_of(ParallelPlan(**d)) for d in ({}, {"dp_shard": 4}, {"dp_replicate": 2, "dp_shard": 2},
+            {"dp_shard": 2, "tp": 2}, {"pp": 2, "dp_replicate": 2}, {"placement_devices": ("cpu",)})] == \
+        ["single", "fsdp", "hsdp", "fsdp+tp", "custom", "placement"]
+    base = ["--model", "gpt-1m", "--nproc", "4", "--global-batch-size", "16", "--hardware", PINNED]
+    assert plan_main(base + ["--top", "200"]) == 0
+    every = [r.split(None, 1)[1] for r in _rows(capsys.readouterr().out)]
+    assert plan_main(base + ["--top", "200", "--strategy", "fsdp"]) == 0
+    out = capsys.readouterr().out
+    fsdp = [r.split(None, 1)[1] for r in _rows(out)]
+    assert fsdp and all(r.startswith("fsdp4") for r in fsdp) and "strategy fsdp only" in out
+    assert fsdp == [r for r in every if r.startswith("fsdp4")]          # same order, same numbers
+    assert plan_main(["--model", "gpt-nano", "--nproc", "4", "--strategy", "tp", "--hardware", PINNED]) == 1
+    assert "no tp plan is feasible" in capsys.readouterr().out          # gpt-nano has 2 heads
+    with pytest.raises(ValueError, match="nothing to rank: price that layout with --plan"):
+        plan_main(base + ["--strategy", "custom"])
+    with pytest.raises(ValueError, match="placement .* is not modelled by the planner"):
+        plan_main(base + ["--strategy", "placement"])
+    with pytest.raises(ValueError, match="unknown strategy 'zero'"):
+        plan_main(base + ["--strategy", "zero"])
+
+
+def test_plan_prices_exactly_a_plan_file(tmp_path, capsys):
+    """`plan --plan FILE` prices the plan `plan --explain K --json` wrote with the numbers its ranking
+    gave it, and writes the same plan file back with --json; --strategy rules prices the rules plan."""
+    base = ["--model", "gpt-1m", "--global-batch-size", "16", "--hardware", PINNED]
+    assert plan_main(base + ["--nproc", "4", "--top", "3"]) == 0
+    third = _rows(capsys.readouterr().out)[2].split(None, 1)[1]
+    assert plan_main(base + ["--nproc", "4", "--explain", "3", "--json"]) == 0
+    f = tmp_path / "plan.json"
+    f.write_text(capsys.readouterr().out)
+    assert plan_main(base + ["--plan", str(f)]) == 0                    # world size from the file
+    out = capsys.readouterr().out
+    assert _rows(out)[0].split(None, 1)[1] == third and "one plan priced (plan file" in out
+    assert plan_main(base + ["--plan", str(f), "--json"]) == 0
+    back, sent = json.loads(capsys.readouterr().out), json.loads(f.read_text())
+    assert {k: v for k, v in back.items() if k != "source"} == {k: v for k, v in sent.items() if k != "source"}
+    with pytest.raises(ValueError, match="give --plan or --strategy, not both"):
+        plan_main(base + ["--plan", str(f), "--strategy", "ddp"])
+    with pytest.raises(ValueError, match="was made for global_batch_size=16"):
+        plan_main(["--model", "gpt-1m", "--global-batch-size", "32", "--plan", str(f)])
+    with pytest.raises(ValueError, match="does not equal the world size 2"):
+        plan_main(base + ["--plan", str(f), "--nproc", "2"])          # the file's plan uses 4
+    assert plan_main(base + ["--nproc", "4", "--strategy", "rules"]) == 0
+    assert "one plan priced (rules:" in capsys.readouterr().out

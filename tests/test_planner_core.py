@@ -285,12 +285,14 @@ def test_search_3072_devices_completes(profiled_70b):
     rep = search_plans(prof, 3072, BUILTIN["H100-80GB-SXM"], global_batch_size=3072)
     assert rep.considered > 100_000 and rep.ranked
     assert time.process_time() - t < 60
-    # the exact top-k mode returns this ranking's head (tests/test_planner_topk.py; shares this search)
+    # the exact top-k mode returns this ranking's head (tests/test_planner_topk.py; shares this search).
+    # K = 1 (choose_plan's) and 20 here, K = 5 at 16,384 devices (test_planner_topk.py): every K at
+    # cluster scale, each once; the small searches there check all three
     import dataclasses as dc
 
     def rows(cands):
         return [(c.plan.to_dict(), c.micro_batch_size, dc.asdict(c.memory), dc.asdict(c.step)) for c in cands]
     every = rows(rep.ranked)
-    for k in (1, 5, 20):
+    for k in (1, 20):
         head = search_plans(prof, 3072, BUILTIN["H100-80GB-SXM"], global_batch_size=3072, top_k=k)
         assert rows(head.ranked) == every[:k] and head.considered == rep.considered, k

@@ -109,6 +109,8 @@ def test_top_k_rejects_bad_values_and_choose_plan_uses_it():
 
 def test_top_k_is_the_full_rankings_head_gpt_70b_16384():
     """The benchmark's larger search (gpt-70b, H100, one sequence per device); its 3,072-device search
-    is checked in test_planner_core.py::test_search_3072_devices_completes (sharing that full search)."""
-    full = _check_top_k(_gpt("gpt-70b", "bf16"), 16384, BUILTIN["H100-80GB-SXM"], 16384, "bf16")
+    is checked in test_planner_core.py::test_search_3072_devices_completes (sharing that full search)
+    with K = 1 and 20; K = 1 and 5 here, so each K is checked at cluster scale (the same configuration,
+    one sequence per device) and all three on every smaller search above."""
+    full = _check_top_k(_gpt("gpt-70b", "bf16"), 16384, BUILTIN["H100-80GB-SXM"], 16384, "bf16", ks=(1, 5))
     assert full.considered > 100_000

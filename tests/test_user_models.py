@@ -51,3 +51,26 @@ def test_verify_refuses_bad_tp_split_before_launch_case_c7(tmp_path, monkeypatch
     assert rc == 2, err[-2000:]
     assert "tensor parallel degree 2 does not divide 0.out_features=5 (colwise split of Linear(4, 5))" in err
     assert "torch.distributed.run" not in err and "ChildFailedError" not in err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_train_batchnorm_warning_reaches_the_user_case_c15(tmp_path):
+    """Before: `parallelize` warned on rank 0, but the launcher starts ranks with PYTHONWARNINGS=ignore,
+    so `modelpar train` of a BatchNorm model under DDP printed nothing about per-rank statistics."""
+    (tmp_path / "c15_models.py").write_text(textwrap.dedent('''
+        import torch, torch.nn as nn
+
+        def bn():
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    '''))
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "modelpar", "train", "--model", "c15_models:bn", "--strategy", "ddp",
+                        "--nproc", "2", "--steps", "1", "--out-dir", str(tmp_path / "runs")],
+                       capture_output=True, text=True, timeout=180, env=env)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert out.count("ParallelLayoutWarning") == 1, out[-3000:]       # once: rank 0 only
+    assert "1 BatchNorm layer(s)" in out and "--sync-batchnorm" in out, out[-3000:]

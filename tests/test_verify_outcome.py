@@ -2,12 +2,18 @@
 reason (BatchNorm, case C15), an error raised the same on every rank (exit 2; case C12 here), a rank
 that really crashed (exit 1, named with its first error line), each without torchrun's
 "failed (exitcode: 1)" / ChildFailedError noise and without "terminate called without an active
-exception"; SyncBatchNorm on CPU refused before any process starts."""
+exception"; SyncBatchNorm on CPU refused before any process starts.
+
+The command runs in this process (`modelpar.cli.main`, what ``python -m modelpar`` calls); its ranks
+are real torchrun processes and everything they and torchrun print lands in the captured file
+descriptors (``capfd``), which is what the checks read. ``python -m modelpar verify`` itself, as a
+user starts it, is `tests/test_user_models.py`'s subprocess: here that would add a Python process
+that imports torch (~3-4 s of CPU) to each run and test nothing more."""
 
 import os
-import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 
@@ -53,13 +59,24 @@ def crashy():
 NOISE = ("exitcode", "ChildFailedError", "Root Cause", "terminate called", "FAIL or a rank failed")
 
 
-def verify(tmp_path, model, *extra, strategy="ddp"):
+def verify(tmp_path, monkeypatch, capfd, model, *extra, strategy="ddp"):
+    """``modelpar verify`` on ``outcome_models:<model>`` (2 ranks); its exit code and the output of
+    the command, torchrun and the ranks, as ``returncode`` / ``stdout`` / ``stderr``."""
+    from modelpar.cli import main
+
     (tmp_path / "outcome_models.py").write_text(textwrap.dedent(MODELS))
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([sys.executable, "-m", "modelpar", "verify", "--model", f"outcome_models:{model}",
-                           "--strategy", strategy, "--nproc", "2", "--input-shape", "8", "--num-classes", "4",
-                           "--steps", "2", *extra], capture_output=True, text=True, timeout=240, env=env)
+    monkeypatch.syspath_prepend(str(tmp_path))                    # the command imports the model here
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")  # ranks
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("PYTHONWARNINGS", "ignore")
+    capfd.readouterr()
+    try:
+        rc = main(["verify", "--model", f"outcome_models:{model}", "--strategy", strategy, "--nproc", "2",
+                   "--input-shape", "8", "--num-classes", "4", "--steps", "2", *extra])
+    finally:
+        sys.modules.pop("outcome_models", None)
+    out = capfd.readouterr()
+    return SimpleNamespace(returncode=rc, stdout=out.out, stderr=out.err)
 
 
 def _no_noise(r):
@@ -70,8 +87,8 @@ def _no_noise(r):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_parity_fail_is_a_verdict_with_the_likely_reason_case_c15(tmp_path):
-    r = verify(tmp_path, "bn", strategy="fsdp")
+def test_parity_fail_is_a_verdict_with_the_likely_reason_case_c15(tmp_path, monkeypatch, capfd):
+    r = verify(tmp_path, monkeypatch, capfd, "bn", strategy="fsdp")
     assert r.returncode == 1, r.stderr[-3000:]
     assert "step   loss 1 process" in r.stdout and "\nFAIL:\n" in r.stdout
     assert "likely reason:\n  the model has 1 BatchNorm layer(s) (1)" in r.stdout, r.stdout
@@ -80,8 +97,8 @@ def test_parity_fail_is_a_verdict_with_the_likely_reason_case_c15(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_rank_divergent_model_is_one_error_case_c12(tmp_path):
-    r = verify(tmp_path, "branchy", strategy="fsdp")
+def test_rank_divergent_model_is_one_error_case_c12(tmp_path, monkeypatch, capfd):
+    r = verify(tmp_path, monkeypatch, capfd, "branchy", strategy="fsdp")
     assert r.returncode == 2, r.stderr[-3000:]
     msg = ("rank-divergent parameter use at step 0 (case C12): 4 parameter(s) got a gradient on some "
            "data-parallel ranks and not on others")
@@ -93,8 +110,8 @@ def test_rank_divergent_model_is_one_error_case_c12(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_crashed_rank_is_named_with_its_first_error_line(tmp_path):
-    r = verify(tmp_path, "crashy")
+def test_a_crashed_rank_is_named_with_its_first_error_line(tmp_path, monkeypatch, capfd):
+    r = verify(tmp_path, monkeypatch, capfd, "crashy")
     assert r.returncode == 1
     assert "modelpar verify: rank 1 crashed: RuntimeError: boom on rank 1\n" in r.stderr, r.stderr[-3000:]
     _no_noise(r)

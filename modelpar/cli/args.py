@@ -35,7 +35,8 @@ def make_parser(prog: str, description: str, *, epilog: str = "", config_file: b
                        print_config="--print-config" if config_file else None)
     if config_file:
         p.add_argument("--config", action=ActionConfigFile, help="YAML/JSON file of the options below "
-                       "(keys as the field names, e.g. global_batch_size: 64); flags after it override it")
+                       "(keys as the field names, e.g. global_batch_size: 64; plan fields under layout:, e.g. "
+                       "layout: {tp: 2}); flags after it override it")
     return p
 
 
@@ -58,7 +59,7 @@ def _default(f: dataclasses.Field):
 def add_fields(parser, cls, *, only=None, skip=(), dest_prefix: str = "", defaults: dict | None = None,
                group: str | None = None, docs: dict | None = None) -> list[str]:
     """Add a flag per field of dataclass ``cls`` (``only`` / ``skip`` filter by name; ``defaults``
-    replaces field defaults; ``dest_prefix`` nests the values, e.g. ``"plan_options."``). Returns the
+    replaces field defaults; ``dest_prefix`` nests the values, e.g. ``"layout."``). Returns the
     added field names."""
     from jsonargparse import ActionYesNo
 
@@ -73,7 +74,7 @@ def add_fields(parser, cls, *, only=None, skip=(), dest_prefix: str = "", defaul
         tp = hints[f.name]
         help_ = docs.get(f.name, "")
         dest = dest_prefix + f.name
-        if tp is bool:
+        if tp is bool or tp == bool | None:          # bare and negated (None: not given)
             target.add_argument(flag(f.name), dest=dest, action=ActionYesNo(no_prefix="no-"), default=default,
                                 help=help_)
         else:
@@ -168,7 +169,7 @@ def given_fields(parser, argv: list[str]) -> set[str]:
 
     def walk(prefix, x):
         for k, v in x.items():
-            if isinstance(v, dict) and k == "plan_options":
+            if isinstance(v, dict) and k in ("plan_options", "layout"):
                 walk(prefix + k + ".", v)
             elif k not in ("config", "__path__"):
                 out.add(prefix + k)

@@ -130,8 +130,12 @@ def _exact_answer(a, given, pf, prof, desc, n: int, hw) -> int:
     from modelpar.planner.memory import Batch, estimate_memory
 
     plan = pf.plan.validate(n, num_blocks=None)
-    from modelpar.planner.legality import check_tp_degree
+    from modelpar.planner.legality import check_tp_degree, split_violations
     check_tp_degree(prof.arch, plan.tp)           # heads / key-value heads / widths / vocabulary
+    bad = split_violations(prof.tp_splits, plan.tp)   # any model's TP plan (case C7)
+    if bad:
+        raise ValueError(f"tensor parallel degree tp={plan.tp} does not divide {', '.join(bad)} (split by "
+                         f"the model's TP plan); choose a TP degree that divides every split dimension")
     m = plan.n_microbatches if plan.pp > 1 else 1
     if a.micro_batch_size:
         local = a.micro_batch_size * m

@@ -55,13 +55,17 @@ class LayoutOptions:
     """How many ranks, and which layout.
 
     Args:
-        nproc: world size (ranks; local ranks for train and verify).
-        nnodes: nodes (with --gpus-per-node: world size = nnodes x gpus-per-node).
+        nproc: world size (ranks; train and verify launch this many local ranks, ignored under
+            torchrun, which sets the world size).
+        nnodes: nodes (with --gpus-per-node: world size = nnodes x gpus-per-node; train and verify
+            then print the torchrun / srun line to run on every node).
         gpus_per_node: devices per node, the fast-link domain (0: the hardware profile's).
-        strategy: auto (the planner picks), rules, custom (the degrees given), or a shorthand: single,
-            placement, ddp, fsdp, hsdp, tp, pp, ddp+tp, fsdp+tp.
+        strategy: auto (the planner picks the fastest plan that fits; plan: every layout ranked),
+            rules (the rule-of-thumb plan), custom (exactly the degrees given), or a shorthand: single,
+            placement, ddp, fsdp, hsdp, tp, pp, ddp+tp, fsdp+tp (plan: only that family ranked). A
+            degree that contradicts the shorthand is an error; degrees without --strategy mean custom.
         plan: a plan file (plan.json as `plan --explain K --json`, `estimate --json` or a run folder
-            writes it) or its JSON text, instead of --strategy.
+            writes it) or its JSON text: the whole layout, instead of --strategy and degrees.
     """
 
     nproc: int = 2
@@ -77,8 +81,9 @@ class BatchOptions:
 
     Args:
         global_batch_size: samples per optimizer step (default: the main job's, `TrainConfig`).
-        seq_len: tokens per sample for GPT and Hugging Face language models (0: the preset's; for an HF
-            model its max_position_embeddings, at most 2048).
+        seq_len: tokens per sample for language models (0: a GPT preset's; for a Hugging Face model
+            min(its max_position_embeddings, N), N = 2048 in plan / estimate / bench, 1024 in train, 64 in
+            verify; a factory model's max_positions).
     """
 
     global_batch_size: int = 16
@@ -99,6 +104,13 @@ class HardwareOptions:
 
 
 SHARED = (ModelOptions, PartsOptions, LayoutOptions, BatchOptions, HardwareOptions)
+
+
+def shared_docs() -> dict:
+    """Field name -> its help text over every shared group (the one source of each shared flag's help)."""
+    from modelpar.cli.args import field_docs
+
+    return {k: v for cls in SHARED for k, v in field_docs(cls).items()}
 
 
 def shared_defaults() -> dict:

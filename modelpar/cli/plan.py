@@ -1,4 +1,10 @@
-"""``modelpar plan``: rank every parallel layout of a model on N devices by predicted throughput."""
+"""``modelpar plan``: rank every parallel layout of a model on N devices by predicted throughput.
+
+``--strategy S`` ranks only the plans of one family (`modelpar.plan.strategy_of`; ``rules``: the
+rule-of-thumb plan, priced); ``--plan FILE`` prices exactly one plan, given in the plan-file format
+that ``plan --explain K --json`` writes (`modelpar.plan_file`), with the same numbers the ranking
+would give it (the planner's `estimate_memory` / `estimate_step` with the search's settings).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,7 @@ import json
 import time
 from dataclasses import dataclass
 
-from modelpar.cli.args import add_fields, given_fields, make_parser, normalize_argv, parse
+from modelpar.cli.args import add_fields, flag, given_fields, make_parser, normalize_argv, parse
 from modelpar.cli.common import GIB, PlannerOptions, precision_for, profile_for
 from modelpar.cli.options import BATCH_TERMS, BatchOptions, HardwareOptions, LayoutOptions, ModelOptions, PartsOptions, world_size
 
@@ -14,6 +20,8 @@ EXAMPLES = """examples:
   modelpar plan --model gpt-1b --nproc 8 --hardware H100-80GB-SXM
   modelpar plan --model gpt-70b --nnodes 8 --gpus-per-node 8 --hardware H100-80GB-SXM --top 5
   modelpar plan --model gpt-1m --explain 1 --json > plan.json      # then: modelpar train --plan plan.json
+  modelpar plan --model gpt-1m --plan plan.json                    # price exactly that plan
+  modelpar plan --model gpt-1b --nproc 8 --hardware H100-80GB-SXM --strategy fsdp+tp   # one family only
   modelpar plan --model hf:llama --model-config '{"hidden_size": 4096, "intermediate_size": 14336, \\
       "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, \\
       "max_position_embeddings": 8192}' --seq-len 8192 --nproc 64 --hardware H100-80GB-SXM   # Llama 3 8B
@@ -75,7 +83,7 @@ def build_parser():
         epilog=EXAMPLES + "\n" + BATCH_TERMS)
     add_fields(p, ModelOptions)
     add_fields(p, PartsOptions, only=("blocks",))
-    add_fields(p, LayoutOptions, only=("nproc", "nnodes", "gpus_per_node"))
+    add_fields(p, LayoutOptions)
     add_fields(p, BatchOptions)
     add_fields(p, HardwareOptions)
     add_fields(p, PlannerOptions)
@@ -95,53 +103,185 @@ def _row(i, c, hw, prec) -> str:
 
 def main(argv: list[str]) -> int:
     from modelpar.cli.options import resolve_hardware
-    from modelpar.plan_file import PlanFile
     from modelpar.planner.search import search_plans
 
     p = build_parser()
     argv = normalize_argv(argv, p, prog="modelpar plan")
     a = parse(p, argv)
-    n = world_size(a, given_fields(p, argv))
-    if a.json and not a.explain:
+    given = given_fields(p, argv)
+    n = world_size(a, given)
+    if a.json and not a.explain and not a.plan:
         raise ValueError("--json prints one plan file: give --explain K too")
+    strategy = a.strategy.lower()
+    pf = _plan_file(a, given) if a.plan else None
+    if pf is not None and "nproc" not in given and "nnodes" not in given:
+        n = pf.plan.world_size                    # a plan file brings its own world size
+    _check_strategy(strategy, n)
     from modelpar.models.spec import check_model
     check_model(a.model, a.model_config)          # bad names fail first, before any note
     hw = resolve_hardware(a.hardware, n, gpus_per_node=a.gpus_per_node)
-    prec = precision_for(a.precision, hw)
+    prec = pf.plan.precision if pf is not None else precision_for(a.precision, hw)
     prof, desc = profile_for(a.model, a.model_config, a.seq_len, prec, a.blocks)
     t = time.perf_counter()
+    if pf is not None or strategy == "rules":
+        c, what = _priced(a, given, pf, prof, n, hw, prec)
+        return _print_one(a, c, what, desc, prof, n, hw, prec, time.perf_counter() - t)
     # only the plans printed (and the one explained) are needed: the exact top-k mode ranks just those
-    # (the summary then says how many were evaluated and found feasible, a lower bound on the total)
+    # (the summary then says how many were evaluated and found feasible, a lower bound on the total);
+    # one strategy family: every plan ranked, then those of the family kept
+    family = strategy != "auto"
     rep = search_plans(prof, n, hw, global_batch_size=a.global_batch_size, optimizer=a.optimizer, precision=prec,
-                       top_k=max(a.top, a.explain, 1), **search_kwargs(a.activation_checkpointing, a.ac_every))
-    if a.explain and not 1 <= a.explain <= len(rep.ranked):
-        raise ValueError(f"--explain {a.explain}: only {len(rep.ranked)} plans are feasible")
+                       top_k=None if family else max(a.top, a.explain, 1),
+                       **search_kwargs(a.activation_checkpointing, a.ac_every))
+    ranked = rep.ranked
+    if family:
+        from modelpar.plan import strategy_of
+        ranked = [c for c in rep.ranked if strategy_of(c.plan) == strategy]
+        if rep.ranked and not ranked:
+            best = rep.ranked[0]
+            print(f"no {strategy} plan is feasible for {desc} on {n} x {hw.name} ({rep.summary()}); the best "
+                  f"plan of any strategy is {best.plan.describe()} ({best.step.total * 1e3:.1f} ms/step)")
+            return 1
+    if a.explain and not 1 <= a.explain <= len(ranked):
+        raise ValueError(f"--explain {a.explain}: only {len(ranked)} plans are feasible")
     if a.json:
-        c = rep.ranked[a.explain - 1]
-        pf = PlanFile(c.plan, c.batch.global_batch_size, c.batch.local_batch_size,
-                      f"modelpar plan --model {a.model}: plan {a.explain} of >= {rep.topk_stats['fitting']} feasible "
-                      f"on {n} x {hw.name}")
-        print(json.dumps(pf.to_dict(), indent=1, sort_keys=True))
+        c = ranked[a.explain - 1]
+        total = rep.topk_stats["fitting"] if rep.top_k is not None else len(ranked)
+        what = f"plan {a.explain} of >= {total} feasible" + (f" {strategy} plans" if family else "")
+        print(_plan_json(a, c, f"{what} on {n} x {hw.name}"))
         return 0
+    only = f", strategy {strategy} only: {len(ranked)} of them" if family else ""
     print(f"{desc} ({prof.num_params / 1e6:,.1f}M params) on {n} x {hw.name}, "
-          f"global batch {a.global_batch_size}, {prec}: {rep.summary()} [{time.perf_counter() - t:.2f} s]")
-    if not rep.ranked:
+          f"global batch {a.global_batch_size}, {prec}: {rep.summary()}{only} [{time.perf_counter() - t:.2f} s]")
+    if not ranked:
         print("no plan fits; reasons above")
         return 1
+    _print_table(ranked[:a.top], hw, prec)
+    if a.explain:
+        _print_explain(a.explain, ranked[a.explain - 1], hw)
+    return 0
+
+
+def _check_strategy(strategy: str, n: int) -> None:
+    """``--strategy`` names a family the planner ranks on ``n`` devices.
+
+    Raises:
+        ValueError: an unknown name (the valid ones listed), ``custom`` or ``placement`` (why they are
+            not ranked, and what to run instead), or a family that cannot use ``n`` devices.
+    """
+    from modelpar.plan import plan_for_strategy
+
+    if strategy in ("auto", "rules"):
+        return
+    if strategy == "custom":
+        raise ValueError("--strategy custom runs exactly the degrees you give, so there is nothing to rank: "
+                         "price that layout with --plan '{\"dp_shard\": 2, \"tp\": 2}' (or modelpar estimate "
+                         "--dp-shard 2 --tp 2), or drop --strategy to rank every layout")
+    if strategy == "placement":
+        raise ValueError("--strategy placement (one process over a list of devices) is not modelled by the "
+                         "planner, so it is not ranked; drop --strategy to rank the multi-rank layouts")
+    plan_for_strategy(strategy, n)                # unknown names; single on n > 1; hybrids on odd n
+
+
+def _plan_file(a, given: set[str]):
+    """The `PlanFile` of ``--plan`` (the format ``plan --explain K --json`` writes).
+
+    Raises:
+        ValueError: --plan with --strategy, or with --activation-checkpointing / --ac-every (which
+            narrow a search; --plan prices one plan), or what `read_plan_file` raises.
+    """
+    from modelpar.plan_file import read_plan_file
+
+    if "strategy" in given:
+        raise ValueError(f"give --plan or --strategy, not both (--plan {a.plan!r}, --strategy {a.strategy})")
+    narrowing = [k for k in ("activation_checkpointing", "ac_every") if k in given]
+    if narrowing:
+        raise ValueError(f"--plan prices one plan, but {', '.join(flag(k) for k in narrowing)} narrows a search; "
+                         f"set the plan file's field instead")
+    return read_plan_file(a.plan)
+
+
+def _priced(a, given: set[str], pf, prof, n: int, hw, prec: str):
+    """``(Candidate, description)`` of exactly one plan: ``--plan``'s, or the rules baseline's
+    (``--strategy rules``), with the numbers `search_plans` would give it (same memory and step
+    models, same settings: foreach optimizers on accelerators, gloo's copies on CPU).
+
+    Raises:
+        ValueError: a plan that does not use ``n`` devices or this model's blocks / heads, a batch the
+            plan cannot split, or a --global-batch-size that contradicts the plan file's.
+    """
+    from modelpar.planner.cost import estimate_step
+    from modelpar.planner.legality import check_tp_degree, split_violations
+    from modelpar.planner.memory import Batch, estimate_memory
+    from modelpar.planner.search import Candidate
+
+    gbs, local = a.global_batch_size, None
+    if pf is None:
+        from modelpar.planner.rules import rule_plan
+        plan, why = rule_plan(prof, n, hw, global_batch_size=gbs, optimizer=a.optimizer, precision=prec,
+                              task="language" if prof.arch else "image")
+        what = f"rules: {why}"
+    else:
+        plan, local, what = pf.plan, pf.local_batch_size, f"plan file {a.plan}"
+        if pf.global_batch_size is not None:
+            if "global_batch_size" in given and gbs != pf.global_batch_size:
+                raise ValueError(f"--plan {a.plan!r} was made for global_batch_size={pf.global_batch_size}, but "
+                                 f"--global-batch-size is {gbs}; drop one")
+            gbs = pf.global_batch_size
+    blocks = len(prof.blocks) - 2 if prof.arch and len(prof.blocks) >= 3 else len(prof.blocks)
+    plan.validate(n, num_blocks=blocks)
+    check_tp_degree(prof.arch, plan.tp)           # heads / key-value heads / widths / vocabulary
+    bad = split_violations(prof.tp_splits, plan.tp)   # any model's TP plan (case C7), as the search checks
+    if bad:
+        raise ValueError(f"tensor parallel degree tp={plan.tp} does not divide {', '.join(bad)} (split by "
+                         f"the model's TP plan); choose a TP degree that divides every split dimension")
+    batch = Batch(gbs, local or gbs // plan.dp)   # no local batch given: what train runs (global / dp)
+    batch.accumulation_steps(plan)                # raises naming the numbers
+    plan.validate(n, num_blocks=blocks, local_batch_size=batch.local_batch_size)
+    mem = estimate_memory(prof, plan, batch, optimizer=a.optimizer, overhead_bytes=hw.framework_overhead_bytes,
+                          foreach=hw.kind != "cpu", gloo=hw.kind == "cpu")
+    st = estimate_step(prof, plan, batch, hw, optimizer=a.optimizer)
+    return Candidate(plan, batch, mem, st), what
+
+
+def _print_one(a, c, what: str, desc: str, prof, n: int, hw, prec: str, seconds: float) -> int:
+    """One priced plan: its table row and breakdown (or, with --json, its plan file). Exit code 1
+    when it does not fit in the device's memory."""
+    fits = c.memory.total <= hw.memory_bytes
+    if a.json:
+        print(_plan_json(a, c, f"{what}, priced on {n} x {hw.name}"))
+        return 0 if fits else 1
+    print(f"{desc} ({prof.num_params / 1e6:,.1f}M params) on {n} x {hw.name}, global batch "
+          f"{c.batch.global_batch_size}, {prec}: one plan priced ({what}) [{seconds:.2f} s]")
+    _print_table([c], hw, prec)
+    _print_explain(1, c, hw)
+    if not fits:
+        print(f"  does NOT fit: {c.memory.total / GIB:.2f} GiB per device > {hw.memory_bytes / GIB:.1f}")
+    return 0 if fits else 1
+
+
+def _plan_json(a, c, what: str) -> str:
+    from modelpar.plan_file import PlanFile
+
+    pf = PlanFile(c.plan, c.batch.global_batch_size, c.batch.local_batch_size, f"modelpar plan --model {a.model}: {what}")
+    return json.dumps(pf.to_dict(), indent=1, sort_keys=True)
+
+
+def _print_table(cands, hw, prec: str) -> None:
     print(f"{'#':>3} {'plan':<58} {'mb':>4} {'GiB/dev':>8} {'step ms':>10} {'throughput':>18} "
           f"{'MFU':>6} {'comm':>6} {'bubble':>6}")
-    for i, c in enumerate(rep.ranked[:a.top], 1):
+    for i, c in enumerate(cands, 1):
         print(_row(i, c, hw, prec))
-    if a.explain:
-        c = rep.ranked[a.explain - 1]
-        print(f"\nplan {a.explain}: {c.plan.describe()}  local batch {c.batch.local_batch_size}, "
-              f"micro-batch {c.micro_batch_size}\n  {c.plan.to_json()}")
-        print(f"  memory per device (pipeline rank {c.memory.pp_rank}, peak at {c.memory.phase}):")
-        for k, v in c.memory.parts().items():
-            print(f"    {k:<14} {v / GIB:10.3f} GiB")
-        print(f"    {'total':<14} {c.memory.total / GIB:10.3f} GiB of {hw.memory_bytes / GIB:.1f}")
-        print("  step time:")
-        for k, v in c.step.parts().items():
-            print(f"    {k:<14} {v * 1e3:10.2f} ms {v / c.step.total:6.1%}")
-        print(f"    {'total':<14} {c.step.total * 1e3:10.2f} ms")
-    return 0
+
+
+def _print_explain(k: int, c, hw) -> None:
+    print(f"\nplan {k}: {c.plan.describe()}  local batch {c.batch.local_batch_size}, "
+          f"micro-batch {c.micro_batch_size}\n  {c.plan.to_json()}")
+    print(f"  memory per device (pipeline rank {c.memory.pp_rank}, peak at {c.memory.phase}):")
+    for k_, v in c.memory.parts().items():
+        print(f"    {k_:<14} {v / GIB:10.3f} GiB")
+    print(f"    {'total':<14} {c.memory.total / GIB:10.3f} GiB of {hw.memory_bytes / GIB:.1f}")
+    print("  step time:")
+    for k_, v in c.step.parts().items():
+        print(f"    {k_:<14} {v * 1e3:10.2f} ms {v / c.step.total:6.1%}")
+    print(f"    {'total':<14} {c.step.total * 1e3:10.2f} ms")

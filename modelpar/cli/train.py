@@ -13,7 +13,6 @@ the same calibration file).
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -37,29 +36,29 @@ EXAMPLES = """examples:
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
 
 
-def _plan_only_fields() -> list[str]:
-    from modelpar.plan import ParallelPlan
-    from modelpar.train.config import TrainConfig
-
-    mine = {f.name for f in dataclasses.fields(TrainConfig)}
-    return [f.name for f in dataclasses.fields(ParallelPlan) if f.name not in mine]
-
-
 def build_parser():
-    from modelpar.plan import ParallelPlan
-    from modelpar.train.config import TrainConfig
+    from modelpar.train.config import PlanOptions, TrainConfig, plan_option_docs
 
     p = make_parser("modelpar train", (
         "Train a model (built-in, a Hugging Face causal LM, or a factory language model; docs/your-model.md) "
         "with a parallel plan. With no options: the 1M-parameter GPT (gpt-1m) on the Python "
         "standard library's sources, the plan `--strategy auto` picks on 2 local CPU ranks (an uncalibrated "
         "machine is measured once first, ~2 min)."), epilog=EXAMPLES + "\n" + BATCH_TERMS, config_file=True)
-    add_fields(p, TrainConfig, skip=("plan_options",))
-    add_fields(p, ParallelPlan, only=_plan_only_fields(), dest_prefix="plan_options.", group="further plan options")
+    from modelpar.cli.options import shared_docs
+
+    add_fields(p, TrainConfig, skip=("layout",), docs=shared_docs())
+    add_parallel_plan_fields(p, PlanOptions, plan_option_docs())
     add_fields(p, LayoutOptions, only=("nnodes", "gpus_per_node"), group="many nodes")
     p.add_argument("--run-dir", default="", help="run in this run folder (its config.yaml and plan.json, "
                    "written by the launcher; what each rank is started with)")
     return p
+
+
+def add_parallel_plan_fields(p, options_cls, docs: dict) -> None:
+    """One flag per `ParallelPlan` field (``--tp``, ``--pp-schedule``, ``--sequence-parallel``, ...),
+    its value in ``layout.<field>`` (None while not given): `TrainConfig.layout`."""
+    add_fields(p, options_cls, dest_prefix="layout.", group="parallel plan (unset: --strategy / --plan decide)",
+               docs=docs)
 
 
 def parse_train_config(argv: list[str]):
@@ -72,15 +71,49 @@ def parse_train_config(argv: list[str]):
     from modelpar.train.config import TrainConfig
 
     p = build_parser()
-    argv = normalize_argv(argv, p, prog="modelpar train", legacy_underscores=True)
+    argv = upgrade_config_files(normalize_argv(argv, p, prog="modelpar train", legacy_underscores=True))
     ns = parse(p, argv)
     given = given_fields(p, argv)
     d = ns.as_dict()
     for k in ("config", "__path__", "nnodes", "gpus_per_node", "run_dir"):
         d.pop(k, None)
-    if any(k in given for k in DEGREES) and "strategy" not in given and not d.get("plan"):
+    if any(d["layout"].get(k) is not None for k in DEGREES) and "strategy" not in given and not d.get("plan"):
         d["strategy"] = "custom"                # degrees without a strategy: exactly these degrees
     return TrainConfig(**d), ns, given
+
+
+def upgrade_config_files(argv: list[str]) -> list[str]:
+    """``--config FILE`` in the flat form written before `TrainConfig.layout` (``tp: 2``,
+    ``plan_options: {...}`` at the top level) -> the same config as YAML text in the current form
+    (`TrainConfig.from_dict`'s rules), with one deprecation note; current files are left as they are.
+
+    Raises:
+        ValueError: a config file that is not a YAML / JSON mapping, or has unknown keys.
+    """
+    import yaml
+
+    from modelpar.train.config import PLAN_FIELDS, TrainConfig
+
+    out = list(argv)
+    for i, a in enumerate(argv):
+        path = a.partition("=")[2] if a.startswith("--config=") else (argv[i + 1] if a == "--config" and
+                                                                        i + 1 < len(argv) else "")
+        if not path or not Path(path).is_file():
+            continue
+        d = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(d, dict):
+            raise ValueError(f"--config {path!r}: expected a mapping of TrainConfig fields, got {type(d).__name__}")
+        flat = sorted(k for k in d if k in PLAN_FIELDS or k == "plan_options")
+        if not flat:
+            continue
+        print(f"modelpar train: note: --config {path}: plan fields at the top level ({', '.join(flat)}) are "
+              f"deprecated; put them under 'layout:' (as a run folder's config.yaml does)", file=sys.stderr)
+        text = yaml.safe_dump(TrainConfig.from_dict(d, where=f"--config {path}").to_dict(), sort_keys=False)
+        if a == "--config":
+            out[i + 1] = text
+        else:
+            out[i] = "--config=" + text
+    return out
 
 
 def write_run_folder(cfg, resolved, batches, run_dir: Path) -> None:
@@ -111,11 +144,9 @@ def read_run_folder(run_dir: Path):
     if not cfg_path.is_file():
         raise ValueError(f"--run-dir {str(run_dir)!r} has no config.yaml (written by the launcher)")
     d = yaml.safe_load(cfg_path.read_text()) or {}
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    if set(d) - known:
-        raise ValueError(f"{cfg_path}: unknown TrainConfig fields {sorted(set(d) - known)}")
+    cfg = TrainConfig.from_dict(d, where=str(cfg_path))     # also a run folder written before `layout`
     pf = read_plan_file(run_dir / "plan.json")
-    return TrainConfig(**d), Resolved(pf.plan, pf.local_batch_size or 0, pf.source)
+    return cfg, Resolved(pf.plan, pf.local_batch_size or 0, pf.source)
 
 
 def expected_rate_line(cfg, tokens_per_s: float) -> str:

@@ -17,7 +17,6 @@ writes it (``plan.json``) with the options (``verify.yaml``) into a folder the r
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -32,6 +31,7 @@ EXAMPLES = """examples:
   modelpar verify --model gpt-nano --strategy fsdp+tp --nproc 4 --steps 5
   modelpar verify --model gpt-nano --dp-shard 2 --tp 2 --sequence-parallel --nproc 4
   modelpar verify --model mypkg.models:make_model --plan plan.json --input-shape 32 --num-classes 10
+  modelpar verify --model gpt-nano --nnodes 2 --gpus-per-node 4 --dp-shard 4 --tp 2   # prints the per-node launch line
 """
 
 
@@ -62,32 +62,20 @@ class VerifyOptions:
     out: str = ""
 
 
-def plan_flag_fields() -> tuple[list[str], list[str]]:
-    """(TrainConfig fields that are plan fields too, ParallelPlan fields TrainConfig lacks)."""
-    from modelpar.plan import ParallelPlan
-    from modelpar.train.config import TrainConfig
-
-    cfg = {f.name for f in dataclasses.fields(TrainConfig)}
-    plan = [f.name for f in dataclasses.fields(ParallelPlan)]
-    return [n for n in plan if n in cfg], [n for n in plan if n not in cfg]
-
-
 def build_parser():
-    from modelpar.plan import ParallelPlan
-    from modelpar.train.config import TrainConfig
+    from modelpar.cli.train import add_parallel_plan_fields
+    from modelpar.train.config import PlanOptions, TrainConfig, plan_option_docs
 
     p = make_parser("modelpar verify", __doc__.split("\n\n")[1], epilog=EXAMPLES + "\n" + BATCH_TERMS,
                     config_file=True)
     add_fields(p, ModelOptions)
     add_fields(p, PartsOptions)
-    add_fields(p, LayoutOptions, only=("nproc", "strategy", "plan"))
+    add_fields(p, LayoutOptions)
     add_fields(p, BatchOptions)
     add_fields(p, HardwareOptions)
     add_fields(p, VerifyOptions)
-    mirrored, only_plan = plan_flag_fields()
     add_fields(p, TrainConfig, only=("check_unused_params", "sync_batchnorm"))
-    add_fields(p, TrainConfig, only=mirrored, group="plan options")
-    add_fields(p, ParallelPlan, only=only_plan, dest_prefix="plan_options.", group="plan options")
+    add_parallel_plan_fields(p, PlanOptions, plan_option_docs())      # the same plan flags as train
     p.add_argument("--run-dir", default="", help="a folder with verify.yaml and plan.json written by the "
                    "launcher (what each rank is started with)")
     return p
@@ -97,17 +85,14 @@ def as_train_config(args, given: set[str]):
     """The `TrainConfig` whose plan fields are verify's options (for `modelpar.train.resolve`)."""
     from modelpar.train.config import TrainConfig
 
-    mirrored, _ = plan_flag_fields()
-    kw = {k: getattr(args, k) for k in mirrored}
-    if any(k in given for k in ("dp_replicate", "dp_shard", "tp", "pp")) and "strategy" not in given and not args.plan:
-        kw["strategy"] = "custom"
-    else:
-        kw["strategy"] = args.strategy
-    opts = {k: getattr(args.plan_options, k) for k in vars(args.plan_options)} if args.plan_options else {}
+    layout = {k: v for k, v in vars(args.layout).items() if v is not None}
+    degrees = any(k in layout for k in ("dp_replicate", "dp_shard", "tp", "pp"))
+    strategy = "custom" if degrees and "strategy" not in given and not args.plan else args.strategy
     return TrainConfig(model=args.model if ":" not in args.model else "gpt-nano", plan=args.plan, nproc=args.nproc,
                        global_batch_size=args.global_batch_size, local_batch_size=args.local_batch_size,
                        seq_len=args.seq_len, optimizer=args.optimizer, hardware=args.hardware, seed=args.seed,
-                       model_config=args.model_config if ":" not in args.model else {}, plan_options=opts, **kw)
+                       model_config=args.model_config if ":" not in args.model else {}, strategy=strategy,
+                       layout=layout)
 
 
 def resolve_plan(args, given: set[str] = frozenset()):
@@ -122,9 +107,11 @@ def resolve_plan(args, given: set[str] = frozenset()):
     if args.strategy.lower() in ("auto", "rules") and ":" in args.model and not args.plan:
         raise ValueError(f"--strategy {args.strategy} plans built-in models only for now; give --strategy "
                          f"(ddp, fsdp, tp, pp, ...), degrees or --plan for {args.model!r}")
+    from modelpar.cli.options import world_size
+
     cfg = as_train_config(args, given)
-    world = cfg.nproc
-    if cfg.plan and "nproc" not in given:
+    world = world_size(args, given)               # --nproc, or --nnodes x --gpus-per-node
+    if cfg.plan and "nproc" not in given and "nnodes" not in given:
         from modelpar.plan_file import read_plan_file
         world = read_plan_file(cfg.plan).plan.world_size
     if cfg.strategy.lower() in ("single", "placement"):
@@ -391,13 +378,21 @@ def main(argv: list[str]) -> int:
         run_rank_and_exit(lambda: run_rank(args, plan, local), "modelpar verify")
     if plan.world_size == 1:
         return run_rank(args, plan, local)
-    d = Path(tempfile.mkdtemp(prefix="modelpar-verify-"))
+    # many nodes: the folder the ranks read must be on a filesystem every node sees (here: under the
+    # current directory, as train's run folder is under --out-dir)
+    d = Path(tempfile.mkdtemp(prefix="modelpar-verify-", dir="." if args.nnodes > 1 else None))
     opts = {k: v for k, v in args.as_dict().items() if k not in ("config", "__path__", "run_dir")}
     (d / "verify.yaml").write_text(yaml.safe_dump(opts))
     PlanFile(plan, args.global_batch_size, local, "modelpar verify").write(d / "plan.json")
+    target = ["-m", "modelpar", "verify", "--run-dir", str(d.resolve())]
+    if args.nnodes > 1:
+        from modelpar.launch import multinode_commands
+        print(f"plan: {plan.describe()} on {plan.world_size} rank(s); folder {d} (verify.yaml, plan.json) must be "
+              f"on a filesystem every node sees")
+        print(multinode_commands(target, nnodes=args.nnodes, nproc_per_node=plan.world_size // args.nnodes))
+        return 0
     threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
-    code, msg = run_command(["-m", "modelpar", "verify", "--run-dir", str(d)], plan.world_size,
-                            threads=threads).report("modelpar verify")
+    code, msg = run_command(target, plan.world_size, threads=threads).report("modelpar verify")
     if msg:                                      # FAIL: 1; a crash: 1, named; an error on every rank: 2
         print(msg, file=sys.stderr)
     return code

@@ -13,7 +13,7 @@ from modelpar.plan import ParallelPlan
 from modelpar.planner.comms import _coll
 from modelpar.planner.cost import _finish, step_form, tp_bytes_per_sample
 from modelpar.planner.grid import plan_memory as _plan_memory
-from modelpar.planner.legality import tp_violations
+from modelpar.planner.legality import split_violations, tp_violations
 from modelpar.planner.memory import Batch, rank_loads
 
 
@@ -102,6 +102,9 @@ def layouts(S: Search, factorizations):
         # the GPT's embedding and head split over the vocabulary under TP (runtime vocab parallel)
         if arch and tp > 1 and tp_violations(arch, tp):      # heads, kv heads, widths, vocab (legality.py)
             pruned["tp does not divide heads/kv heads/hidden/ffn/vocab"] += layout_total
+            continue
+        if tp > 1 and split_violations(profile.tp_splits, tp):   # a split width of the TP plan (case C7)
+            pruned["tp does not divide a split width of the TP plan"] += layout_total
             continue
         if not arch and tp > 1 and any(b.num_params and b.num_params < tp for b in profile.blocks):
             pruned["tp larger than a layer"] += layout_total

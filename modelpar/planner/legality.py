@@ -35,3 +35,31 @@ def check_tp_degree(arch: dict, tp: int) -> None:
     if bad:
         raise ValueError(f"tensor parallel degree tp={tp} does not divide the model's {'; '.join(bad)}: "
                          f"each rank must hold whole heads and an equal share of each split dimension")
+
+
+def tp_splits(model, styles: dict[str, str]) -> tuple[tuple[str, str, int], ...]:
+    """``(module path, dimension, size)`` of every dimension the TP plan ``styles`` (``{path: "colwise" |
+    "rowwise"}``, `modelpar.parallel.tensor.tp_kinds` of the runtime's derived plan) splits: an
+    ``nn.Linear``'s ``out_features`` (colwise) or ``in_features`` (rowwise), an ``nn.Embedding``'s
+    ``num_embeddings``, a GPT-2 ``Conv1D``'s ``nf`` / ``nx``. Reads module attributes only (meta models
+    included). For any model, where ``arch`` holds no shape facts (case C7: a user's Linear chain)."""
+    import torch.nn as nn
+
+    mods, out = dict(model.named_modules()), []
+    for path, kind in styles.items():
+        m = mods.get(path)
+        if isinstance(m, nn.Linear):
+            dim = "out_features" if kind == "colwise" else "in_features"
+        elif isinstance(m, nn.Embedding):
+            dim = "num_embeddings"
+        elif type(m).__name__ == "Conv1D" and hasattr(m, "nf"):
+            dim = "nf" if kind == "colwise" else "nx"
+        else:
+            continue
+        out.append((path, dim, int(getattr(m, dim))))
+    return tuple(out)
+
+
+def split_violations(splits, tp: int) -> list[str]:
+    """The entries of `tp_splits` that ``tp`` does not divide, as ``"path.dim=size"`` ([] if none)."""
+    return [f"{p}.{d}={n}" for p, d, n in splits if tp > 1 and n % tp]

@@ -42,6 +42,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.module_tracker import ModuleTracker
 
 from modelpar.plan import CORE_ATTR
+from modelpar.planner.legality import tp_splits
 from modelpar.planner.profile_ops import (_FLOP_FORMULAS, _FlashAttention, _hook_partial_grads,  # noqa: F401
                                           _Lifetimes, _nbytes, _OpCounter, _Outside, count_elementwise_bytes,
                                           tied_copies)
@@ -135,6 +136,7 @@ class ModelProfile:
     batch_size: int             # samples in the profiled input
     tokens_per_sample: int      # sequence length for token models, 1 otherwise
     arch: dict[str, int] = dataclasses.field(default_factory=dict)
+    tp_splits: tuple[tuple[str, str, int], ...] = ()   # dims the derived TP plan splits (legality.tp_splits)
 
     @property
     def num_params(self) -> int:
@@ -159,7 +161,7 @@ class ModelProfile:
                                             "tied_numels": tuple(tuple(x) for x in b.get("tied_numels", ())),
                                             "gemm_shapes": tuple(tuple(x) for x in b.get("gemm_shapes", ()))})
                             for b in d["blocks"])
-        return cls(**d)
+        return cls(**{**d, "tp_splits": tuple(tuple(x) for x in d.get("tp_splits", ()))})
 
 
 def default_blocks(model: nn.Module, container: str | None = None) -> list[tuple[str, nn.Module | None]]:
@@ -209,7 +211,6 @@ def _tp_styles(model: nn.Module, vocab_parallel: bool | None = None) -> dict[str
     except ValueError:
         return {}
     return tensor.tp_kinds(plan)      # Conv1D styles of HF models too (h-tp hook)
-
 
 
 def profile_model(model: nn.Module, example_input: torch.Tensor | Sequence[torch.Tensor], *,
@@ -494,4 +495,4 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
     tokens = x0.shape[1] if (x0.dim() == 2 and not x0.is_floating_point()) else 1
     return ModelProfile(blocks=tuple(rows), dtype="bf16" if dtype == torch.bfloat16 else "fp32",
                         batch_size=int(x0.shape[0]), tokens_per_sample=int(tokens),
-                        arch=_arch_of(model, int(tokens), vocab_parallel))
+                        arch=_arch_of(model, int(tokens), vocab_parallel), tp_splits=tp_splits(model, styles))

@@ -87,6 +87,11 @@ def remeasure_stale_calibration(local_ranks: int, say=print) -> bool:
     return True
 
 
+# the `ParallelPlan` fields the choice takes from the config (search settings, or kept as set); any
+# other field the config sets goes on top of the chosen plan (`modelpar.train.resolve`)
+FROM_CONFIG = ("precision", "activation_checkpointing", "ac_every", "cpu_offload", "compile")
+
+
 def choose(cfg, world_size: int, *, strategy: str = "auto", measure_if_missing: bool = True) -> Choice:
     """The planner's (``auto``) or the rules baseline's (``rules``) plan for ``cfg`` on ``world_size``
     ranks; called once, by the launcher (`modelpar.train.resolve.resolve`). ``measure_if_missing``:
@@ -108,7 +113,9 @@ def _choose(cfg, world_size: int, *, strategy: str = "auto", measure_if_missing:
 
     task = build_task(cfg, device="meta", load_data=False)
     x = example_input(task, 1).to("meta")
-    dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+    lay = cfg.layout                           # what the user set (None: unset)
+    precision = lay.precision or "fp32"
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     try:
         prof = profile_model(task.model, x, dtype=dtype)
     except Exception as e:      # noqa: BLE001 - a model the planner cannot profile: one message, a way out
@@ -122,15 +129,15 @@ def _choose(cfg, world_size: int, *, strategy: str = "auto", measure_if_missing:
     hw = hardware_for(cfg, world_size, measure_if_missing=measure_if_missing)
     if strategy == "rules":
         plan, why = rule_plan(prof, world_size, hw, global_batch_size=cfg.global_batch_size,
-                              task="language" if task.kind == "lm" else "image", precision=cfg.precision)
+                              task="language" if task.kind == "lm" else "image", precision=precision)
         local, predicted = 0, 0.0
         reason = f"rules: {why}"
     else:
         from modelpar.planner.search import AC_CHOICES, AC_EVERY_CHOICES
-        ac = AC_CHOICES if cfg.activation_checkpointing == "none" else (cfg.activation_checkpointing,)
-        every = (cfg.ac_every,) if cfg.activation_checkpointing == "every-k" else AC_EVERY_CHOICES
+        ac = AC_CHOICES if lay.activation_checkpointing in (None, "none") else (lay.activation_checkpointing,)
+        every = (lay.ac_every or 1,) if lay.activation_checkpointing == "every-k" else AC_EVERY_CHOICES
         plan, rep = choose_plan(prof, world_size, hw, global_batch_size=cfg.global_batch_size,
-                                precision=cfg.precision, optimizer="adamw" if cfg.optimizer == "adamw" else "sgd",
+                                precision=precision, optimizer="adamw" if cfg.optimizer == "adamw" else "sgd",
                                 checkpointing=ac, ac_every=every)
         local = rep.ranked[0].batch.local_batch_size
         predicted = rep.ranked[0].step.samples_per_s * task.tokens_per_sample if task.kind == "lm" else 0.0
@@ -139,6 +146,6 @@ def _choose(cfg, world_size: int, *, strategy: str = "auto", measure_if_missing:
             reason += (f"; the CPU profile is uncalibrated: run `modelpar calibrate --out {calibration_path()}` "
                        f"once on this machine for measured matmul and collective speeds")
     d = plan.to_dict()
-    d.update(precision=cfg.precision, cpu_offload=cfg.cpu_offload and d.get("dp_shard", 1) > 1,
-             compile=cfg.compile)
+    d.update(precision=precision, cpu_offload=bool(lay.cpu_offload) and d.get("dp_shard", 1) > 1,
+             compile=bool(lay.compile))
     return Choice(ParallelPlan.from_dict(d), local, reason, predicted)

@@ -19,7 +19,51 @@ README gives the numbers.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import typing
 from dataclasses import dataclass
+
+from modelpar.plan import AC_MODES, PP_SCHEDULES, ParallelPlan
+
+PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(ParallelPlan))
+_PLAN_DEFAULTS = dataclasses.asdict(ParallelPlan())
+
+
+def _optional(tp):
+    return tp if type(None) in typing.get_args(tp) else tp | None
+
+
+# `PlanOptions`: every `ParallelPlan` field, optional. Made from ParallelPlan itself, so a field added
+# to the plan is a config field and a command-line flag by itself (one source of truth).
+PlanOptions = dataclasses.make_dataclass(
+    "PlanOptions", [(n, _optional(tp), dataclasses.field(default=None))
+                    for n, tp in typing.get_type_hints(ParallelPlan).items() if n in PLAN_FIELDS])
+PlanOptions.__module__ = __name__             # picklable, and named where it is defined
+PlanOptions.__doc__ = """The `ParallelPlan` fields a config sets; None: unset (from the strategy, the plan file
+    or the planner, `modelpar.train.resolve`). Fields, types and meanings: `ParallelPlan`'s."""
+
+# what an unset field means (command-line help; every other unset field: the strategy's / plan's)
+UNSET = {"n_microbatches": "unset: 2 x pp", "stage_boundaries": "unset: the planner's split, `modelpar.stage_split`",
+         "placement_devices": "unset: cuda:0,cuda:1 with 2 GPUs, else cpu,cpu",
+         "activation_checkpointing": "unset or none with --strategy auto / rules: the planner chooses any mode"}
+
+
+def plan_option_docs() -> dict[str, str]:
+    """Field -> command-line help of `PlanOptions`: `ParallelPlan`'s description and what unset means."""
+    from modelpar.cli.args import field_docs
+
+    docs = field_docs(ParallelPlan)
+    valid = {"pp_schedule": ", ".join(PP_SCHEDULES), "activation_checkpointing": ", ".join(AC_MODES)}
+    degrees = ("dp_replicate", "dp_shard", "tp", "pp")
+    out = {}
+    for n in PLAN_FIELDS:
+        text = docs.get(n, "").replace("``", "")
+        if n in valid:
+            text = f"{text} Valid: {valid[n]}."
+        unset = UNSET.get(n) or ("unset: from --strategy or --plan" if n in degrees else
+                                 f"unset: --plan's or the strategy's, else {_PLAN_DEFAULTS[n]}")
+        out[n] = f"{text} ({unset})"
+    return out
 
 
 @dataclass
@@ -74,26 +118,6 @@ class TrainConfig:
         eval_samples: validation samples per evaluation.
         seed: seed of initial weights, data order and dropout.
         threads: torch threads per rank (0: max(1, cores // local ranks)).
-        dp_replicate: data-parallel (replicated) degree (0: from strategy).
-        dp_shard: FSDP degree (0: from strategy).
-        tp: tensor-parallel degree (0: from strategy).
-        pp: pipeline-parallel degree (0: from strategy).
-        pp_schedule: gpipe, 1f1b, interleaved1f1b, loopedbfs, interleavedzerobubble, zbvzerobubble, dualpipev.
-        n_microbatches: pipeline micro-batches per local batch (0: 2 x pp).
-        virtual_stages: pipeline stages per rank (interleaved schedules).
-        stage_boundaries: first block of every stage after the first (empty: the planner's split, `modelpar.stage_split`).
-        placement_devices: devices for the placement strategy (empty: cuda:0,cuda:1 with 2 GPUs, else cpu,cpu).
-        activation_checkpointing: none, full (recompute every block), selective (recompute only each
-            block's attention core; with a fused attention kernel this frees little) or every-k
-            (recompute blocks 0, k, 2k, ... with k = ac_every). With strategy auto/rules, none lets
-            the planner choose any mode.
-        ac_every: k of activation_checkpointing=every-k (1 with the other modes).
-        defer_grad_sync: FSDP with gradient accumulation: reduce-scatter once per step on the last
-            local batch, holding unsharded fp32 gradients until then (more memory, less
-            communication); default: reduce-scatter every local batch, gradients stay sharded.
-        precision: fp32 or bf16 (bf16 compute, fp32 master weights).
-        reshard_after_forward: FSDP: free gathered parameters after forward.
-        cpu_offload: FSDP: keep shards and optimizer state in CPU memory (CUDA only).
         timeout_s: collective timeout in seconds.
         out_dir: folder for run records.
         log_every: write metrics every N steps (and at the last): only then are the losses of the steps
@@ -121,8 +145,13 @@ class TrainConfig:
         sync_batchnorm: convert BatchNorm layers to SyncBatchNorm over the data-parallel group (CUDA
             only; refused before launch on CPU). Without it BatchNorm uses per-rank batch statistics
             (case C15).
-        plan_options: further ParallelPlan fields by name (e.g. {"sequence_parallel": true}); on the
-            command line each has its own flag (--sequence-parallel).
+        layout: the `ParallelPlan` fields the user set (`PlanOptions`; unset fields come from the
+            strategy, the plan file or the planner); on the command line each has its own flag
+            (``--tp 2``, ``--pp-schedule gpipe``, ``--sequence-parallel``, ...).
+
+    The constructor also takes plan fields by name, the flat form of configs written before
+    ``layout`` (``TrainConfig(strategy="custom", tp=2)``, ``plan_options={...}``): they go into
+    ``layout`` (`_set_fields`, which says how their old 'unset' values read).
     """
 
     model: str = "gpt-1m"
@@ -151,21 +180,6 @@ class TrainConfig:
     eval_samples: int = 128
     seed: int = 0
     threads: int = 0
-    dp_replicate: int = 0
-    dp_shard: int = 0
-    tp: int = 0
-    pp: int = 0
-    pp_schedule: str = "1f1b"
-    n_microbatches: int = 0
-    virtual_stages: int = 1
-    stage_boundaries: list[int] = dataclasses.field(default_factory=list)
-    placement_devices: list[str] = dataclasses.field(default_factory=list)
-    activation_checkpointing: str = "none"
-    ac_every: int = 1
-    defer_grad_sync: bool = False
-    precision: str = "fp32"
-    reshard_after_forward: bool = True
-    cpu_offload: bool = False
     timeout_s: float = 60.0
     out_dir: str = "runs"
     log_every: int = 1
@@ -177,10 +191,63 @@ class TrainConfig:
     keep_last: int = 3
     async_ckpt: bool = False
     hardware: str = ""
-    compile: bool = False
     check_unused_params: bool = True
     sync_batchnorm: bool = False
-    plan_options: dict = dataclasses.field(default_factory=dict)
+    layout: PlanOptions = dataclasses.field(default_factory=lambda: PlanOptions())
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Every field; ``layout`` as a dict of every `ParallelPlan` field (None: unset), lists for
+        tuples (YAML / JSON)."""
+        d = dataclasses.asdict(self)
+        d["layout"] = {k: list(v) if isinstance(v, tuple) else v for k, v in d["layout"].items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict, *, where: str = "config") -> "TrainConfig":
+        """A config from `to_dict`'s form, or from the flat form of configs written before the
+        ``layout`` field (``tp: 0``, ``pp_schedule: 1f1b``, ``plan_options: {...}``; see `TrainConfig`).
+
+        Raises:
+            ValueError: keys that are neither config nor plan fields (naming them).
+        """
+        known = {f.name for f in dataclasses.fields(cls)} | set(PLAN_FIELDS) | {"plan_options"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{where}: unknown TrainConfig fields {unknown}")
+        return cls(**d)
+
+
+def _set_fields(kw: dict, layout, plan_options) -> "PlanOptions":
+    """The `PlanOptions` of a `TrainConfig` call: ``layout`` (a `PlanOptions` or a dict of plan
+    fields, None values unset) with the flat form's plan fields on top: those popped from ``kw``
+    (``TrainConfig(tp=2)``, a flat config file) and ``plan_options``. In the flat form a field's
+    old 'unset' values mean unset: 0 and empty lists (the old degree and list defaults) and the
+    field's `ParallelPlan` default, which the old config held for every field it mirrored."""
+    if isinstance(layout, PlanOptions):
+        base = {k: v for k, v in dataclasses.asdict(layout).items() if v is not None}
+    else:
+        base = dict(layout or {})
+        bad = sorted(set(base) - set(PLAN_FIELDS))
+        if bad:
+            raise ValueError(f"layout has unknown ParallelPlan fields {bad}; valid: {list(PLAN_FIELDS)}")
+    flat = {k: kw.pop(k) for k in PLAN_FIELDS if k in kw}
+    opts = dict(plan_options or {})
+    bad = sorted(set(opts) - set(PLAN_FIELDS))
+    if bad:
+        raise ValueError(f"plan_options has unknown ParallelPlan fields {bad}; valid: {list(PLAN_FIELDS)}")
+    for k, v in {**flat, **opts}.items():
+        if v is None or v == 0 and not isinstance(v, bool) or v in ([], ()) or v == _PLAN_DEFAULTS[k]:
+            continue
+        base[k] = v
+    return PlanOptions(**{k: base.get(k) for k in PLAN_FIELDS})
+
+
+_dataclass_init = TrainConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init(self, *args, layout=None, plan_options=None, **kw):
+    _dataclass_init(self, *args, layout=_set_fields(kw, layout, plan_options), **kw)
+
+
+TrainConfig.__init__ = _init

@@ -12,8 +12,8 @@ validate instead of resolving again. Sources, exactly one of:
 - any other shorthand (DESIGN.md): its degrees, with a degree the shorthand does not leave open being
   an error (``--strategy fsdp --tp 2``), never a silent override.
 
-Every other `ParallelPlan` field comes from the config's mirrored field of the same name or from
-``cfg.plan_options`` (one command-line flag each), so every plan field is reachable.
+Every other `ParallelPlan` field comes from ``cfg.layout`` (`modelpar.train.config.PlanOptions`: each
+plan field, None while unset; one command-line flag each), so every plan field is reachable.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import torch
 from modelpar.plan import ParallelPlan, plan_for_strategy
 
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
-PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(ParallelPlan))
 # degrees a shorthand leaves to the user (the inner axis of the two-axis shorthands, or its own axis)
 _OPEN = {"ddp": ("dp_replicate",), "fsdp": ("dp_shard",), "tp": ("tp",), "pp": ("pp",),
          "hsdp": ("dp_replicate", "dp_shard"), "ddp+tp": ("dp_replicate", "tp"), "fsdp+tp": ("dp_shard", "tp"),
@@ -49,24 +48,22 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def plan_fields(cfg) -> dict:
-    """The non-degree `ParallelPlan` fields ``cfg`` sets: mirrored config fields of the same name,
-    then ``cfg.plan_options``; values the runtime reads as tuples converted."""
-    cfg_names = {f.name for f in dataclasses.fields(cfg)}
-    out = {n: getattr(cfg, n) for n in PLAN_FIELDS
-           if n in cfg_names and n not in DEGREES + ("n_microbatches", "stage_boundaries", "placement_devices")}
-    opts = dict(getattr(cfg, "plan_options", None) or {})
-    unknown = sorted(set(opts) - set(PLAN_FIELDS))
-    if unknown:
-        raise ValueError(f"plan_options has unknown ParallelPlan fields {unknown}; valid: {list(PLAN_FIELDS)}")
-    out.update({k: v for k, v in opts.items() if k not in DEGREES})
-    if cfg.stage_boundaries:
-        out["stage_boundaries"] = tuple(cfg.stage_boundaries)
+def given_fields(cfg) -> dict:
+    """Every `ParallelPlan` field ``cfg.layout`` sets (None: unset), tuples where the plan holds them."""
+    out = {}
+    for k, v in dataclasses.asdict(cfg.layout).items():
+        if v is not None:
+            out[k] = tuple(v) if isinstance(v, list) else v
     return out
 
 
+def plan_fields(cfg) -> dict:
+    """The non-degree `ParallelPlan` fields ``cfg`` sets."""
+    return {k: v for k, v in given_fields(cfg).items() if k not in DEGREES}
+
+
 def _given_degrees(cfg) -> dict:
-    return {k: getattr(cfg, k) for k in DEGREES if getattr(cfg, k)}
+    return {k: v for k, v in given_fields(cfg).items() if k in DEGREES}
 
 
 def resolve(cfg, world_size: int, *, measure_if_missing: bool = False) -> Resolved:
@@ -89,14 +86,18 @@ def resolve(cfg, world_size: int, *, measure_if_missing: bool = False) -> Resolv
                              f"the degrees, or use --strategy custom to run exactly them")
         from modelpar.train.auto import choose
 
+        from modelpar.train.auto import FROM_CONFIG
+
         c = choose(cfg, world_size, strategy=strategy, measure_if_missing=measure_if_missing)
-        extra = {k: v for k, v in (getattr(cfg, "plan_options", None) or {}).items()
-                 if getattr(ParallelPlan(), k) != v}
-        plan = ParallelPlan.from_dict({**c.plan.to_dict(), **extra}) if extra else c.plan
+        # the fields the choice did not take from the config (FROM_CONFIG) go on top of it as given
+        extra = {k: v for k, v in plan_fields(cfg).items() if k not in FROM_CONFIG and getattr(c.plan, k) != v}
+        plan = dataclasses.replace(c.plan, **extra) if extra else c.plan
         return Resolved(plan, c.local_batch_size, c.reason, c.predicted_tokens_per_s)
     fields = plan_fields(cfg)
+    n_micro = fields.pop("n_microbatches", None)
     if strategy == "placement":
-        devs = cfg.placement_devices or (["cuda:0", "cuda:1"] if torch.cuda.device_count() >= 2 else ["cpu", "cpu"])
+        devs = fields.pop("placement_devices", None) or (
+            ("cuda:0", "cuda:1") if torch.cuda.device_count() >= 2 else ("cpu", "cpu"))
         plan = plan_for_strategy("placement", 1, placement_devices=tuple(devs), **fields)
     elif strategy == "custom":
         if not degrees:
@@ -107,7 +108,7 @@ def resolve(cfg, world_size: int, *, measure_if_missing: bool = False) -> Resolv
         _check_degrees_fit(strategy, world_size, degrees)
         plan = plan_for_strategy(strategy, world_size, **degrees, **fields)
     if plan.pp > 1:
-        plan = dataclasses.replace(plan, n_microbatches=cfg.n_microbatches or 2 * plan.pp)
+        plan = dataclasses.replace(plan, n_microbatches=n_micro or 2 * plan.pp)
     return Resolved(plan, 0, f"strategy {strategy}")
 
 
@@ -132,11 +133,8 @@ def _from_plan_file(cfg, world_size: int) -> Resolved:
     if degrees:
         raise ValueError(f"--plan {cfg.plan!r} sets the degrees; drop "
                          f"{', '.join(f'{_flag(k)} {v}' for k, v in degrees.items())}")
-    default = type(cfg)()
-    mine = plan_fields(cfg)
-    base = plan_fields(default)
-    for k, v in mine.items():                   # options set away from their default must agree
-        if v != base.get(k) and getattr(pf.plan, k) != v:
+    for k, v in plan_fields(cfg).items():       # options given must agree with the file
+        if getattr(pf.plan, k) != v:
             raise ValueError(f"{_flag(k)} {v!r} contradicts --plan {cfg.plan!r} ({k}={getattr(pf.plan, k)!r}); "
                              f"drop one")
     if pf.global_batch_size is not None and pf.global_batch_size != cfg.global_batch_size:

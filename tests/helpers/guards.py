@@ -1,5 +1,7 @@
 """The suite's guards (tests/conftest.py applies them around every test): a test not marked ``slow``
-starts no process; no test leaves a thread running (`leaked_threads`)."""
+starts no process; no test leaves a thread running (`leaked_threads`) or a process group initialised
+(`left_process_group`; no test shares one in this process: the suite's shared launches run their
+process groups in their own rank processes)."""
 
 from __future__ import annotations
 
@@ -68,3 +70,14 @@ def leaked_threads(before: set[int], grace_s: float = 2.0) -> list[str]:
         if not new or time.monotonic() > deadline:
             return [f"{t.name} ({type(t).__name__}, daemon={t.daemon})" for t in new]
         time.sleep(0.05)
+
+
+def left_process_group() -> bool:
+    """True when torch.distributed's default process group is initialised (a test left it behind);
+    it is destroyed then, so the next test starts without one. False when there is none."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    dist.destroy_process_group()
+    return True
