@@ -75,9 +75,10 @@ def _framework_seconds(ld: RankLoad, hw: Hardware) -> tuple[float, float]:
 
 
 # Whether the step model applies `Calibration.compute_contention` (`lockstep_contention`). Off: the
-# calibration-independent check (`benchmarks/compute_contention.py`, gpt-1m's one-process step alone
-# vs beside a second process, thread CPU time, 12 pairs, host load ~15 on 2 cores) read together /
-# alone 1.01 median (0.92-1.13), no ~10% slowdown; the calibration records the factor regardless.
+# step does slow beside a second one (`benchmarks/compute_contention.py`, gpt-1m one-process step,
+# thread CPU time: together / alone 1.17 / 1.14 median at load 1.6; 1.01-1.04 at load 5-15, where
+# "together" hardly overlaps), but the calibrated kernels do not show it (quiet: 1.012 x, matmuls
+# 1.00-1.03), so the factor would not price that slowdown; recorded, not applied (docs/planner.md).
 APPLY_COMPUTE_CONTENTION = False
 
 
@@ -93,7 +94,7 @@ def lockstep_contention(plan: ParallelPlan, hw: Hardware) -> float:
     different work, offset by the schedule and idle in its bubbles, the same reason `cost.step_form`
     gives them the one-rank ``mem_bandwidth_alone``; not measured for them), and for files without
     the measurement (schema < 6, GPU presets): today's numbers. 1.0 everywhere while
-    `APPLY_COMPUTE_CONTENTION` is off (the default: the evidence showed no slowdown).
+    `APPLY_COMPUTE_CONTENTION` is off (the default: the kernels do not show the step's slowdown).
 
     Measured on the 2-core AMD EPYC host kind (private 1 MiB L2 per core, one shared 32 MiB L3),
     loaded: see docs/planner.md's "compute contention" section and `benchmarks/compute_contention.py`
