@@ -86,3 +86,17 @@ def test_bench_runs_a_hugging_face_model(tmp_path, capsys):
     assert (out / "img" / "throughput-hf_llama.png").stat().st_size > 0
     assert cli.bench_main(["--models", "hf:llama,gpt-nano", "--model-config", json.dumps(cfg)]) == 2
     assert "--model-config applies to one model" in capsys.readouterr().err
+
+
+def test_blocks_and_split_points_reach_every_row():
+    """``bench --blocks / --split-points`` (the flags its pipeline skip messages name) are parsed and
+    carried into each row's training config, where `preflight` and the rank workers read them."""
+    from modelpar.bench.runner import make_rows
+
+    p = cli.build_parser()
+    args = p.parse_args(["--model", "gpt-nano", "--blocks", "blocks", "--split-points", "blocks.1"])
+    assert (args.blocks, args.split_points) == ("blocks", "blocks.1")
+    rows = make_rows("gpt-nano", ["ddp", "pp-gpipe"], nproc=2, hybrid_nproc=4, global_batch_size=8,
+                     blocks=args.blocks, split_points=args.split_points)
+    assert [(r.train_config().blocks, r.train_config().split_points) for r in rows] == [("blocks", "blocks.1")] * 2
+    assert make_rows("gpt-nano", ["ddp"], nproc=2, hybrid_nproc=4, global_batch_size=8)[0].train_config().blocks == ""

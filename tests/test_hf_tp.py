@@ -38,11 +38,28 @@ def test_unknown_hf_style_is_refused_by_name():
 def test_gqa_key_value_heads_refused_before_launch():
     m = build("llama")
     plan = tp_plan_for(m, tp_degree=4)
-    with pytest.raises(ValueError, match=r"degree 4 does not divide LlamaConfig\.num_key_value_heads=2"):
+    # the module, the dimension and the degree (issue 12 item 2): the projections the heads split
+    with pytest.raises(ValueError, match=r"degree 4 does not divide LlamaConfig\.num_key_value_heads=2: the key/value "
+                       r"projections 'hf\.model\.layers\.0\.self_attn\.k_proj', 'hf\.model\.layers\.0\.self_attn\.v_proj' "
+                       r"\(and the same in every block\)"):
         validate_tp_plan(m, plan, 4)
     plan = tp_plan_for(m, tp_degree=3)
-    with pytest.raises(ValueError, match=r"degree 3 does not divide LlamaConfig\.num_attention_heads=4"):
+    with pytest.raises(ValueError, match=r"degree 3 does not divide LlamaConfig\.num_attention_heads=4: the attention "
+                       r"projections 'hf\.model\.layers\.0\.self_attn\.q_proj' \(and the same in every block\) are "
+                       r"split by query heads; use a TP degree dividing 2"):
         validate_tp_plan(m, plan, 3)
+
+
+def test_vit_heads_refusal_names_its_projections():
+    """ViT (a derived plan): heads that the degree does not divide name q, k and v of the first block."""
+    spec, cfg = TINY["vit"]
+    from modelpar.models.hf import build_hf
+
+    m = build_hf(spec, {**cfg, "hidden_size": 30, "num_attention_heads": 5}, device="meta")
+    with pytest.raises(ValueError, match=r"degree 2 does not divide ViTConfig\.num_attention_heads=5: the attention "
+                       r"projections 'hf\.vit\.layers\.0\.attention\.q_proj', 'hf\.vit\.layers\.0\.attention\.k_proj', "
+                       r"'hf\.vit\.layers\.0\.attention\.v_proj'"):
+        validate_tp_plan(m, tp_plan_for(m, tp_degree=2), 2)
 
 
 def test_vocab_that_does_not_divide_leaves_embedding_and_head_replicated():
@@ -66,7 +83,8 @@ def test_gpt2_plan_is_derived_for_conv1d_and_fused_qkv():
     assert plan[p + "mlp.c_fc"] == hf_tp.CONV1D_COLWISE and plan[p + "mlp.c_proj"] == hf_tp.CONV1D_ROWWISE
     assert plan["hf.transformer.wte"] == ROWWISE_VOCAB and plan["hf.lm_head"] == COLWISE_VOCAB
     validate_tp_plan(m, plan, 2, seq_len=16)
-    with pytest.raises(ValueError, match=r"degree 3 does not divide GPT2Config\.num_attention_heads=4"):
+    with pytest.raises(ValueError, match=r"degree 3 does not divide GPT2Config\.num_attention_heads=4: the attention "
+                       r"projections 'hf\.transformer\.h\.0\.attn\.c_attn' \(and the same"):
         validate_tp_plan(m, tp_plan_for(m, tp_degree=3), 3)
 
 
@@ -167,6 +185,7 @@ def test_verify_refuses_tp4_on_two_kv_heads_before_launch(capsys):
     err = capsys.readouterr().err
     assert rc == 2, err
     assert "tensor parallel degree 4 does not divide LlamaConfig.num_key_value_heads=2" in err
+    assert "'hf.model.layers.0.self_attn.k_proj', 'hf.model.layers.0.self_attn.v_proj'" in err
 
 
 @pytest.mark.slow

@@ -36,7 +36,7 @@ def test_fit_alpha_beta_recovers_constants():
 # what `micro.measure_compute` returns, made up: the tests below check what calibrate does with a
 # measurement (paths, scaling, reuse); the real micro-benchmarks run in the slow
 # tests/test_planner_commands.py::test_calibrate_smoke (a whole `modelpar calibrate --nproc 2`)
-FAKE_COMPUTE = {"matmul_flops": {256: 1e11, 512: 1.2e11}, "matmul_peak": 1.3e11, "op_overhead_s": 2e-6,
+FAKE_COMPUTE = {"matmul_flops": {256: 1e11, 512: 1.2e11}, "matmul_peak": 1.3e11, "op_overhead_s": 2e-6, "dispatch_overhead_s": 3e-6,
                 "mem_bandwidth": 2e10, "attention_flops": 7e10, "fresh": {2 ** 25: 3e-10},
                 "elementwise_bw": 2e10, "zero_bubble_backward_factor": 1.1}
 
@@ -74,6 +74,7 @@ def test_calibrate_writes_default_path(tmp_path, monkeypatch, capsys, fake_compu
     hw = load_profile(target)
     assert hw.calibration.matmul_flops == FAKE_COMPUTE["matmul_flops"]
     assert hw.op_overhead_s == FAKE_COMPUTE["op_overhead_s"]
+    assert hw.calibration.dispatch_overhead_s == FAKE_COMPUTE["dispatch_overhead_s"]
     assert hw.source == "calibrated by modelpar calibrate"
 
 

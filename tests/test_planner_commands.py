@@ -27,6 +27,25 @@ def test_estimate_main_answers_fit(capsys):
     assert "ddp" in out and "yes: best plan" in out
 
 
+@pytest.mark.parametrize("factory", ["lm", "conv_classifier"])
+def test_plan_and_estimate_take_every_factory_form(factory, capsys):
+    """Both declared factory forms of docs/your-model.md: a language model (token ids of max_positions, not
+    floats of its first Linear's width: an embedding lookup failed before) and a classifier that declares
+    its shapes (refused before); its two blocks cap the pipeline's stages (the search raised "4 pipeline
+    stages but the model has only 2 blocks" on the language model before)."""
+    model = f"helpers.lm_factory:{factory}"
+    assert plan_main(["--model", model, "--nproc", "2", "--top", "3"]) == 0
+    assert "candidates considered" in capsys.readouterr().out
+    assert estimate_main(["--model", model, "--nproc", "2", "--strategy", "pp"]) == 0
+    assert "pp2(1f1b" in capsys.readouterr().out
+
+
+def test_plan_refuses_a_factory_sequence_past_its_positions(capsys):
+    with pytest.raises(ValueError, match=r"--seq-len 33 exceeds the max_positions=32 that --model "
+                                         r"'helpers\.lm_factory:lm' declares"):
+        plan_main(["--model", "helpers.lm_factory:lm", "--nproc", "2", "--seq-len", "33"])
+
+
 def _prof(name):
     """fp32, batch 1, at the preset's seq_len; the repeated blocks profiled once (`helpers.profiles`)."""
     from helpers.profiles import gpt_profile

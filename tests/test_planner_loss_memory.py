@@ -93,6 +93,83 @@ def test_planner_charges_traced_bytes_per_logit_at_the_loss(precision):
     assert (a2 - a1) / (4096 * tokens) == pytest.approx(PER_LOGIT[precision], abs=0.05)
 
 
+class _LiveLocal(_Live):
+    """`_Live` under DTensor: DTensor ops desugar first (as MemTracker lets them), only local tensors count
+    (sharding propagation's fake tensors and functional collectives' wrappers have no storage to read)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._guards import active_fake_mode
+        from torch.distributed.tensor import DTensor
+
+        if any(t is DTensor for t in types):
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        if active_fake_mode() is not None:
+            return out
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+                st = t.untyped_storage()
+                try:
+                    k = st.data_ptr()
+                except RuntimeError:        # a functional collective's wrapper: no storage of its own
+                    continue
+                if k not in self.live and st.nbytes():
+                    self.live[k] = st.nbytes()
+                    self.cur += st.nbytes()
+                    weakref.finalize(st, self._free, k)
+        self.peak = max(self.peak, self.cur)
+        return out
+
+
+def _peak_loss_parallel(vocab: int, tokens: int, precision: str, hidden: int = 16) -> int:
+    """`_peak` with the head colwise over the vocabulary on 2 ranks of a fake process group (collectives
+    are no-ops, shapes are a rank's) and the loss under torch's loss_parallel, as modelpar's TP runs it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        torch.manual_seed(0)
+        head = nn.Linear(hidden, vocab, bias=False)
+        parallelize_module(head, init_device_mesh("cpu", (2,)), ColwiseParallel(use_local_output=False))
+        x = torch.randn(1, tokens, hidden, requires_grad=True)
+        y = torch.randint(0, vocab, (1, tokens))
+        mode = _LiveLocal()
+        with mode, loss_parallel():
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                out = head(x)
+                loss = lm_loss(out, y)
+            loss.backward()
+        del out
+        return mode.peak
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_loss_parallel_peak_holds_one_more_logit_tensor(precision):
+    """Under TP the loss runs on vocab-sharded logits (torch's loss_parallel), whose fused backward holds
+    zeros_like(x), exp(x) and their sum beside the saved log-softmax: 4 B more per local logit than one
+    process (traced: fp32 20, bf16 18). The planner's loss moment at tp=2 grows by the same per local
+    logit (before: PER_LOGIT, 16 / 14: hf-llama's TP + SP row was 0.92 MiB under the measured peak)."""
+    tokens, hidden = 256, 16
+    d = _peak_loss_parallel(4096, tokens, precision, hidden) - _peak_loss_parallel(2048, tokens, precision, hidden)
+    traced = d / (2048 // 2 * tokens)
+    assert traced == pytest.approx(PER_LOGIT[precision] + 4, abs=0.5)
+
+    def loss_bytes(vocab):
+        cfg = GPTConfig(vocab_size=vocab, seq_len=64, n_layer=1, n_head=2, d_model=32)
+        prof = profile_model(build_gpt(cfg, device="meta", seed=None),
+                             torch.zeros(1, cfg.seq_len, dtype=torch.long, device="meta"))
+        e = estimate_memory(prof, ParallelPlan(tp=2, precision=precision), Batch(8, 8), optimizer="sgd")
+        return e.phase, e.activations - (e.params / 2 if precision == "bf16" else 0.0)
+    (ph1, a1), (ph2, a2) = loss_bytes(4096), loss_bytes(8192)
+    assert ph1 == ph2 == "loss"
+    assert (a2 - a1) / (4096 // 2 * 64 * 8) == pytest.approx(PER_LOGIT[precision] + 4, abs=0.05)
+
+
 def test_activation_dtype_loss_keeps_the_old_charge():
     """``fp32_loss=False`` (a loss at the activation dtype, e.g. Megatron-LM's in-place vocab-parallel
     cross entropy): 4 x 2 B per logit under bf16."""

@@ -173,7 +173,9 @@ def test_the_planner_charges_the_runtime_layout(monkeypatch):
 
     prof, _ = profile_for("gpt-nano", {}, 16, "fp32")
     plan = ParallelPlan(dp_replicate=2, tp=2)
-    batch = memory.Batch(8, 4)
+    # two local batches: the peak (the loss's backward, torch's loss_parallel under TP) comes after the
+    # first local batch stored its gradients, which replicate holds in tensors of their own
+    batch = memory.Batch(8, 2)
     hw = BUILTIN["H100-80GB-SXM"]
     mem = memory.estimate_memory(prof, plan, batch)
     step = cost.estimate_step(prof, plan, batch, hw)

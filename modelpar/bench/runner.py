@@ -68,6 +68,8 @@ class RowSpec:
     seed: int = 0
     note: str = ""
     model_config: dict = field(default_factory=dict)   # --model-config overrides (GPT preset or HF config)
+    blocks: str = ""                 # --blocks: the block container's path (empty: found)
+    split_points: str = ""           # --split-points: block paths that start a pipeline stage
 
     @property
     def row_id(self) -> str:
@@ -83,12 +85,13 @@ class RowSpec:
                            global_batch_size=self.global_batch_size, seq_len=self.seq_len, steps=max(1, self.steps),
                            threads=self.threads, seed=self.seed, timeout_s=min(self.timeout_s, 120.0),
                            dropout=0.0, sample_bytes=0, eval_every=0, model_config=dict(self.model_config),
-                           **self.overrides)
+                           blocks=self.blocks, split_points=self.split_points, **self.overrides)
 
 
 def make_rows(model: str, keys, *, nproc: int, hybrid_nproc: int, global_batch_size: int, seq_len: int = 0,
               warmup: int = 2, steps: int = 5, threads: int = 1, timeout_s: float = 300.0,
-              cores: int | None = None, model_config: dict | None = None) -> list[RowSpec]:
+              cores: int | None = None, model_config: dict | None = None, blocks: str = "",
+              split_points: str = "") -> list[RowSpec]:
     """The rows of one model. Raises ValueError for an unknown row key (listing the valid ones)."""
     cores = cores or os.cpu_count() or 1
     rows = []
@@ -101,7 +104,8 @@ def make_rows(model: str, keys, *, nproc: int, hybrid_nproc: int, global_batch_s
         if n * threads > cores:
             note = f"{n} ranks x {threads} thread(s) share {cores} cores"
         rows.append(RowSpec(key, label, model, strategy, n, global_batch_size, dict(ov), seq_len, warmup, steps,
-                            threads, timeout_s, note=note, model_config=dict(model_config or {})))
+                            threads, timeout_s, note=note, model_config=dict(model_config or {}),
+                            blocks=blocks, split_points=split_points))
     return rows
 
 

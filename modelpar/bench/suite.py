@@ -62,7 +62,8 @@ def run_bench(args, out: Path, argv: list[str]) -> int:
         gbs = args.global_batch_size or DEFAULT_BATCH.get(model, 8)
         specs += make_rows(model, keys, nproc=args.nproc, hybrid_nproc=args.hybrid_nproc, global_batch_size=gbs,
                            seq_len=args.seq_len, warmup=args.warmup, steps=args.steps, threads=args.threads,
-                           timeout_s=args.timeout, model_config=args.model_config)
+                           timeout_s=args.timeout, model_config=args.model_config,
+                           blocks=args.blocks, split_points=args.split_points)
     rows_dir = out / "rows"
     rows_dir.mkdir(parents=True, exist_ok=True)
     csv_path, comm_path = out / "bench.csv", out / "comm.csv"

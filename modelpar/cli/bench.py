@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from modelpar.cli.args import add_fields, given_fields, make_parser, normalize_argv, parse
-from modelpar.cli.options import BATCH_TERMS, BatchOptions, HardwareOptions, LayoutOptions, ModelOptions
+from modelpar.cli.options import BATCH_TERMS, BatchOptions, HardwareOptions, LayoutOptions, ModelOptions, PartsOptions
 
 EXAMPLES = """examples:
   modelpar bench                                  # gpt-3m and mlp-large, 2 ranks (4 for the hybrid rows)
@@ -66,6 +66,7 @@ def build_parser():
     add_fields(p, BenchOptions, defaults={"strategies": ",".join(DEFAULT_ROWS)})
     add_fields(p, ModelOptions, defaults={"model": ""},
                docs={"model": "one model, the shared spelling of --models MODEL (empty: --models)."})
+    add_fields(p, PartsOptions)
     add_fields(p, LayoutOptions, only=("nproc",))
     add_fields(p, BatchOptions, defaults={"global_batch_size": 0},
                docs={"global_batch_size": "samples per optimizer step (0: 8; 32 for the MLPs: the rows of "

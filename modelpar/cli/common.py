@@ -48,11 +48,15 @@ def profile_for(model: str, model_config: dict, seq_len: int, precision: str, bl
         um = build_factory(model)
         if um.batch_fn is not None:
             x = um.batch_fn(0)[0][:1]
+        elif um.extra.get("task") == "lm":
+            x = torch.zeros(1, _factory_lm_seq(model, um.extra, seq_len), dtype=torch.long)
         else:
-            shapes = infer_classifier_shapes(um.model)
+            shape = um.extra.get("input_shape")
+            shapes = infer_classifier_shapes(um.model, tuple(shape) if shape else None, um.extra.get("num_classes", 0))
             if shapes is None:
-                raise ValueError(f"--model {model!r}: cannot tell its input shape (no nn.Linear); return a "
-                                 f"'batch_fn' from the factory")
+                raise ValueError(f"--model {model!r}: cannot tell its input shape (no nn.Linear); return "
+                                 f"{{'model': m, 'task': 'classify', 'input_shape': [...], 'num_classes': K}} "
+                                 f"or a 'batch_fn' from the factory")
             x = torch.zeros(1, *shapes[0])
         return (profile_model(um.model, x, dtype=dtype, blocks=default_blocks(um.model, blocks or None)),
                 f"{type(um.model).__name__} from {model}")
@@ -70,6 +74,24 @@ def profile_for(model: str, model_config: dict, seq_len: int, precision: str, bl
 
 
 HF_DEFAULT_SEQ = 2048
+
+
+def _factory_lm_seq(model: str, extra: dict, seq_len: int) -> int:
+    """Tokens per sample of a factory language model (``{"model", "task": "lm", "vocab_size",
+    "max_positions"}``, `modelpar.models.spec`): ``seq_len``, or (0) its ``max_positions``, as train's.
+
+    Raises:
+        ValueError: neither given, or ``seq_len`` beyond ``max_positions`` (naming both).
+    """
+    maxpos = extra.get("max_positions")
+    if seq_len < 0:
+        raise ValueError(f"--seq-len must be >= 0, got {seq_len}")
+    if seq_len and isinstance(maxpos, int) and seq_len > maxpos:
+        raise ValueError(f"--seq-len {seq_len} exceeds the max_positions={maxpos} that --model {model!r} declares")
+    seq = seq_len or (maxpos if isinstance(maxpos, int) else 0)
+    if seq < 1:
+        raise ValueError(f"--model {model!r}: a factory language model without 'max_positions' needs --seq-len")
+    return seq
 
 
 def hf_seq_len(name: str, cfg, seq_len: int) -> int:

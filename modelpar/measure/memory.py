@@ -56,8 +56,10 @@ HF_ONLY_2 = {"tp_sp": dict(tp=2, sequence_parallel=True)}
 # Before, activations at the activation-dominated batch: hf-llama -13.9% (13.42 vs 15.59 MiB), hf-gpt2
 # -11.0%; after: -5.9% (0.92 MiB) and -5.0%. The tensors autograd saves (a saved_tensors_hook on
 # 2 ranks, deduplicated by storage, hf-llama local batch 16 x 64) now match the model's saved bytes:
-# 10.56 MiB measured vs 10.65 predicted under TP + SP (13.07 vs 13.16 under TP), so the rest of the
-# gap (0.43 MiB under TP, 0.92 under TP + SP) is in backward temporaries, not in saved tensors.
+# 10.56 MiB measured vs 10.65 predicted under TP + SP (13.07 vs 13.16 under TP). The rest of the gap
+# (0.43 MiB under TP, 0.92 under TP + SP) was torch's loss_parallel backward, which holds one more
+# logits-sized tensor than one process (`memory.memory_form`'s ``loss_n``): after, activations (total)
+# hf-llama tp +0.4% (+0.4%), tp_sp +0.5% (+0.4%); hf-gpt2 tp -0.1%, tp_sp -0.2%; gpt-nano tp -6.5% -> -0.3%.
 HF_STRATEGIES_2 = ("ddp", "fsdp", "tp", "tp_sp", "pp_gpipe", "pp_1f1b")
 PARTS = ("params", "grads", "optimizer", "activations", "total")
 

@@ -34,6 +34,8 @@ et al. 2022, Sec. 4.2.2.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 
@@ -278,11 +280,13 @@ def check_hf_tp(model: nn.Module, tp_plan: dict[str, str], tp_degree: int, *, se
         hname = "num_attention_heads"
         if f.heads % tp_degree:
             raise ValueError(f"tensor parallel degree {tp_degree} does not divide {cname}.{hname}={f.heads}: "
-                             f"the attention projections are split by query heads")
+                             f"the attention projections {_head_split_modules(model, tp_plan, f.heads, f.heads)} "
+                             f"are split by query heads; use a TP degree dividing {math.gcd(f.heads, f.kv_heads or f.heads)}")
         if f.kv_heads is not None and f.kv_heads % tp_degree:
             raise ValueError(f"tensor parallel degree {tp_degree} does not divide {cname}.num_key_value_heads="
-                             f"{f.kv_heads}: the key/value projections are split by key/value heads (GQA); "
-                             f"use a TP degree dividing {f.kv_heads}")
+                             f"{f.kv_heads}: the key/value projections "
+                             f"{_head_split_modules(model, tp_plan, f.heads, f.kv_heads)} are split by key/value "
+                             f"heads (GQA); use a TP degree dividing {f.kv_heads}")
     if T.SEQ_NORM in tp_plan.values() and seq_len is not None and seq_len % tp_degree:
         raise ValueError(f"sequence parallel: tensor parallel degree {tp_degree} does not divide the sequence "
                          f"length seq_len={seq_len}")
@@ -299,6 +303,29 @@ def check_hf_tp(model: nn.Module, tp_plan: dict[str, str], tp_degree: int, *, se
             if n % tp_degree or (style == CONV1D_COLWISE_QKV and n % (3 * tp_degree)):
                 raise ValueError(f"tensor parallel degree {tp_degree} does not divide {path}.{dim}={n} "
                                  f"({style} split of Conv1D(nf={m.nf}, nx={m.nx}))")
+
+
+def _head_split_modules(model: nn.Module, tp_plan: dict[str, str], heads: int, split_heads: int) -> str:
+    """The colwise attention projections of the first repeated block that ``split_heads`` heads split (of
+    ``heads`` query heads: the key/value ones under GQA have ``split_heads / heads`` of the query
+    width), as ``'a', 'b' (and the same in every block)`` for a refusal; the plan's colwise entries of
+    that block when none is found by width."""
+    from modelpar.parallel.parts import find_blocks
+
+    try:
+        _, blocks = find_blocks(model)
+        first = blocks[0][0] + "."
+    except ValueError:
+        first = ""
+    modules = dict(model.named_modules())
+    cols = [p for p, s in tp_plan.items() if p.startswith(first) and s in (T.COLWISE, CONV1D_COLWISE_QKV)
+            and _dims(modules.get(p)) is not None]
+    attn = [p for p in cols if "attn" in p.rsplit(".", 1)[0].lower() or "attention" in p.rsplit(".", 1)[0].lower()]
+    widths = {p: _dims(modules[p])[1] // (3 if tp_plan[p] == CONV1D_COLWISE_QKV else 1) for p in attn}
+    q = max(widths.values(), default=0)
+    named = [p for p in attn if widths[p] * heads == q * split_heads] or attn or cols
+    more = " (and the same in every block)" if first and len(blocks) > 1 else ""
+    return ", ".join(repr(p) for p in named) + more
 
 
 # ---- the fused q|k|v permutation ------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """The search's layouts and their candidates: `layouts` walks every (degrees, schedule) of a search
 with the layout-level prunes, and `evaluate_group` evaluates one (micro-batch size, micro-batch
 count) group of a layout (its checkpointing modes and deferred-sync variants) as `search.search_plans`
-always has, appending each fitting candidate. The full ranking evaluates every group in enumeration
-order; the top-k mode (`topk.top_candidates`) evaluates them in increasing order of a lower bound on
-their step time. Both use these functions, so both see the same candidates with the same numbers
+always has, appending each fitting candidate (`fitting_variants`: the memory test, then
+`StepForm.at`). The full ranking evaluates every group in enumeration order; the top-k mode
+(`topk.top_candidates`) takes one checkpointing mode and variant at a time (`fitting_variants`
+with ``stop``, `step_parts`) in increasing order of a lower bound on their step time. Both use these functions, so both see the same candidates with the same numbers
 (the memo tables are pure: a value does not depend on which candidate filled it first).
 """
 
@@ -167,14 +168,16 @@ def can_defer(S: Search, L: Layout, acc: int) -> bool:
     return S.defer_grad_sync and L.ds > 1 and L.pp == 1 and acc > 1
 
 
-def evaluate_group(S: Search, L: Layout, b: int, m: int, acc: int, batch: Batch, ranked: list, keys: list) -> None:
-    """Evaluate the candidates of group (b, m) of layout ``L``: append each fitting one to ``ranked``
-    and its (step total, memory total) to ``keys``, in the order of the full enumeration. The caller
-    has counted the group's considered candidates and checked `group_pruned`."""
-    pruned, budget, hw, profile, cache = S.rep.pruned, S.budget, S.hw, S.profile, S.cache
+def fitting_variants(S: Search, L: Layout, b: int, m: int, acc: int, stop: int | None = None,
+                     count_from: int = 0) -> list:
+    """The fitting candidates of group (b, m) of layout ``L`` before their step time: (mode index in
+    ``S.ac_opts``, variant (0, or 1: the deferred sync), plan, memory estimate, memory total) in the
+    order of the full enumeration, for the modes up to index ``stop`` (None: every mode); prunings
+    are counted in ``S.rep.pruned`` for the modes from index ``count_from`` on (the top-k mode asks
+    for one mode at a time). The memory tables are memoized, so asking again repeats no estimate."""
+    pruned, budget = S.rep.pruned, S.budget
     core_bound, neg_bound, in_bound = L.bounds
     reps, every_rank, flights, flights_k, mem_args = L.reps, L.every_rank, L.flights, L.flights_k, L.mem_args
-    gbs, flops, candidate = S.global_batch_size, S.flops, S.candidate
     # checkpointing modes, by increasing recompute: any that recomputes is dominated where "none"
     # fits; every-k (larger k first) and full form a chain in which the first that fits dominates the
     # rest. Modes that cannot fit are skipped by the bounds of `search._ac_bounds` (exact: never a
@@ -183,21 +186,25 @@ def evaluate_group(S: Search, L: Layout, b: int, m: int, acc: int, batch: Batch,
     per = 2 if defer else 1
     fits_none = chain_fit = False
     none_over = full_res = None
-    for ac, k in S.ac_opts:
+    out = []
+    for j, (ac, k) in enumerate(S.ac_opts):
+        if stop is not None and j > stop:
+            break
+        cnt = per if j >= count_from else 0
         if ac != "none" and fits_none:
-            pruned["dominated (fits without checkpointing)"] += per
+            pruned["dominated (fits without checkpointing)"] += cnt
             continue
         if chain_fit and ac in ("every-k", "full"):
-            pruned["dominated (less recompute fits)"] += per
+            pruned["dominated (less recompute fits)"] += cnt
             continue
         if ac == "selective" and none_over is not None and none_over > m * b * core_bound:
-            pruned["activations exceed memory"] += per
+            pruned["activations exceed memory"] += cnt
             continue
         if ac == "every-k" and S.has_full:
             if full_res is None:
                 full_res = _plan_memory(L.plan(S, m, "full", 1, False), reps, b, acc, flights, *mem_args)
             if full_res[1] - budget > b * (m * neg_bound + in_bound):
-                pruned["activations exceed memory"] += per
+                pruned["activations exceed memory"] += cnt
                 continue
         plan = L.plans.get((m, ac, k, False)) or L.plan(S, m, ac, k, False)
         # every-k: every pipeline rank (the representatives bound the others only where all stages
@@ -207,22 +214,38 @@ def evaluate_group(S: Search, L: Layout, b: int, m: int, acc: int, batch: Batch,
         mem, mem_total = (full_res if (ac == "full" and full_res is not None)
                           else _plan_memory(plan, ranks, b, acc, fl, *mem_args))
         if mem_total > budget:
-            pruned["activations exceed memory"] += per
+            pruned["activations exceed memory"] += cnt
             if ac == "none":
                 none_over = mem_total - budget
             continue
         fits_none = fits_none or ac == "none"
         chain_fit = chain_fit or ac in ("every-k", "full")
-        variants = [(plan, mem, mem_total)]
+        out.append((j, 0, plan, mem, mem_total))
         if defer:           # more memory than the plan without it: only if that fits
             dplan = L.plan(S, m, ac, k, True)
             dmem, dtot = _plan_memory(dplan, ranks, b, acc, fl, *mem_args)
             if dtot > budget:
-                pruned["activations exceed memory"] += 1
+                pruned["activations exceed memory"] += 1 if j >= count_from else 0
             else:
-                variants.append((dplan, dmem, dtot))
-        for pl, mm, mt in variants:
-            parts = L.form(S, pl, ac == "every-k").at(pl, b, acc)
-            st = _finish(parts, profile, pl, gbs, flops, cache)
-            ranked.append(candidate(pl, batch, mm, st))
-            keys.append((st.total, mt))
+                out.append((j, 1, dplan, dmem, dtot))
+    return out
+
+
+def step_parts(S: Search, L: Layout, plan: ParallelPlan, b: int, acc: int) -> tuple[dict, float]:
+    """`cost.StepForm.at`'s parts of ``plan`` (a plan of ``L``) at (b, accumulation) and their
+    `StepEstimate.total`: the same sum in the same order, so bitwise the same float."""
+    p = L.form(S, plan, plan.activation_checkpointing == "every-k").at(plan, b, acc)
+    return p, (p["compute"] + p["recompute"] + p["tp_comm"] + p["pp_comm"] + p["dp_comm"] + p["bubble"]
+               + p["optimizer"])
+
+
+def evaluate_group(S: Search, L: Layout, b: int, m: int, acc: int, batch: Batch, ranked: list, keys: list) -> None:
+    """Evaluate the candidates of group (b, m) of layout ``L``: append each fitting one to ``ranked``
+    and its (step total, memory total) to ``keys``, in the order of the full enumeration. The caller
+    has counted the group's considered candidates and checked `group_pruned`."""
+    profile, cache, gbs, flops, candidate = S.profile, S.cache, S.global_batch_size, S.flops, S.candidate
+    for j, _, pl, mm, mt in fitting_variants(S, L, b, m, acc):
+        parts = L.form(S, pl, pl.activation_checkpointing == "every-k").at(pl, b, acc)
+        st = _finish(parts, profile, pl, gbs, flops, cache)
+        ranked.append(candidate(pl, batch, mm, st))
+        keys.append((st.total, mt))

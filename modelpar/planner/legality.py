@@ -42,10 +42,12 @@ def tp_splits(model, styles: dict[str, str]) -> tuple[tuple[str, str, int], ...]
     "rowwise"}``, `modelpar.parallel.tensor.tp_kinds` of the runtime's derived plan) splits: an
     ``nn.Linear``'s ``out_features`` (colwise) or ``in_features`` (rowwise), an ``nn.Embedding``'s
     ``num_embeddings``, a GPT-2 ``Conv1D``'s ``nf`` / ``nx``. Reads module attributes only (meta models
-    included). For any model, where ``arch`` holds no shape facts (case C7: a user's Linear chain)."""
+    included). For any model, where ``arch`` holds no shape facts (case C7: a user's Linear chain). One
+    entry per (dimension, size), naming the first module that has it: the divisibility test depends on the
+    sizes only, and the list stays as long as one block's (not one entry per module of every layer)."""
     import torch.nn as nn
 
-    mods, out = dict(model.named_modules()), []
+    mods, out, seen = dict(model.named_modules()), [], set()
     for path, kind in styles.items():
         m = mods.get(path)
         if isinstance(m, nn.Linear):
@@ -56,7 +58,10 @@ def tp_splits(model, styles: dict[str, str]) -> tuple[tuple[str, str, int], ...]
             dim = "nf" if kind == "colwise" else "nx"
         else:
             continue
-        out.append((path, dim, int(getattr(m, dim))))
+        size = int(getattr(m, dim))
+        if (dim, size) not in seen:     # the first module of each width stands for the others, so a
+            seen.add((dim, size))       # profile of one block repeated lists what a full one does
+            out.append((path, dim, size))
     return tuple(out)
 
 

@@ -96,6 +96,7 @@ class RankLoad:
     fwd_calls: float = 0.0
     tp_collectives: int = 0        # TP all-reduces in one forward of the rank's blocks
     is_last: bool = False          # holds the model's last block (logits and loss)
+    loss_parallel: bool = False    # the last stage's loss runs on vocab-sharded logits (TP)
     max_param: float = 0.0         # largest parameter tensor (elements, TP applied)
     num_tensors: int = 0           # parameter tensors (optimizer kernels are launched per tensor on CPU)
     opt_temp: float = -1.0         # elements of the single-tensor AdamW step transient (`_adamw_temp`);
@@ -468,4 +469,5 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
     head_sharded = profile.blocks[-1].tp_sharded_params > 0 or bool(profile.arch.get("vocab_parallel"))
     last.logits = 2 * profile.blocks[-1].output_bytes * scale / bs / (t if (sp or head_sharded) else 1)
     last.out = last.logits / 2
+    last.loss_parallel = t > 1 and (sp or head_sharded)
     return loads

@@ -261,7 +261,7 @@ class MemoryForm:
 
     __slots__ = ("ld", "cache", "fsdp", "ws", "P", "params", "grads", "opt", "data", "work", "ac", "S", "pp",
                  "last", "out", "rafw", "recv_mult", "comm_add", "ddp_view", "sharded_layout", "cast_cache",
-                 "root_g", "po", "pgo_d", "pgos_d", "key0", "keep", "step_tmp", "gloo", "loss_out")
+                 "root_g", "po", "pgo_d", "pgos_d", "key0", "keep", "step_tmp", "gloo", "loss_out", "loss_n")
 
     def at(self, b: int, m: int, accumulation: int, W: float, pp_rank: int,
            overhead_bytes: float) -> MemoryEstimate:
@@ -323,7 +323,7 @@ class MemoryForm:
                 # the loss's backward (logits in ``held``): log-softmax (saved) and the gradients of both
                 # (``loss_out``); FSDP has gathered nothing for backward yet (the root's pre-backward
                 # hook, which starts the first unit's all-gather, fires when the logits' gradient is complete)
-                tot = base + bS + 3 * bls
+                tot = base + bS + self.loss_n * bls
                 if tot > best_total:
                     best_total, best = tot, (held, g0, gath0, prev, None)
             # the block / reduce moments, as totals b * A + K + G / dp_shard (see `_projections`)
@@ -347,7 +347,7 @@ class MemoryForm:
         held, g0, gath0, prev, c = best
         acts = data + self.cast_cache + held
         if c is None:
-            return params, g0, opt, acts + bS + 3 * bls, gath0, comm_persist, "loss"
+            return params, g0, opt, acts + bS + self.loss_n * bls, gath0, comm_persist, "loss"
         kind, (gK, gG, aA, aK, tK, cK, cG) = c
         return (params, g0 + gK + gG * ws, opt, acts + aA * b + aK, gath0 + tK, comm_persist + cK + cG * ws,
                 kind)
@@ -398,6 +398,10 @@ def memory_form(ld: RankLoad, plan: ParallelPlan, *, optimizer: str, global_batc
     # peak (``_log_softmax_backward_data``) per logit: fp32 4 + 3 x 4 B, bf16 2 + 3 x 4 B
     # (tests/test_planner_loss_memory.py). ``fp32_loss=False``: a loss at the activation dtype.
     f.loss_out = ld.out * (2.0 if (fp32_loss and bf16) else 1.0)
+    # logits-sized tensors beside the logits at the loss's backward peak: 3 in one process; 4 under torch's
+    # loss_parallel, whose backward (tensor/parallel/loss.py `_nll_loss_and_log_softmax_backward`: ``(zeros_like(x)
+    # + exp(x)) * grad``) holds zeros, exp and sum (tests/test_planner_loss_memory.py); Megatron's in-place loss: 3
+    f.loss_n = 4.0 if (ld.loss_parallel and fp32_loss) else 3.0
     f.rafw = rafw = plan.reshard_after_forward
     # buffers that live through the whole step: torch.distributed.pipelining's receive buffers, one
     # per micro-batch and stage (activations on non-first stages, gradients on non-last stages;

@@ -150,8 +150,9 @@ class _Lifetimes:
 # not counted among a profile's calls (`BlockProfile.fwd_calls`) nor the calibration's
 # (`modelpar.calibrate.micro.count_calls`): the profile's stand-in parameters and saved-tensor
 # hooks add detaches a real step does not make (gpt-1m: 166 profiled, 77 real; every other call
-# agrees, 481 both)
-UNCOUNTED_CALLS = ("detach",)
+# agrees, 481 both); ``prim::device``, a metadata query that reaches a dispatch mode only for tensor
+# subclasses (the FakeTensors of a real-weights profile), not in a real step nor on meta
+UNCOUNTED_CALLS = ("detach", "device")
 
 
 class _OpCounter(TorchDispatchMode):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from modelpar.plan import AC_MODES, PP_SCHEDULES, ParallelPlan
 from modelpar.planner.cost import StepEstimate
 from modelpar.planner.hardware import Hardware
+from modelpar.planner.loads import _has_ends
 from modelpar.planner.layouts import Search, can_defer, evaluate_group, group_pruned, layouts
 from modelpar.planner.memo import PlannerCache
 from modelpar.planner.memory import OPTIMIZER_BYTES, Batch, MemoryEstimate
@@ -77,8 +78,9 @@ class SearchReport:
     With ``top_k`` (`search_plans`' top-k mode) ``ranked`` holds the first ``top_k`` of the full
     ranking only, ``pruned`` counts the layouts pruned whole and what the evaluated groups pruned, and
     ``topk_stats`` the work: (layout, micro-batch size, micro-batch count) groups bounded
-    (``groups``) and evaluated (``evaluated``), and the fitting candidates found in them
-    (``fitting``, a lower bound on the number that fit)."""
+    (``groups``) and with a candidate's memory estimated (``evaluated``), candidates whose step time
+    was computed (``timed``), and the fitting candidates found (``fitting``, a lower bound on the
+    number that fit)."""
 
     num_devices: int
     considered: int = 0
@@ -108,7 +110,8 @@ class SearchReport:
             st = self.topk_stats
             return (f"{self.considered} candidates considered on {self.num_devices} devices; best "
                     f"{len(self.ranked)} of >= {st['fitting']} feasible, exact (evaluated {st['evaluated']} of "
-                    f"{st['groups']} candidate groups in order of a lower bound on step time; "
+                    f"{st['groups']} candidate groups, {st['timed']} step times, in order of a lower bound "
+                    f"on step time; "
                     f"{self.num_pruned} pruned so far: {reasons})")
         return (f"{self.considered} candidates considered on {self.num_devices} devices, "
                 f"{self.num_pruned} pruned ({reasons}), {len(self.ranked)} feasible")
@@ -262,8 +265,9 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
     budget = hw.memory_bytes * memory_fraction
     foreach = hw.kind != "cpu"             # torch's optimizers use foreach kernels on accelerators
     gloo = hw.kind == "cpu"                # CPU ranks communicate over gloo (its reduce-scatter copies)
-    arch = profile.arch
-    num_layers = len(profile.blocks) - 2 if arch and len(profile.blocks) >= 3 else len(profile.blocks)
+    # the blocks a pipeline can split: without the input / output parts where the profile has them (a
+    # transformer's, or `profile.default_blocks`' embed / head of a model with found blocks: `loads._has_ends`)
+    num_layers = len(profile.blocks) - 2 if _has_ends(profile) else len(profile.blocks)
     rep = SearchReport(num_devices)
     cache = PlannerCache(profile, hw)        # the memo tables of this search (`memo.PlannerCache`)
     bad = [s for s in schedules if s not in PP_SCHEDULES] + [a for a in checkpointing if a not in AC_MODES]

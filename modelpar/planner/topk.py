@@ -1,29 +1,51 @@
 """The search's exact top-k mode (`search.search_plans(..., top_k=K)`): the first K candidates of
 the full ranking, in its order and with its numbers, without evaluating every candidate.
 
-Every (layout, micro-batch size b, micro-batch count m) group gets a lower bound on the step time of
-each candidate it can produce (any checkpointing mode, deferred sync or not: `step_lower_bound`);
-groups are evaluated exactly (`layouts.evaluate_group`: memory, then step time of the fitting
-candidates) in increasing order of that bound, and the walk stops once K fitting candidates are known
-and the K-th of them (in the full ranking's order: step total, then memory total, then enumeration
-order) is strictly faster than the next group's bound: every candidate not evaluated is then strictly
-slower than the K-th, so it ranks after it in the full ranking too.
+A best-first walk (`top_candidates`) over a heap of lower bounds that tighten in stages: every
+(layout, micro-batch size b, micro-batch count m) group enters at `step_lower_bound` (any
+checkpointing mode, deferred sync or not); popped, the memory of its plan without checkpointing
+splits it into the modes that can still produce candidates, each at `mode_lower_bound`; a mode
+popped gets its exact step total (per variant: deferred sync or not), and only a variant popped at
+its exact total has its memory checked (`layouts.fitting_variants`, the full ranking's own test).
+The walk stops once K fitting candidates are known and the K-th of them (in the full ranking's
+order: step total, then memory total, then enumeration order) is strictly faster than the lowest
+key left: every candidate not found is then strictly slower than the K-th, so it ranks after it in
+the full ranking too.
 """
 
 from __future__ import annotations
 
 from bisect import insort
-from heapq import heapify, heappop, heapreplace
+from heapq import heapify, heappop, heappush
 
 from modelpar.planner.formulas import bubble_fraction, fill_drain_from_sums
 from modelpar.planner.grid import plan_memory as _plan_memory
-from modelpar.planner.layouts import Layout, Search, can_defer, evaluate_group, group_pruned
+from modelpar.planner.cost import _finish
+from modelpar.planner.layouts import Layout, Search, can_defer, fitting_variants, group_pruned, step_parts
 
 # relative slack taken off every bound: the bound and the exact total are different float sums of
 # the same non-negative terms (tens of additions and products, each rounded by at most 2^-53
 # relative), so the bound computed in floats can exceed its exact value by ~1e-14 relative at most;
 # 1e-9 keeps it below every exact total it bounds
 _SLACK = 1e-9
+
+
+def _copy_terms(form, plan, ld) -> tuple[float, float]:
+    """FSDP2's copies on the compute stream on a rank holding ``ld`` (`cost.StepForm.at`, the same
+    floats): (per micro-batch: each gather's copy-out, per step at least once: the reduce-scatter's
+    copy-in); (0, 0) where the form has none (no dp_shard, no overlap, or FSDP1's copies)."""
+    if plan.dp_shard == 1 or not form.overlap or not form.fsdp_stream_copies:
+        return 0.0, 0.0
+    wb, mem_s, root = form.wb, form.mem_s, ld.root_params
+    gathers = 2 if plan.reshard_after_forward else 1
+    return (2 * wb * (gathers * (ld.params - root) + root) / mem_s,
+            (form.wb + form.reduce_bytes) * ld.params / mem_s)
+
+
+def _copy_floor(form, plan) -> tuple[float, float]:
+    """The smallest of `_copy_terms` over the form's ranks, each part apart."""
+    terms = [_copy_terms(form, plan, ld) for ld in form.loads]
+    return min(t[0] for t in terms), min(t[1] for t in terms)
 
 
 def step_lower_bound(S: Search, L: Layout, b: int, m: int, acc: int) -> float:
@@ -46,10 +68,13 @@ def step_lower_bound(S: Search, L: Layout, b: int, m: int, acc: int) -> float:
       stage's work without checkpointing) - W = U + D of the "none" sums; for 1F1B bub >= 0 (its
       terms are sums of seconds and max(0, .)); without a pipeline 0.
     - optimizer = the slowest rank's optimizer seconds >= the smallest of the form's (``opt``).
-    - pp_comm (2 v x p2p seconds per micro-batch) and dp_comm (exposed collectives and copies, each
-      a max(0, .) or a sum of seconds; the deferred sync's part is `comms._fsdp_exposed` with the
-      reduce-scatter minus without, >= 0 as it is non-decreasing in the backward's collectives)
-      are >= 0 and dropped.
+    - dp_comm = the exposed collectives and copies: each a max(0, .) or a sum of seconds (the deferred
+      sync's part is `comms._fsdp_exposed` with the reduce-scatter minus without, >= 0 as it is
+      non-decreasing in the backward's collectives), plus, where FSDP2 copies on the compute stream
+      (`_copy_terms`: dp_shard > 1, overlap), mbs x each gather's copy-out and the reduce-scatter's
+      copy-in, every micro-batch (FSDP without a pipeline, not deferred) or once (deferred, or
+      under a pipeline): >= mbs x the smallest copy-out + the smallest copy-in over the ranks
+      (`_copy_floor`); the rest is >= 0 and dropped, as is pp_comm (2 v x p2p seconds per micro-batch).
     The sum of these is taken in floats and lowered by `_SLACK` relative, which exceeds the rounding of
     both sums, so the returned bound is <= the float total of every candidate of the group."""
     form = L.sform
@@ -63,7 +88,44 @@ def step_lower_bound(S: Search, L: Layout, b: int, m: int, acc: int) -> float:
             bub = acc * (fill[0] + fill[1])
         elif L.sched != "1f1b":
             bub = acc * bubble_fraction(L.sched, p, m, L.v) * m * w
-    return (mbs * w + bub + min(form.opt)) * (1.0 - _SLACK)
+    c_mb, c_once = _copy_floor(form, L.plan(S, m, "none", 1, False))
+    return (mbs * w + bub + min(form.opt) + mbs * c_mb + c_once) * (1.0 - _SLACK)
+
+
+def _layout_entries(S: Search, L: Layout, heap: list) -> None:
+    """Append stage-0 heap entries of every group of ``L`` that its schedule accepts
+    (`layouts.group_pruned`), each at `step_lower_bound`: the same floats, computed once per micro-batch
+    size and micro-batch count (the slowest rank's times depend on b, the plan on m only)."""
+    form = L.sform
+    p, sched, v, order = L.pp, L.sched, L.v, L.order
+    opt = min(form.opt)
+    defer_ok = S.defer_grad_sync and L.ds > 1 and p == 1          # `layouts.can_defer` less acc > 1
+    n_ac, rep = S.n_ac, S.rep
+    per_b: dict[int, tuple] = {}
+    plan_m: dict[int, object] = {}
+    c_mb, c_once = _copy_floor(form, L.plan(S, L.groups[0][1], "none", 1, False))
+    for gi, (b, m, acc, batch) in enumerate(L.groups):
+        if (L.interleaved and m % p) or (sched == "1f1b" and m < p):
+            group_pruned(S, L, m)            # counts the reason
+            continue
+        if defer_ok and acc > 1:
+            rep.considered += n_ac
+        hit = per_b.get(b)
+        if hit is None:
+            plan = plan_m.get(m)
+            if plan is None:
+                plan = plan_m[m] = L.plan(S, m, "none", 1, False)
+            _, _, t_f, t_b, t_rc, t_tp, fill = form._slowest(plan, b)
+            hit = per_b[b] = (t_f + t_b + t_rc + t_tp, fill)
+        w, fill = hit
+        mbs = acc * (m if p > 1 else 1)
+        bub = 0.0
+        if p > 1:
+            if sched == "gpipe" and fill is not None:
+                bub = acc * (fill[0] + fill[1])
+            elif sched != "1f1b":
+                bub = acc * bubble_fraction(sched, p, m, v) * m * w
+        heap.append(((mbs * w + bub + opt + mbs * c_mb + c_once) * (1.0 - _SLACK), order, gi, -1, 0, 0, L, b, m, acc, batch, None))
 
 
 def mode_lower_bound(S: Search, L: Layout, b: int, m: int, acc: int, ac: str, k: int) -> float:
@@ -75,13 +137,14 @@ def mode_lower_bound(S: Search, L: Layout, b: int, m: int, acc: int, ac: str, k:
     t_acc with work_i = t_f + t_b + t_rc + t_tp, and t_acc >= 0 (see `step_lower_bound`); bubble =
     accumulation x (`formulas.fill_drain_from_sums` of the slowest rank's sums for GPipe / 1F1B, else
     `bubble_fraction` x m x work_i): computed here exactly as `at` does; optimizer = the slowest
-    rank's, exactly. Dropped: t_acc, pp_comm and dp_comm (>= 0, see `step_lower_bound`); the deferred
-    sync changes only those. Lowered by `_SLACK` for the float sums."""
+    rank's, exactly; dp_comm >= FSDP2's copies of rank i (`_copy_terms`: mbs x the copy-out + the
+    copy-in, see `step_lower_bound`). Dropped: t_acc, pp_comm and the rest of dp_comm (>= 0, see
+    `step_lower_bound`); the deferred sync changes only those. Lowered by `_SLACK` for the float sums."""
     form = L.sform_k if ac == "every-k" else L.sform
     if form is None:
         form = L.form(S, L.plan(S, m, ac, k, False), ac == "every-k")
     plan = L.plan(S, m, ac, k, False)
-    i, _, t_f, t_b, t_rc, t_tp, fill = form._slowest(plan, b)
+    i, ld, t_f, t_b, t_rc, t_tp, fill = form._slowest(plan, b)
     p = L.pp
     mm = m if p > 1 else 1
     work = t_f + t_b + t_tp + t_rc
@@ -89,63 +152,97 @@ def mode_lower_bound(S: Search, L: Layout, b: int, m: int, acc: int, ac: str, k:
         bub = fill_drain_from_sums(L.sched, *fill, mm)
     else:
         bub = bubble_fraction(L.sched, p, mm, L.v) * mm * work
-    return (acc * mm * work + acc * bub + form.opt[i]) * (1.0 - _SLACK)
+    c_mb, c_once = _copy_terms(form, plan, ld)
+    return (acc * mm * work + acc * bub + form.opt[i] + acc * mm * c_mb + c_once) * (1.0 - _SLACK)
 
 
-def _refined(S: Search, L: Layout, b: int, m: int, acc: int, batch) -> float:
-    """The group's bound once it is known whether its plan without checkpointing fits: where it fits,
-    every other mode is dominated (`layouts.evaluate_group`), so only that mode's candidates remain;
-    where it does not, only the recomputing modes' (the smallest of their `mode_lower_bound`s)."""
+def _mode_entries(S: Search, L: Layout, b: int, m: int, acc: int) -> list[tuple[float, int]]:
+    """(bound, mode index) of each checkpointing mode the group can still produce candidates in,
+    once it is known whether its plan without checkpointing fits: where it fits, every other mode is
+    dominated (`layouts.fitting_variants`), so only that mode remains; where it does not, every
+    recomputing mode that `layouts.fitting_variants` does not rule out by the same test, each at its
+    `mode_lower_bound`."""
     opts = S.ac_opts
-    if ("none", 1) in opts:
+    if opts[0] == ("none", 1):
         plan = L.plan(S, m, "none", 1, False)
-        _, total = _plan_memory(plan, L.reps, b, acc, L.flights, *L.mem_args)     # memoized: evaluate_group reads it
+        _, total = _plan_memory(plan, L.reps, b, acc, L.flights, *L.mem_args)     # memoized: fitting_variants reads it
         if total <= S.budget:
-            return mode_lower_bound(S, L, b, m, acc, "none", 1)
-        opts = [o for o in opts if o[0] != "none"]
-    return min(mode_lower_bound(S, L, b, m, acc, ac, k) for ac, k in opts)
+            return [(mode_lower_bound(S, L, b, m, acc, "none", 1), 0)]
+        # `fitting_variants`' own test: selective cannot fit where "none" exceeds the budget by more
+        # than the attention cores it frees
+        sel_out = total - S.budget > m * b * L.bounds[0]
+        return [(mode_lower_bound(S, L, b, m, acc, ac, k), j) for j, (ac, k) in enumerate(opts)
+                if j and not (sel_out and ac == "selective")]
+    return [(mode_lower_bound(S, L, b, m, acc, ac, k), j) for j, (ac, k) in enumerate(opts)]
 
 
 def top_candidates(S: Search, layouts, k: int) -> tuple[list, list, dict]:
     """The first ``k`` candidates of the full ranking (fewer where fewer fit) and their
     (step total, memory total) keys, best first; and counts of the work done (groups bounded,
-    refined and evaluated, candidates found fitting).
+    groups split into modes (``split``), groups with a candidate's memory estimated (``evaluated``), candidates step-timed (``timed``), candidates
+    found fitting).
 
-    Each group enters a heap at `step_lower_bound`; popped the first time, its bound is refined
-    (`_refined`: needs the memory of its plan without checkpointing) and it re-enters the heap; popped
-    again, it is evaluated. A group is evaluated only when no other's bound is lower, and the walk
-    stops when the K-th best known candidate's total is below the lowest bound left."""
-    heap = []
-    n_ac = S.n_ac
-    rep = S.rep
+    A best-first walk over a heap of lower bounds, in stages (each entry's key is a lower bound on
+    the step total of every candidate it stands for, and never below its parent's):
+    0. each (layout, b, m) group at `step_lower_bound`;
+    1. popped, the group's memory without checkpointing decides which modes remain (`_mode_entries`),
+       each re-entering at its `mode_lower_bound`;
+    2. a (group, mode) popped: the step parts of its plan (and of the deferred-sync plan where the
+       group tries one) are computed, each variant re-entering at its exact step total;
+    3. a (group, mode, variant) popped: its memory decides whether it is a candidate of the full
+       ranking (`layouts.fitting_variants`, the full ranking's own test); if so it enters the best
+       list at its key (step total, memory total, layout order, group, mode, variant), the full
+       ranking's order: within a group `evaluate_group` appends candidates by mode, then variant.
+    The walk stops when the K-th best known candidate's total is below the lowest key left: every
+    candidate not yet found is then strictly slower than the K-th."""
+    heap: list[tuple] = []
     for L in layouts:
         L.form(S, L.plan(S, L.groups[0][1], "none", 1, False), False)
-        for gi, (b, m, acc, batch) in enumerate(L.groups):
-            if group_pruned(S, L, m):
-                continue
-            if can_defer(S, L, acc):
-                rep.considered += n_ac
-            heap.append((step_lower_bound(S, L, b, m, acc), L.order, gi, 0, L, b, m, acc, batch))
+        _layout_entries(S, L, heap)
     heapify(heap)
     n_groups = len(heap)
-    best: list[tuple] = []              # (total, memory total, layout order, group, index, candidate)
-    refined = evaluated = found = 0
+    best: list[tuple] = []   # (total, memory total, layout order, group, mode, variant, plan, memory, parts, batch)
+    fits: dict[tuple, list] = {}        # (layout order, group, mode) -> its fitting variants
+    evaluated, split, timed, found = set(), 0, 0, 0
+    gbs, flops, profile, cache, candidate = S.global_batch_size, S.flops, S.profile, S.cache, S.candidate
     while heap:
-        lb, order, gi, stage, L, b, m, acc, batch = heap[0]
+        lb, order, gi, j, var, stage, L, b, m, acc, batch, extra = heap[0]
         if len(best) >= k and best[k - 1][0] < lb:
             break
         if stage == 0:
-            refined += 1
-            heapreplace(heap, (max(lb, _refined(S, L, b, m, acc, batch)), order, gi, 1, L, b, m, acc, batch))
+            heappop(heap)
+            split += 1
+            for mlb, mj in _mode_entries(S, L, b, m, acc):
+                heappush(heap, (max(lb, mlb), order, gi, mj, 0, 1, L, b, m, acc, batch, None))
+            continue
+        if stage == 1:
+            heappop(heap)
+            ac, kk = S.ac_opts[j]
+            for v in ((0, 1) if can_defer(S, L, acc) else (0,)):
+                plan = L.plan(S, m, ac, kk, v == 1)
+                parts, total = step_parts(S, L, plan, b, acc)
+                timed += 1
+                heappush(heap, (max(lb, total), order, gi, j, v, 2, L, b, m, acc, batch, (plan, parts, total)))
             continue
         heappop(heap)
-        ranked, keys = [], []
-        evaluate_group(S, L, b, m, acc, batch, ranked, keys)
-        evaluated += 1
-        found += len(ranked)
-        for j, (c, (t, mt)) in enumerate(zip(ranked, keys)):
-            if len(best) < k or (t, mt, order, gi, j) < best[k - 1][:5]:
-                insort(best, (t, mt, order, gi, j, c))
+        gkey = (order, gi, j)
+        variants = fits.get(gkey)
+        if variants is None:
+            variants = fits[gkey] = [e for e in fitting_variants(S, L, b, m, acc, stop=j, count_from=j) if e[0] == j]
+            evaluated.add((order, gi))
+        plan, parts, total = extra
+        for _, v, pl, mem, mt in variants:
+            if v != var:
+                continue
+            assert pl is plan
+            found += 1
+            if len(best) < k or (total, mt, order, gi, j, var) < best[k - 1][:6]:
+                insort(best, (total, mt, order, gi, j, var, pl, mem, parts, batch))
                 del best[k:]
-    stats = {"groups": n_groups, "refined": refined, "evaluated": evaluated, "fitting": found}
-    return [e[5] for e in best], [e[:2] for e in best], stats
+    out = []
+    for total, mt, *_, pl, mem, parts, batch in best:
+        st = _finish(parts, profile, pl, gbs, flops, cache)
+        assert st.total == total
+        out.append(candidate(pl, batch, mem, st))
+    stats = {"groups": n_groups, "split": split, "evaluated": len(evaluated), "timed": timed, "fitting": found}
+    return out, [e[:2] for e in best], stats
