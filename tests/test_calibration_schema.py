@@ -83,7 +83,7 @@ def test_schema_3_keeps_rounds_and_spread_and_schema_2_files_still_load(tmp_path
     out = tmp_path / "v3.json"
     save_profile(hw, out)
     saved = json.loads(out.read_text())
-    assert saved["schema_version"] == SCHEMA_VERSION == 5      # 4: matmul_thin; 5: dispatch_overhead_s
+    assert saved["schema_version"] == SCHEMA_VERSION == 6      # 4: matmul_thin; 5: dispatch_overhead_s; 6: compute_contention
     assert saved["calibration"]["rounds"] == 3
     assert saved["calibration"]["spread"] == {"matmul_flops[64]": 0.04, "tp_linear_overhead_s": None}
     assert load_profile(out) == hw

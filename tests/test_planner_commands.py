@@ -86,7 +86,13 @@ def test_calibrate_smoke(tmp_path, capsys):
         ctx = sorted(hw.calibration.collectives[op].in_context.items())
         assert len(ctx) >= 4 and all(v > 0 for _, v in ctx), (op, ctx)
         assert all(a[1] <= b[1] for a, b in zip(ctx, ctx[1:])), (op, ctx)
-    assert json.loads(out.read_text())["schema_version"] == 5
+    assert json.loads(out.read_text())["schema_version"] == 6
+    # compute kernels every rank at once / one alone (`modelpar.calibrate.contention`): every kernel
+    # timed, ratios of positive thread-CPU times; the summary within the kernels' range
+    from modelpar.calibrate.contention import CONTENTION_KERNELS
+    terms = hw.calibration.compute_contention_terms
+    assert set(terms) == set(CONTENTION_KERNELS) and all(v > 0 for v in terms.values())
+    assert min(terms.values()) <= hw.calibration.compute_contention <= max(terms.values())
     assert 0 < hw.calibration.dispatch_overhead_s < 1e-3          # seconds per aten call of tiny blocks
     # the thin beyond-cache table, every layout, at the quick sizes (16 rows x 4 and 16 MiB)
     assert all(len(hw.calibration.matmul_thin[lay]) == 2 for lay in ("NT", "NN", "TN"))
@@ -96,7 +102,8 @@ def test_calibrate_smoke(tmp_path, capsys):
     assert c.rounds == 1
     for term in ("matmul_flops[256]", "attention_flops", "elementwise_bw", "op_overhead_s", "mem_bandwidth",
                  "mem_bandwidth_alone", "all_reduce.in_context[small]", "reduce_scatter.in_context[65536 KiB]",
-                 "tp_linear_overhead_s", "fsdp_unit_overhead_s", "zero_bubble_backward_factor"):
+                 "tp_linear_overhead_s", "fsdp_unit_overhead_s", "zero_bubble_backward_factor",
+                 "compute_contention"):
         assert term in c.spread and c.spread[term] >= 0, term
     assert "spread" in capsys.readouterr().out
 

@@ -55,7 +55,7 @@ def test_beyond_grid_thin_products_are_priced_below_the_edge():
 
 
 def test_schema_round_trip_and_old_files(tmp_path):
-    assert SCHEMA_VERSION == 5         # 4 added matmul_thin; 5 dispatch_overhead_s
+    assert SCHEMA_VERSION >= 5         # 4 added matmul_thin; 5 dispatch_overhead_s; 6 compute_contention
     out = tmp_path / "hw.json"
     save_profile(_hw(matmul_thin=THIN), out)
     d = json.loads(out.read_text())

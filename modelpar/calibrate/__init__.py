@@ -122,6 +122,8 @@ def calibrate(out: str | os.PathLike | None = None, ranks: int = 2, *, collectiv
         cal["fresh_alloc_s_per_byte_alone"] = fresh_threshold(c["fresh"])[0]
         c["mem_bandwidth"] = coll.pop("mem_bandwidth")
         fresh = coll.pop("fresh")
+        terms, cal["compute_contention"], cal["spread"]["compute_contention"] = coll.pop("contention")
+        cal["compute_contention_terms"] = dict(terms)
         cal.update(coll.pop("framework"))
         times = coll.pop("times")
         in_ctx = coll.pop("in_context")
@@ -198,6 +200,10 @@ def summary_lines(hw: Hardware, times: dict[str, dict[int, float]] | None = None
     if cal.mem_bandwidth_alone is not None:
         out.append(f"  memory bandwidth, one rank alone{'':<6}{cal.mem_bandwidth_alone / 1e9:>9.1f} GB/s   "
                    f"{_sp(cal, 'mem_bandwidth_alone')}")
+    if cal.compute_contention_terms:
+        out.append(f"  compute, every rank at once / alone{'':<3}{cal.compute_contention:>9.3f} x      "
+                   f"{_sp(cal, 'compute_contention')}  ("
+                   + ", ".join(f"{k} {v:.2f}" for k, v in cal.compute_contention_terms.items()) + ")")
     if cal.collective_ranks:
         out += [f"  TP Linear, per call (fwd + bwd){'':<7}{cal.tp_linear_overhead_s * 1e6:>9.0f} us     "
                 f"{_sp(cal, 'tp_linear_overhead_s')}",

@@ -1,6 +1,7 @@
 """Calibration of communication: gloo all-reduce / all-gather / reduce-scatter / send-recv between
 local ranks started through `modelpar.launch` (``python -m modelpar.calibrate.collectives``), back
-to back and between compute segments, the memory bandwidth every rank gets at once, and the per-call
+to back and between compute segments, the memory bandwidth every rank gets at once, compute kernels'
+slowdown with every rank running them (`modelpar.calibrate.contention`), and the per-call
 overheads of torch's TP Linear and FSDP2 units.
 """
 
@@ -43,6 +44,9 @@ def _collective_worker(sizes, rounds: int = ROUNDS, quick: bool = False) -> dict
     res["mem_bandwidth"], spread = robust(bws)
     res["spread"] = {"mem_bandwidth": spread}
     del a, b, c
+    # compute kernels with every rank running them at once vs one rank alone (`modelpar.calibrate.contention`)
+    from modelpar.calibrate.contention import measure_contention
+    res["contention"] = measure_contention(rank, world, dist.barrier, _mean_over_ranks, rounds=rounds)
     res["fresh"] = _fresh_alloc_costs()
     for nbytes in sizes:
         ops = _collective_calls(rank, world, nbytes)
@@ -84,6 +88,14 @@ def _int_keys(d):
     if d and all(isinstance(k, str) and k.isdigit() for k in d):
         return {int(k): _int_keys(v) for k, v in d.items()}
     return {k: _int_keys(v) for k, v in d.items()}
+
+
+def _mean_over_ranks(values: list[float]) -> list[float]:
+    """Element-wise mean of ``values`` over the ranks (an all-reduce; every rank gets the same)."""
+    import torch.distributed as dist
+    out = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(out)
+    return (out / dist.get_world_size()).tolist()
 
 
 def _synced_median(fn, reps: int) -> float:
@@ -318,8 +330,9 @@ def measure_collectives(world: int = 2, sizes=COLLECTIVE_SIZES, *, timeout_s: fl
                         rounds: int = ROUNDS, quick: bool = False) -> dict:
     """``{op: (latency s, bandwidth B/s)}`` of gloo all-reduce, all-gather, reduce-scatter and
     send/recv between ``world`` local ranks (launched by `modelpar.launch.run_workers`), each fitted
-    by `fit_alpha_beta` over ``sizes``, and ``"mem_bandwidth"``: bytes/s one rank streams while all
-    ``world`` ranks stream at once. ``rounds``: rounds of that bandwidth and of the in-context tables
+    by `fit_alpha_beta` over ``sizes``, ``"mem_bandwidth"``: bytes/s one rank streams while all
+    ``world`` ranks stream at once, and ``"contention"``: `modelpar.calibrate.contention.measure_contention`'s
+    (terms, factor, spread). ``rounds``: rounds of that bandwidth and of the in-context tables
     (`_in_context_tables`); ``quick``: the framework terms' smaller TP chain (`_framework_overheads`).
 
     Raises:
@@ -342,6 +355,7 @@ def measure_collectives(world: int = 2, sizes=COLLECTIVE_SIZES, *, timeout_s: fl
     fits["mem_bandwidth"] = res["mem_bandwidth"]
     fits["times"] = {op: res[op] for op in COLLECTIVES}
     fits["fresh"] = res["fresh"]
+    fits["contention"] = res["contention"]
     fits["framework"] = res["framework"]
     fits["in_context"] = res["in_context"]
     fits["spread"] = res["spread"]

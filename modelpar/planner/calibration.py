@@ -6,7 +6,9 @@ measurement knows about its own noise (``rounds``, ``spread``); version-2 files 
 and no spreads. Version 4 adds ``matmul_thin``; older files load without it (thin products beyond
 the shape grid priced at its edge, as before). Version 5 adds ``dispatch_overhead_s``; older files
 load without it (None: the per-op term prices the profiled non-view, non-matmul ops at the hardware's
-``op_overhead_s``, as before). Files written before the schema existed (version 1: a flat `Hardware` dict whose measured tables were string keys of an
+``op_overhead_s``, as before). Version 6 adds ``compute_contention`` (and its per-kernel
+``compute_contention_terms``); older files load with 1.0 and no terms (compute at the one-process
+rates, as before). Files written before the schema existed (version 1: a flat `Hardware` dict whose measured tables were string keys of an
 ``extra`` dict, e.g. ``all_reduce_ctx_1048576``) are read and converted by `from_legacy_extra`, so
 old caches keep working.
 
@@ -20,7 +22,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 
 
@@ -92,6 +94,12 @@ class Calibration:
             forward + backward (`modelpar.calibrate.micro.measure_dispatch_overhead`); priced per
             profiled call (`BlockProfile.fwd_calls`) in place of ``op_overhead_s`` per non-view,
             non-matmul op. None: not measured (files before schema 5), the old per-op term.
+        compute_contention: a compute kernel's thread-CPU time with every local rank running the
+            same kernels at the same moment over its time alone (the geometric mean over
+            ``compute_contention_terms``; `modelpar.calibrate.contention`), its spread over the
+            rounds in ``spread["compute_contention"]``. 1.0: not measured (files before schema 6,
+            one-rank calibrations): compute priced at the one-process rates, as before.
+        compute_contention_terms: ``{kernel: concurrent / alone}`` behind ``compute_contention``.
         rounds: rounds each term was measured in (the median kept; 1: a file from before
             schema 3, whose terms had no repeats at this level).
         spread: ``{term: relative spread}`` over those rounds, ``(max - min) / |median|``
@@ -120,6 +128,8 @@ class Calibration:
     attention_shapes: dict[tuple[int, int, int], float] = field(default_factory=dict)
     matmul_thin: dict[str, dict[tuple[int, int], float]] = field(default_factory=dict)
     dispatch_overhead_s: float | None = None
+    compute_contention: float = 1.0
+    compute_contention_terms: dict[str, float] = field(default_factory=dict)
     rounds: int = 1
     spread: dict[str, float] = field(default_factory=dict)
 

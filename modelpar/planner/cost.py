@@ -70,7 +70,7 @@ from modelpar.planner.profile import ModelProfile
 from modelpar.planner.recompute import recompute_layers, recompute_share
 from modelpar.planner.records import SlowestRank
 # CPU pricing of the profiled shapes (matmuls by shape and layout, attention by S and D)
-from modelpar.planner.cpu_shapes import _attention_seconds, _framework_seconds, _shape_seconds  # noqa: F401
+from modelpar.planner.cpu_shapes import _attention_seconds, _framework_seconds, _shape_seconds, lockstep_contention  # noqa: F401
 # the result type, MFU / HFU and the wrapping of step parts live in step_estimate.py, re-exported here
 from modelpar.planner.step_estimate import StepEstimate, _finish, hfu, mfu, tp_bytes_per_sample  # noqa: F401
 
@@ -99,10 +99,10 @@ ZERO_BUBBLE_SCHEDULES = ("interleavedzerobubble", "zbvzerobubble", "dualpipev")
 
 
 def _load_times(ld: RankLoad, hw: Hardware, b: int, prec: str, mem_s: float, ew_s: float, attn_rate: float,
-                curve: bool, flops_s: float, alone: bool, phys=None, kernel=None) -> tuple[float, float]:
+                curve: bool, flops_s: float, alone: bool, phys=None, kernel=None, ctn: float = 1.0) -> tuple[float, float]:
     """Forward and backward seconds of one micro-batch of ``b`` samples on a rank holding ``ld``
-    (memoized by `rank_step`: they do not depend on the schedule or checkpointing). ``phys``: the
-    built-in GPU's published tables (`gpu.gpu_load_times`), None elsewhere."""
+    (memoized by `rank_step`). ``phys``: the built-in GPU's published tables (`gpu.gpu_load_times`),
+    None elsewhere. ``ctn``: compute's slowdown on ranks in lockstep (`cpu_shapes.lockstep_contention`)."""
     if phys is not None:
         return gpu_load_times(ld, b, mem_s, flops_s, phys, kernel)
     # fused attention kernels at their own calibrated rate where there is one (on CPU far below
@@ -118,17 +118,17 @@ def _load_times(ld: RankLoad, hw: Hardware, b: int, prec: str, mem_s: float, ew_
     rf = (hw.gemm_flops(prec, rest_f / max(nf - k_f, 1)) if curve and ld.fwd_gemms else flops_s) if rest_f else 1.0
     rb = (hw.gemm_flops(prec, rest_b / max(nb - k_b, 1)) if curve and ld.bwd_gemms else flops_s) if rest_b else 1.0
     # matmuls: roofline of their FLOPs and the bytes they move (weights once per micro-batch)
-    g_f = max(s_f + rest_f / rf, (ld.gemm_param_bytes[0] + ld.gemm_act_bytes[0] * b) / mem_s)
-    g_b = max(s_b + rest_b / rb, (ld.gemm_param_bytes[1] + ld.gemm_act_bytes[1] * b) / mem_s)
+    g_f = max((s_f + rest_f / rf) * ctn, (ld.gemm_param_bytes[0] + ld.gemm_act_bytes[0] * b) / mem_s)
+    g_b = max((s_b + rest_b / rb) * ctn, (ld.gemm_param_bytes[1] + ld.gemm_act_bytes[1] * b) / mem_s)
     if attn_rate:
         (a_f, a_b), (fa_f, fa_b) = _attention_seconds(ld, hw, b, attn_rate)
-        g_f += a_f + max(af * b - fa_f, 0.0) / attn_rate
-        g_b += a_b + max(ab * b - fa_b, 0.0) / attn_rate
+        g_f += (a_f + max(af * b - fa_f, 0.0) / attn_rate) * ctn
+        g_b += (a_b + max(ab * b - fa_b, 0.0) / attn_rate) * ctn
     fw_f, fw_b = _framework_seconds(ld, hw)         # per-call framework cost (dispatch, autograd, modules)
-    t_f = g_f + ld.fwd_mem * b / ew_s + fw_f
+    t_f = g_f + ld.fwd_mem * b / min(mem_s, ew_s / ctn) + fw_f * ctn
     # backward: every micro-batch's weight gradients are new tensors (the first become .grad,
     # later ones are added into it)
-    t_b = (g_b + ld.bwd_mem * b / ew_s + fw_b
+    t_b = (g_b + ld.bwd_mem * b / min(mem_s, ew_s / ctn) + fw_b * ctn
            + hw.fresh_seconds(ld.param_sizes, 4, alone=alone))
     return t_f, t_b
 
@@ -201,6 +201,7 @@ def step_form(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, optimi
     # so each streams at the one-rank rate (both calibrated on CPU; the same number elsewhere)
     f.alone = alone = plan.dp * plan.tp == 1 and plan.pp > 1
     f.cal = cal = hw.calibration or NO_CALIBRATION
+    f.ctn = lockstep_contention(plan, hw)       # data / tensor parallel ranks compute at the same moments
     mem_s = ((cal.mem_bandwidth_alone if alone and cal.mem_bandwidth_alone is not None else hw.mem_bandwidth)
              * hw.mem_bw_fraction)
     f.phys = phys = physics_for(hw)
@@ -264,7 +265,7 @@ class StepForm:
     __slots__ = ("loads", "hw", "tp_bytes", "dp_overlap", "reduce_bytes", "attention_kernel", "p2p_scatter_gather",
                  "fsdp_stream_copies", "cache", "prec", "flops_s", "alone", "cal", "mem_s", "phys", "v", "p",
                  "overlap", "curve", "ew_s", "attn_rate", "zb", "layout", "cast_b", "wb", "rep_rt", "shard_share",
-                 "rep_share", "opt", "per_b", "slowest", "shard_acc", "comms", "tp_per_matrix")
+                 "rep_share", "opt", "per_b", "slowest", "shard_acc", "comms", "tp_per_matrix", "ctn")
 
     def _times(self, plan: ParallelPlan, b: int) -> tuple:
         """Per micro-batch size ``b`` (memoized): each rank's forward and backward seconds, the TP
@@ -282,13 +283,13 @@ class StepForm:
         load_times = cache.load_times
         times = []
         for ld in self.loads:
-            key = (ld.key, b, prec, alone, self.attention_kernel)
+            key = (ld.key, b, prec, alone, self.attention_kernel, self.ctn)
             hit = load_times.get(key)
             if hit is not None and hit[0] is ld:
                 t_f, t_b = hit[1]
             else:
                 t_f, t_b = _load_times(ld, hw, b, prec, self.mem_s, self.ew_s, self.attn_rate, self.curve,
-                                       self.flops_s, alone, self.phys, self.attention_kernel)
+                                       self.flops_s, alone, self.phys, self.attention_kernel, self.ctn)
                 load_times[key] = (ld, (t_f, t_b))
             # built-in GPU, bf16: each layer's weight-GEMM tile / wave quantization (`gpu.layer_wave_seconds`)
             w_f = 0.0
@@ -299,8 +300,7 @@ class StepForm:
                     wk, layer_wave_seconds(*wk, self.phys.sms, self.flops_s, self.mem_s))
                 t_f += layers * w_f
                 t_b += layers * w_b
-            if zb != 1.0:
-                t_b *= zb
+            t_b *= zb                       # 1.0 but for zero-bubble schedules
             if cast_b:                      # autocast's weight casts, forward and backward
                 t_f += cast_b * ld.gemm_param_bytes[0]
                 t_b += cast_b * ld.gemm_param_bytes[0]

@@ -3,10 +3,12 @@
 matmul grid (`Hardware.shape_factor`), causal fused-attention calls by sequence length and head
 dimension on the calibrated attention grid (`Hardware.attention_factor`). Both return zeros where
 the calibration has no grid, so the FLOPs-only rates price everything as before. And the
-framework's fixed cost of a micro-batch (`_framework_seconds`)."""
+framework's fixed cost of a micro-batch (`_framework_seconds`). And compute's slowdown on ranks
+that compute at the same moments (`lockstep_contention`)."""
 
 from __future__ import annotations
 
+from modelpar.plan import ParallelPlan
 from modelpar.planner.hardware import Hardware
 from modelpar.planner.loads import RankLoad
 from modelpar.planner.profile_ops import SDPA_LAYOUT
@@ -70,3 +72,35 @@ def _framework_seconds(ld: RankLoad, hw: Hardware) -> tuple[float, float]:
     if d is None or not ld.calls:
         return ld.fwd_ops * hw.op_overhead_s, (ld.ops - ld.fwd_ops) * hw.op_overhead_s
     return ld.fwd_calls * d, (ld.calls - ld.fwd_calls) * d
+
+
+# Whether the step model applies `Calibration.compute_contention` (`lockstep_contention`). Off: the
+# step does slow beside a second one (`benchmarks/compute_contention.py`, gpt-1m one-process step,
+# thread CPU time: together / alone 1.17 / 1.14 median at load 1.6; 1.01-1.04 at load 5-15, where
+# "together" hardly overlaps), but the calibrated kernels do not show it (quiet: 1.012 x, matmuls
+# 1.00-1.03), so the factor would not price that slowdown; recorded, not applied (docs/planner.md).
+APPLY_COMPUTE_CONTENTION = False
+
+
+def lockstep_contention(plan: ParallelPlan, hw: Hardware) -> float:
+    """The factor (>= 1 when measured so) on a rank's compute seconds -- matmuls, attention,
+    element-wise operators and the framework's per-call cost; not the memory-bound roofline terms
+    or the optimizer, which the all-ranks ``mem_bandwidth`` already prices, nor fresh allocations
+    (their own alone / every-rank pair) -- for ``plan`` on ``hw``: ``Calibration.compute_contention``
+    (`modelpar.calibrate.contention`: kernels' thread-CPU time with every local rank running them at
+    once over one rank alone) where data or tensor parallel peers exist (``dp * tp > 1``): they run
+    the same kernels at the same moments and share the last-level cache and the memory bus, as in
+    the measurement. 1.0 for a single rank, for a pure pipeline (``dp * tp == 1``: its stages run
+    different work, offset by the schedule and idle in its bubbles, the same reason `cost.step_form`
+    gives them the one-rank ``mem_bandwidth_alone``; not measured for them), and for files without
+    the measurement (schema < 6, GPU presets): today's numbers. 1.0 everywhere while
+    `APPLY_COMPUTE_CONTENTION` is off (the default: the kernels do not show the step's slowdown).
+
+    Measured on the 2-core AMD EPYC host kind (private 1 MiB L2 per core, one shared 32 MiB L3),
+    loaded: see docs/planner.md's "compute contention" section and `benchmarks/compute_contention.py`
+    (gpt-1m's one-process step in thread CPU time alone vs with a second process stepping at the
+    same moment)."""
+    cal = hw.calibration
+    if not APPLY_COMPUTE_CONTENTION or cal is None or plan.dp * plan.tp <= 1:
+        return 1.0
+    return cal.compute_contention
