@@ -35,18 +35,23 @@ class _Live(TorchDispatchMode):
     def _free(self, k):
         self.cur -= self.live.pop(k, 0)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+    def _count(self, out, keep=lambda t: isinstance(t, torch.Tensor)):
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
+            if keep(t):
                 st = t.untyped_storage()
-                k = st.data_ptr()
+                try:
+                    k = st.data_ptr()
+                except RuntimeError:        # a functional collective's wrapper: no storage of its own
+                    continue
                 if k not in self.live and st.nbytes():
                     self.live[k] = st.nbytes()
                     self.cur += st.nbytes()
                     weakref.finalize(st, self._free, k)
         self.peak = max(self.peak, self.cur)
         return out
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self._count(func(*args, **(kwargs or {})))
 
 
 def _peak(vocab: int, tokens: int, precision: str, hidden: int = 16) -> int:
@@ -106,19 +111,7 @@ class _LiveLocal(_Live):
         out = func(*args, **(kwargs or {}))
         if active_fake_mode() is not None:
             return out
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
-                st = t.untyped_storage()
-                try:
-                    k = st.data_ptr()
-                except RuntimeError:        # a functional collective's wrapper: no storage of its own
-                    continue
-                if k not in self.live and st.nbytes():
-                    self.live[k] = st.nbytes()
-                    self.cur += st.nbytes()
-                    weakref.finalize(st, self._free, k)
-        self.peak = max(self.peak, self.cur)
-        return out
+        return self._count(out, lambda t: isinstance(t, torch.Tensor) and not isinstance(t, DTensor))
 
 
 def _peak_loss_parallel(vocab: int, tokens: int, precision: str, hidden: int = 16) -> int:
