@@ -39,7 +39,9 @@ The plain scripts use the torch APIs directly: `DistributedDataParallel(model, b
 gradient_as_bucket_view=True)` (modelpar's `apply_ddp` options), and `fully_shard` on every block then
 the root (`apply_fsdp`'s units and options). modelpar's row is `train_step` as `modelpar train` runs
 it between log steps without clipping: the gradient-use check (case C12, one all-gather of a few
-bytes) included, no loss read on the host and no global gradient norm (nothing clips or logs it
+bytes, plus a hook per parameter: about 1-2 ms per step on a 2-core host, measured session 12,
+so on a fast host, ~110 ms steps, the ddp row's 3% comparison is mostly about this check) included, no loss read
+on the host and no global gradient norm (nothing clips or logs it
 here); `tests/test_step_overhead.py` and `benchmarks/overhead_op_counts.py` count that per-step work.
 
 Regenerate the table in docs/overhead_vs_plain_torch.md:
