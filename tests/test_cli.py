@@ -293,3 +293,35 @@ def test_config_holds_one_layout_and_old_run_folders_still_load(tmp_path, capsys
     assert "put them under 'layout:'" in capsys.readouterr().err
     (tmp_path / "new.yaml").write_text((run / "config.yaml").read_text())
     assert parse_train_config(["--config", str(tmp_path / "new.yaml")])[0] == flat
+
+
+def test_hf_default_seq_len_is_one_number_in_every_command(capsys):
+    """``--seq-len 0`` on a Hugging Face language model whose positions exceed the default resolves to
+    the same sequence in plan, estimate, train and verify (before: 2048, 2048, 1024 and 64), so `plan`
+    prices what `train` runs; bench trains through train's config."""
+    pytest.importorskip("transformers")
+    from helpers.hf_tiny import TINY
+
+    from modelpar.cli.estimate import main as estimate_main
+    from modelpar.cli.plan import main as plan_main
+    from modelpar.cli.train import parse_train_config
+    from modelpar.cli.verify import build_parser, load_task
+    from modelpar.cli.args import parse
+    from modelpar.train.task import lm_shape
+
+    spec, over = TINY["llama"]
+    argv = ["--model", spec, "--model-config", json.dumps({**over, "max_position_embeddings": 4096}),
+            "--nproc", "2", "--global-batch-size", "2", "--hardware", "cpu"]
+    seen = {}
+    assert plan_main(argv + ["--top", "1"]) == 0
+    seen["plan"] = int(re.search(r"seq (\d+)", capsys.readouterr().out).group(1))
+    assert estimate_main(argv) == 0
+    seen["estimate"] = int(re.search(r"seq (\d+)", capsys.readouterr().out).group(1))
+    seen["train"] = lm_shape(parse_train_config(argv)[0]).seq_len
+    seen["verify"] = load_task(parse(build_parser(), argv))[1](0)[0].shape[1]
+    assert len(set(seen.values())) == 1, seen
+    from modelpar.cli.options import shared_docs
+    from modelpar.models.hf import DEFAULT_SEQ_LEN
+
+    assert seen["train"] == DEFAULT_SEQ_LEN == 1024
+    assert f"min(its max_position_embeddings, {DEFAULT_SEQ_LEN})" in shared_docs()["seq_len"]

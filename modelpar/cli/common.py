@@ -28,7 +28,7 @@ def profile_for(model: str, model_config: dict, seq_len: int, precision: str, bl
     """`profile_model` of ``--model`` (built-ins and Hugging Face models on the meta device; a
     factory's model on CPU with a one-sample input from its ``batch_fn`` or its first Linear).
     Returns ``(profile, description)``. An HF language model is profiled at ``seq_len`` tokens
-    (0: its max_position_embeddings, at most `HF_DEFAULT_SEQ`). ``blocks`` (``--blocks``): the path of
+    (0: `modelpar.models.hf.default_seq_len`, as every command). ``blocks`` (``--blocks``): the path of
     the container of the repeated blocks (empty: `profile.default_blocks`' rule).
 
     Raises:
@@ -49,7 +49,7 @@ def profile_for(model: str, model_config: dict, seq_len: int, precision: str, bl
         if um.batch_fn is not None:
             x = um.batch_fn(0)[0][:1]
         elif um.extra.get("task") == "lm":
-            x = torch.zeros(1, _factory_lm_seq(model, um.extra, seq_len), dtype=torch.long)
+            x = torch.zeros(1, factory_lm_seq_len(model, um.extra, seq_len), dtype=torch.long)
         else:
             shape = um.extra.get("input_shape")
             shapes = infer_classifier_shapes(um.model, tuple(shape) if shape else None, um.extra.get("num_classes", 0))
@@ -73,10 +73,7 @@ def profile_for(model: str, model_config: dict, seq_len: int, precision: str, bl
     return profile_model(m, x, dtype=dtype, blocks=default_blocks(m, blocks or None)), model
 
 
-HF_DEFAULT_SEQ = 2048
-
-
-def _factory_lm_seq(model: str, extra: dict, seq_len: int) -> int:
+def factory_lm_seq_len(model: str, extra: dict, seq_len: int) -> int:
     """Tokens per sample of a factory language model (``{"model", "task": "lm", "vocab_size",
     "max_positions"}``, `modelpar.models.spec`): ``seq_len``, or (0) its ``max_positions``, as train's.
 
@@ -96,12 +93,12 @@ def _factory_lm_seq(model: str, extra: dict, seq_len: int) -> int:
 
 def hf_seq_len(name: str, cfg, seq_len: int) -> int:
     """The tokens per sample an HF language model runs at: ``seq_len``, or (0) its position limit
-    capped at `HF_DEFAULT_SEQ`.
+    capped at `modelpar.models.hf.DEFAULT_SEQ_LEN` (`default_seq_len`: the same in every command).
 
     Raises:
         ValueError: ``seq_len`` beyond the config's max_position_embeddings (naming both).
     """
-    from modelpar.models.hf import facts
+    from modelpar.models.hf import default_seq_len, facts
 
     limit = facts(cfg).max_positions
     if seq_len < 0:
@@ -110,7 +107,7 @@ def hf_seq_len(name: str, cfg, seq_len: int) -> int:
         raise ValueError(f"--seq-len {seq_len} is longer than {name}'s max_position_embeddings={limit} (the "
                          f"positions its embeddings / rotary setup are configured for); give --seq-len <= {limit}, "
                          f"or raise max_position_embeddings in --model-config")
-    return seq_len or min(limit or HF_DEFAULT_SEQ, HF_DEFAULT_SEQ)
+    return seq_len or default_seq_len(limit)
 
 
 # a model deeper than this is profiled at this depth and its steady layers repeated (`_hf_profile`)

@@ -82,8 +82,8 @@ class BatchOptions:
     Args:
         global_batch_size: samples per optimizer step (default: the main job's, `TrainConfig`).
         seq_len: tokens per sample for language models (0: a GPT preset's; for a Hugging Face model
-            min(its max_position_embeddings, N), N = 2048 in plan / estimate / bench, 1024 in train, 64 in
-            verify; a factory model's max_positions).
+            min(its max_position_embeddings, 1024); a factory language model's max_positions; the same in
+            every command).
     """
 
     global_batch_size: int = 16

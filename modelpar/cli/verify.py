@@ -188,9 +188,9 @@ def _hf_task(args):
     if f.task == "classify":
         shape = (f.num_channels or 3, f.image_size, f.image_size)
         return model, _random_batches(shape, f.num_labels, gb, args.seed), classification_loss, "mean", args.model
-    seq = args.seq_len or min(f.max_positions or 64, 64)
-    if f.max_positions and seq > f.max_positions:
-        raise ValueError(f"--seq-len {seq} exceeds the model's max_position_embeddings={f.max_positions}")
+    from modelpar.cli.common import hf_seq_len
+
+    seq = hf_seq_len(args.model, model.hf.config, args.seq_len)     # 0: the default every command uses
 
     def batch_fn(step):
         g = torch.Generator().manual_seed(args.seed * 100003 + step)
@@ -209,9 +209,9 @@ def _factory_lm_task(args, um):
     if not isinstance(vocab, int) or vocab < 1:
         raise ValueError(f"--model {args.model!r}: a factory language model must declare 'vocab_size' as a "
                          f"positive int, got {vocab!r}")
-    seq = args.seq_len or min(maxpos or 64, 64)
-    if maxpos and seq > maxpos:
-        raise ValueError(f"--seq-len {seq} exceeds the factory's max_positions={maxpos}")
+    from modelpar.cli.common import factory_lm_seq_len
+
+    seq = factory_lm_seq_len(args.model, um.extra, args.seq_len)   # 0: its max_positions, as every command
 
     def batch_fn(step):
         g = torch.Generator().manual_seed(args.seed * 100003 + step)

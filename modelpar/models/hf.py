@@ -143,6 +143,18 @@ def task_of(cfg) -> str:
                      f"this type is neither")
 
 
+# `--seq-len 0` on a Hugging Face language model: min(its max_position_embeddings, this), in every command
+# (plan, estimate, bench, train, verify), so `plan` and `train` answer for the same job with the same flags
+DEFAULT_SEQ_LEN = 1024
+
+
+def default_seq_len(max_positions: int | None) -> int:
+    """Tokens per sample of a Hugging Face language model run with ``--seq-len 0``: its position limit
+    ``max_positions`` (max_position_embeddings / n_positions; None: unknown) capped at `DEFAULT_SEQ_LEN`.
+    The one definition every command uses."""
+    return min(max_positions or DEFAULT_SEQ_LEN, DEFAULT_SEQ_LEN)
+
+
 def facts(cfg) -> HFFacts:
     """`HFFacts` of a transformers config."""
     task = task_of(cfg)

@@ -22,9 +22,6 @@ import torch.nn.functional as F
 from modelpar.models import MLP_PRESETS, PRESETS
 from modelpar.train.data import TensorBatches, TokenBatches, load_digits
 
-HF_DEFAULT_SEQ_CAP = 1024         # seq_len 0 on a Hugging Face model: min(its positions, this)
-
-
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy, nats per token. logits (b, t, V), targets (b, t)."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
@@ -126,13 +123,13 @@ def lm_shape(cfg, model: nn.Module | None = None) -> LMShape | None:
         seq = cfg.seq_len or gc["seq_len"]
         return LMShape(int(gc["vocab_size"]), seq, seq)     # the GPT's positions are its seq_len
     if kind == "hf":
-        from modelpar.models.hf import facts, load_config
+        from modelpar.models.hf import default_seq_len, facts, load_config
 
         f = facts(load_config(cfg.model, cfg.model_config or None))
         if f.task != "lm":
             return None
         maxpos = int(f.max_positions) if f.max_positions else None
-        return LMShape(int(f.vocab), maxpos, cfg.seq_len or min(maxpos or HF_DEFAULT_SEQ_CAP, HF_DEFAULT_SEQ_CAP))
+        return LMShape(int(f.vocab), maxpos, cfg.seq_len or default_seq_len(maxpos))
     return _factory(cfg)[1]
 
 
