@@ -90,6 +90,37 @@ def test_shared_options_same_names_defaults_and_help_everywhere():
         assert name in {a.dest for a in parser_for(c)._actions}, (c, name)
 
 
+# the plan flags (one per `ParallelPlan` field, `PlanOptions`): every one in these commands; `plan` takes the
+# fields that narrow its search (it ranks layouts: degrees go to --plan or `estimate`)
+PLAN_FLAGS_TAKEN = {"train": "all", "verify": "all", "estimate": "all",
+                    "plan": ("precision", "activation_checkpointing", "ac_every")}
+
+
+def test_plan_flags_same_names_defaults_help_and_dest_as_train():
+    """Every command that takes a `ParallelPlan` field's flag takes it as `train` does: the same flag,
+    default (None: unset), help text and destination (``layout.<field>``, what the one resolution,
+    `modelpar.train.resolve`, reads); no command has a second spelling of a plan field."""
+    from modelpar.plan import ParallelPlan
+
+    fields = [f.name for f in dataclasses.fields(ParallelPlan)]
+    train = {a.dest: a for a in parser_for("train")._actions if a.dest.startswith("layout.")}
+    assert set(train) == {f"layout.{f}" for f in fields}
+    for c in COMMANDS:
+        p = parser_for(c)
+        by_flag = {s: a for a in p._actions for s in a.option_strings}
+        want = fields if PLAN_FLAGS_TAKEN.get(c) == "all" else PLAN_FLAGS_TAKEN.get(c, ())
+        for f in fields:
+            a = by_flag.get(f"--{f.replace('_', '-')}")
+            if f not in want:
+                assert a is None or not a.dest.endswith(f), (c, f, "takes a plan field train's way or not at all")
+                continue
+            assert a is not None, (c, f)
+            t = train[f"layout.{f}"]
+            assert (a.dest, a.default, a.help, type(a)) == (t.dest, t.default, t.help, type(t)), (c, f)
+        # no plan field under another name (estimate had its own LayoutDegrees and plan_options.*)
+        assert not [a.dest for a in p._actions if a.dest.startswith("plan_options.")], c
+
+
 def test_booleans_bare_and_negated_and_old_spellings(capsys):
     from modelpar.cli.train import parse_train_config
 
@@ -325,3 +356,72 @@ def test_hf_default_seq_len_is_one_number_in_every_command(capsys):
 
     assert seen["train"] == DEFAULT_SEQ_LEN == 1024
     assert f"min(its max_position_embeddings, {DEFAULT_SEQ_LEN})" in shared_docs()["seq_len"]
+
+
+_BASE = ["--model", "gpt-nano", "--global-batch-size", "8", "--hardware", "cpu"]
+
+
+def _train_resolution(argv):
+    """What `modelpar train` resolves for ``argv`` (its parser, world size and `resolve`), or the error."""
+    from modelpar.cli.options import run_world_size
+    from modelpar.cli.train import parse_train_config
+    from modelpar.train.resolve import resolve
+
+    try:
+        cfg, ns, given = parse_train_config(argv)
+        return resolve(cfg, run_world_size(ns, given, cfg.strategy)).plan
+    except ValueError as e:
+        return str(e)
+
+
+def _estimate_resolution(argv, capsys):
+    from modelpar.cli.estimate import main
+    from modelpar.plan_file import parse_plan_file
+
+    try:
+        main(argv + ["--json"])
+    except ValueError as e:
+        return str(e)
+    return parse_plan_file(json.loads(capsys.readouterr().out)).plan
+
+
+@pytest.mark.parametrize("flags", [
+    ["--strategy", "pp", "--nproc", "2"],
+    ["--dp-shard", "2", "--compile", "--no-reshard-after-forward", "--nproc", "2"],
+    ["--strategy", "fsdp+tp", "--tp", "2", "--nproc", "4", "--sequence-parallel"],
+    ["--strategy", "fsdp", "--tp", "2", "--nproc", "2"],             # errors: the same message
+    ["--strategy", "auto", "--tp", "2", "--nproc", "2"],
+    ["--strategy", "custom", "--nproc", "2"],
+    ["--plan", "PLAN", "--tp", "2"],
+    ["--plan", "PLAN", "--activation-checkpointing", "full"],
+    ["--plan", "PLAN", "--n-microbatches", "4"],
+])
+def test_estimate_resolves_the_plan_flags_as_train(flags, tmp_path, capsys):
+    """`estimate` turns --strategy / degrees / --plan / the plan flags into the plan `train` would run
+    (the same `modelpar.train.resolve.resolve`), or refuses them with train's message."""
+    from modelpar.plan import ParallelPlan
+    from modelpar.plan_file import PlanFile
+
+    f = PlanFile(ParallelPlan(dp_shard=2, pp=2, n_microbatches=4), 8, 4).write(tmp_path / "plan.json")
+    argv = _BASE + [str(f) if a == "PLAN" else a for a in flags]
+    want = _train_resolution(argv)
+    assert _estimate_resolution(argv, capsys) == want
+    assert want != ParallelPlan()                 # each case resolves to a layout or an error
+
+
+@pytest.mark.parametrize("mode", ["every-k", "none"])
+def test_checkpointing_flags_narrow_train_auto_and_plan_alike(mode, capsys):
+    """--activation-checkpointing / --ac-every mean the same in `train --strategy auto`'s search and in
+    `plan`'s (`modelpar.train.resolve.search_settings`): the mode given, and the search's k (2, 4) when
+    --ac-every is not (train searched only k = 1 before; `none` let train's planner pick any mode)."""
+    from modelpar.cli.plan import main as plan_main
+    from modelpar.cli.train import parse_train_config
+    from modelpar.plan_file import parse_plan_file
+    from modelpar.train.resolve import resolve
+
+    argv = _BASE + ["--model", "gpt-1m", "--nproc", "2", "--activation-checkpointing", mode]   # 4 blocks
+    chosen = resolve(parse_train_config(argv)[0], 2).plan
+    assert plan_main(argv + ["--explain", "1", "--json"]) == 0
+    ranked = parse_plan_file(json.loads(capsys.readouterr().out)).plan
+    got = [(p.activation_checkpointing, p.ac_every) for p in (chosen, ranked)]
+    assert got[0] == got[1] and got[0][0] == mode and (mode != "every-k" or got[0][1] in (2, 4)), got

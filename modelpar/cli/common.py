@@ -14,12 +14,10 @@ class PlannerOptions:
     """What the planner assumes about the run.
 
     Args:
-        precision: fp32 or bf16 (empty: fp32 on cpu, bf16 on GPUs).
         optimizer: adamw, sgd or sgd_momentum (optimizer state and step traffic).
         json: print the result as a plan file (JSON: ParallelPlan fields + batch terms) on stdout.
     """
 
-    precision: str = ""
     optimizer: str = "adamw"
     json: bool = False
 
@@ -160,7 +158,13 @@ def _uniform_layers(cfg, layers: int) -> bool:
     return True
 
 
-def precision_for(requested: str, hw) -> str:
+def precision_for(requested: str | None, hw) -> str:
+    """``--precision`` as given, or (unset) the planner commands' default: fp32 on a cpu profile, bf16
+    on a GPU one.
+
+    Raises:
+        ValueError: a precision other than fp32 / bf16 (naming the flag and the value).
+    """
     if requested and requested not in ("fp32", "bf16"):
         raise ValueError(f"--precision {requested!r} is unknown; valid: fp32, bf16")
     return requested or ("fp32" if hw.kind == "cpu" else "bf16")

@@ -2,22 +2,26 @@
 (``--plan FILE``, a ``--strategy`` shorthand or degrees), its predicted step time, MFU / HFU,
 tokens/s per device and peak memory per rank by part.
 
-Predictions come from the planner's `estimate_step` / `estimate_memory` (`modelpar.planner`).
+The layout flags are train's (`modelpar.cli.options.add_plan_fields`) and resolved by train's one
+resolution (`modelpar.train.resolve.resolve`), so ``estimate`` prices the plan ``train`` with the same
+flags would run. Predictions come from the planner's `estimate_step` / `estimate_memory`
+(`modelpar.planner`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 
 from modelpar.cli.args import add_fields, given_fields, make_parser, normalize_argv, parse
 from modelpar.cli.common import GIB, PlannerOptions, precision_for, profile_for
-from modelpar.cli.options import BATCH_TERMS, BatchOptions, HardwareOptions, LayoutOptions, ModelOptions, PartsOptions, world_size
+from modelpar.cli.options import (BATCH_TERMS, DEGREES, BatchOptions, HardwareOptions, LayoutOptions, ModelOptions,
+                                  PartsOptions, add_plan_fields, plan_fields_given, run_world_size, strategy_given)
 
 EXAMPLES = """examples:
   modelpar estimate --model gpt-70b --nproc 64 --hardware H200                  # does it fit, and how?
-  modelpar estimate --model gpt-1b --nproc 8 --hardware H100-80GB-SXM --strategy fsdp --micro-batch-size 4
+  modelpar estimate --model gpt-1b --nproc 8 --hardware H100-80GB-SXM --strategy fsdp --micro-batch-size 4 \\
+      --global-batch-size 32
   modelpar estimate --model gpt-1b --model-config '{"n_layer": 24}' --nnodes 2 --gpus-per-node 8 \\
       --hardware H100-80GB-SXM --dp-shard 8 --tp 2 --global-batch-size 512 --micro-batch-size 8 --json
   modelpar estimate --plan runs/<run>/plan.json --model gpt-3m                  # a run folder's layout
@@ -27,28 +31,18 @@ EXAMPLES = """examples:
 
 
 @dataclass
-class LayoutDegrees:
-    """An exact layout by degrees (instead of --plan or a --strategy shorthand).
+class EstimateOptions:
+    """The exact layout's batch (estimate's own; the plan flags are train's, `add_plan_fields`).
 
     Args:
-        dp_replicate: data-parallel (replicated) degree (0: from --strategy).
-        dp_shard: FSDP degree (0: from --strategy).
-        tp: tensor-parallel degree (0: from --strategy).
-        pp: pipeline-parallel degree (0: from --strategy).
         micro_batch_size: samples per forward/backward on one data-parallel rank, or per pipeline
             micro-batch under PP (0: 1, or the plan file's).
     """
 
-    dp_replicate: int = 0
-    dp_shard: int = 0
-    tp: int = 0
-    pp: int = 0
     micro_batch_size: int = 0
 
 
 def build_parser():
-    from modelpar.plan import ParallelPlan
-
     p = make_parser("modelpar estimate", (
         "Without a layout: the memory per device of each basic strategy and the planner's best plan. With "
         "--plan FILE, a --strategy shorthand or degrees: that exact layout's predicted step time, MFU and HFU, "
@@ -60,45 +54,41 @@ def build_parser():
     add_fields(p, BatchOptions)
     add_fields(p, HardwareOptions)
     add_fields(p, PlannerOptions)
-    add_fields(p, LayoutDegrees)
-    skip = {"dp_replicate", "dp_shard", "tp", "pp", "precision", "placement_devices"}
-    add_fields(p, ParallelPlan, skip=skip, dest_prefix="plan_options.", group="plan options (exact layout)")
+    add_fields(p, EstimateOptions)
+    add_plan_fields(p)                            # the same plan flags as train / verify
     return p
 
 
-def _exact_plan(a, given: set[str], n: int, prec: str):
-    """``(PlanFile, source)`` of the exact layout asked for, or None (no layout given)."""
-    from modelpar.plan import ParallelPlan
-    from modelpar.plan_file import PlanFile, read_plan_file
-    from modelpar.train.resolve import _check_degrees_fit
+def exact_layout(a, given: set[str], n: int, prec: str):
+    """``(Resolved, global batch size)`` of the exact layout asked for, resolved by train's one
+    resolution (`modelpar.train.resolve.resolve`: --plan FILE, a --strategy shorthand, or degrees, with
+    the plan flags on top), or None when no layout is given (--strategy auto / rules, no degrees, no
+    --plan: estimate then answers "does it fit, and how?"). A plan file's global batch is used unless
+    --global-batch-size is given; without a plan file, an unset --precision is ``prec`` (the planner
+    commands' default, `precision_for`).
 
-    degrees = {k: getattr(a, k) for k in ("dp_replicate", "dp_shard", "tp", "pp") if getattr(a, k)}
-    opts = {k.split(".", 1)[1]: getattr(a.plan_options, k.split(".", 1)[1]) for k in given
-            if k.startswith("plan_options.")}
-    if a.plan:
-        if degrees or "strategy" in given:
-            raise ValueError("give --plan or --strategy / degrees, not both")
-        pf = read_plan_file(a.plan)
-        if opts:
-            pf = dataclasses.replace(pf, plan=dataclasses.replace(pf.plan, **opts))
-        return pf
-    s = a.strategy.lower()
-    if not degrees and s in ("auto", "rules"):
+    Raises:
+        ValueError: what `resolve` raises (contradicting flags, a strategy that cannot use ``n`` ranks,
+            a bad plan file), naming the flags and values.
+    """
+    from modelpar.train.config import TrainConfig
+    from modelpar.train.resolve import resolve
+
+    fields, strategy = plan_fields_given(a), strategy_given(a, given)
+    if not a.plan and strategy.lower() in ("auto", "rules") and not any(k in fields for k in DEGREES):
         return None
-    if s in ("auto", "rules"):
-        if "strategy" in given:
-            raise ValueError(f"--strategy {s} chooses the degrees itself; drop the degrees, or use "
-                             f"--strategy custom to estimate exactly them")
-        s = "custom"
-    if s == "custom":
-        plan = ParallelPlan(**degrees, precision=prec, **opts)
+    gbs = a.global_batch_size
+    if a.plan:
+        from modelpar.plan_file import read_plan_file
+
+        pf = read_plan_file(a.plan)
+        if pf.global_batch_size is not None and "global_batch_size" not in given:
+            gbs = pf.global_batch_size            # a plan file brings its batch
     else:
-        from modelpar.plan import plan_for_strategy
-        _check_degrees_fit(s, n, degrees)
-        plan = plan_for_strategy(s, n, **degrees, precision=prec, **opts)
-    if plan.pp > 1 and "plan_options.n_microbatches" not in given:
-        plan = dataclasses.replace(plan, n_microbatches=2 * plan.pp)
-    return PlanFile(plan)
+        fields.setdefault("precision", prec)
+    cfg = TrainConfig(model=a.model, model_config=a.model_config, strategy=strategy, plan=a.plan, nproc=n,
+                      global_batch_size=gbs, seq_len=a.seq_len, layout=fields)
+    return resolve(cfg, n), gbs
 
 
 def main(argv: list[str]) -> int:
@@ -108,28 +98,27 @@ def main(argv: list[str]) -> int:
     argv = normalize_argv(argv, p, prog="modelpar estimate")
     a = parse(p, argv)
     given = given_fields(p, argv)
-    n = world_size(a, given)
+    n = run_world_size(a, given, strategy_given(a, given))    # a plan file brings its own world size
     from modelpar.models.spec import check_model
     check_model(a.model, a.model_config)          # bad names fail first, before any note
     hw = resolve_hardware(a.hardware, n, gpus_per_node=a.gpus_per_node)
-    prec = precision_for(a.precision, hw)
-    pf = _exact_plan(a, given, n, prec)
-    if pf is not None and "nproc" not in given and "nnodes" not in given:
-        n = pf.plan.world_size                     # a plan file brings its own world size
-    prof, desc = profile_for(a.model, a.model_config, a.seq_len, pf.plan.precision if pf else prec, a.blocks)
-    if pf is None:
+    prec = precision_for(plan_fields_given(a).get("precision"), hw)
+    exact = exact_layout(a, given, n, prec)
+    prof, desc = profile_for(a.model, a.model_config, a.seq_len, exact[0].plan.precision if exact else prec,
+                             a.blocks)
+    if exact is None:
         if a.json:
             raise ValueError("--json describes one exact layout: give --plan FILE, a --strategy or degrees")
-        return _fit_answer(a, given, prof, desc, n, hw, prec)
-    return _exact_answer(a, given, pf, prof, desc, n, hw)
+        return _fit_answer(a, prof, desc, n, hw, prec)
+    return _exact_answer(a, *exact, prof, desc, n, hw)
 
 
-def _exact_answer(a, given, pf, prof, desc, n: int, hw) -> int:
+def _exact_answer(a, resolved, gbs: int, prof, desc, n: int, hw) -> int:
     from modelpar.plan_file import PlanFile
     from modelpar.planner.cost import estimate_step, hfu, mfu
     from modelpar.planner.memory import Batch, estimate_memory
 
-    plan = pf.plan.validate(n, num_blocks=None)
+    plan = resolved.plan.validate(n, num_blocks=None)
     from modelpar.planner.legality import check_tp_degree, split_violations
     check_tp_degree(prof.arch, plan.tp)           # heads / key-value heads / widths / vocabulary
     bad = split_violations(prof.tp_splits, plan.tp)   # any model's TP plan (case C7)
@@ -139,14 +128,11 @@ def _exact_answer(a, given, pf, prof, desc, n: int, hw) -> int:
     m = plan.n_microbatches if plan.pp > 1 else 1
     if a.micro_batch_size:
         local = a.micro_batch_size * m
-        if pf.local_batch_size is not None and pf.local_batch_size != local:
+        if resolved.local_batch_size and resolved.local_batch_size != local:
             raise ValueError(f"--micro-batch-size {a.micro_batch_size} contradicts the plan file's local batch "
-                             f"{pf.local_batch_size} ({m} micro-batch(es)); drop one")
+                             f"{resolved.local_batch_size} ({m} micro-batch(es)); drop one")
     else:
-        local = pf.local_batch_size or m
-    gbs = a.global_batch_size
-    if pf.global_batch_size is not None and "global_batch_size" not in given:
-        gbs = pf.global_batch_size
+        local = resolved.local_batch_size or m
     batch = Batch(gbs, local)
     batch.accumulation_steps(plan)                # raises naming the numbers
     mem = estimate_memory(prof, plan, batch, optimizer=a.optimizer, overhead_bytes=hw.framework_overhead_bytes)
@@ -176,7 +162,7 @@ def _exact_answer(a, given, pf, prof, desc, n: int, hw) -> int:
     return 0 if fits else 1
 
 
-def _fit_answer(a, given, prof, desc, n: int, hw, prec: str) -> int:
+def _fit_answer(a, prof, desc, n: int, hw, prec: str) -> int:
     from modelpar.plan import plan_for_strategy
     from modelpar.planner.memory import Batch, estimate_memory
     from modelpar.planner.search import search_plans
@@ -193,11 +179,9 @@ def _fit_answer(a, given, prof, desc, n: int, hw, prec: str) -> int:
             print(f"  {s:<6} {m.total / GIB:10.2f} GiB/device  {fits}")
         except ValueError as e:
             print(f"  {s:<6} not applicable: {e}")
-    from modelpar.cli.plan import search_kwargs
-    ac = a.plan_options.activation_checkpointing if "plan_options.activation_checkpointing" in given else ""
-    every = a.plan_options.ac_every if "plan_options.ac_every" in given else 0
+    from modelpar.train.resolve import search_settings
     rep = search_plans(prof, n, hw, global_batch_size=a.global_batch_size, optimizer=a.optimizer, precision=prec,
-                       **search_kwargs(ac, every))
+                       **search_settings(plan_fields_given(a)))     # as train --strategy auto's search
     if not rep.ranked:
         print(f"no: nothing fits on {n} devices ({rep.summary()})")
         return 1

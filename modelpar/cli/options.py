@@ -163,3 +163,48 @@ def world_size(ns, given: set[str]) -> int:
                              f"{ns.gpus_per_node} = {n}; give one of them")
         return n
     return ns.nproc
+
+
+DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
+
+
+def add_plan_fields(p, only=None) -> None:
+    """The plan flags: one per `ParallelPlan` field (``--tp``, ``--pp-schedule``, ``--sequence-parallel``,
+    ...; ``only``: those fields), value in ``layout.<field>``, None while not given
+    (`modelpar.train.config.PlanOptions`, help from `plan_option_docs`). The same flags, defaults and help
+    in every command that takes them (train, verify, estimate; plan: the fields of its search)."""
+    from modelpar.cli.args import add_fields
+    from modelpar.train.config import PlanOptions, plan_option_docs
+
+    add_fields(p, PlanOptions, only=only, dest_prefix="layout.", docs=plan_option_docs(),
+               group="parallel plan (unset: --strategy / --plan decide)")
+
+
+def plan_fields_given(ns) -> dict:
+    """The plan fields set on the command line (``layout.<field>`` not None), lists as given."""
+    layout = getattr(ns, "layout", None)
+    return {k: v for k, v in vars(layout).items() if v is not None} if layout is not None else {}
+
+
+def strategy_given(ns, given: set[str]) -> str:
+    """``--strategy``, or ``custom`` when degrees are given without ``--strategy`` and ``--plan``
+    (degrees alone mean exactly these degrees, in every command)."""
+    degrees = any(k in plan_fields_given(ns) for k in DEGREES)
+    return "custom" if degrees and "strategy" not in given and not ns.plan else ns.strategy
+
+
+def run_world_size(ns, given: set[str], strategy: str) -> int:
+    """The world size a layout request runs on: 1 for ``single`` / ``placement`` (one process), a
+    ``--plan`` file's own world size unless ``--nproc`` / ``--nnodes`` is given, else `world_size`.
+
+    Raises:
+        ValueError: what `world_size` or `modelpar.plan_file.read_plan_file` raise.
+    """
+    if strategy.lower() in ("single", "placement"):
+        return 1
+    if ns.plan and "nproc" not in given and "nnodes" not in given:
+        from modelpar.plan_file import read_plan_file
+
+        return read_plan_file(ns.plan).plan.world_size
+    return world_size(ns, given)
+

@@ -12,9 +12,10 @@ import json
 import time
 from dataclasses import dataclass
 
-from modelpar.cli.args import add_fields, flag, given_fields, make_parser, normalize_argv, parse
+from modelpar.cli.args import add_fields, given_fields, make_parser, normalize_argv, parse
 from modelpar.cli.common import GIB, PlannerOptions, precision_for, profile_for
-from modelpar.cli.options import BATCH_TERMS, BatchOptions, HardwareOptions, LayoutOptions, ModelOptions, PartsOptions, world_size
+from modelpar.cli.options import (BATCH_TERMS, BatchOptions, HardwareOptions, LayoutOptions, ModelOptions, PartsOptions,
+                                  add_plan_fields, plan_fields_given, world_size)
 
 EXAMPLES = """examples:
   modelpar plan --model gpt-1b --nproc 8 --hardware H100-80GB-SXM
@@ -42,40 +43,6 @@ class PlanCommand:
     explain: int = 0
 
 
-@dataclass
-class SearchSpace:
-    """Which checkpointing modes the search tries.
-
-    Args:
-        activation_checkpointing: search only this mode (none, full, selective, every-k; empty: all).
-        ac_every: k of every-k (0: the search tries 2 and 4).
-    """
-
-    activation_checkpointing: str = ""
-    ac_every: int = 0
-
-
-def search_kwargs(activation_checkpointing: str, ac_every: int) -> dict:
-    """`search_plans`' checkpointing arguments from --activation-checkpointing / --ac-every.
-
-    Raises:
-        ValueError: an unknown mode or a k below 1 (naming the flag).
-    """
-    from modelpar.plan import AC_MODES
-
-    kw: dict = {}
-    if activation_checkpointing:
-        if activation_checkpointing not in AC_MODES:
-            raise ValueError(f"--activation-checkpointing {activation_checkpointing!r} is unknown; "
-                             f"valid: {', '.join(AC_MODES)}")
-        kw["checkpointing"] = (activation_checkpointing,)
-    if ac_every:
-        if ac_every < 1:
-            raise ValueError(f"--ac-every must be >= 1, got {ac_every}")
-        kw["ac_every"] = (ac_every,)
-    return kw
-
-
 def build_parser():
     p = make_parser("modelpar plan", (
         "Predict memory per device and step time of every parallel layout (dp_replicate x dp_shard x tp x pp, "
@@ -87,9 +54,13 @@ def build_parser():
     add_fields(p, BatchOptions)
     add_fields(p, HardwareOptions)
     add_fields(p, PlannerOptions)
-    add_fields(p, SearchSpace)
+    add_plan_fields(p, only=SEARCH_FIELDS)        # train's flags for the fields that narrow the search
     add_fields(p, PlanCommand)
     return p
+
+
+# the `ParallelPlan` fields `plan` takes (it ranks layouts: exact degrees go to --plan or `estimate`)
+SEARCH_FIELDS = ("precision", "activation_checkpointing", "ac_every")
 
 
 def _row(i, c, hw, prec) -> str:
@@ -104,6 +75,7 @@ def _row(i, c, hw, prec) -> str:
 def main(argv: list[str]) -> int:
     from modelpar.cli.options import resolve_hardware
     from modelpar.planner.search import search_plans
+    from modelpar.train.resolve import search_settings
 
     p = build_parser()
     argv = normalize_argv(argv, p, prog="modelpar plan")
@@ -120,7 +92,8 @@ def main(argv: list[str]) -> int:
     from modelpar.models.spec import check_model
     check_model(a.model, a.model_config)          # bad names fail first, before any note
     hw = resolve_hardware(a.hardware, n, gpus_per_node=a.gpus_per_node)
-    prec = pf.plan.precision if pf is not None else precision_for(a.precision, hw)
+    fields = plan_fields_given(a)
+    prec = pf.plan.precision if pf is not None else precision_for(fields.get("precision"), hw)
     prof, desc = profile_for(a.model, a.model_config, a.seq_len, prec, a.blocks)
     t = time.perf_counter()
     if pf is not None or strategy == "rules":
@@ -132,7 +105,7 @@ def main(argv: list[str]) -> int:
     family = strategy != "auto"
     rep = search_plans(prof, n, hw, global_batch_size=a.global_batch_size, optimizer=a.optimizer, precision=prec,
                        top_k=None if family else max(a.top, a.explain, 1),
-                       **search_kwargs(a.activation_checkpointing, a.ac_every))
+                       **search_settings(fields))           # as train --strategy auto's search
     ranked = rep.ranked
     if family:
         from modelpar.plan import strategy_of
@@ -187,18 +160,17 @@ def _plan_file(a, given: set[str]):
     """The `PlanFile` of ``--plan`` (the format ``plan --explain K --json`` writes).
 
     Raises:
-        ValueError: --plan with --strategy, or with --activation-checkpointing / --ac-every (which
-            narrow a search; --plan prices one plan), or what `read_plan_file` raises.
+        ValueError: --plan with --strategy, a plan flag that contradicts the file (as `train --plan`:
+            `modelpar.train.resolve.check_agrees_with_plan_file`), or what `read_plan_file` raises.
     """
     from modelpar.plan_file import read_plan_file
+    from modelpar.train.resolve import check_agrees_with_plan_file
 
     if "strategy" in given:
         raise ValueError(f"give --plan or --strategy, not both (--plan {a.plan!r}, --strategy {a.strategy})")
-    narrowing = [k for k in ("activation_checkpointing", "ac_every") if k in given]
-    if narrowing:
-        raise ValueError(f"--plan prices one plan, but {', '.join(flag(k) for k in narrowing)} narrows a search; "
-                         f"set the plan file's field instead")
-    return read_plan_file(a.plan)
+    pf = read_plan_file(a.plan)
+    check_agrees_with_plan_file(pf, plan_fields_given(a), a.plan)
+    return pf
 
 
 def _priced(a, given: set[str], pf, prof, n: int, hw, prec: str):

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from modelpar.cli.args import add_fields, given_fields, make_parser, normalize_argv, parse
-from modelpar.cli.options import BATCH_TERMS, LayoutOptions, world_size
+from modelpar.cli.options import BATCH_TERMS, LayoutOptions, add_plan_fields, run_world_size, strategy_given
 
 EXAMPLES = """examples:
   modelpar train                                         # the main job: gpt-1m, auto plan, 2 local ranks
@@ -33,11 +33,8 @@ EXAMPLES = """examples:
   modelpar train --model mymodels:lm --data tokens/ --token-dtype uint16 --strategy fsdp   # factory LM, nanoGPT tokens
 """
 
-DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
-
-
 def build_parser():
-    from modelpar.train.config import PlanOptions, TrainConfig, plan_option_docs
+    from modelpar.train.config import TrainConfig
 
     p = make_parser("modelpar train", (
         "Train a model (built-in, a Hugging Face causal LM, or a factory language model; docs/your-model.md) "
@@ -47,18 +44,11 @@ def build_parser():
     from modelpar.cli.options import shared_docs
 
     add_fields(p, TrainConfig, skip=("layout",), docs=shared_docs())
-    add_parallel_plan_fields(p, PlanOptions, plan_option_docs())
+    add_plan_fields(p)                          # the same plan flags as verify / estimate / plan
     add_fields(p, LayoutOptions, only=("nnodes", "gpus_per_node"), group="many nodes")
     p.add_argument("--run-dir", default="", help="run in this run folder (its config.yaml and plan.json, "
                    "written by the launcher; what each rank is started with)")
     return p
-
-
-def add_parallel_plan_fields(p, options_cls, docs: dict) -> None:
-    """One flag per `ParallelPlan` field (``--tp``, ``--pp-schedule``, ``--sequence-parallel``, ...),
-    its value in ``layout.<field>`` (None while not given): `TrainConfig.layout`."""
-    add_fields(p, options_cls, dest_prefix="layout.", group="parallel plan (unset: --strategy / --plan decide)",
-               docs=docs)
 
 
 def parse_train_config(argv: list[str]):
@@ -77,8 +67,7 @@ def parse_train_config(argv: list[str]):
     d = ns.as_dict()
     for k in ("config", "__path__", "nnodes", "gpus_per_node", "run_dir"):
         d.pop(k, None)
-    if any(d["layout"].get(k) is not None for k in DEGREES) and "strategy" not in given and not d.get("plan"):
-        d["strategy"] = "custom"                # degrees without a strategy: exactly these degrees
+    d["strategy"] = strategy_given(ns, given)   # degrees without a strategy: exactly these degrees
     return TrainConfig(**d), ns, given
 
 
@@ -175,13 +164,7 @@ def main(argv: list[str]) -> int:
                           "modelpar train")     # an error: reported, no teardown
     if under_launcher():                        # started by the user's own torchrun
         run_rank_and_exit(lambda: (train(cfg), 0)[1], "modelpar train")
-    if cfg.strategy.lower() in ("single", "placement"):
-        world = 1
-    elif cfg.plan and "nproc" not in given and "nnodes" not in given:
-        from modelpar.plan_file import read_plan_file
-        world = read_plan_file(cfg.plan).plan.world_size      # the plan file's own world size
-    else:
-        world = world_size(ns, given)
+    world = run_world_size(ns, given, cfg.strategy)     # 1 for single / placement; a plan file's own
     # only train --strategy auto calibrates by itself (rules and the rest: the uncalibrated estimate)
     resolved = resolve(cfg, world, measure_if_missing=cfg.strategy.lower() == "auto")
     plan, batches = preflight(cfg, world, resolved)

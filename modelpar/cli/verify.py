@@ -63,8 +63,8 @@ class VerifyOptions:
 
 
 def build_parser():
-    from modelpar.cli.train import add_parallel_plan_fields
-    from modelpar.train.config import PlanOptions, TrainConfig, plan_option_docs
+    from modelpar.cli.options import add_plan_fields
+    from modelpar.train.config import TrainConfig
 
     p = make_parser("modelpar verify", __doc__.split("\n\n")[1], epilog=EXAMPLES + "\n" + BATCH_TERMS,
                     config_file=True)
@@ -75,7 +75,7 @@ def build_parser():
     add_fields(p, HardwareOptions)
     add_fields(p, VerifyOptions)
     add_fields(p, TrainConfig, only=("check_unused_params", "sync_batchnorm"))
-    add_parallel_plan_fields(p, PlanOptions, plan_option_docs())      # the same plan flags as train
+    add_plan_fields(p)                           # the same plan flags as train / estimate / plan
     p.add_argument("--run-dir", default="", help="a folder with verify.yaml and plan.json written by the "
                    "launcher (what each rank is started with)")
     return p
@@ -85,9 +85,9 @@ def as_train_config(args, given: set[str]):
     """The `TrainConfig` whose plan fields are verify's options (for `modelpar.train.resolve`)."""
     from modelpar.train.config import TrainConfig
 
-    layout = {k: v for k, v in vars(args.layout).items() if v is not None}
-    degrees = any(k in layout for k in ("dp_replicate", "dp_shard", "tp", "pp"))
-    strategy = "custom" if degrees and "strategy" not in given and not args.plan else args.strategy
+    from modelpar.cli.options import plan_fields_given, strategy_given
+
+    layout, strategy = plan_fields_given(args), strategy_given(args, given)
     return TrainConfig(model=args.model if ":" not in args.model else "gpt-nano", plan=args.plan, nproc=args.nproc,
                        global_batch_size=args.global_batch_size, local_batch_size=args.local_batch_size,
                        seq_len=args.seq_len, optimizer=args.optimizer, hardware=args.hardware, seed=args.seed,
@@ -107,15 +107,10 @@ def resolve_plan(args, given: set[str] = frozenset()):
     if args.strategy.lower() in ("auto", "rules") and ":" in args.model and not args.plan:
         raise ValueError(f"--strategy {args.strategy} plans built-in models only for now; give --strategy "
                          f"(ddp, fsdp, tp, pp, ...), degrees or --plan for {args.model!r}")
-    from modelpar.cli.options import world_size
+    from modelpar.cli.options import run_world_size
 
     cfg = as_train_config(args, given)
-    world = world_size(args, given)               # --nproc, or --nnodes x --gpus-per-node
-    if cfg.plan and "nproc" not in given and "nnodes" not in given:
-        from modelpar.plan_file import read_plan_file
-        world = read_plan_file(cfg.plan).plan.world_size
-    if cfg.strategy.lower() in ("single", "placement"):
-        world = 1
+    world = run_world_size(args, given, cfg.strategy)     # as train: 1 for single / placement, a plan file's own
     r = resolve(cfg, world, measure_if_missing=False)
     return r.plan.validate(world), r.local_batch_size
 

@@ -133,12 +133,12 @@ def _choose(cfg, world_size: int, *, strategy: str = "auto", measure_if_missing:
         local, predicted = 0, 0.0
         reason = f"rules: {why}"
     else:
-        from modelpar.planner.search import AC_CHOICES, AC_EVERY_CHOICES
-        ac = AC_CHOICES if lay.activation_checkpointing in (None, "none") else (lay.activation_checkpointing,)
-        every = (lay.ac_every or 1,) if lay.activation_checkpointing == "every-k" else AC_EVERY_CHOICES
+        from modelpar.train.resolve import given_fields, search_settings
+
+        # the search settings `plan` / `estimate` take from the same flags (one function)
         plan, rep = choose_plan(prof, world_size, hw, global_batch_size=cfg.global_batch_size,
                                 precision=precision, optimizer="adamw" if cfg.optimizer == "adamw" else "sgd",
-                                checkpointing=ac, ac_every=every)
+                                **search_settings(given_fields(cfg)))
         local = rep.ranked[0].batch.local_batch_size
         predicted = rep.ranked[0].step.samples_per_s * task.tokens_per_sample if task.kind == "lm" else 0.0
         reason = f"auto: the fastest feasible plan on {hw.name} ({rep.summary()})"

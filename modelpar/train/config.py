@@ -45,7 +45,10 @@ PlanOptions.__doc__ = """The `ParallelPlan` fields a config sets; None: unset (f
 # what an unset field means (command-line help; every other unset field: the strategy's / plan's)
 UNSET = {"n_microbatches": "unset: 2 x pp", "stage_boundaries": "unset: the planner's split, `modelpar.stage_split`",
          "placement_devices": "unset: cuda:0,cuda:1 with 2 GPUs, else cpu,cpu",
-         "activation_checkpointing": "unset or none with --strategy auto / rules: the planner chooses any mode"}
+         "activation_checkpointing": "unset: --plan's or the strategy's, else none; the planner's search (train "
+                                     "--strategy auto, plan, estimate) tries every mode unless one is given",
+         "ac_every": "unset: --plan's or the strategy's, else 1; the planner's search tries 2 and 4 unless one is given",
+         "precision": "unset: --plan's, else fp32; plan and estimate price bf16 on a GPU --hardware"}
 
 
 def plan_option_docs() -> dict[str, str]:

@@ -133,10 +133,7 @@ def _from_plan_file(cfg, world_size: int) -> Resolved:
     if degrees:
         raise ValueError(f"--plan {cfg.plan!r} sets the degrees; drop "
                          f"{', '.join(f'{_flag(k)} {v}' for k, v in degrees.items())}")
-    for k, v in plan_fields(cfg).items():       # options given must agree with the file
-        if getattr(pf.plan, k) != v:
-            raise ValueError(f"{_flag(k)} {v!r} contradicts --plan {cfg.plan!r} ({k}={getattr(pf.plan, k)!r}); "
-                             f"drop one")
+    check_agrees_with_plan_file(pf, plan_fields(cfg), cfg.plan)
     if pf.global_batch_size is not None and pf.global_batch_size != cfg.global_batch_size:
         raise ValueError(f"--plan {cfg.plan!r} was made for global_batch_size={pf.global_batch_size}, but "
                          f"--global-batch-size is {cfg.global_batch_size}; pass --global-batch-size "
@@ -148,3 +145,42 @@ def _from_plan_file(cfg, world_size: int) -> Resolved:
                              f"(local_batch_size={pf.local_batch_size}); drop one")
         local = pf.local_batch_size
     return Resolved(pf.plan, local, f"plan file {cfg.plan}")
+
+
+def check_agrees_with_plan_file(pf, fields: dict, where: str) -> None:
+    """Plan options given beside ``--plan`` must agree with the file (`fields`: field -> value).
+
+    Raises:
+        ValueError: the first option that differs from the file's field, naming both.
+    """
+    for k, v in fields.items():
+        v = tuple(v) if isinstance(v, list) else v
+        if getattr(pf.plan, k) != v:
+            raise ValueError(f"{_flag(k)} {v!r} contradicts --plan {where!r} ({k}={getattr(pf.plan, k)!r}); "
+                             f"drop one")
+
+
+def search_settings(fields: dict) -> dict:
+    """The planner search's checkpointing arguments (`modelpar.planner.search.search_plans`'
+    ``checkpointing`` / ``ac_every``) from the plan fields given (``fields``: field -> value), the
+    same in ``train --strategy auto`` and in ``plan`` / ``estimate``: ``activation_checkpointing``
+    unset, any mode; set, only that mode (``none`` too); ``ac_every`` set, only that k of every-k
+    (unset: the search's, 2 and 4).
+
+    Raises:
+        ValueError: an unknown mode or a k below 1 (naming the flag and the value).
+    """
+    from modelpar.plan import AC_MODES
+
+    kw: dict = {}
+    mode, every = fields.get("activation_checkpointing"), fields.get("ac_every")
+    if mode is not None:
+        if mode not in AC_MODES:
+            raise ValueError(f"--activation-checkpointing {mode!r} is unknown; valid: {', '.join(AC_MODES)}")
+        kw["checkpointing"] = (mode,)
+    if every is not None:
+        if every < 1:
+            raise ValueError(f"--ac-every must be >= 1, got {every}")
+        kw["ac_every"] = (every,)
+    return kw
+
