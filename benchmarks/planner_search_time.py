@@ -55,18 +55,59 @@ def _spread(xs: list[float], fmt: str) -> str:
     return f"median {fmt.format(statistics.median(xs))} ({fmt.format(xs[0])}-{fmt.format(xs[-1])})"
 
 
+DEFAULT_RUNS = ((3072, 3072), (16384, 16384))
+
+
+def run_spec(text: str) -> tuple[int, int]:
+    """``N:BATCH`` -> (devices, global batch size in sequences).
+
+    Raises:
+        argparse.ArgumentTypeError: not two positive integers joined by ``:`` (naming the value).
+    """
+    import argparse
+
+    parts = text.split(":")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not N:BATCH (devices and global batch size in sequences, "
+                                         f"two positive integers, e.g. 3072:3072)")
+    return int(parts[0]), int(parts[1])
+
+
+def positive(text: str) -> int:
+    """An integer >= 1.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (naming the value).
+    """
+    import argparse
+
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
+def build_parser():
+    import argparse
+
+    p = argparse.ArgumentParser(prog="planner_search_time.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="*", type=run_spec, metavar="N:BATCH",
+                   help="devices and global batch size (sequences) of one search; several alternate within each "
+                        "round (default: 3072:3072 16384:16384)")
+    p.add_argument("--repeat", type=positive, default=5,
+                   help="rounds; the median and the spread (min-max) are printed (default: 5)")
+    p.add_argument("--top", type=positive, default=10,
+                   help="k of the exact top-k search timed beside the full ranking, and checked equal to its "
+                        "first k (default: 10, what `modelpar plan` prints)")
+    return p
+
+
 def main(argv: list[str]) -> int:
-    repeat = 5
-    if "--repeat" in argv:
-        i = argv.index("--repeat")
-        repeat = int(argv[i + 1])
-        argv = argv[:i] + argv[i + 2:]
-    top = 10
-    if "--top" in argv:
-        i = argv.index("--top")
-        top = int(argv[i + 1])
-        argv = argv[:i] + argv[i + 2:]
-    runs = [tuple(int(x) for x in a.split(":")) for a in argv] or [(3072, 3072), (16384, 16384)]
+    """Exit code 0 when the full ranking's median CPU time is under 1 s at every size and the top-k mode
+    equals the full ranking's head, 1 otherwise (bad arguments: argparse's message, exit code 2)."""
+    a = build_parser().parse_args(argv)
+    repeat, top = a.repeat, a.top
+    runs = a.runs or list(DEFAULT_RUNS)
     model = build_model("gpt-70b", device="meta")
     t0 = time.perf_counter()
     prof = profile_model(model, torch.zeros(1, model.cfg.seq_len, dtype=torch.long, device="meta"),

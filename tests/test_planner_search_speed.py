@@ -155,3 +155,21 @@ def test_rank_selection_equals_a_scan_of_every_rank():
                 assert [in_flight(plan, r) for r, _ in ranks] == flights[m]
                 skipped += len(ranks) - len(flights[("sel", m, plan.activation_checkpointing, plan.ac_every)])
     assert skipped > 0
+
+
+@pytest.mark.slow
+def test_search_time_benchmark_has_a_command_line():
+    """`benchmarks/planner_search_time.py --help` prints its flags (it parsed "--help" as a run and crashed
+    before), and a malformed run is refused naming it, before any profiling (a subprocess each: tests
+    import no benchmark script)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "planner_search_time.py"
+    r = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert all(s in r.stdout for s in ("N:BATCH", "--repeat", "--top", "Time the planner's full search")), r.stdout
+    r = subprocess.run([sys.executable, str(script), "3072:x", "--repeat", "2"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "'3072:x' is not N:BATCH" in r.stderr and "profile" not in r.stdout, r
