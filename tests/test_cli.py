@@ -425,3 +425,44 @@ def test_checkpointing_flags_narrow_train_auto_and_plan_alike(mode, capsys):
     ranked = parse_plan_file(json.loads(capsys.readouterr().out)).plan
     got = [(p.activation_checkpointing, p.ac_every) for p in (chosen, ranked)]
     assert got[0] == got[1] and got[0][0] == mode and (mode != "every-k" or got[0][1] in (2, 4)), got
+
+
+def test_a_plan_file_brings_its_global_batch_in_every_command(tmp_path, monkeypatch, capsys):
+    """``--plan FILE`` without --global-batch-size: train, verify, estimate and plan all take the file's
+    global batch (train and verify refused it before: "pass --global-batch-size 8"); a given value
+    that differs is still refused."""
+    import modelpar.launch
+    from modelpar.cli.estimate import main as estimate_main
+    from modelpar.cli.plan import main as plan_main
+    from modelpar.cli.train import parse_train_config
+    from modelpar.cli.verify import main as verify_main
+    from modelpar.plan import ParallelPlan
+    from modelpar.plan_file import PlanFile, read_plan_file
+    from modelpar.train.resolve import resolve
+
+    f = PlanFile(ParallelPlan(dp_shard=2), 8, 2).write(tmp_path / "plan.json")
+    argv = ["--model", "gpt-nano", "--plan", str(f), "--hardware", "cpu"]
+    got = {}
+    cfg = parse_train_config(argv)[0]
+    got["train"] = (cfg.global_batch_size, resolve(cfg, 2).local_batch_size)
+    for name, main in (("estimate", estimate_main), ("plan", plan_main)):
+        assert main(argv + ["--json"]) == 0
+        d = json.loads(capsys.readouterr().out)
+        got[name] = (d["global_batch_size"], d["local_batch_size"])
+
+    class Launched:                               # verify's launch, stopped: what its ranks would read
+        def __init__(self, target, world, **kw):
+            import shutil
+
+            run_dir = Path(target[target.index("--run-dir") + 1])
+            pf = read_plan_file(run_dir / "plan.json")
+            got["verify"] = (pf.global_batch_size, pf.local_batch_size)
+            shutil.rmtree(run_dir)
+
+        def report(self, prog):
+            return 0, ""
+    monkeypatch.setattr(modelpar.launch, "run_command", Launched)
+    assert verify_main(argv + ["--steps", "1"]) == 0
+    assert got == dict.fromkeys(("train", "estimate", "plan", "verify"), (8, 2)), got
+    with pytest.raises(ValueError, match="pass --global-batch-size 8"):
+        resolve(parse_train_config(argv + ["--global-batch-size", "16"])[0], 2)

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from modelpar.cli.args import add_fields, given_fields, make_parser, normalize_argv, parse
 from modelpar.cli.common import GIB, PlannerOptions, precision_for, profile_for
 from modelpar.cli.options import (BATCH_TERMS, DEGREES, BatchOptions, HardwareOptions, LayoutOptions, ModelOptions,
-                                  PartsOptions, add_plan_fields, plan_fields_given, run_world_size, strategy_given)
+                                  PartsOptions, add_plan_fields, global_batch_size_given, plan_fields_given,
+                                  run_world_size, strategy_given)
 
 EXAMPLES = """examples:
   modelpar estimate --model gpt-70b --nproc 64 --hardware H200                  # does it fit, and how?
@@ -77,14 +78,8 @@ def exact_layout(a, given: set[str], n: int, prec: str):
     fields, strategy = plan_fields_given(a), strategy_given(a, given)
     if not a.plan and strategy.lower() in ("auto", "rules") and not any(k in fields for k in DEGREES):
         return None
-    gbs = a.global_batch_size
-    if a.plan:
-        from modelpar.plan_file import read_plan_file
-
-        pf = read_plan_file(a.plan)
-        if pf.global_batch_size is not None and "global_batch_size" not in given:
-            gbs = pf.global_batch_size            # a plan file brings its batch
-    else:
+    gbs = global_batch_size_given(a, given)      # a --plan file's, unless given
+    if not a.plan:
         fields.setdefault("precision", prec)
     cfg = TrainConfig(model=a.model, model_config=a.model_config, strategy=strategy, plan=a.plan, nproc=n,
                       global_batch_size=gbs, seq_len=a.seq_len, layout=fields)

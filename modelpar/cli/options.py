@@ -208,3 +208,20 @@ def run_world_size(ns, given: set[str], strategy: str) -> int:
         return read_plan_file(ns.plan).plan.world_size
     return world_size(ns, given)
 
+
+def global_batch_size_given(ns, given: set[str]) -> int:
+    """``--global-batch-size`` (samples per optimizer step), or, when it is not given, the global batch
+    of the ``--plan`` file if the file names one: a plan file brings its batch terms in every command
+    (a given value that differs is refused by the resolution, naming both).
+
+    Raises:
+        ValueError: what `modelpar.plan_file.read_plan_file` raises.
+    """
+    if ns.plan and "global_batch_size" not in given:
+        from modelpar.plan_file import read_plan_file
+
+        gbs = read_plan_file(ns.plan).global_batch_size
+        if gbs is not None:
+            return gbs
+    return ns.global_batch_size
+

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from modelpar.cli.args import add_fields, given_fields, make_parser, normalize_argv, parse
 from modelpar.cli.common import GIB, PlannerOptions, precision_for, profile_for
 from modelpar.cli.options import (BATCH_TERMS, BatchOptions, HardwareOptions, LayoutOptions, ModelOptions, PartsOptions,
-                                  add_plan_fields, plan_fields_given, world_size)
+                                  add_plan_fields, global_batch_size_given, plan_fields_given, world_size)
 
 EXAMPLES = """examples:
   modelpar plan --model gpt-1b --nproc 8 --hardware H100-80GB-SXM
@@ -187,7 +187,7 @@ def _priced(a, given: set[str], pf, prof, n: int, hw, prec: str):
     from modelpar.planner.memory import Batch, estimate_memory
     from modelpar.planner.search import Candidate
 
-    gbs, local = a.global_batch_size, None
+    gbs, local = global_batch_size_given(a, given), None        # a --plan file's, unless given
     if pf is None:
         from modelpar.planner.rules import rule_plan
         plan, why = rule_plan(prof, n, hw, global_batch_size=gbs, optimizer=a.optimizer, precision=prec,
@@ -195,11 +195,9 @@ def _priced(a, given: set[str], pf, prof, n: int, hw, prec: str):
         what = f"rules: {why}"
     else:
         plan, local, what = pf.plan, pf.local_batch_size, f"plan file {a.plan}"
-        if pf.global_batch_size is not None:
-            if "global_batch_size" in given and gbs != pf.global_batch_size:
-                raise ValueError(f"--plan {a.plan!r} was made for global_batch_size={pf.global_batch_size}, but "
-                                 f"--global-batch-size is {gbs}; drop one")
-            gbs = pf.global_batch_size
+        if pf.global_batch_size is not None and gbs != pf.global_batch_size:
+            raise ValueError(f"--plan {a.plan!r} was made for global_batch_size={pf.global_batch_size}, but "
+                             f"--global-batch-size is {gbs}; drop one")
     blocks = len(prof.blocks) - 2 if prof.arch and len(prof.blocks) >= 3 else len(prof.blocks)
     plan.validate(n, num_blocks=blocks)
     check_tp_degree(prof.arch, plan.tp)           # heads / key-value heads / widths / vocabulary

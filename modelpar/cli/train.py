@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 from modelpar.cli.args import add_fields, given_fields, make_parser, normalize_argv, parse
-from modelpar.cli.options import BATCH_TERMS, LayoutOptions, add_plan_fields, run_world_size, strategy_given
+from modelpar.cli.options import (BATCH_TERMS, LayoutOptions, add_plan_fields, global_batch_size_given, run_world_size,
+                                  strategy_given)
 
 EXAMPLES = """examples:
   modelpar train                                         # the main job: gpt-1m, auto plan, 2 local ranks
@@ -68,6 +69,7 @@ def parse_train_config(argv: list[str]):
     for k in ("config", "__path__", "nnodes", "gpus_per_node", "run_dir"):
         d.pop(k, None)
     d["strategy"] = strategy_given(ns, given)   # degrees without a strategy: exactly these degrees
+    d["global_batch_size"] = global_batch_size_given(ns, given)    # a --plan file's, unless given
     return TrainConfig(**d), ns, given
 
 

@@ -366,7 +366,11 @@ def main(argv: list[str]) -> int:
         pf = read_plan_file(d / "plan.json")
         plan = pf.plan.validate(pf.plan.world_size)
         run_rank_and_exit(lambda: run_rank(args, plan, pf.local_batch_size), "modelpar verify")
-    plan, local = resolve_plan(args, given_fields(p, argv))
+    from modelpar.cli.options import global_batch_size_given
+
+    given = given_fields(p, argv)
+    args.global_batch_size = global_batch_size_given(args, given)     # a --plan file's, unless given
+    plan, local = resolve_plan(args, given)
     local = local or args.local_batch_size or args.global_batch_size // plan.dp
     _check_before_launch(args, plan, local)
     if under_launcher():                         # started by the user's own torchrun
