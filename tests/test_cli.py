@@ -466,3 +466,18 @@ def test_a_plan_file_brings_its_global_batch_in_every_command(tmp_path, monkeypa
     assert got == dict.fromkeys(("train", "estimate", "plan", "verify"), (8, 2)), got
     with pytest.raises(ValueError, match="pass --global-batch-size 8"):
         resolve(parse_train_config(argv + ["--global-batch-size", "16"])[0], 2)
+
+
+def test_strategy_rules_keeps_the_checkpointing_given(capsys):
+    """The rules baseline chooses no checkpointing; `train --strategy rules --activation-checkpointing
+    full` dropped the flag silently before; now train and plan both apply it on top of the rules plan."""
+    from modelpar.cli.plan import main as plan_main
+    from modelpar.cli.train import parse_train_config
+    from modelpar.plan_file import parse_plan_file
+    from modelpar.train.resolve import resolve
+
+    argv = _BASE + ["--model", "gpt-1m", "--nproc", "2", "--strategy", "rules", "--activation-checkpointing", "full"]
+    chosen = resolve(parse_train_config(argv)[0], 2).plan
+    assert plan_main(argv + ["--explain", "1", "--json"]) == 0
+    priced = parse_plan_file(json.loads(capsys.readouterr().out)).plan
+    assert chosen == priced and chosen.activation_checkpointing == "full", (chosen, priced)

@@ -190,8 +190,10 @@ def _priced(a, given: set[str], pf, prof, n: int, hw, prec: str):
     gbs, local = global_batch_size_given(a, given), None        # a --plan file's, unless given
     if pf is None:
         from modelpar.planner.rules import rule_plan
+        from modelpar.train.resolve import with_checkpointing_given
         plan, why = rule_plan(prof, n, hw, global_batch_size=gbs, optimizer=a.optimizer, precision=prec,
                               task="language" if prof.arch else "image")
+        plan = with_checkpointing_given(plan, plan_fields_given(a))   # as train --strategy rules
         what = f"rules: {why}"
     else:
         plan, local, what = pf.plan, pf.local_batch_size, f"plan file {a.plan}"

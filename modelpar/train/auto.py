@@ -128,8 +128,11 @@ def _choose(cfg, world_size: int, *, strategy: str = "auto", measure_if_missing:
                          f"...)") from e
     hw = hardware_for(cfg, world_size, measure_if_missing=measure_if_missing)
     if strategy == "rules":
+        from modelpar.train.resolve import given_fields, with_checkpointing_given
+
         plan, why = rule_plan(prof, world_size, hw, global_batch_size=cfg.global_batch_size,
                               task="language" if task.kind == "lm" else "image", precision=precision)
+        plan = with_checkpointing_given(plan, given_fields(cfg))     # rules choose no checkpointing
         local, predicted = 0, 0.0
         reason = f"rules: {why}"
     else:

@@ -184,3 +184,16 @@ def search_settings(fields: dict) -> dict:
         kw["ac_every"] = (every,)
     return kw
 
+
+def with_checkpointing_given(plan: ParallelPlan, fields: dict) -> ParallelPlan:
+    """``plan`` with the ``activation_checkpointing`` / ``ac_every`` given in ``fields`` (field -> value):
+    the rules baseline (``--strategy rules`` in train, verify and plan) chooses neither, so what the
+    user set applies on top of it instead of being dropped; unchanged when neither is given.
+
+    Raises:
+        ValueError: an unknown mode or a k below 1 (`search_settings`' checks, naming the flag).
+    """
+    search_settings(fields)
+    over = {k: fields[k] for k in ("activation_checkpointing", "ac_every") if k in fields}
+    return dataclasses.replace(plan, **over) if over else plan
+
