@@ -481,3 +481,19 @@ def test_strategy_rules_keeps_the_checkpointing_given(capsys):
     assert plan_main(argv + ["--explain", "1", "--json"]) == 0
     priced = parse_plan_file(json.loads(capsys.readouterr().out)).plan
     assert chosen == priced and chosen.activation_checkpointing == "full", (chosen, priced)
+
+
+def test_factory_lm_default_seq_len_is_its_max_positions_in_train_and_verify():
+    """``--seq-len 0`` on a factory language model is its max_positions in train (and the planner
+    commands, `modelpar.cli.common.factory_lm_seq_len`) and now in verify too (it capped it at 64)."""
+    from modelpar.cli.args import parse
+    from modelpar.cli.common import factory_lm_seq_len
+    from modelpar.cli.train import parse_train_config
+    from modelpar.cli.verify import build_parser, load_task
+    from modelpar.train.task import lm_shape
+
+    argv = ["--model", "helpers.lm_factory:lm_long", "--global-batch-size", "2", "--strategy", "ddp"]
+    seen = {"train": lm_shape(parse_train_config(argv)[0]).seq_len,
+            "verify": load_task(parse(build_parser(), argv))[1](0)[0].shape[1],
+            "plan": factory_lm_seq_len("helpers.lm_factory:lm_long", {"max_positions": 96}, 0)}
+    assert seen == dict.fromkeys(seen, 96), seen

@@ -117,11 +117,14 @@ def resolve_plan(args, given: set[str] = frozenset()):
 
 def load_task(args):
     """``(model, batch_fn, loss_fn, loss_reduction, description)`` for ``--model``; the same on every rank.
+    A language model's samples are ``--seq-len`` tokens (0: the default every command uses,
+    `modelpar.cli.common.hf_seq_len` / `factory_lm_seq_len`).
 
     Raises:
         ValueError: unknown built-in model, a factory that cannot be imported or returns something
-            else than documented (`modelpar.models.spec`), or a user model whose input shape cannot be
-            inferred.
+            else than documented (`modelpar.models.spec`), a user model whose input shape cannot be
+            inferred, a --seq-len beyond the model's positions, or a factory language model that
+            declares no max_positions and is given no --seq-len.
     """
     import torch
 

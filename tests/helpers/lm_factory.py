@@ -48,3 +48,10 @@ def with_batch_fn():
     m = classifier()
     return {"model": m, "batch_fn": lambda step: (torch.zeros(8, 4), torch.zeros(8, dtype=torch.long)),
             "loss_fn": nn.functional.cross_entropy}
+
+
+def lm_long():
+    """`lm` with 96 positions: past the 64 tokens `verify` defaulted to before (the default is now
+    max_positions in every command)."""
+    torch.manual_seed(0)
+    return {"model": TinyLM(positions=96), "task": "lm", "vocab_size": 256, "max_positions": 96}
