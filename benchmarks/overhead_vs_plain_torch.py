@@ -38,9 +38,10 @@ The verdict, per strategy, from the n kept repeats (times are rank 0's, between 
 The plain scripts use the torch APIs directly: `DistributedDataParallel(model, broadcast_buffers=False,
 gradient_as_bucket_view=True)` (modelpar's `apply_ddp` options), and `fully_shard` on every block then
 the root (`apply_fsdp`'s units and options). modelpar's row is `train_step` as `modelpar train` runs
-it between log steps without clipping: the gradient-use check (case C12, one all-gather of a few
-bytes, plus a hook per parameter: about 1-2 ms per step on a 2-core host, measured session 12,
-so on a fast host, ~110 ms steps, the ddp row's 3% comparison is mostly about this check) included, no loss read
+it between log steps without clipping: the gradient-use check (case C12) included -- under FSDP one
+all-reduce of a few int64 words per step, under DDP a hook per parameter and a local look at the marks
+after the first step (no collective; it was an all-gather every step, 1-2 ms per step on a 2-core
+host, measured session 12, the ddp row's whole excess on a fast host) -- no loss read
 on the host and no global gradient norm (nothing clips or logs it
 here); `tests/test_step_overhead.py` and `benchmarks/overhead_op_counts.py` count that per-step work.
 

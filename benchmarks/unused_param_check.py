@@ -5,8 +5,8 @@ AdamW, under DDP and FSDP. Per strategy two ParallelModels are built from the sa
 ``check_unused_params=True`` (the default) and one without, and timed steps alternate between them
 (``--steps`` steps per repeat, ``--repeats`` repeats; medians). Reported per strategy: the median
 step time with and without the check, their ratio, and the median time of the check alone (one call
-of ``ParallelModel.check_grad_use()`` after a backward: building the mask, one all-gather of
-world x parameter-tensors bytes, the comparison).
+of ``ParallelModel.check_grad_use()`` after a backward: under FSDP packing the marks and one
+all-reduce of a few int64 words; under DDP after the first step a local look at the marks).
 
     OMP_NUM_THREADS=1 python benchmarks/unused_param_check.py --out docs/unused_param_check.md
 

@@ -115,15 +115,28 @@ def test_c8_modelpar_checkpointing_gives_every_parameter_a_grad():
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("name", ["c12_fsdp", "c12_ddp"])
-def test_c12_rank_divergent_use_is_one_error_at_the_step(two_ranks, name):
-    errs = two_ranks[name]["errors"]
+def test_c12_rank_divergent_use_is_one_error_at_the_step(two_ranks):
+    errs = two_ranks["c12_fsdp"]["errors"]
     assert set(errs) == {"0", "1"} and errs["0"] == errs["1"], errs
     e = errs["0"]
     assert "rank-divergent parameter use at step 1 (case C12)" in e, e
     assert "a.bias, a.weight (a gradient on rank(s) [0], none on [1])" in e, e
     assert "b.bias, b.weight (a gradient on rank(s) [1], none on [0])" in e, e
-    assert ("find_unused_parameters=True" in e) == (name == "c12_ddp")
+    assert "find_unused_parameters=True" not in e
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_c12_under_ddp_each_rank_names_what_it_lacks_at_the_step(two_ranks):
+    """DDP after the first step checks on each rank alone (no collective, `grad_use`): here both
+    ranks lack a branch, so both raise at step 1, before the update, each naming its own."""
+    errs = two_ranks["c12_ddp"]["errors"]
+    assert set(errs) == {"0", "1"}, errs
+    for rank, lacks in (("0", "b.bias, b.weight"), ("1", "a.bias, a.weight")):
+        e = errs[rank]
+        assert e.startswith(f"ValueError: 2 trainable parameter(s) got no gradient on rank {rank} at step 1: "
+                            f"{lacks}."), e
+        assert "rank-divergent use, case C12" in e and "find_unused_parameters=True" in e, e
 
 
 @pytest.mark.slow

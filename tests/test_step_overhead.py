@@ -1,7 +1,7 @@
 """No tax over plain torch: what `train_step` and the run loop do per step, counted (not timed).
 
 A plain torch loop does forward, backward, ``optimizer.step()``. Per optimizer step modelpar adds
-only the gradient-use check (one small all-gather, case C12; off with check_unused_params=False);
+only the gradient-use check (one small all-reduce, case C12; off with check_unused_params=False);
 it reads no loss (``Tensor.item``), computes no global gradient norm unless clipping or a log step
 asks for it, and reduces the losses of several steps in one all-reduce (tier 1: no processes; the
 collectives are counted on a patched ``torch.distributed``).
@@ -97,6 +97,7 @@ class _FakeDist:
         self.peer = peer
         monkeypatch.setattr(dist, "is_initialized", lambda: True)
         monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
         monkeypatch.setattr(dist, "all_gather_object", self.all_gather_object)
         monkeypatch.setattr(dist, "all_gather", self.all_gather)
         monkeypatch.setattr(dist, "all_reduce", self.all_reduce)
@@ -112,10 +113,13 @@ class _FakeDist:
 
     def all_reduce(self, t, op=None, group=None):
         self.calls["all_reduce"] += 1
-        t.mul_(2)               # rank 1 holds the same values
+        if op == dist.ReduceOp.MAX:
+            torch.maximum(t, self.peer(t), out=t)
+        else:
+            t.mul_(2)           # rank 1 holds the same values
 
 
-def test_grad_use_check_one_all_gather_per_step_and_no_diagnosis_when_clean(monkeypatch):
+def test_grad_use_check_one_small_all_reduce_per_step_and_no_diagnosis_when_clean(monkeypatch):
     lin = torch.nn.Linear(3, 2)
     check = GradUseCheck(lin.named_parameters(), (0, 0))
     fake = _FakeDist(monkeypatch)
@@ -130,12 +134,77 @@ def test_grad_use_check_one_all_gather_per_step_and_no_diagnosis_when_clean(monk
     with counting() as n:
         for _ in range(3):
             check()
-    assert fake.calls == {"all_gather_object": 1, "all_gather": 3} and diagnosed == {} and n == {}
-    # rank 1 used no bias: the check still names it (the diagnosis runs when the marks differ)
-    fake.peer = lambda t: torch.tensor([1, 0], dtype=torch.uint8)
+    # the layout once, then one all-reduce of the packed marks per step; no all-gather, no diagnosis;
+    # the one host read per step is the reduced words (a few int64s), not a read per parameter
+    assert fake.calls == {"all_gather_object": 1, "all_reduce": 3} and diagnosed == {}
+    assert n == {"Tensor.tolist": 3}
+    # rank 1 used no bias: its reduced words differ, so the marks are gathered and the bias is named
+    weight_only = grad_use._pack([1, 0], 1)
+
+    def peer(t):
+        if t.dtype == torch.uint8:                      # the gathered marks
+            return torch.tensor([1, 0], dtype=torch.uint8)
+        return torch.tensor(weight_only + [-w for w in weight_only], dtype=torch.int64)
+    fake.peer = peer
     with pytest.raises(ValueError, match=r"rank-divergent parameter use at step 3 .*bias"):
         check()
-    assert diagnosed == {"_diagnose": 1}
+    assert diagnosed == {"_diagnose": 1} and fake.calls["all_gather"] == 1 and fake.calls["all_reduce"] == 4
+
+
+def test_grad_use_check_under_ddp_is_local_after_the_first_step(monkeypatch):
+    """DDP: the first step is checked collectively, later ones on the rank alone (DDP's buckets
+    need every parameter's gradient on every rank, so a rank's own marks decide; `grad_use`)."""
+    lin = torch.nn.Linear(3, 2)
+    check = GradUseCheck(lin.named_parameters(), (0, 0), ddp=True)
+    fake = _FakeDist(monkeypatch)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    for _ in range(3):
+        check.reset_seen()
+        lin(torch.ones(1, 3)).sum().backward()
+        check()
+    assert fake.calls == {"all_gather_object": 1, "all_reduce": 1}      # the first step only
+    check.reset_seen()
+    (lin.weight.sum() * 1.0).backward()                                  # the bias gets nothing
+    with pytest.raises(ValueError, match=r"1 trainable parameter\(s\) got no gradient on rank 0 at step 3: bias\. "
+                                         r".*rank-divergent use, case C12.*find_unused_parameters=True"):
+        check()
+    lin.bias.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"1 parameter\(s\) changed requires_grad after DDP wrapped the model: "
+                                         r"bias \(trainable -> frozen\)"):
+        check()
+    assert fake.calls == {"all_gather_object": 1, "all_reduce": 1}
+
+
+def test_grad_use_reduced_words_equal_the_gathered_marks_exactly():
+    """The one-all-reduce test of `GradUseCheck` against the gathered marks: for random marks of 3
+    groups x 2 ranks (parameter counts across a word boundary), the reduced words say "all ranks of
+    every group sent the same marks" exactly when they did, and then hold those marks."""
+    import random
+
+    rng = random.Random(0)
+    for width in (1, 30, 31, 32, 70):
+        nw = -(-2 * width // grad_use._WORD_BITS)
+        for _ in range(50):
+            groups = [[rng.choice([0, 1, 1, 1, 2, 3]) for _ in range(width)] for _ in range(3)]
+            ranks = []
+            for g, m in enumerate(groups):
+                other = list(m)
+                if rng.random() < 0.5:
+                    i = rng.randrange(width)
+                    other[i] = rng.choice([v for v in range(4) if v != m[i]])
+                ranks += [(g, m), (g, other)]
+            bufs = []
+            for g, m in ranks:
+                flat = [grad_use._EMPTY] * (2 * nw * 3)
+                w = grad_use._pack(m, nw)
+                flat[2 * nw * g:2 * nw * (g + 1)] = w + [-x for x in w]
+                bufs.append(torch.tensor(flat, dtype=torch.int64))
+            red = torch.stack(bufs).amax(0).tolist()
+            same = all(ranks[2 * g][1] == ranks[2 * g + 1][1] for g in range(3))
+            agree = all(red[2 * nw * g + j] == -red[2 * nw * g + nw + j] for g in range(3) for j in range(nw))
+            assert agree == same
+            if same:
+                assert [red[2 * nw * g:2 * nw * g + nw] for g in range(3)] == [grad_use._pack(m, nw) for m in groups]
 
 
 def test_losses_of_several_steps_reduced_in_one_all_reduce(monkeypatch):

@@ -346,7 +346,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
         find_unused_parameters: DDP's own option (it then reduces zeros for parameters a rank did not
             use: rank-divergent use is handled instead of refused).
         check_unused_params: check at every optimizer step that the data-parallel ranks used the same
-            parameters (`modelpar.parallel.grad_use`, case C12; one small all-gather per step).
+            parameters (`modelpar.parallel.grad_use`, case C12; one small all-reduce per step, none under
+            DDP after the first step).
         sync_batchnorm: convert BatchNorm layers to SyncBatchNorm over the data-parallel group (CUDA
             only; `modelpar.parallel.batchnorm`, case C15). Without it a model with BatchNorm gets one
             warning (rank 0) that its batch statistics are per rank.

@@ -24,10 +24,26 @@ It raises, on every rank, before any parameter changes:
   a parameter frozen later never reduces, one unfrozen later is never averaged), and from the second
   step on, a parameter no rank used (DDP would fail at the next forward).
 
-Cost: one all-gather of ``world x (parameter tensors)`` bytes per optimizer step; the marks of a
-step with nothing to report are recognised by one tensor comparison, so the Python diagnosis over
-ranks x parameters runs only when there is something to name (`benchmarks/unused_param_check.py`
-measures the cost). Turned off with
+Under DDP (torch's `DistributedDataParallel`) the steps after the first are checked locally, with no
+collective: DDP reduces a bucket only once every parameter in it has a gradient on the rank, so
+without ``find_unused_parameters`` every data-parallel rank must give every trainable parameter a
+gradient in every step, and any rank-divergent use leaves some rank without a gradient it can see.
+That rank raises before its optimizer step (naming what it lacks: it cannot tell C12 from "no rank
+uses it" without a collective); a rank that has them all either raises too (its partner's buckets
+did not line up) or waits in DDP's reduction of the bucket the other rank never sends, until that
+rank's exit ends the launch (torchrun stops the other ranks), so no rank applies a mixed update.
+With ``find_unused_parameters`` DDP reduces zeros for unused parameters, and only a changed
+``requires_grad`` is left to check. The first step is checked collectively as under FSDP (one
+message on every rank, C1 told from C12).
+
+Cost (FSDP2, HSDP, ``replicate``; DDP's first step): one all-reduce (MAX) per optimizer step of ``2 x groups x ceil(2 x parameter tensors / 62)``
+int64 words: each rank packs its marks (2 bits per parameter) into words and contributes them and
+their negations to its group's slot, so the reduced slot holds the group's largest and (negated)
+smallest words; they are equal, and equal to the pattern of a step with nothing to report, exactly
+when every rank of the group sent that pattern. Only otherwise (something to name, or a pattern
+already found harmless, remembered) does the all-gather of every rank's marks and the Python
+diagnosis over ranks x parameters run, on every rank alike, since every rank sees the same reduced
+words (`benchmarks/unused_param_check.py` measures the cost). Turned off with
 ``parallelize(check_unused_params=False)`` / ``--no-check-unused-params``.
 """
 
@@ -61,6 +77,8 @@ class GradUseCheck:
         self.step = 0
         self._layout: list[tuple[tuple, list[str], list[bool]]] | None = None   # per rank, gathered once
         self._clean: torch.Tensor | None = None     # the gathered marks of a step with nothing to report
+        self._slots: tuple[int, int, int] | None = None   # (this rank's group, groups, words per rank)
+        self._harmless: set[tuple] = set()          # reduced words of steps with nothing to report
         # DDP reduces in the backward of the last accumulation micro-batch only: a parameter with a
         # gradient from an earlier micro-batch but none in that backward still stalls its bucket. So
         # under DDP "used" means "got a gradient since the last forward" (`reset_seen` runs as a
@@ -103,22 +121,84 @@ class GradUseCheck:
         """Check this step's gradients (collective: every rank calls it once per optimizer step).
 
         Raises:
-            ValueError: see the module docstring; the same message on every rank.
+            ValueError: see the module docstring; the same message on every rank, except under DDP
+                after the first step, where each rank that lacks a gradient names what it lacks.
         """
         step, self.step = self.step, self.step + 1
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             return
+        if self.ddp and step > 0:
+            msg = self._local_ddp_diagnosis(step)
+            if msg:
+                raise ValueError(msg)
+            return
         layout = self._gather_layout()
+        words = self._reduced_words(layout)
+        if words in self._harmless:
+            return              # every rank of every group sent a pattern with nothing to report
         width = max(len(names) for _, names, _ in layout) or 1
         marks = torch.zeros(width, dtype=torch.uint8)
         marks[:len(self.params)] = self.local_marks()
+        marks = marks.to(_comm_device())
         every = [torch.empty_like(marks) for _ in layout]
         dist.all_gather(every, marks)
+        every = [m.cpu() for m in every]
         if torch.equal(torch.stack(every), self._clean_marks(layout, width)):
             return              # every trainable parameter used on every rank, none changed: no report
         msg = _diagnose(layout, [m.tolist() for m in every], step, ddp=self.ddp, find_unused=self.find_unused)
         if msg:
             raise ValueError(msg)
+        if words is not None:
+            self._harmless.add(words)    # e.g. a branch no rank took this step, after the first step
+
+    def _local_ddp_diagnosis(self, step: int) -> str | None:
+        """DDP after the first step: this rank's own marks (see the module docstring)."""
+        changed = [(n, rg) for n, p, rg in zip(self.names, self.params, self.requires_grad) if p.requires_grad != rg]
+        if changed:
+            return _changed_message(changed)
+        if self.find_unused:
+            return None
+        missing = sorted(n for n, rg, has in zip(self.names, self.requires_grad, self._seen) if rg and not has)
+        if not missing:
+            return None
+        return (f"{len(missing)} trainable parameter(s) got no gradient on rank {dist.get_rank()} at step {step}: "
+                f"{', '.join(missing[:12])}{' ...' if len(missing) > 12 else ''}. DDP reduces every parameter in "
+                f"every step, so every data-parallel rank must give each trainable parameter a gradient: forward "
+                f"took a branch on this rank that other ranks did not (rank-divergent use, case C12), or no rank "
+                f"uses them any more. Make every rank use the same parameters in every step (run each branch "
+                f"everywhere, multiplying an unneeded result by 0), set requires_grad=False on unused ones before "
+                f"parallelize(), or build DDP with parallelize(..., find_unused_parameters=True), which reduces "
+                f"zeros for the parameters a rank did not use (what counts is the backward of the last "
+                f"accumulation micro-batch, the one that reduces). Checked on this rank alone (no collective "
+                f"under DDP after the first step): other ranks may report other parameters.")
+
+    def _reduced_words(self, layout) -> tuple | None:
+        """This step's marks reduced over the world in one all-reduce (MAX): per group, the largest
+        and the smallest packed word of its ranks (`_pack`), as one tuple; None where they differ
+        within a group (the ranks sent different marks: the caller gathers them to name them)."""
+        if self._slots is None:
+            keys = list(dict.fromkeys(key for key, _, _ in layout))
+            width = max(len(names) for _, names, _ in layout) or 1
+            nw = -(-2 * width // _WORD_BITS)
+            clean = {key: _pack([int(rg) for rg in rgs], nw) for key, _, rgs in layout}
+            self._slots = (keys.index(self.group_key), len(keys), nw)
+            self._harmless.add(tuple(w for key in keys for w in clean[key]))
+        g, n_groups, nw = self._slots
+        seen = self._seen if self._seen is not None else [p.grad is not None for p in self.params]
+        mine = _pack([bool(has) | ((p.requires_grad != rg) << 1)
+                      for p, rg, has in zip(self.params, self.requires_grad, seen)], nw)
+        flat = [_EMPTY] * (2 * nw * n_groups)
+        flat[2 * nw * g:2 * nw * (g + 1)] = mine + [-w for w in mine]
+        buf = torch.tensor(flat, dtype=torch.int64, device=_comm_device())
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX)
+        out = buf.tolist()
+        words = []
+        for k in range(n_groups):
+            hi, neg_lo = out[2 * nw * k:2 * nw * k + nw], out[2 * nw * k + nw:2 * nw * (k + 1)]
+            if any(a != -b for a, b in zip(hi, neg_lo)):
+                return None
+            words += hi
+        return tuple(words)
 
     def _clean_marks(self, layout, width: int) -> torch.Tensor:
         """(ranks, width) ``uint8``: 1 for each rank's trainable parameters, 0 elsewhere: the marks of
@@ -132,6 +212,42 @@ class GradUseCheck:
         return self._clean
 
 
+_WORD_BITS = 62                  # packed bits per int64 word (non-negative, so a word and its negation fit)
+_EMPTY = -(1 << 62)              # another group's slot: below every word and every negated word
+
+
+def _comm_device() -> torch.device:
+    """Where the default process group's collectives take tensors: the current CUDA device under
+    NCCL (which refuses CPU tensors), else the CPU (gloo)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _pack(marks: list[int], nw: int) -> list[int]:
+    """2-bit marks (bit 0: has a gradient, bit 1: requires_grad changed) -> ``nw`` non-negative
+    int64 words of `_WORD_BITS` bits, parameter ``i`` at bits ``2i, 2i + 1`` of the whole."""
+    v = 0
+    for i, m in enumerate(marks):
+        if m:
+            v |= m << (2 * i)
+    mask = (1 << _WORD_BITS) - 1
+    return [(v >> (_WORD_BITS * j)) & mask for j in range(nw)]
+
+
+def _changed_message(changed: list[tuple[str, bool]]) -> str:
+    """The error for parameters whose ``requires_grad`` changed after DDP wrapped the model
+    (``(name, was trainable)`` pairs)."""
+    items = sorted((n, "trainable -> frozen" if rg else "frozen -> trainable") for n, rg in changed)
+    return (f"{len(items)} parameter(s) changed requires_grad after DDP wrapped the model: "
+            + ", ".join(f"{n} ({c})" for n, c in items[:12]) + (" ..." if len(items) > 12 else "")
+            + ". DDP fixes which parameters it reduces when it is built, so a parameter frozen later never "
+              "finishes its reduction (torch: 'Expected to have finished reduction') and one unfrozen later "
+              "is never averaged. Set requires_grad before parallelize() (build a new ParallelModel and "
+              "optimizer after freezing), or keep the parameters trainable and leave them out of the "
+              "optimizer (or give their group lr=0)")
+
+
 def _diagnose(layout, marks, step: int, *, ddp: bool, find_unused: bool) -> str | None:
     """The error message for gathered marks (None when the step is fine); pure, for unit tests."""
     groups: dict[tuple, list[int]] = {}
@@ -143,7 +259,7 @@ def _diagnose(layout, marks, step: int, *, ddp: bool, find_unused: bool) -> str 
         for i, name in enumerate(names):
             m = [marks[r][i] for r in ranks]
             if ddp and any(v & 2 for v in m):
-                changed[name] = "trainable -> frozen" if rgs[i] else "frozen -> trainable"
+                changed[name] = rgs[i]          # trainable when wrapped
                 continue
             if not rgs[i]:
                 continue
@@ -153,14 +269,7 @@ def _diagnose(layout, marks, step: int, *, ddp: bool, find_unused: bool) -> str 
             elif not has:
                 unused.append((name, tuple(ranks)))
     if changed:
-        items = sorted(changed.items())
-        return (f"{len(items)} parameter(s) changed requires_grad after DDP wrapped the model: "
-                + ", ".join(f"{n} ({c})" for n, c in items[:12]) + (" ..." if len(items) > 12 else "")
-                + ". DDP fixes which parameters it reduces when it is built, so a parameter frozen later never "
-                  "finishes its reduction (torch: 'Expected to have finished reduction') and one unfrozen later "
-                  "is never averaged. Set requires_grad before parallelize() (build a new ParallelModel and "
-                  "optimizer after freezing), or keep the parameters trainable and leave them out of the "
-                  "optimizer (or give their group lr=0)")
+        return _changed_message(list(changed.items()))
     if divergent:
         n = sum(len(v) for v in divergent.values())
         parts = [f"{', '.join(sorted(v)[:8])}{' ...' if len(v) > 8 else ''} (a gradient on rank(s) {list(h)}, "
