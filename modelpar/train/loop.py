@@ -27,17 +27,6 @@ from modelpar.train.materialise import check_meta_init
 from modelpar.train.tokens import check_lm_data
 
 
-def resolve_plan(cfg: TrainConfig, world_size: int) -> ParallelPlan:
-    """The plan ``cfg`` asks for on ``world_size`` ranks (`modelpar.train.resolve.resolve`).
-
-    Raises:
-        ValueError: unknown strategy / schedule, contradicting options, or degrees that do not
-            multiply to the world size.
-    """
-    from modelpar.train.resolve import resolve
-    return resolve(cfg, world_size).plan
-
-
 @dataclass
 class Batches:
     """The derived batch terms of a run."""

@@ -150,16 +150,12 @@ class Checkpointer:
              meta: dict | None = None) -> Path:
         """Write the state after ``step`` optimizer steps of ``holder`` (a `checkpoint_module`) and
         ``opt``, with ``meta`` (JSON-able) added to ``modelpar.json``; returns the final folder
-        (complete once this returns, or, with async_save, once `wait` returns)."""
+        (complete once this returns, or, with async_save, once the next `save` or `close` returns)."""
         state = canonical_state(get_train_state(holder, opt), getattr(holder, "_modelpar_perms", {}))
         info = {"world_size": _world(), "params": param_shapes(holder), "optimizer_state": "optim" in state,
                 "optimizer": type(opt).__name__ if opt is not None else None, "torch": torch.__version__,
                 **(meta or {})}
         return self.writer.write(state, step, info)
-
-    def wait(self) -> None:
-        """Finish an async save in flight (no-op otherwise); collective."""
-        self.writer.wait()
 
     def close(self) -> None:
         """Finish an async save in flight; collective."""
