@@ -292,7 +292,7 @@ def test_search_3072_devices_completes(profiled_70b):
 
     def rows(cands):
         return [(c.plan.to_dict(), c.micro_batch_size, dc.asdict(c.memory), dc.asdict(c.step)) for c in cands]
-    every = rows(rep.ranked)
+    every = rows(rep.ranked[:20])        # the head the K's are compared with (all ~27,000 rows: ~2.4 s)
     for k in (1, 20):
         head = search_plans(prof, 3072, BUILTIN["H100-80GB-SXM"], global_batch_size=3072, top_k=k)
         assert rows(head.ranked) == every[:k] and head.considered == rep.considered, k

@@ -28,7 +28,7 @@ def _check_top_k(prof, n, hw, gbs, prec, ks=KS, **kw):
     """Every K of ``ks`` against the first K of the full ranking; returns the full report."""
     full = search_plans(prof, n, hw, global_batch_size=gbs, precision=prec, **kw)
     assert len(full.ranked) > 1, full.summary()
-    rows = _rows(full.ranked)
+    rows = _rows(full.ranked[:max(ks)])    # the head each K is compared with (the rest: ~1 s per 10^4 rows)
     for k in ks:
         rep = search_plans(prof, n, hw, global_batch_size=gbs, precision=prec, top_k=k, **kw)
         assert _rows(rep.ranked) == rows[:k], (n, hw.name, k)
