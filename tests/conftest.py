@@ -75,6 +75,27 @@ def dist_results(tmp_path_factory):
     return get
 
 
+@pytest.fixture
+def shared_profile_for(monkeypatch):
+    """`plan` and `estimate` read `profile_for` results from one memo for the process
+    (`helpers.profiles.shared_profile_for`, keyed by the arguments; profiles are frozen dataclasses): the
+    profile is the costly part of those commands (~0.2 s for gpt-1m) and the same input wherever the
+    arguments are; each command's parsing, checks, planning and printing still run. Returns the list
+    of the arguments of every call the commands made in this test."""
+    import modelpar.cli.estimate as estimate_mod
+    import modelpar.cli.plan as plan_mod
+    from helpers.profiles import shared_profile_for as memo
+    asked = []
+
+    def shared(*args):
+        asked.append(args)
+        return memo(*args)
+
+    monkeypatch.setattr(plan_mod, "profile_for", shared)
+    monkeypatch.setattr(estimate_mod, "profile_for", shared)
+    return asked
+
+
 @pytest.fixture(autouse=True)
 def _clean_env(request):
     """Restore the environment; fail a test that leaves a process group initialised or a thread running

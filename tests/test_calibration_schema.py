@@ -75,7 +75,7 @@ def test_schema_3_keeps_rounds_and_spread_and_schema_2_files_still_load(tmp_path
     from modelpar.planner.cost import estimate_step
     from modelpar.planner.memory import Batch
     from modelpar.plan import ParallelPlan
-    from modelpar.cli.common import profile_for
+    from helpers.profiles import shared_profile_for as profile_for
 
     cal = Calibration(matmul_flops={64: 1e10, 512: 5e10}, attention_flops=1e10, rounds=3,
                       spread={"matmul_flops[64]": 0.04, "tp_linear_overhead_s": float("inf")})

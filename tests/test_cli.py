@@ -183,7 +183,7 @@ def test_train_plan_file_resolves_and_contradictions_refused(tmp_path):
         resolve(TrainConfig(model="gpt-nano", plan=str(f), global_batch_size=16), 2)
 
 
-def test_estimate_exact_layout_json(capsys):
+def test_estimate_exact_layout_json(capsys, shared_profile_for):
     from modelpar.cli.estimate import main
     from modelpar.plan_file import parse_plan_file
 

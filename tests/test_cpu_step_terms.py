@@ -41,7 +41,7 @@ def test_profile_counts_silu_backward_once_per_call():
 
 
 def _tp_parts(hw, plan):
-    from modelpar.cli.common import profile_for
+    from helpers.profiles import shared_profile_for as profile_for
     from modelpar.planner.cost import step_form
     from modelpar.planner.memory import rank_loads
     from modelpar.planner.step_estimate import tp_bytes_per_sample

@@ -11,6 +11,9 @@ from modelpar.cli.plan import main as plan_main
 from modelpar.planner.hardware import BUILTIN, cpu_profile, load_profile
 from modelpar.planner.rules import rule_plan
 
+# plan / estimate profile each model once per process (tests/conftest.py `shared_profile_for`)
+pytestmark = pytest.mark.usefixtures("shared_profile_for")
+
 
 def test_plan_main_prints_table_and_explain(capsys):
     assert plan_main(["--model", "gpt-nano", "--nproc", "2", "--global-batch-size", "8",

@@ -165,32 +165,6 @@ def test_search_keeps_tp_within_kv_heads():
     assert tp_violations(arch, 8) == [] and tp_violations(arch, 16) == ["key/value heads n_kv_head=8"]
 
 
-_PROFILE_FOR: dict = {}
-
-
-@pytest.fixture
-def shared_profile_for(monkeypatch):
-    """`plan` and `estimate` read `profile_for` results from one memo for this module (keyed by its
-    arguments; profiles are frozen dataclasses): the profile is the costly part of those commands and
-    the same input wherever the arguments are; each command's parsing, checks, planning and printing
-    still run. Returns the list of the arguments of every call the commands made in this test."""
-    import modelpar.cli.estimate as estimate_mod
-    import modelpar.cli.plan as plan_mod
-    from modelpar.cli.common import profile_for
-    asked = []
-
-    def shared(*args):
-        key = repr(args)                                         # the model config is a dict
-        asked.append(args)
-        if key not in _PROFILE_FOR:
-            _PROFILE_FOR[key] = profile_for(*args)
-        return _PROFILE_FOR[key]
-
-    monkeypatch.setattr(plan_mod, "profile_for", shared)
-    monkeypatch.setattr(estimate_mod, "profile_for", shared)
-    return asked
-
-
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_plan_and_estimate_commands_on_hf_models(name, capsys, shared_profile_for):
     """plan, estimate and estimate --strategy fsdp, each through its own CLI main, on one tiny HF

@@ -31,7 +31,7 @@ def _profile(model, seq, prec):
     24 of gpt-1b's blocks, ~6 s of the pure tier each time; the equality is tested in test_planner_core)."""
     import torch
 
-    from modelpar.cli.common import profile_for
+    from helpers.profiles import shared_profile_for as profile_for
     from modelpar.models.gpt import PRESETS
 
     if seq == PRESETS[model].seq_len:

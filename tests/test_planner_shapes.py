@@ -83,7 +83,7 @@ def test_thin_products_priced_slower_and_fallback_unchanged(tmp_path):
     """With a grid flat in shape the step time is the curve priced per product (near the old mean-call
     pricing); with a grid that runs thin products at half the rate it is slower; without a grid and
     under TP the prediction is exactly what it was (no shapes used)."""
-    from modelpar.cli.common import profile_for
+    from helpers.profiles import shared_profile_for as profile_for
     prof, _ = profile_for("gpt-nano", {}, 16, "fp32")
     plan, batch = ParallelPlan(dp_replicate=1), Batch(8, 8)
     base = estimate_step(prof, plan, batch, _hw()).total
@@ -118,7 +118,7 @@ def test_profile_records_causal_attention_by_heads_sequence_and_head_dim():
     (B x H, S, D) at the profiled batch, batch dim 0; per sample under DP; H / 2 under TP 2. A
     grouped-query call (8 query heads, 4 key/value heads) is keyed by its query heads; a
     non-causal or masked call is not recorded."""
-    from modelpar.cli.common import profile_for
+    from helpers.profiles import shared_profile_for as profile_for
     from modelpar.planner.profile_ops import _sdpa_shape
     prof, _ = profile_for("gpt-nano", {}, 16, "fp32")
     sdpa = [s for bl in prof.blocks for s in bl.gemm_shapes if s[1] == "SDPA"]
@@ -152,7 +152,7 @@ def test_attention_priced_at_its_shape_and_fallback_unchanged(tmp_path):
     """gpt-nano's attention (S 16, clamped to the grid's 64; D 32) on a grid that runs it at a quarter of the reference rate
     costs exactly 3 more attention-times (its FLOPs over the rate, forward and backward) than
     without the grid; a flat grid, a file without it and every other term stay as they were."""
-    from modelpar.cli.common import profile_for
+    from helpers.profiles import shared_profile_for as profile_for
     prof, _ = profile_for("gpt-nano", {}, 16, "fp32")
     plan, batch, rate = ParallelPlan(), Batch(8, 8), 2e10
     base = estimate_step(prof, plan, batch, _hw(attention_flops=rate)).total

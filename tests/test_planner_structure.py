@@ -31,7 +31,8 @@ def test_device_kind_is_a_field_set_by_presets_and_loads(tmp_path):
 def test_models_switch_on_the_kind_not_the_name():
     """A CPU profile under another name keeps every CPU behaviour: the same ranked plans and numbers,
     and the CLI's default precision."""
-    from modelpar.cli.common import precision_for, profile_for
+    from helpers.profiles import shared_profile_for as profile_for
+    from modelpar.cli.common import precision_for
     from modelpar.planner.search import search_plans
 
     prof, _ = profile_for("gpt-nano", {}, 16, "fp32")
@@ -167,7 +168,7 @@ def test_parallelize_applies_the_runtime_layout(plan, wrapper):
 def test_the_planner_charges_the_runtime_layout(monkeypatch):
     """The memory and step-time models read `runtime_layout`: told that a TP x dp_replicate plan
     runs DDP instead of FSDP2's replicate, they charge DDP's buckets (memory) and bucket timing."""
-    from modelpar.cli.common import profile_for
+    from helpers.profiles import shared_profile_for as profile_for
     from modelpar.planner import cost, memory
     from modelpar.plan import RuntimeLayout
 

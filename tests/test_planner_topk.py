@@ -51,7 +51,7 @@ def test_top_k_is_the_full_rankings_head_gpt_1b_h100():
 @pytest.mark.parametrize("model,seq,n,gbs", [("gpt-1m", 64, 8, 32), ("gpt-3m", 128, 4, 32),
                                              ("mlp-small", 0, 4, 64)])
 def test_top_k_is_the_full_rankings_head_cpu_pinned(model, seq, n, gbs):
-    from modelpar.cli.common import profile_for
+    from helpers.profiles import shared_profile_for as profile_for
     prof, _ = profile_for(model, {}, seq, "fp32")
     hw = get_hardware(PINNED, local_ranks=n)
     _check_top_k(prof, n, hw, gbs, "fp32")
@@ -93,7 +93,7 @@ def test_lower_bound_never_exceeds_a_candidates_step_time(monkeypatch):
     monkeypatch.setattr(search, "evaluate_group", spy)
     prof = _gpt("gpt-1b", "bf16")
     search_plans(prof, 64, BUILTIN["H100-80GB-SXM"], global_batch_size=512, precision="bf16")
-    from modelpar.cli.common import profile_for
+    from helpers.profiles import shared_profile_for as profile_for
     prof, _ = profile_for("gpt-1m", {}, 64, "fp32")
     search_plans(prof, 8, get_hardware(PINNED, local_ranks=8), global_batch_size=32, precision="fp32")
     assert len(seen) > 1000

@@ -50,7 +50,7 @@ class _Uneven(nn.Module):
 
 def _planner_and_runtime(name):
     """(planner profile, runtime model, runtime micro-batch) as `modelpar plan` and `modelpar train` make them."""
-    from modelpar.cli.common import profile_for
+    from helpers.profiles import shared_profile_for as profile_for
     from modelpar.planner.profile import default_blocks, profile_model
     if name == "uneven":
         model = _Uneven()
@@ -88,10 +88,10 @@ def runtime_profile_once(monkeypatch):
     def once(model, example_input, **kw):
         key = (id(model), id(example_input), tuple((n, id(m)) for n, m in kw.get("blocks") or ()),
                repr(sorted((k, v) for k, v in kw.items() if k != "blocks")))
-        if key not in memo:
+        if key not in memo:        # (the model and input kept alive: no other object takes their ids)
             taken[0] += 1
-            memo[key] = real(model, example_input, **kw)
-        return memo[key]
+            memo[key] = (real(model, example_input, **kw), model, example_input, kw)
+        return memo[key][0]
     monkeypatch.setattr(profile_mod, "profile_model", once)
     return taken
 

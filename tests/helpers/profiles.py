@@ -42,3 +42,20 @@ def gpt_profile(name: str, dtype: torch.dtype = torch.float32, batch: int = 1, f
     assert dataclasses.replace(b0, name=b1.name) == b1, "GPT blocks profile differently; profile every block"
     blocks = (embed, *(dataclasses.replace(b1, name=f"blocks.{i}") for i in range(layers)), head)
     return dataclasses.replace(prof, blocks=blocks, arch={**prof.arch, "n_layer": layers}), cfg
+
+
+_PROFILE_FOR: dict = {}
+
+
+def shared_profile_for(*args):
+    """`modelpar.cli.common.profile_for` (``model, model_config, seq_len, precision[, blocks]``), computed
+    once per process for each argument list (keyed by ``repr(args)``: the model config is a dict): the
+    pure tier asks for the same few profiles in many tests and through the ``plan`` / ``estimate``
+    commands (tests/conftest.py's ``shared_profile_for`` fixture). The profile is a frozen dataclass;
+    do not rely on identity across tests (a test about object identity calls `profile_for` itself)."""
+    from modelpar.cli.common import profile_for
+
+    key = repr(args)
+    if key not in _PROFILE_FOR:
+        _PROFILE_FOR[key] = profile_for(*args)
+    return _PROFILE_FOR[key]
