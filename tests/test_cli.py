@@ -15,6 +15,9 @@ from modelpar.cli import COMMANDS, parser_for
 from modelpar.cli.args import normalize_argv, option_strings
 from modelpar.cli.options import SHARED, shared_defaults
 
+# plan / estimate profile each model once per process (tests/conftest.py `shared_profile_for`)
+pytestmark = pytest.mark.usefixtures("shared_profile_for")
+
 ROOT = Path(__file__).resolve().parent.parent
 # flags of other tools that modelpar's messages and docstrings quote (torchrun, srun)
 EXTERNAL_FLAGS = {"--nproc-per-node", "--max-restarts", "--standalone", "--rdzv-id", "--rdzv-endpoint",
@@ -183,7 +186,7 @@ def test_train_plan_file_resolves_and_contradictions_refused(tmp_path):
         resolve(TrainConfig(model="gpt-nano", plan=str(f), global_batch_size=16), 2)
 
 
-def test_estimate_exact_layout_json(capsys, shared_profile_for):
+def test_estimate_exact_layout_json(capsys):
     from modelpar.cli.estimate import main
     from modelpar.plan_file import parse_plan_file
 
