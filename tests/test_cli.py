@@ -500,3 +500,24 @@ def test_factory_lm_default_seq_len_is_its_max_positions_in_train_and_verify():
             "verify": load_task(parse(build_parser(), argv))[1](0)[0].shape[1],
             "plan": factory_lm_seq_len("helpers.lm_factory:lm_long", {"max_positions": 96}, 0)}
     assert seen == dict.fromkeys(seen, 96), seen
+
+
+def test_train_unset_precision_follows_the_planner_rule(monkeypatch):
+    """An unset --precision: train runs bf16 where plan / estimate price bf16 (a bf16-capable CUDA
+    GPU), fp32 on the CPU; a given one or a plan file's is kept (`train.resolve.with_run_precision`)."""
+    import torch
+
+    from modelpar.cli.train import parse_train_config
+    from modelpar.train.resolve import with_run_precision
+
+    cfg, _, _ = parse_train_config(["--model", "gpt-nano"])
+    assert cfg.layout.precision is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert with_run_precision(cfg).layout.precision == "fp32"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert with_run_precision(cfg).layout.precision == "bf16"
+    given, _, _ = parse_train_config(["--model", "gpt-nano", "--precision", "fp32"])
+    assert with_run_precision(given).layout.precision == "fp32"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert with_run_precision(cfg).layout.precision == "fp32"

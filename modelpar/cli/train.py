@@ -153,10 +153,12 @@ def main(argv: list[str]) -> int:
     from modelpar.launch import multinode_commands, run_command, under_launcher
     from modelpar.rank_outcome import run_rank_and_exit
     from modelpar.train.loop import preflight
-    from modelpar.train.resolve import resolve
+    from modelpar.train.resolve import resolve, with_run_precision
     from modelpar.train.runner import make_run_dir, train
 
     cfg, ns, given = parse_train_config(argv)
+    if not ns.run_dir:
+        cfg = with_run_precision(cfg)           # unset: bf16 on a GPU, fp32 on the CPU, as plan prices
     if ns.run_dir:                              # a rank of a resolved run: read, validate, train
         cfg, resolved = read_run_folder(Path(ns.run_dir))
         if not under_launcher():

@@ -48,7 +48,7 @@ UNSET = {"n_microbatches": "unset: 2 x pp", "stage_boundaries": "unset: the plan
          "activation_checkpointing": "unset: --plan's or the strategy's, else none; the planner's search (train "
                                      "--strategy auto, plan, estimate) tries every mode unless one is given",
          "ac_every": "unset: --plan's or the strategy's, else 1; the planner's search tries 2 and 4 unless one is given",
-         "precision": "unset: --plan's, else fp32; plan and estimate price bf16 on a GPU --hardware"}
+         "precision": "unset: --plan's, else bf16 on a CUDA GPU that supports it and fp32 on the CPU (train runs, plan and estimate price, the same rule; verify: fp32)"}
 
 
 def plan_option_docs() -> dict[str, str]:

@@ -112,6 +112,18 @@ def resolve(cfg, world_size: int, *, measure_if_missing: bool = False) -> Resolv
     return Resolved(plan, 0, f"strategy {strategy}")
 
 
+def with_run_precision(cfg):
+    """``cfg`` with an unset ``--precision`` set the way `plan` and `estimate` price it: bf16 where this
+    process trains on a CUDA GPU that supports it, fp32 on the CPU (`modelpar.cli.common.precision_for`
+    applies the same rule to a ``--hardware`` profile), so ``train`` and ``plan`` answer for the same
+    job. A plan file (``--plan``) brings its own precision; ``verify`` keeps fp32 (parity is defined in
+    fp32) and does not call this."""
+    if cfg.layout.precision is not None or getattr(cfg, "plan", ""):
+        return cfg
+    bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return dataclasses.replace(cfg, layout=dataclasses.replace(cfg.layout, precision="bf16" if bf16 else "fp32"))
+
+
 def _check_degrees_fit(strategy: str, world_size: int, degrees: dict) -> None:
     """Degrees the shorthand fixes (to 1, or to the world size) may not be given otherwise."""
     if strategy not in _OPEN:
