@@ -521,3 +521,23 @@ def test_train_unset_precision_follows_the_planner_rule(monkeypatch):
     assert with_run_precision(given).layout.precision == "fp32"
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     assert with_run_precision(cfg).layout.precision == "fp32"
+
+
+def test_optimizer_flag_one_meaning_in_every_command():
+    """--optimizer: the same default and help wherever it is taken (train, verify, plan, estimate), and
+    every name the planner prices trains (`train.step.make_optimizer`)."""
+    import torch
+
+    from modelpar.planner.memory import OPTIMIZER_BYTES
+    from modelpar.train.step import OPTIMIZERS, make_optimizer
+
+    seen = {}
+    for c in COMMANDS:
+        a = {s: a for a in parser_for(c)._actions for s in a.option_strings}.get("--optimizer")
+        if a is not None:
+            seen[c] = (a.default, a.help)
+    assert {"train", "verify", "plan", "estimate"} <= set(seen) and len(set(seen.values())) == 1, seen
+    assert set(OPTIMIZERS) == set(OPTIMIZER_BYTES)
+    w = torch.nn.Parameter(torch.ones(2, 2))
+    opt = make_optimizer([w], "sgd_momentum", lr=0.1)
+    assert isinstance(opt, torch.optim.SGD) and opt.param_groups[0]["momentum"] == 0.9

@@ -14,7 +14,7 @@ class PlannerOptions:
     """What the planner assumes about the run.
 
     Args:
-        optimizer: adamw, sgd or sgd_momentum (optimizer state and step traffic).
+        optimizer: adamw, sgd or sgd_momentum (SGD with momentum 0.9).
         json: print the result as a plan file (JSON: ParallelPlan fields + batch terms) on stdout.
     """
 

@@ -42,7 +42,7 @@ class VerifyOptions:
     Args:
         steps: optimizer steps under the plan and on one process.
         local_batch_size: samples per forward/backward per data-parallel rank (0: global / dp).
-        optimizer: adamw or sgd.
+        optimizer: adamw, sgd or sgd_momentum (SGD with momentum 0.9).
         lr: learning rate.
         grad_clip: global L2 clip norm (0: off).
         input_shape: factory models: per-sample input shape, e.g. 32 or 3,8,8.

@@ -140,7 +140,7 @@ def _choose(cfg, world_size: int, *, strategy: str = "auto", measure_if_missing:
 
         # the search settings `plan` / `estimate` take from the same flags (one function)
         plan, rep = choose_plan(prof, world_size, hw, global_batch_size=cfg.global_batch_size,
-                                precision=precision, optimizer="adamw" if cfg.optimizer == "adamw" else "sgd",
+                                precision=precision, optimizer=cfg.optimizer,
                                 **search_settings(given_fields(cfg)))
         local = rep.ranked[0].batch.local_batch_size
         predicted = rep.ranked[0].step.samples_per_s * task.tokens_per_sample if task.kind == "lm" else 0.0

@@ -109,7 +109,7 @@ class TrainConfig:
         min_lr: final learning rate.
         warmup_steps: linear warm-up steps.
         weight_decay: AdamW weight decay on matrices (not on biases, norms or embeddings' 1-D params).
-        optimizer: adamw or sgd.
+        optimizer: adamw, sgd or sgd_momentum (SGD with momentum 0.9).
         grad_clip: clip gradients to this global L2 norm (0: off).
         meta_init: Hugging Face models under FSDP, TP and pipelines (or one process): build on the meta
             device and give each rank memory for its own shards and stages only, filled from the pretrained folder's safetensors files

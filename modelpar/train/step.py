@@ -30,7 +30,7 @@ def adamw(param_groups, **kw) -> torch.optim.AdamW:
     return torch.optim.AdamW(param_groups, foreach=False, **kw)
 
 
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "sgd", "sgd_momentum")   # the planner prices the same three (memory.OPTIMIZER_BYTES)
 
 
 def make_optimizer(params, name: str = "adamw", *, lr: float, weight_decay: float = 0.0,
@@ -39,7 +39,8 @@ def make_optimizer(params, name: str = "adamw", *, lr: float, weight_decay: floa
 
     ``"adamw"``: `adamw` with decoupled weight decay on parameters of >= 2 dimensions only (matrices
     and embeddings; biases and norm gains take none, as GPT-2 / Megatron-LM train), in two groups,
-    matrices first. ``"sgd"``: plain SGD. Only parameters that require gradients are given to it.
+    matrices first. ``"sgd"``: plain SGD. ``"sgd_momentum"``: SGD with momentum 0.9 (one fp32 state per
+    parameter). Only parameters that require gradients are given to it.
 
     Raises:
         ValueError: an unknown ``name``.
@@ -47,6 +48,8 @@ def make_optimizer(params, name: str = "adamw", *, lr: float, weight_decay: floa
     params = [p for p in params if p.requires_grad]
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr)
+    if name == "sgd_momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
     if name != "adamw":
         raise ValueError(f"optimizer={name!r} is unknown; valid: {', '.join(OPTIMIZERS)}")
     decay = [p for p in params if p.dim() >= 2]
