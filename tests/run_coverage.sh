@@ -3,7 +3,7 @@
 # (torchrun's agents and ranks, CLI subprocesses), then one combined report of modelpar/
 # (docs/testing.md "Coverage"; the settings are pyproject.toml's [tool.coverage.*]).
 #
-# The tiers run side by side as in `tests/run_tiers.sh`. Each process writes its own data file
+# The tiers run side by side through `tests/run_tiers.sh` (TIERS_RUNNER=coverage). Each process writes its own data file
 # `.coverage.<host>.<pid>.<random>` next to $COVERAGE_FILE (the repository root: tests run CLI
 # subprocesses in temporary folders); `coverage combine` merges them. Per-test timeouts are raised to
 # 900 s: measuring slows the suite down. The exit status is non-zero if either tier failed; the report
@@ -14,22 +14,11 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 export COVERAGE_FILE="$root/.coverage"
 rm -f .coverage .coverage.*
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-"$PY" -m coverage run -m pytest -q -rs -m "not slow" -p no:cacheprovider -o timeout=900 --basetemp="$tmp/pure" "$@" \
-    >"$tmp/pure.log" 2>&1 &
-pure=$!
-"$PY" -m coverage run -m pytest -q -rs -m slow -p no:cacheprovider -o timeout=900 --basetemp="$tmp/slow" "$@"
-slow=$?
-wait "$pure"
-rc_pure=$?
-echo
-echo "================ pure tier (pytest -m 'not slow', ran beside the slow tier) ================"
-cat "$tmp/pure.log"
-echo "tiers: slow exit $slow, pure exit $rc_pure"
+TIERS_RUNNER=coverage PY="$PY" bash "$root/tests/run_tiers.sh" -o timeout=900 "$@"
+rc=$?
 "$PY" -m coverage combine -q
 mkdir -p coverage-report
 "$PY" -m coverage report >coverage-report/report.txt
 "$PY" -m coverage html -q -d coverage-report/html
 grep "^TOTAL" coverage-report/report.txt
-[ "$slow" -eq 0 ] && [ "$rc_pure" -eq 0 ]
+exit $rc

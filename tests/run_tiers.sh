@@ -8,11 +8,13 @@
 # and printed once the slow tier ends, and the exit status is non-zero if either tier failed.
 set -u      # arguments (test paths, -k ...) go to both tiers
 PY=${PY:-python}
+# TIERS_RUNNER=coverage: each tier under `coverage run` (tests/run_coverage.sh, `make coverage`)
+if [ "${TIERS_RUNNER:-}" = coverage ]; then run=("$PY" -m coverage run -m pytest); else run=("$PY" -m pytest); fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-"$PY" -m pytest -q -rs -m "not slow" -p no:cacheprovider --basetemp="$tmp/pure" "$@" >"$tmp/pure.log" 2>&1 &
+"${run[@]}" -q -rs -m "not slow" -p no:cacheprovider --basetemp="$tmp/pure" "$@" >"$tmp/pure.log" 2>&1 &
 pure=$!
-"$PY" -m pytest -q -rs -m slow "$@"
+"${run[@]}" -q -rs -m slow "$@"
 slow=$?
 wait "$pure"
 rc_pure=$?
