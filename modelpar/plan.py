@@ -25,6 +25,7 @@ PP_SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES
 # activation checkpointing (`modelpar.parallel.checkpointing`): "selective" recomputes only each
 # block's attention core (Korthikanti et al. 2022, Sec. 5), "every-k" checkpoints blocks 0, k, 2k, ...
 AC_MODES = ("none", "full", "selective", "every-k")
+DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")   # the four mesh degrees, outermost first
 # class attribute that marks a model's attention core (QK^T, softmax, dropout, attention over V) for
 # activation_checkpointing="selective"; read by the runtime (parallel.checkpointing) and the planner's
 # profile, so it lives here, beside the modes, where both can import it without importing the other.
@@ -318,7 +319,7 @@ def plan_for_strategy(strategy: str, world_size: int, **overrides: Any) -> Paral
                              f"got nproc={n}")
         outer = {"hsdp": "dp_replicate", "ddp+tp": "dp_replicate", "fsdp+tp": "dp_shard"}[s]
         deg = {outer: n // inner, inner_name: inner}
-    for k in ("dp_replicate", "dp_shard", "tp", "pp"):
+    for k in DEGREES:
         if k in ov and k in deg and ov[k] != deg[k]:
             raise ValueError(f"strategy {strategy!r} on {n} ranks sets {k}={deg[k]}, but {ov[k]} was given")
     deg.update(ov)

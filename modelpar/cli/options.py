@@ -10,6 +10,8 @@ import dataclasses
 import sys
 from dataclasses import dataclass
 
+from modelpar.plan import DEGREES  # re-exported: the commands' degree flags
+
 BATCH_TERMS = """batch terms (one meaning each, in every command):
   global batch size  samples per optimizer step (the same on every layout)
   local batch size   samples in one forward/backward on one data-parallel rank
@@ -165,8 +167,6 @@ def world_size(ns, given: set[str]) -> int:
     return ns.nproc
 
 
-DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
-
 
 def add_plan_fields(p, only=None) -> None:
     """The plan flags: one per `ParallelPlan` field (``--tp``, ``--pp-schedule``, ``--sequence-parallel``,
@@ -224,4 +224,3 @@ def global_batch_size_given(ns, given: set[str]) -> int:
         if gbs is not None:
             return gbs
     return ns.global_batch_size
-

@@ -23,7 +23,7 @@ import functools
 import typing
 from dataclasses import dataclass
 
-from modelpar.plan import AC_MODES, PP_SCHEDULES, ParallelPlan
+from modelpar.plan import AC_MODES, DEGREES, PP_SCHEDULES, ParallelPlan
 
 PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(ParallelPlan))
 _PLAN_DEFAULTS = dataclasses.asdict(ParallelPlan())
@@ -57,13 +57,12 @@ def plan_option_docs() -> dict[str, str]:
 
     docs = field_docs(ParallelPlan)
     valid = {"pp_schedule": ", ".join(PP_SCHEDULES), "activation_checkpointing": ", ".join(AC_MODES)}
-    degrees = ("dp_replicate", "dp_shard", "tp", "pp")
     out = {}
     for n in PLAN_FIELDS:
         text = docs.get(n, "").replace("``", "")
         if n in valid:
             text = f"{text} Valid: {valid[n]}."
-        unset = UNSET.get(n) or ("unset: from --strategy or --plan" if n in degrees else
+        unset = UNSET.get(n) or ("unset: from --strategy or --plan" if n in DEGREES else
                                  f"unset: --plan's or the strategy's, else {_PLAN_DEFAULTS[n]}")
         out[n] = f"{text} ({unset})"
     return out

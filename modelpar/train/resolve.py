@@ -23,9 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from modelpar.plan import ParallelPlan, plan_for_strategy
+from modelpar.plan import DEGREES, ParallelPlan, plan_for_strategy
 
-DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
 # degrees a shorthand leaves to the user (the inner axis of the two-axis shorthands, or its own axis)
 _OPEN = {"ddp": ("dp_replicate",), "fsdp": ("dp_shard",), "tp": ("tp",), "pp": ("pp",),
          "hsdp": ("dp_replicate", "dp_shard"), "ddp+tp": ("dp_replicate", "tp"), "fsdp+tp": ("dp_shard", "tp"),
