@@ -108,6 +108,9 @@ def test_calibrate_smoke(tmp_path, capsys):
                  "tp_linear_overhead_s", "fsdp_unit_overhead_s", "zero_bubble_backward_factor",
                  "compute_contention"):
         assert term in c.spread and c.spread[term] >= 0, term
+    # the all-ranks memory bandwidth is sampled between the collective phases even with one round
+    # (`collectives.shared_bandwidth_sample`): a spread over several samples, never one sample's 0
+    assert c.spread["mem_bandwidth"] > 0
     assert "spread" in capsys.readouterr().out
 
 

@@ -194,7 +194,8 @@ def summary_lines(hw: Hardware, times: dict[str, dict[int, float]] | None = None
             f"  per-op overhead{'':<23}{hw.op_overhead_s * 1e6:>9.1f} us     {_sp(cal, 'op_overhead_s')}",
             f"  per aten call of tiny blocks{'':<10}{(cal.dispatch_overhead_s or 0) * 1e6:>9.1f} us     "
             f"{_sp(cal, 'dispatch_overhead_s')}",
-            f"  memory bandwidth per rank (all ranks){'':<1}{hw.mem_bandwidth / 1e9:>9.1f} GB/s   {_sp(cal, 'mem_bandwidth')}",
+            f"  memory bandwidth per rank (all ranks){'':<1}{hw.mem_bandwidth / 1e9:>9.1f} GB/s   {_sp(cal, 'mem_bandwidth')}"
+            + ("  (median of samples between the collective phases)" if cal.spread.get("mem_bandwidth") else ""),
             f"  zero-bubble split backward / plain{'':<4}{cal.zero_bubble_backward_factor:>9.2f} x      "
             f"{_sp(cal, 'zero_bubble_backward_factor')}"]
     if cal.mem_bandwidth_alone is not None:

@@ -37,27 +37,43 @@ def _collective_worker(sizes, rounds: int = ROUNDS, quick: bool = False) -> dict
     import torch.distributed as dist
     rank, world = dist.get_rank(), dist.get_world_size()
     res = {op: {} for op in COLLECTIVES}
-    # memory bandwidth per rank while every rank streams at once (ranks share the memory bus)
-    a, b = torch.ones(16 * 2 ** 20), torch.ones(16 * 2 ** 20)     # 64 MiB each: past the caches
-    c = torch.empty_like(a)
-    bws = [3 * a.numel() * 4 / _synced_median(lambda: torch.add(a, b, out=c), 5) for _ in range(rounds)]
-    res["mem_bandwidth"], spread = robust(bws)
-    res["spread"] = {"mem_bandwidth": spread}
-    del a, b, c
+    # memory bandwidth per rank while every rank streams at once (ranks share the memory bus),
+    # sampled between the phases below (`shared_bandwidth_sample`)
+    bws = [shared_bandwidth_sample()]
     # compute kernels with every rank running them at once vs one rank alone (`modelpar.calibrate.contention`)
     from modelpar.calibrate.contention import measure_contention
     res["contention"] = measure_contention(rank, world, dist.barrier, _mean_over_ranks, rounds=rounds)
+    bws.append(shared_bandwidth_sample())
     res["fresh"] = _fresh_alloc_costs()
     for nbytes in sizes:
+        bws.append(shared_bandwidth_sample())
         ops = _collective_calls(rank, world, nbytes)
         for op, fn in ops.items():
             dist.barrier()
             res[op][nbytes] = _time(fn, 7)
-    res["in_context"], sp = _in_context_tables(rank, world, sizes, rounds=rounds)
-    res["spread"].update(sp)
-    res["framework"], sp = _framework_overheads(world, res["in_context"]["all_reduce"], quick=quick)
-    res["spread"].update(sp)
+    res["in_context"], sp = _in_context_tables(rank, world, sizes, rounds=rounds,
+                                               between_rounds=lambda: bws.append(shared_bandwidth_sample()))
+    res["framework"], sp2 = _framework_overheads(world, res["in_context"]["all_reduce"], quick=quick)
+    bws.append(shared_bandwidth_sample())
+    res["mem_bandwidth"], spread = robust(bws)
+    res["spread"] = {"mem_bandwidth": spread, **sp, **sp2}
     return res
+
+
+def shared_bandwidth_sample(mib: int = 64, reps: int = 5) -> float:
+    """One sample of the memory bandwidth per rank (bytes/s) with every rank streaming at once:
+    ``c = a + b`` on ``mib`` MiB fp32 operands (past the caches; 3 x ``mib`` MiB of traffic), the
+    ranks started together (`_synced_median` of ``reps`` calls). Every rank calls it at the same
+    point. The calibration takes samples between its phases, tens of seconds apart, and keeps their
+    median: on a shared host this rate moves with the neighbours' memory traffic on a scale of
+    seconds (2 ranks of the 2-core host kind, 4 samples 1 s apart in each of 6 launches: 12-23 GB/s
+    per rank), so samples taken back to back agree with one another (1-4% spread) yet two
+    calibrations minutes apart differed by 35%, enough to flip the plan `auto` picks
+    (docs/planner.md, session 14)."""
+    n = mib * 2 ** 20 // 4
+    a, b = torch.ones(n), torch.ones(n)
+    c = torch.empty_like(a)
+    return 3 * n * 4 / _synced_median(lambda: torch.add(a, b, out=c), reps)
 
 
 def worker_main(argv: list[str]) -> int:
@@ -127,8 +143,8 @@ def _trimmed_mean(ts: list[float]) -> float:
     return statistics.fmean(ts[cut:len(ts) - cut])
 
 
-def _in_context_tables(rank: int, world: int, sizes, segment_s: float = 0.01,
-                       rounds: int = ROUNDS) -> tuple[dict[str, dict[int, float]], dict[str, float]]:
+def _in_context_tables(rank: int, world: int, sizes, segment_s: float = 0.01, rounds: int = ROUNDS,
+                       between_rounds=None) -> tuple[dict[str, dict[int, float]], dict[str, float]]:
     """Seconds of each collective issued the way training issues it: after ~``segment_s`` of matmul
     work on every rank (a block's forward or backward), not back to back. On a shared CPU this is
     what a blocking collective costs in a step: the wait for the slowest rank (the segments' spread)
@@ -140,7 +156,8 @@ def _in_context_tables(rank: int, world: int, sizes, segment_s: float = 0.01,
     sizes); per rank the median over the rounds (`robust`: one disturbed round is rejected); made
     non-decreasing in the size; averaged over the ranks (every rank reports the same number).
     Returns (``{op: {bytes: s}}``, ``{"<op>.in_context[small|<n> KiB]": relative spread}``: the
-    rounds' spread at the pooled small sizes and at the largest, the ranks' mean)."""
+    rounds' spread at the pooled small sizes and at the largest, the ranks' mean). ``between_rounds``:
+    called on every rank after each round (the caller's samples of other terms, spread in time)."""
     import torch.distributed as dist
     a, w = torch.randn(2048, 128), torch.randn(128, 512)
     t = time.perf_counter()
@@ -171,6 +188,8 @@ def _in_context_tables(rank: int, world: int, sizes, segment_s: float = 0.01,
             small = sorted(t for nb, ts in by_size.items() if nb <= 2 ** 20 for t in ts)
             tab[op] = {nb: _trimmed_mean(small if nb <= 2 ** 20 else ts) for nb, ts in by_size.items()}
         per_round.append(tab)
+        if between_rounds is not None:
+            between_rounds()
     out = {op: {} for op in COLLECTIVES}
     spread: dict[str, float] = {}
     big = max(sizes)
@@ -331,8 +350,9 @@ def measure_collectives(world: int = 2, sizes=COLLECTIVE_SIZES, *, timeout_s: fl
     """``{op: (latency s, bandwidth B/s)}`` of gloo all-reduce, all-gather, reduce-scatter and
     send/recv between ``world`` local ranks (launched by `modelpar.launch.run_workers`), each fitted
     by `fit_alpha_beta` over ``sizes``, ``"mem_bandwidth"``: bytes/s one rank streams while all
-    ``world`` ranks stream at once, and ``"contention"``: `modelpar.calibrate.contention.measure_contention`'s
-    (terms, factor, spread). ``rounds``: rounds of that bandwidth and of the in-context tables
+    ``world`` ranks stream at once (the median of `shared_bandwidth_sample` taken between the phases:
+    ``len(sizes) + rounds + 3`` samples), and ``"contention"``: `modelpar.calibrate.contention.measure_contention`'s
+    (terms, factor, spread). ``rounds``: rounds of the in-context tables and of the contention terms
     (`_in_context_tables`); ``quick``: the framework terms' smaller TP chain (`_framework_overheads`).
 
     Raises:
