@@ -86,6 +86,9 @@ def calibrate(out: str | os.PathLike | None = None, ranks: int = 2, *, collectiv
     load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
     c = measure_compute(rounds=rounds, quick=quick)
+    if c.get("rounds", rounds) > rounds:
+        say(f"  compute: {c['rounds'] - rounds} extra round(s) after the first {rounds}: the rounds disagreed "
+            f"(load from outside this process; the median of all {c['rounds']} is kept)")
     # more local ranks than cores: each rank computes on its share of a core (compute is timed in
     # this one process); the rates that scale with a core scale by it
     share = min(1.0, (os.cpu_count() or 1) / ranks)
@@ -113,11 +116,11 @@ def calibrate(out: str | os.PathLike | None = None, ranks: int = 2, *, collectiv
     coll = {}
     if collectives and ranks > 1:
         coll = measure_collectives(ranks, rounds=rounds, quick=quick)
-        # one rank alone (this process, the others not started) and every rank at once: ranks in
+        # one rank alone and every rank at once, sampled in pairs by the collective ranks: ranks in
         # lockstep (data / tensor parallel) share the memory bus, pipeline stages mostly do not
-        cal["mem_bandwidth_alone"] = c["mem_bandwidth"]
+        cal["mem_bandwidth_alone"] = coll.pop("mem_bandwidth_alone")
         sp = coll.pop("spread", {})
-        cal["spread"]["mem_bandwidth_alone"] = cal["spread"].pop("mem_bandwidth", 0.0)
+        cal["spread"].pop("mem_bandwidth", None)     # this process's own rounds: superseded
         cal["spread"].update(sp)
         cal["fresh_alloc_s_per_byte_alone"] = fresh_threshold(c["fresh"])[0]
         c["mem_bandwidth"] = coll.pop("mem_bandwidth")
@@ -195,12 +198,13 @@ def summary_lines(hw: Hardware, times: dict[str, dict[int, float]] | None = None
             f"  per aten call of tiny blocks{'':<10}{(cal.dispatch_overhead_s or 0) * 1e6:>9.1f} us     "
             f"{_sp(cal, 'dispatch_overhead_s')}",
             f"  memory bandwidth per rank (all ranks){'':<1}{hw.mem_bandwidth / 1e9:>9.1f} GB/s   {_sp(cal, 'mem_bandwidth')}"
-            + ("  (median of samples between the collective phases)" if cal.spread.get("mem_bandwidth") else ""),
+            + ("  (median of samples between the collective phases)" if cal.collective_ranks else ""),
             f"  zero-bubble split backward / plain{'':<4}{cal.zero_bubble_backward_factor:>9.2f} x      "
             f"{_sp(cal, 'zero_bubble_backward_factor')}"]
     if cal.mem_bandwidth_alone is not None:
         out.append(f"  memory bandwidth, one rank alone{'':<6}{cal.mem_bandwidth_alone / 1e9:>9.1f} GB/s   "
-                   f"{_sp(cal, 'mem_bandwidth_alone')}")
+                   f"{_sp(cal, 'mem_bandwidth_alone')}"
+                   + ("  (paired with the samples above)" if cal.collective_ranks else ""))
     if cal.compute_contention_terms:
         out.append(f"  compute, every rank at once / alone{'':<3}{cal.compute_contention:>9.3f} x      "
                    f"{_sp(cal, 'compute_contention')}  ("

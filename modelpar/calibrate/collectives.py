@@ -37,8 +37,8 @@ def _collective_worker(sizes, rounds: int = ROUNDS, quick: bool = False) -> dict
     import torch.distributed as dist
     rank, world = dist.get_rank(), dist.get_world_size()
     res = {op: {} for op in COLLECTIVES}
-    # memory bandwidth per rank while every rank streams at once (ranks share the memory bus),
-    # sampled between the phases below (`shared_bandwidth_sample`)
+    # memory bandwidth per rank while every rank streams at once (ranks share the memory bus) and
+    # while one streams alone, sampled in pairs between the phases below (`shared_bandwidth_sample`)
     bws = [shared_bandwidth_sample()]
     # compute kernels with every rank running them at once vs one rank alone (`modelpar.calibrate.contention`)
     from modelpar.calibrate.contention import measure_contention
@@ -55,25 +55,35 @@ def _collective_worker(sizes, rounds: int = ROUNDS, quick: bool = False) -> dict
                                                between_rounds=lambda: bws.append(shared_bandwidth_sample()))
     res["framework"], sp2 = _framework_overheads(world, res["in_context"]["all_reduce"], quick=quick)
     bws.append(shared_bandwidth_sample())
-    res["mem_bandwidth"], spread = robust(bws)
-    res["spread"] = {"mem_bandwidth": spread, **sp, **sp2}
+    res["mem_bandwidth"], spread = robust(b[0] for b in bws)
+    res["mem_bandwidth_alone"], spread_alone = robust(b[1] for b in bws)
+    res["spread"] = {"mem_bandwidth": spread, "mem_bandwidth_alone": spread_alone, **sp, **sp2}
     return res
 
 
-def shared_bandwidth_sample(mib: int = 64, reps: int = 5) -> float:
-    """One sample of the memory bandwidth per rank (bytes/s) with every rank streaming at once:
-    ``c = a + b`` on ``mib`` MiB fp32 operands (past the caches; 3 x ``mib`` MiB of traffic), the
-    ranks started together (`_synced_median` of ``reps`` calls). Every rank calls it at the same
-    point. The calibration takes samples between its phases, tens of seconds apart, and keeps their
-    median: on a shared host this rate moves with the neighbours' memory traffic on a scale of
+def shared_bandwidth_sample(mib: int = 64, reps: int = 5) -> tuple[float, float]:
+    """One paired sample of the memory bandwidth per rank (bytes/s): (every rank streaming at once,
+    rank 0 streaming alone while the others wait in a barrier). The kernel is ``c = a + b`` on ``mib``
+    MiB fp32 operands (past the caches; 3 x ``mib`` MiB of traffic), the median of ``reps`` calls
+    (`_synced_median` for the shared rate). Every rank calls it at the same point and gets the same
+    pair. The calibration takes samples between its phases, tens of seconds apart, and keeps each
+    rate's median: on a shared host these rates move with the neighbours' memory traffic on a scale of
     seconds (2 ranks of the 2-core host kind, 4 samples 1 s apart in each of 6 launches: 12-23 GB/s
     per rank), so samples taken back to back agree with one another (1-4% spread) yet two
-    calibrations minutes apart differed by 35%, enough to flip the plan `auto` picks
-    (docs/planner.md, session 14)."""
+    calibrations minutes apart differed by 35%, enough to flip the plan `auto` picks; taking the two
+    rates at the same moments keeps their ratio (pipeline stages vs ranks in lockstep) from carrying
+    the load of two different moments (docs/planner.md, session 14)."""
+    import torch.distributed as dist
     n = mib * 2 ** 20 // 4
     a, b = torch.ones(n), torch.ones(n)
     c = torch.empty_like(a)
-    return 3 * n * 4 / _synced_median(lambda: torch.add(a, b, out=c), reps)
+    shared = 3 * n * 4 / _synced_median(lambda: torch.add(a, b, out=c), reps)
+    dist.barrier()
+    alone = torch.zeros(1, dtype=torch.float64)
+    if dist.get_rank() == 0:
+        alone += 3 * n * 4 / _time(lambda: torch.add(a, b, out=c), reps)
+    dist.broadcast(alone, 0)
+    return shared, float(alone)
 
 
 def worker_main(argv: list[str]) -> int:
@@ -350,8 +360,9 @@ def measure_collectives(world: int = 2, sizes=COLLECTIVE_SIZES, *, timeout_s: fl
     """``{op: (latency s, bandwidth B/s)}`` of gloo all-reduce, all-gather, reduce-scatter and
     send/recv between ``world`` local ranks (launched by `modelpar.launch.run_workers`), each fitted
     by `fit_alpha_beta` over ``sizes``, ``"mem_bandwidth"``: bytes/s one rank streams while all
-    ``world`` ranks stream at once (the median of `shared_bandwidth_sample` taken between the phases:
-    ``len(sizes) + rounds + 3`` samples), and ``"contention"``: `modelpar.calibrate.contention.measure_contention`'s
+    ``world`` ranks stream at once, and ``"mem_bandwidth_alone"``: while one streams alone (the
+    medians of `shared_bandwidth_sample` pairs taken between the phases: ``len(sizes) + rounds + 3``
+    of them), and ``"contention"``: `modelpar.calibrate.contention.measure_contention`'s
     (terms, factor, spread). ``rounds``: rounds of the in-context tables and of the contention terms
     (`_in_context_tables`); ``quick``: the framework terms' smaller TP chain (`_framework_overheads`).
 
@@ -373,6 +384,7 @@ def measure_collectives(world: int = 2, sizes=COLLECTIVE_SIZES, *, timeout_s: fl
         steps, volume = alpha_beta_form(op, world)
         fits[op] = fit_alpha_beta(res[op], steps=steps, volume=volume)
     fits["mem_bandwidth"] = res["mem_bandwidth"]
+    fits["mem_bandwidth_alone"] = res["mem_bandwidth_alone"]
     fits["times"] = {op: res[op] for op in COLLECTIVES}
     fits["fresh"] = res["fresh"]
     fits["contention"] = res["contention"]

@@ -35,6 +35,11 @@ def _time(fn, reps: int, *, best: bool = False, timer=time.perf_counter) -> floa
 
 
 ROUNDS = 3      # rounds of every compute term (`measure_compute`) and of the in-context collectives
+# `measure_compute` adds up to EXTRA_ROUNDS rounds, each after a pause of ROUND_PAUSE_S, while the
+# median of a settling term is not yet settled (`median_settled`): a burst of load from outside
+# that spans the first rounds (2-core host kind, one calibration: matmul and attention rates 22-46%
+# apart over 3 rounds, 15-25% below the next calibration's, step-time predictions off by +15-25%)
+EXTRA_ROUNDS, ROUND_PAUSE_S, SETTLED = 4, 2.0, 0.10
 # `modelpar calibrate --quick` (a smoke run of the whole command, not for planning): the shape grid on
 # three sizes, one pass each, and the zero-bubble chain on a quarter of the tokens
 QUICK_SHAPE_DIMS = (8, 64, 1024)
@@ -53,6 +58,21 @@ def robust(values) -> tuple[float, float]:
     return med, (rng / abs(med) if med else (0.0 if not rng else float("inf")))
 
 
+def median_settled(values, tolerance: float = SETTLED) -> bool:
+    """Whether the median of one term's rounds stands on agreeing rounds: the middle values once
+    sorted (three for an odd count, four for an even one; all of them up to 4 rounds) lie within
+    ``tolerance`` of the median (relative range). The rounds outside the middle may be anything:
+    outliers either way, which the median rejects. One round is settled (nothing to compare)."""
+    import statistics
+    vs = sorted(values)
+    if len(vs) < 2:
+        return True
+    m = len(vs) // 2
+    mid = vs[max(0, m - 1):m + 2] if len(vs) % 2 else vs[max(0, m - 2):m + 2]
+    med = statistics.median(vs)
+    return bool(med) and (mid[-1] - mid[0]) <= tolerance * abs(med)
+
+
 def measure_compute(sizes=MATMUL_SIZES, rounds: int = ROUNDS, *, quick: bool = False) -> dict:
     """Matmul FLOP/s of N x N x N fp32 products over ``sizes``: the peak (``matmul_peak``: the best
     rate of a product repeated on the same operands) and the curve the cost model interpolates
@@ -63,7 +83,10 @@ def measure_compute(sizes=MATMUL_SIZES, rounds: int = ROUNDS, *, quick: bool = F
     `modelpar.calibrate.thin.measure_thin_matmuls`). Each term is measured once per round, the rounds alternating over all terms
     (a burst of load on a shared machine spoils one round of several terms rather than every
     measurement of one) and kept by `robust` (median over rounds); ``spread`` holds each term's
-    relative spread over the rounds. Units: FLOP/s, s, B/s. ``quick``: the shape grid on
+    relative spread over the rounds. With ``rounds`` > 1, up to `EXTRA_ROUNDS` more rounds follow
+    (each after a pause) while a settling term's median is not `median_settled` (the matmul curve
+    from 128^3, attention, element-wise, per-call dispatch); ``rounds`` in the result is the count
+    run, which the attention grid also gets. Units: FLOP/s, s, B/s. ``quick``: the shape grid on
     `QUICK_SHAPE_DIMS` with one pass per shape and the zero-bubble chain on
     `QUICK_ZERO_BUBBLE_TOKENS` tokens (every term still measured; for checking the command end to end).
 
@@ -79,7 +102,14 @@ def measure_compute(sizes=MATMUL_SIZES, rounds: int = ROUNDS, *, quick: bool = F
     fresh = _fresh_alloc_costs()     # first: its warm-up leaves the allocator in its steady state
     a, b = torch.ones(32 * 2 ** 20), torch.ones(32 * 2 ** 20)   # 128 MiB each: past the caches
     c = torch.empty_like(a)
-    for _ in range(rounds):
+    settling = [f"matmul_flops[{n}]" for n in sizes if n >= 128] + ["attention_flops", "elementwise_bw",
+                                                                     "dispatch_overhead_s"]
+    done = 0
+    while done < rounds or (rounds > 1 and done < rounds + EXTRA_ROUNDS
+                            and not all(median_settled(per[k]) for k in settling)):
+        if done >= rounds:
+            time.sleep(ROUND_PAUSE_S)       # step out of the burst rather than measure inside it
+        done += 1
         for n in (256, 512):
             x, w = torch.randn(n, n), torch.randn(n, n)
             add("matmul_peak", 2 * n ** 3 / _time(lambda: x @ w, max(7, min(200, int(3e9 // n ** 3))), best=True))
@@ -95,7 +125,7 @@ def measure_compute(sizes=MATMUL_SIZES, rounds: int = ROUNDS, *, quick: bool = F
     smaller_grid = {"dims": QUICK_SHAPE_DIMS, "passes": 1} if quick else {}
     zb, zb_spread = measure_zero_bubble_backward(with_spread=True, **smaller_zb)
     shapes, shape_spread = measure_shapes(**smaller_grid)
-    attn_shapes, spread_attn = measure_attention_shapes(rounds=rounds)
+    attn_shapes, spread_attn = measure_attention_shapes(rounds=done)
     from modelpar.calibrate.thin import QUICK_THIN_ROWS, QUICK_THIN_WEIGHT_MIB, measure_thin_matmuls
     thin, thin_spread = measure_thin_matmuls(**({"rows": QUICK_THIN_ROWS, "weight_mib": QUICK_THIN_WEIGHT_MIB,
                                              "passes": 1} if quick else {}))
@@ -111,7 +141,7 @@ def measure_compute(sizes=MATMUL_SIZES, rounds: int = ROUNDS, *, quick: bool = F
             "dispatch_overhead_s": kept["dispatch_overhead_s"][0],
             "attention_flops": kept["attention_flops"][0], "fresh": fresh,
             "elementwise_bw": kept["elementwise_bw"][0], "zero_bubble_backward_factor": zb,
-            "spread": spread, "rounds": rounds}
+            "spread": spread, "rounds": done}
 
 
 def time_products(ops, passes: int, timer=time.perf_counter) -> tuple[float, float]:

@@ -1,0 +1,80 @@
+"""Calibration robustness (issue 14 item 6): `measure_compute` adds rounds, after a pause, while a
+term's median stands on disagreeing rounds (`median_settled`), and keeps the median over all of them.
+The measurements are replaced by scripted values: what is checked is the rounds logic."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from modelpar.calibrate import micro
+from modelpar.calibrate.micro import EXTRA_ROUNDS, SETTLED, median_settled
+
+
+@pytest.mark.parametrize("values, settled", [
+    ([5.0], True),                                  # one round: nothing to compare
+    ([1.0, 1.05, 1.02], True),
+    ([1.0, 1.05, 1.5], False),                      # three rounds: all of them are the middle
+    ([0.6, 1.0, 1.05, 1.02, 1.5], True),            # outliers either side, the middle three agree
+    ([0.6, 0.8, 1.0, 1.02, 1.05, 1.5], False),      # even count: the middle four, 0.8 among them
+    ([0.5, 0.6, 1.0, 1.01, 1.02, 1.03, 1.4], True),
+    ([0.0, 0.0, 0.0], False),                       # a median of 0 is never a rate to keep
+])
+def test_median_settled(values, settled):
+    assert median_settled(values) is settled
+
+
+def test_median_settled_tolerance_is_relative():
+    assert median_settled([100.0, 100.0 * (1 + SETTLED * 0.9), 100.0])
+    assert not median_settled([100.0, 100.0 * (1 + SETTLED * 1.1), 100.0])
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """`measure_compute` with every measurement replaced: attention's rate per round from the list
+    the test sets (``rates``), everything else constant; no pause between rounds."""
+    state = {"rates": [], "calls": 0}
+
+    def attention():
+        v = state["rates"][state["calls"]]
+        state["calls"] += 1
+        return v
+    monkeypatch.setattr(micro, "ROUND_PAUSE_S", 0.0)
+    monkeypatch.setattr(micro, "_fresh_alloc_costs", lambda: {2 ** 25: 1e-10})
+    monkeypatch.setattr(micro, "_time", lambda fn, reps, best=False: 1e-3)
+    monkeypatch.setattr(micro, "_linear_matmul_rate", lambda n, passes=1: 5e10)
+    monkeypatch.setattr(micro, "measure_dispatch_overhead", lambda: 8e-6)
+    monkeypatch.setattr(micro, "measure_attention", attention)
+    monkeypatch.setattr(micro, "measure_elementwise", lambda reps=4: 1e10)
+    monkeypatch.setattr(micro, "measure_zero_bubble_backward", lambda with_spread=True, **kw: (1.05, 0.01))
+    monkeypatch.setattr(micro, "measure_shapes", lambda **kw: ({}, {}))
+    monkeypatch.setattr(micro, "measure_attention_shapes", lambda rounds=3: ({(32, 256, 64): 4e10}, 0.0))
+    from modelpar.calibrate import thin
+    monkeypatch.setattr(thin, "measure_thin_matmuls", lambda **kw: ({}, 0.0))
+    monkeypatch.setattr(micro.torch, "ones", lambda n: micro.torch.empty(8))
+    return state
+
+
+def test_a_disturbed_start_gets_more_rounds_and_the_median_rejects_it(scripted):
+    """Three rounds inside a burst (attention at 60-80% of its rate, 25% apart), then quiet ones:
+    rounds are added until the middle ones agree, and the kept rate is the quiet one, where three
+    rounds alone would have kept the burst's 0.7."""
+    scripted["rates"] = [0.6, 0.8, 0.7] + [1.0, 1.01, 0.99, 1.0]
+    c = micro.measure_compute(sizes=(128, 256), rounds=3)
+    assert c["rounds"] == 7 and scripted["calls"] == 7
+    assert c["attention_flops"] == pytest.approx(0.99)
+    assert c["spread"]["attention_flops"] == pytest.approx((1.01 - 0.6) / 0.99)
+
+
+def test_agreeing_rounds_get_no_extra_round(scripted):
+    scripted["rates"] = [1.0, 1.02, 0.99]
+    c = micro.measure_compute(sizes=(128,), rounds=3)
+    assert c["rounds"] == 3 and c["attention_flops"] == pytest.approx(1.0)
+
+
+def test_extra_rounds_are_capped_and_one_round_stays_one(scripted):
+    scripted["rates"] = list(itertools.islice(itertools.cycle([0.5, 1.0, 1.5]), 3 + EXTRA_ROUNDS))
+    assert micro.measure_compute(sizes=(128,), rounds=3)["rounds"] == 3 + EXTRA_ROUNDS
+    scripted["calls"], scripted["rates"] = 0, [0.5]
+    assert micro.measure_compute(sizes=(128,), rounds=1)["rounds"] == 1     # --rounds 1: as asked
