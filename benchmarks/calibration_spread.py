@@ -8,10 +8,13 @@ Pure Python, nothing is timed: loads N calibration files (`modelpar calibrate` o
 3. the attribution of that spread to the terms: starting from the first file (the reference), one
    term group at a time is replaced by each other file's value and the case predicted again; a
    group's share is the largest relative move it alone causes (``max |pred / pred_ref - 1|``). The
-   groups are the `GROUPS` below (a table counts as one term).
+   groups are the `GROUPS` below (a table counts as one term);
+4. the plan `auto` picks for each built-in model of ``--models`` (2 ranks, global batch 32, fp32:
+   `modelpar plan`'s defaults here) under each file, with its margin over the runner-up, and whether
+   the pick is the same under every file (``--check-picks``: exit 1 where it is not).
 
 Run: ``python benchmarks/calibration_spread.py /work/prompts/cal_pinned.json A.json B.json ...
-[--models gpt-1m,mlp-large,hf-llama,hf-gpt2]``
+[--models gpt-1m,mlp-large,hf-llama,hf-gpt2] [--check-picks]``
 """
 
 from __future__ import annotations
@@ -98,6 +101,8 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", nargs="+", help="calibration JSON files; the first is the reference")
     ap.add_argument("--models", default="gpt-1m,gpt-3m,gpt-10m,mlp-large,hf-llama,hf-gpt2")
+    ap.add_argument("--check-picks", action="store_true",
+                    help="exit 1 if the plan `auto` picks for a built-in model differs between the files")
     a = ap.parse_args(argv)
     hws = [load_profile(f) for f in a.files]
     names = [os.path.basename(f) for f in a.files]
@@ -132,7 +137,37 @@ def main(argv: list[str]) -> int:
     for g in groups:
         vs = [(r[2][g], r[0]) for r in rows]
         print(f"{g:<28} {statistics.median(v for v, _ in vs):>18.1%} {max(vs)[0]:>15.1%}  {max(vs)[1]}")
-    return 0
+    changed = print_picks(hws, names, [m for m in a.models.split(",") if not m.startswith("hf-")])
+    return 1 if changed and a.check_picks else 0
+
+
+def auto_picks(hw, model: str, devices: int = 2, global_batch: int = 32) -> list:
+    """The two best candidates of `modelpar plan --model MODEL --nproc 2 --global-batch-size 32`'s
+    search (fp32, AdamW: the CPU defaults) under the profile ``hw``: `search_plans`' exact top-k."""
+    from modelpar.measure.memory import profile_for
+    from modelpar.planner.search import search_plans
+    rep = search_plans(profile_for(model), devices, hw, global_batch_size=global_batch, precision="fp32", top_k=2)
+    return rep.ranked
+
+
+def print_picks(hws, names, models) -> bool:
+    """Section 4: per model, the plan `auto` picks under each file, its predicted step time and its
+    margin over the runner-up; returns whether any model's pick differs between the files."""
+    print("\n== 4. the plan `auto` picks (2 ranks, global batch 32), per file: plan (ms, margin over the 2nd)")
+    changed = False
+    for model in models:
+        cells, picks = [], set()
+        for h in hws:
+            r = auto_picks(h, model)
+            first = r[0]
+            key = (first.plan.describe(), first.micro_batch_size)
+            picks.add(key)
+            margin = r[1].step.total / first.step.total - 1 if len(r) > 1 else float("nan")
+            cells.append(f"{key[0]} mb {key[1]} ({first.step.total * 1e3:.0f} ms, +{margin:.1%})")
+        changed |= len(picks) > 1
+        print(f"{model:<10} {'SAME' if len(picks) == 1 else 'DIFFERS':<8} " + " | ".join(cells))
+    print("files: " + ", ".join(names))
+    return changed
 
 
 if __name__ == "__main__":

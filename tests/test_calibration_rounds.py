@@ -78,3 +78,34 @@ def test_extra_rounds_are_capped_and_one_round_stays_one(scripted):
     assert micro.measure_compute(sizes=(128,), rounds=3)["rounds"] == 3 + EXTRA_ROUNDS
     scripted["calls"], scripted["rates"] = 0, [0.5]
     assert micro.measure_compute(sizes=(128,), rounds=1)["rounds"] == 1     # --rounds 1: as asked
+
+
+def _spread_main():
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "calibration_spread.py"
+    spec = importlib.util.spec_from_file_location("calibration_spread", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main
+
+
+def test_calibration_spread_reports_whether_the_auto_pick_moves(tmp_path, capsys):
+    """`benchmarks/calibration_spread.py --check-picks` (section 4): the same file twice picks the
+    same plan (exit 0); a file whose in-context all-reduce costs 100x more moves gpt-1m off ddp2
+    (DIFFERS, exit 1)."""
+    import json
+    import pathlib
+    pinned = pathlib.Path(__file__).resolve().parent / "data" / "cal_pinned.json"
+    main = _spread_main()
+    assert main([str(pinned), str(pinned), "--models", "gpt-1m", "--check-picks"]) == 0
+    out = capsys.readouterr().out
+    assert "== 4." in out and "gpt-1m     SAME" in out and "ddp2" in out.split("== 4.")[1]
+    d = json.loads(pinned.read_text())
+    ar = d["calibration"]["collectives"]["all_reduce"]
+    ar["in_context"] = {k: v * 100 for k, v in ar["in_context"].items()}
+    ar["seconds"] = {k: v * 100 for k, v in ar["seconds"].items()}
+    slow = tmp_path / "slow_all_reduce.json"
+    slow.write_text(json.dumps(d))
+    assert main([str(pinned), str(slow), "--models", "gpt-1m", "--check-picks"]) == 1
+    assert "gpt-1m     DIFFERS" in capsys.readouterr().out
