@@ -292,3 +292,23 @@ def test_calibrate_records_and_prints_each_terms_spread(tmp_path, monkeypatch, c
     assert "100.0 GFLOP/s" in line and "spread   3.1%" in line
     assert "attention" in text and "spread  50.0%" in text
     assert 0.5 > NOISY_SPREAD and text.count("this machine was busy") == 1
+
+
+def test_calibrate_does_not_call_the_hosts_own_jitter_busy(tmp_path, monkeypatch, capsys, fake_compute):
+    """Spreads of the jitter terms (`JITTER_TERMS`: the in-context collectives, the TP / FSDP2
+    differences, the memory bandwidth sampled across the run) are printed but never make the
+    busy-machine note; a compute term's does."""
+    from modelpar.calibrate import JITTER_TERMS, micro
+    jitter = {"all_reduce.in_context[small]": 1.2, "tp_linear_overhead_s": 3.0, "mem_bandwidth": 0.6,
+              "fsdp_unit_overhead_s": 0.9}
+    assert all(any(j in k for j in JITTER_TERMS) for k in jitter)
+
+    def measure(sizes=None, rounds=None, quick=False):
+        return {**FAKE_COMPUTE, "rounds": 3, "spread": {"attention_flops": 0.02, **jitter}}
+    monkeypatch.setattr(micro, "measure_compute", measure)
+    assert calibrate_main(["--no-collectives", "--nproc", "1", "--out", str(tmp_path / "a.json")]) == 0
+    assert "this machine was busy" not in capsys.readouterr().out
+    monkeypatch.setattr(micro, "measure_compute", lambda sizes=None, rounds=None, quick=False: {
+        **FAKE_COMPUTE, "rounds": 3, "spread": {"attention_flops": 0.3, **jitter}})
+    assert calibrate_main(["--no-collectives", "--nproc", "1", "--out", str(tmp_path / "b.json")]) == 0
+    assert "largest spread over 3 rounds is attention_flops 30%" in capsys.readouterr().out
