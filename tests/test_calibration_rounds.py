@@ -109,3 +109,17 @@ def test_calibration_spread_reports_whether_the_auto_pick_moves(tmp_path, capsys
     slow.write_text(json.dumps(d))
     assert main([str(pinned), str(slow), "--models", "gpt-1m", "--check-picks"]) == 1
     assert "gpt-1m     DIFFERS" in capsys.readouterr().out
+
+
+def test_in_context_tables_settle_on_their_own_looser_tolerance():
+    """`collectives.tables_unsettled`: any (op, size) whose middle rounds disagree by more than
+    `IN_CONTEXT_SETTLED` asks for another round; a rank's all-zero entries (no part in send/recv)
+    never do."""
+    from modelpar.calibrate.collectives import IN_CONTEXT_SETTLED, tables_unsettled
+
+    def rounds(*small):
+        return [{"all_reduce": {4096: v, 2 ** 26: 0.05}, "send_recv": {4096: 0.0, 2 ** 26: 0.0}} for v in small]
+    assert IN_CONTEXT_SETTLED > SETTLED
+    assert not tables_unsettled(rounds(1e-3, 1.2e-3, 1.1e-3))           # 20% apart: settled here
+    assert tables_unsettled(rounds(1e-3, 2e-3, 1.1e-3))                 # a 2x round among three
+    assert not tables_unsettled(rounds(1e-3, 2e-3, 1.1e-3, 1.05e-3, 0.2e-3))   # outliers either side

@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from modelpar.calibrate.micro import (COLLECTIVE_SIZES, COLLECTIVES, ROUNDS, _fresh_alloc_costs, _time,
-                                     fit_alpha_beta, robust)
+from modelpar.calibrate.micro import (COLLECTIVE_SIZES, COLLECTIVES, EXTRA_ROUNDS, ROUNDS, _fresh_alloc_costs,
+                                     _time, fit_alpha_beta, median_settled, robust)
 from modelpar.planner.hardware import interpolate_sizes
 
 
@@ -153,6 +153,21 @@ def _trimmed_mean(ts: list[float]) -> float:
     return statistics.fmean(ts[cut:len(ts) - cut])
 
 
+# the in-context tables' settling tolerance: looser than compute's (`micro.SETTLED`), since the wait
+# for the slower rank is jitter that training pays too (2-core host kind: rounds of one calibration
+# 15-67% apart at <= 1 MiB, 4-27% at 64 MiB); extra rounds still narrow the median of a bursty start
+IN_CONTEXT_SETTLED = 0.25
+
+
+def tables_unsettled(per_round: list[dict[str, dict[int, float]]], tolerance: float = IN_CONTEXT_SETTLED) -> bool:
+    """Whether the median over ``per_round`` (one ``{op: {bytes: s}}`` table per round) of any
+    measured (op, size) stands on disagreeing rounds (`micro.median_settled` at ``tolerance``);
+    entries that are 0 in every round (a rank that takes no part in send/recv) are not measured."""
+    keys = {(op, nb) for r in per_round for op, t in r.items() for nb in t}
+    return any(not median_settled(vs, tolerance) for op, nb in sorted(keys)
+               for vs in [[r[op][nb] for r in per_round]] if any(vs))
+
+
 def _in_context_tables(rank: int, world: int, sizes, segment_s: float = 0.01, rounds: int = ROUNDS,
                        between_rounds=None) -> tuple[dict[str, dict[int, float]], dict[str, float]]:
     """Seconds of each collective issued the way training issues it: after ~``segment_s`` of matmul
@@ -163,7 +178,8 @@ def _in_context_tables(rank: int, world: int, sizes, segment_s: float = 0.01, ro
     Per call: the time from the end of the rank's segment to the collective's return. ``rounds``
     rounds, each over every size and op (4 calls per size up to 4 MiB, 2 above); per round and rank
     the `_trimmed_mean` over the calls (up to 1 MiB, where the wait dominates, pooled over those
-    sizes); per rank the median over the rounds (`robust`: one disturbed round is rejected); made
+    sizes); with ``rounds`` > 1, up to `micro.EXTRA_ROUNDS` more rounds while a median is not settled
+    (`IN_CONTEXT_SETTLED`); per rank the median over the rounds (`robust`: outlying rounds are rejected); made
     non-decreasing in the size; averaged over the ranks (every rank reports the same number).
     Returns (``{op: {bytes: s}}``, ``{"<op>.in_context[small|<n> KiB]": relative spread}``: the
     rounds' spread at the pooled small sizes and at the largest, the ranks' mean). ``between_rounds``:
@@ -178,7 +194,12 @@ def _in_context_tables(rank: int, world: int, sizes, segment_s: float = 0.01, ro
         for _ in range(k):
             a @ w
     per_round: list[dict[str, dict[int, float]]] = []
-    for _ in range(rounds):
+
+    def unsettled() -> bool:        # any rank's `tables_unsettled`: the same answer on every rank
+        f = torch.tensor([1.0 if tables_unsettled(per_round) else 0.0])
+        dist.all_reduce(f, op=dist.ReduceOp.MAX)
+        return bool(f.item())
+    while len(per_round) < rounds or (rounds > 1 and len(per_round) < rounds + EXTRA_ROUNDS and unsettled()):
         samples: dict[str, dict[int, list[float]]] = {}
         for nbytes in sizes:
             ops = _collective_calls(rank, world, nbytes)
@@ -361,8 +382,8 @@ def measure_collectives(world: int = 2, sizes=COLLECTIVE_SIZES, *, timeout_s: fl
     send/recv between ``world`` local ranks (launched by `modelpar.launch.run_workers`), each fitted
     by `fit_alpha_beta` over ``sizes``, ``"mem_bandwidth"``: bytes/s one rank streams while all
     ``world`` ranks stream at once, and ``"mem_bandwidth_alone"``: while one streams alone (the
-    medians of `shared_bandwidth_sample` pairs taken between the phases: ``len(sizes) + rounds + 3``
-    of them), and ``"contention"``: `modelpar.calibrate.contention.measure_contention`'s
+    medians of `shared_bandwidth_sample` pairs taken between the phases: ``len(sizes) + 3`` and one
+    per in-context round), and ``"contention"``: `modelpar.calibrate.contention.measure_contention`'s
     (terms, factor, spread). ``rounds``: rounds of the in-context tables and of the contention terms
     (`_in_context_tables`); ``quick``: the framework terms' smaller TP chain (`_framework_overheads`).
 
