@@ -99,12 +99,14 @@ ZERO_BUBBLE_SCHEDULES = ("interleavedzerobubble", "zbvzerobubble", "dualpipev")
 
 
 def _load_times(ld: RankLoad, hw: Hardware, b: int, prec: str, mem_s: float, ew_s: float, attn_rate: float,
-                curve: bool, flops_s: float, alone: bool, phys=None, kernel=None, ctn: float = 1.0) -> tuple[float, float]:
+                curve: bool, flops_s: float, alone: bool, phys=None, kernel=None, ctn: float = 1.0,
+                rates: dict | None = None) -> tuple[float, float]:
     """Forward and backward seconds of one micro-batch of ``b`` samples on a rank holding ``ld``
     (memoized by `rank_step`). ``phys``: the built-in GPU's published tables (`gpu.gpu_load_times`),
-    None elsewhere. ``ctn``: compute's slowdown on ranks in lockstep (`cpu_shapes.lockstep_contention`)."""
+    None elsewhere, with ``rates`` its memo of attention rates. ``ctn``: compute's slowdown on ranks in
+    lockstep (`cpu_shapes.lockstep_contention`)."""
     if phys is not None:
-        return gpu_load_times(ld, b, mem_s, flops_s, phys, kernel)
+        return gpu_load_times(ld, b, mem_s, flops_s, phys, kernel, rates)
     # fused attention kernels at their own calibrated rate where there is one (on CPU far below
     # the GEMM rate); otherwise they count as matmuls
     af, ab = ld.attn_flops if attn_rate else (0.0, 0.0)
@@ -252,7 +254,7 @@ def step_form(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, optimi
         f.opt.append(opt)
     # `runtime_layout(plan).sharded_grad_accumulation` of this layout's plans is this and not defer_grad_sync
     f.shard_acc = plan.dp_shard > 1 and plan.pp == 1
-    f.per_b, f.slowest, f.comms = {}, {}, {}
+    f.per_b, f.slowest, f.comms, f.floors = {}, {}, {}, {}      # floors: `topk._exposed_terms` per rank
     # CPU without SP (DTensor): colwise Linears all-reduce input grads in backward (q, k, v apart), rowwise
     # outputs in forward: 1 per sharded matrix (`cpu_step_waits.py`: gpt-1m 26, hf-llama 30; `_tp_linear_cost`)
     f.tp_per_matrix = hw.kind == "cpu" and phys is None and plan.tp > 1 and not plan.sequence_parallel
@@ -265,7 +267,8 @@ class StepForm:
     __slots__ = ("loads", "hw", "tp_bytes", "dp_overlap", "reduce_bytes", "attention_kernel", "p2p_scatter_gather",
                  "fsdp_stream_copies", "cache", "prec", "flops_s", "alone", "cal", "mem_s", "phys", "v", "p",
                  "overlap", "curve", "ew_s", "attn_rate", "zb", "layout", "cast_b", "wb", "rep_rt", "shard_share",
-                 "rep_share", "opt", "per_b", "slowest", "shard_acc", "comms", "tp_per_matrix", "ctn")
+                 "rep_share", "opt", "per_b", "slowest", "shard_acc", "comms", "tp_per_matrix", "ctn",
+                 "floors")
 
     def _times(self, plan: ParallelPlan, b: int) -> tuple:
         """Per micro-batch size ``b`` (memoized): each rank's forward and backward seconds, the TP
@@ -289,7 +292,8 @@ class StepForm:
                 t_f, t_b = hit[1]
             else:
                 t_f, t_b = _load_times(ld, hw, b, prec, self.mem_s, self.ew_s, self.attn_rate, self.curve,
-                                       self.flops_s, alone, self.phys, self.attention_kernel, self.ctn)
+                                       self.flops_s, alone, self.phys, self.attention_kernel, self.ctn,
+                                       cache.attn_rates)
                 load_times[key] = (ld, (t_f, t_b))
             # built-in GPU, bf16: each layer's weight-GEMM tile / wave quantization (`gpu.layer_wave_seconds`)
             w_f = 0.0

@@ -333,7 +333,7 @@ def gpu_link(phys: GpuPhysics, hw, bw: float, op: str, n: int, steps: float,
 
 
 def gpu_load_times(ld, b: int, mem_s: float, flops_s: float, phys: GpuPhysics,
-                   kernel: str | None = None) -> tuple[float, float]:
+                   kernel: str | None = None, rates: dict | None = None) -> tuple[float, float]:
     """`cost._load_times` on a built-in GPU (``ld``: a `loads.RankLoad`; tables in this module):
     matmuls at the roofline of MAMF and
     the measured HBM rate; fused attention at the FlashAttention papers' rate for the model's head
@@ -341,7 +341,10 @@ def gpu_load_times(ld, b: int, mem_s: float, flops_s: float, phys: GpuPhysics,
     FLOPs the profile counts, and its backward 2.5x the forward's FLOPs where the profile counts
     2x, as the papers count them); memory-bound operators at the measured HBM rate; each pass at
     least its kernel launches (a dispatch floor: the host enqueues ahead of the device).
-    ``kernel``: the attention kernel's table (`GpuPhysics.default_kernel` when None)."""
+    ``kernel``: the attention kernel's table (`GpuPhysics.default_kernel` when None). ``rates``: a
+    memo table of the (forward, backward) `GpuPhysics.attention_flops` per (seq, head dim, causal,
+    kernel) (`memo.PlannerCache.attn_rates`: one hardware per cache; the search prices ~10^4 loads
+    of one shape); None: looked up every call."""
     af, ab = ld.attn_flops
     mf, mb_ = ld.fwd_flops - af, ld.bwd_flops - ab
     g_f = max(mf * b / flops_s, (ld.gemm_param_bytes[0] + ld.gemm_act_bytes[0] * b) / mem_s)
@@ -349,8 +352,15 @@ def gpu_load_times(ld, b: int, mem_s: float, flops_s: float, phys: GpuPhysics,
     if af or ab:
         seq, hd, causal = ld.attn_shape or (16384, 128, False)
         half = 0.5 if causal else 1.0
-        g_f += af * b * half / phys.attention_flops("fwd", seq, hd, causal, kernel)
-        g_b += ab * b * half * 1.25 / phys.attention_flops("bwd", seq, hd, causal, kernel)
+        rkey = (seq, hd, causal, kernel)
+        rate = rates.get(rkey) if rates is not None else None
+        if rate is None:
+            rate = (phys.attention_flops("fwd", seq, hd, causal, kernel),
+                    phys.attention_flops("bwd", seq, hd, causal, kernel))
+            if rates is not None:
+                rates[rkey] = rate
+        g_f += af * b * half / rate[0]
+        g_b += ab * b * half * 1.25 / rate[1]
     # the loss on the last stage (not in the profile, whose backward starts from a sum): torch's
     # cross entropy under autocast runs in fp32 (`gpu.LOSS_BYTES_PER_LOGIT`), per logit element
     loss_f, loss_b = (phys.loss_bytes(ld.out / 2 * b) if ld.is_last else (0.0, 0.0))

@@ -16,7 +16,7 @@ from modelpar.plan import ParallelPlan
 from modelpar.planner.memo import PlannerCache
 from modelpar.planner.profile import ModelProfile, tied_copies
 from modelpar.planner.profile_ops import SDPA_LAYOUT
-from modelpar.planner.records import BlockRecord, BlockTerms, BwdMoment, ReduceMoment, fast_new
+from modelpar.planner.records import BlockRecord, BlockTerms, BwdMoment, ReduceMoment, StageTerms, fast_new
 from modelpar.stage_split import split_blocks
 
 
@@ -353,8 +353,33 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: P
                            params=a.params, is_root=a.is_end, in_grad=bl.input_bytes * g_div if i > 0 else 0.0)
 
     out = BlockTerms(prefix=pre, first_adj=first_adj, unit_params=unit_params, numels=numels, record=rec,
-                     ac_info=ac_info)
+                     ac_info=ac_info, stages={})
     cache.block_terms[key] = out
+    return out
+
+
+def _stage_terms(profile: ModelProfile, terms: BlockTerms, t: int, a: int, b: int) -> StageTerms:
+    """What stage ``[a, b)`` adds to its rank's load beyond the prefix sums (`records.StageTerms`),
+    memoized in ``terms.stages``: the search's layouts cut the blocks into few distinct stages (one
+    split per stage count), so most of its ~200 `rank_loads` calls find every stage there. The
+    shapes' calls are counts (integers), so a rank's sum over its stages' sums is exact."""
+    numels, units, recs, acb, shapes = [], [], [], [], {}
+    bs = profile.batch_size
+    for i in range(a, b):
+        numels.extend(terms.numels[i])
+        u = terms.unit_params[i]
+        if u is not None:
+            units.append(u)
+        recs.append(terms.record(i, i == a, i == b - 1))
+        acb.append((recs[-1],) + terms.ac_info[i])
+        for g in profile.blocks[i].gemm_shapes:         # `records.GemmShape`
+            # matmul shapes without TP only; attention's (B x H, S, D) under TP too, H / t per rank
+            if t == 1 or g.layout == SDPA_LAYOUT:
+                dims = [g.m, g.k, g.n]
+                dims[g.batch_dim] /= bs * (t if g.layout == SDPA_LAYOUT else 1)
+                key = (g.phase, g.layout, *dims, g.batch_dim)
+                shapes[key] = shapes.get(key, 0) + g.calls
+    out = terms.stages[(a, b)] = StageTerms(numels, units, recs, acb, shapes, max(units, default=0.0))
     return out
 
 
@@ -377,8 +402,7 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
     bs = profile.batch_size
     rng = plan_stage_ranges(profile, plan)
     terms = _block_terms(profile, t, sp, scale, cache)
-    pre, first_adj, unit_params, numels_b, rec, ac_info = (terms.prefix, terms.first_adj, terms.unit_params,
-                                                           terms.numels, terms.record, terms.ac_info)
+    pre, first_adj = terms.prefix, terms.first_adj
     bkey = (tuple(plan.stage_boundaries),) if plan.stage_boundaries and plan.num_stages > 1 else ()
     loads = [RankLoad(key=(t, sp, plan.num_stages, plan.pp, scale, r) + bkey) for r in range(plan.pp)]
     sums = [[0] * len(_SUMS) for _ in range(plan.pp)]
@@ -398,21 +422,15 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
             acc[j] += hi[j] - lo[j]
         acc[_SAVED] += first_adj[a][0]
         acc[_SAVED_AC] += first_adj[a][1]
-        ld.max_unit_params = max([ld.max_unit_params] + [u for u in unit_params[a:b] if u is not None])
-        for i in range(a, b):
-            numels[r].extend(numels_b[i])
-            u = unit_params[i]
-            if u is not None:
-                units[r].append(u)
-            recs[r].append(rec(i, i == a, i == b - 1))
-            acb[r].append((recs[r][-1],) + ac_info[i])
-            for g in profile.blocks[i].gemm_shapes:         # `records.GemmShape`
-                # matmul shapes without TP only; attention's (B x H, S, D) under TP too, H / t per rank
-                if t == 1 or g.layout == SDPA_LAYOUT:
-                    dims = [g.m, g.k, g.n]
-                    dims[g.batch_dim] /= bs * (t if g.layout == SDPA_LAYOUT else 1)
-                    key = (g.phase, g.layout, *dims, g.batch_dim)
-                    shapes[r][key] = shapes[r].get(key, 0) + g.calls
+        st = terms.stages.get((a, b)) or _stage_terms(profile, terms, t, a, b)
+        ld.max_unit_params = max(ld.max_unit_params, st.max_unit)
+        numels[r].extend(st.numels)
+        units[r].extend(st.units)
+        recs[r].extend(st.records)
+        acb[r].extend(st.ac_blocks)
+        sh = shapes[r]
+        for key, calls in st.shapes.items():
+            sh[key] = sh.get(key, 0) + calls
         ld.boundary = profile.blocks[b - 1].output_bytes * scale / bs / (t if sp else 1)
         if s > 0:
             ld.recv += profile.blocks[a].input_bytes * scale / bs / (t if sp else 1)

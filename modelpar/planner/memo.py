@@ -24,6 +24,8 @@ class PlannerCache:
     - ``comms``: `comms._comm_terms` per (rank load key, degrees, micro-batch, bytes, options);
     - ``load_times``: `cost._load_times` per (rank load key, micro-batch, precision, alone, kernel);
     - ``recompute_flops``: `recompute.recompute_flops_per_sample` per (mode, ac_every);
+    - ``attn_rates``: `gpu.GpuPhysics.attention_flops` (forward, backward) per (sequence, head dimension,
+      causal, kernel) (`gpu.gpu_load_times`);
     - ``waves``: `gpu.layer_wave_seconds` per (tokens per micro-batch, width, FFN, TP degree) (`cost.StepForm`);
     - ``mem_classes``: `grid.memory_class` per rank load key, numbering the contents in ``mem_class_ids``,
       and `grid._selection`'s class list per (rank list, checkpointing mode).
@@ -33,7 +35,7 @@ class PlannerCache:
     """
 
     __slots__ = ("profile", "hw", "block_terms", "moments", "peaks", "projections", "links", "buckets",
-                 "comms", "load_times", "recompute_flops", "waves",
+                 "comms", "load_times", "recompute_flops", "attn_rates", "waves",
                  "mem_classes", "mem_class_ids")
 
     def __init__(self, profile=None, hw=None):
@@ -48,6 +50,7 @@ class PlannerCache:
         self.comms: dict[tuple, tuple] = {}
         self.load_times: dict[tuple, tuple] = {}
         self.recompute_flops: dict[tuple, float] = {}
+        self.attn_rates: dict[tuple, tuple] = {}
         self.waves: dict[tuple, tuple] = {}
         self.mem_classes: dict[tuple, tuple] = {}
         self.mem_class_ids: dict[tuple, int] = {}

@@ -122,6 +122,19 @@ class BlockTerms(NamedTuple):
     record: Callable        # record(i, first, last) -> the block's `BlockRecord` at that place
     ac_info: list           # per block: (layer index or -1, attention-core saved bytes, forward
                             # FLOPs, fused-attention forward FLOPs), per sample
+    stages: dict            # per stage range (a, b): its `StageTerms` (`loads._stage_terms`, filled on use)
+
+
+class StageTerms(NamedTuple):
+    """`loads._stage_terms`: what one stage (blocks a..b-1) adds to its rank's `loads.RankLoad`
+    beyond the prefix sums, for one `BlockTerms` (TP degree, sequence parallel, activation scale)."""
+
+    numels: list            # (elements, is a matrix) of each parameter tensor, in block order
+    units: list             # FSDP units' parameters, in order
+    records: list           # each block's `BlockRecord` at its place in the stage
+    ac_blocks: list         # each block's `RankLoad.ac_blocks` entry
+    shapes: dict            # `RankLoad.gemm_shapes`' calls per shape key, summed over the stage's blocks
+    max_unit: float         # the largest FSDP unit's parameters (0.0 for none)
 
 
 class SlowestRank(NamedTuple):

@@ -20,7 +20,7 @@ from heapq import heapify, heappop, heappush
 
 from modelpar.planner.formulas import bubble_fraction, fill_drain_from_sums
 from modelpar.planner.grid import plan_memory as _plan_memory
-from modelpar.planner.cost import _finish
+from modelpar.planner.cost import _comm_terms, _finish
 from modelpar.planner.layouts import Layout, Search, can_defer, fitting_variants, group_pruned, step_parts
 
 # relative slack taken off every bound: the bound and the exact total are different float sums of
@@ -42,8 +42,43 @@ def _copy_terms(form, plan, ld) -> tuple[float, float]:
             (form.wb + form.reduce_bytes) * ld.params / mem_s)
 
 
+def _exposed_terms(form, plan, i: int, ld, b: int) -> tuple[float, float]:
+    """What `cost.StepForm.at` exposes of rank ``i``'s data-parallel collectives at least, on a device
+    that overlaps (else (0, 0)): (per micro-batch, per step). Its collective times are `at`'s own
+    memo entry (``form.comms``, the same floats; their data-parallel parts do not depend on ``b``).
+
+    FSDP (`comms._fsdp_exposed`, every micro-batch): at least ``head`` (the root's and the first
+    unit's gathers, before any compute), whatever the compute times; with a reduce-scatter also
+    ``tail`` (the first unit's and the root's, after the last compute), which a deferred sync adds
+    once (its extra exposure, `_fsdp_exposed` with the reduce-scatter less without, is at least
+    ``tail``: the rest is non-decreasing in the backward's collectives); under a pipeline the whole
+    reduce-scatter once (``rs``); HSDP adds its replicas' all-reduce (``rep``) once. DDP / replicate:
+    ``max(t_ar - t_b, last) + share x min(t_ar, t_b)`` >= ``last``; replicate under a pipeline
+    ``t_ar`` + its copies >= ``t_ar``. Memoized per rank in ``form.floors`` (it does not depend on
+    the micro-batch size, the count or the checkpointing)."""
+    hit = form.floors.get(i)
+    if hit is not None:
+        return hit
+    out = 0.0, 0.0
+    if form.overlap and (plan.dp_shard > 1 or plan.dp_replicate > 1):
+        cm = form.comms.get((i, b))
+        if cm is None:
+            cm = form.comms[(i, b)] = _comm_terms(ld, plan, form.hw, b, form.wb, form.dp_overlap, form.reduce_bytes,
+                                                  form.p2p_scatter_gather, form.rep_rt and form.overlap, form.cache)
+        if plan.dp_shard > 1:
+            head = cm["ag_root"] + min(cm["first"], cm["ag"])
+            tail = cm["rs"] if form.p > 1 else min(cm["rs_unit"], cm["rs"] - cm["rs_root"]) + cm["rs_root"]
+            out = head, tail + cm["rep"]
+        else:
+            out = 0.0, (cm["t_ar"] if (form.rep_rt and form.p > 1) else cm["last"])
+    form.floors[i] = out
+    return out
+
+
 def _copy_floor(form, plan) -> tuple[float, float]:
     """The smallest of `_copy_terms` over the form's ranks, each part apart."""
+    if plan.dp_shard == 1 or not form.overlap or not form.fsdp_stream_copies:
+        return 0.0, 0.0                  # `_copy_terms` of every rank
     terms = [_copy_terms(form, plan, ld) for ld in form.loads]
     return min(t[0] for t in terms), min(t[1] for t in terms)
 
@@ -74,7 +109,9 @@ def step_lower_bound(S: Search, L: Layout, b: int, m: int, acc: int) -> float:
       (`_copy_terms`: dp_shard > 1, overlap), mbs x each gather's copy-out and the reduce-scatter's
       copy-in, every micro-batch (FSDP without a pipeline, not deferred) or once (deferred, or
       under a pipeline): >= mbs x the smallest copy-out + the smallest copy-in over the ranks
-      (`_copy_floor`); the rest is >= 0 and dropped, as is pp_comm (2 v x p2p seconds per micro-batch).
+      (`_copy_floor`); the rest is >= 0 and dropped (`mode_lower_bound` adds a floor of the exposed
+      collectives, `_exposed_terms`, on one rank: over every rank it costs more than it prunes
+      here), as is pp_comm (2 v x p2p seconds per micro-batch).
     The sum of these is taken in floats and lowered by `_SLACK` relative, which exceeds the rounding of
     both sums, so the returned bound is <= the float total of every candidate of the group."""
     form = L.sform
@@ -138,7 +175,8 @@ def mode_lower_bound(S: Search, L: Layout, b: int, m: int, acc: int, ac: str, k:
     accumulation x (`formulas.fill_drain_from_sums` of the slowest rank's sums for GPipe / 1F1B, else
     `bubble_fraction` x m x work_i): computed here exactly as `at` does; optimizer = the slowest
     rank's, exactly; dp_comm >= FSDP2's copies of rank i (`_copy_terms`: mbs x the copy-out + the
-    copy-in, see `step_lower_bound`). Dropped: t_acc, pp_comm and the rest of dp_comm (>= 0, see
+    copy-in, see `step_lower_bound`) + its exposed collectives' floor (`_exposed_terms`: mbs x per
+    micro-batch + per step). Dropped: t_acc, pp_comm and the rest of dp_comm (>= 0, see
     `step_lower_bound`); the deferred sync changes only those. Lowered by `_SLACK` for the float sums."""
     form = L.sform_k if ac == "every-k" else L.sform
     if form is None:
@@ -153,6 +191,8 @@ def mode_lower_bound(S: Search, L: Layout, b: int, m: int, acc: int, ac: str, k:
     else:
         bub = bubble_fraction(L.sched, p, mm, L.v) * mm * work
     c_mb, c_once = _copy_terms(form, plan, ld)
+    e_mb, e_once = _exposed_terms(form, plan, i, ld, b)
+    c_mb, c_once = c_mb + e_mb, c_once + e_once
     return (acc * mm * work + acc * bub + form.opt[i] + acc * mm * c_mb + c_once) * (1.0 - _SLACK)
 
 
