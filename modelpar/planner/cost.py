@@ -267,8 +267,7 @@ class StepForm:
     __slots__ = ("loads", "hw", "tp_bytes", "dp_overlap", "reduce_bytes", "attention_kernel", "p2p_scatter_gather",
                  "fsdp_stream_copies", "cache", "prec", "flops_s", "alone", "cal", "mem_s", "phys", "v", "p",
                  "overlap", "curve", "ew_s", "attn_rate", "zb", "layout", "cast_b", "wb", "rep_rt", "shard_share",
-                 "rep_share", "opt", "per_b", "slowest", "shard_acc", "comms", "tp_per_matrix", "ctn",
-                 "floors")
+                 "rep_share", "opt", "per_b", "slowest", "shard_acc", "comms", "tp_per_matrix", "ctn", "floors")
 
     def _times(self, plan: ParallelPlan, b: int) -> tuple:
         """Per micro-batch size ``b`` (memoized): each rank's forward and backward seconds, the TP
@@ -351,13 +350,18 @@ class StepForm:
         out = self.slowest[skey] = SlowestRank(*best, fill)
         return out
 
+    def comms_at(self, plan: ParallelPlan, i: int, ld, b: int) -> dict:
+        """`comms._comm_terms` of rank ``i`` (load ``ld``) at ``b`` samples: the rest is the form's, so memoized per form."""
+        return self.comms.get((i, b)) or self.comms.setdefault((i, b), _comm_terms(
+            ld, plan, self.hw, b, self.wb, self.dp_overlap, self.reduce_bytes, self.p2p_scatter_gather,
+            self.rep_rt and self.overlap, self.cache))
+
     def at(self, plan: ParallelPlan, micro_batch_size: int, accumulation: int) -> dict:
         """`rank_step`'s parts for ``plan`` (this form's layout) at ``micro_batch_size`` samples and
         ``accumulation`` local batches."""
         b = micro_batch_size
-        hw, cal, cache, mem_s, phys, v, p, overlap, wb = (self.hw, self.cal, self.cache, self.mem_s, self.phys,
-                                                          self.v, self.p, self.overlap, self.wb)
-        dp_overlap, reduce_bytes = self.dp_overlap, self.reduce_bytes
+        hw, cal, mem_s, phys, v, p, overlap, wb, dp_overlap, reduce_bytes = (
+            self.hw, self.cal, self.mem_s, self.phys, self.v, self.p, self.overlap, self.wb, self.dp_overlap, self.reduce_bytes)
         m = plan.n_microbatches if p > 1 else 1
         s = self._slowest(plan, b)
         i, ld, fill, t_f, t_b, t_rc, t_tp = s.index, s.load, s.fill, s.t_f, s.t_b, s.t_rc, s.t_tp
@@ -368,11 +372,7 @@ class StepForm:
         sharded_acc = self.shard_acc and not plan.defer_grad_sync     # = runtime_layout(plan).sharded_grad_accumulation
         t_acc = (mbs - 1) * 12 * ld.params / (plan.dp_shard if sharded_acc else 1) / mem_s
         layout, rep_rt = self.layout, self.rep_rt
-        # the collectives depend here only on the rank and b (the rest is the form's): memoized per form
-        cm = self.comms.get((i, b))
-        if cm is None:
-            cm = self.comms[(i, b)] = _comm_terms(ld, plan, hw, b, wb, dp_overlap, reduce_bytes,
-                                                  self.p2p_scatter_gather, rep_rt and overlap, cache)
+        cm = self.comms_at(plan, i, ld, b)
         t_p2p = 2 * v * cm["p2p"] if p > 1 else 0.0
         dp_exposed, fsdp_per_mb = 0.0, 0.0
         if plan.dp_shard > 1:

@@ -20,7 +20,7 @@ from heapq import heapify, heappop, heappush
 
 from modelpar.planner.formulas import bubble_fraction, fill_drain_from_sums
 from modelpar.planner.grid import plan_memory as _plan_memory
-from modelpar.planner.cost import _comm_terms, _finish
+from modelpar.planner.cost import _finish
 from modelpar.planner.layouts import Layout, Search, can_defer, fitting_variants, group_pruned, step_parts
 
 # relative slack taken off every bound: the bound and the exact total are different float sums of
@@ -61,10 +61,7 @@ def _exposed_terms(form, plan, i: int, ld, b: int) -> tuple[float, float]:
         return hit
     out = 0.0, 0.0
     if form.overlap and (plan.dp_shard > 1 or plan.dp_replicate > 1):
-        cm = form.comms.get((i, b))
-        if cm is None:
-            cm = form.comms[(i, b)] = _comm_terms(ld, plan, form.hw, b, form.wb, form.dp_overlap, form.reduce_bytes,
-                                                  form.p2p_scatter_gather, form.rep_rt and form.overlap, form.cache)
+        cm = form.comms_at(plan, i, ld, b)
         if plan.dp_shard > 1:
             head = cm["ag_root"] + min(cm["first"], cm["ag"])
             tail = cm["rs"] if form.p > 1 else min(cm["rs_unit"], cm["rs"] - cm["rs_root"]) + cm["rs_root"]
