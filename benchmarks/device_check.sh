@@ -10,11 +10,13 @@
 #                 module's own runner (the same functions)
 #   3. sweep    : benchmarks/gpu_check.py: 125M / 1B / 3B GPTs, bf16, with / without checkpointing, two
 #                 sequence lengths; measured vs predicted step time, peak memory, MFU (table + JSON)
+#   4. cli      : `modelpar train` of gpt-125m and of a Hugging Face Llama from its config, one rank, the
+#                 planner's pick (only where jsonargparse and docstring_parser import)
 # Then a summary of every stage's exit status (also in $OUT/summary.txt). Exit status: 0 when every
 # stage passed, else 1. Without CUDA it says so after stage 1 and exits 0.
 #
-# Time (worst case, every stage running to its timeout): 45 + 180 + 255 s = 8 minutes. Override with
-# TESTS_TIMEOUT_S, SWEEP_TIMEOUT_S, SWEEP_BUDGET_S (the sweep stops starting rows after it: keep it
+# Time (worst case, every stage running to its timeout): 45 + 180 + 255 + 150 s = 10.5 minutes. Override with
+# TESTS_TIMEOUT_S, SWEEP_TIMEOUT_S, CLI_TIMEOUT_S, SWEEP_BUDGET_S (the sweep stops starting rows after it: keep it
 # ~60 s under SWEEP_TIMEOUT_S, which covers the placement check and the JSON).
 # DEVICE_CHECK_DRY_RUN=1 runs stages 2 and 3 on the CPU (tests with gloo, a tiny sweep): a check of the
 # script and the Python code before GPU time is spent; its numbers mean nothing.
@@ -140,6 +142,27 @@ fi
 # 3. the sweep (writes gpu_check.json after every row, and gpu_check.md at the end)
 run_stage sweep "$SWEEP_TIMEOUT_S" "$OUT/gpu_check.log" \
     "$PY" benchmarks/gpu_check.py --out "$OUT" --budget-s "$SWEEP_BUDGET_S" ${SWEEP_ARGS[@]+"${SWEEP_ARGS[@]}"}
+
+# 4. the command line on the GPU (needs the CLI's dependencies, jsonargparse and docstring_parser, which the
+#    lent machine's image lacks: carry their wheels, docs/planner.md "GPU check"): `modelpar train`, one rank,
+#    the planner's pick, of a built-in GPT and of a Hugging Face Llama built from its config
+if "$PY" -c 'import jsonargparse, docstring_parser' 2>/dev/null; then
+    if [ "$DRY" = "1" ]; then
+        CLI_GPT=gpt-nano; CLI_HF='{"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256}'
+    else
+        CLI_GPT=gpt-125m; CLI_HF='{"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16,
+            "num_key_value_heads": 8, "intermediate_size": 2816, "vocab_size": 256}'
+    fi
+    CLI_RUNS=$(mktemp -d)   # run folders stay out of $OUT (what comes back is capped at 8 files)
+    run_stage cli "${CLI_TIMEOUT_S:-150}" "$OUT/cli.log" bash -c '
+        set -e
+        "$0" -m modelpar train --model "$1" --nproc 1 --steps 60 --eval-every 30 --out-dir "$3"
+        "$0" -m modelpar train --model hf:llama --model-config "$2" --nproc 1 --steps 40 --eval-every 20 \
+            --out-dir "$3"' "$PY" "$CLI_GPT" "$CLI_HF" "$CLI_RUNS"
+else
+    echo "device_check: jsonargparse / docstring_parser do not import: stage cli not run"
+fi
 
 summary
 exit $?
