@@ -10,13 +10,15 @@
 #                 module's own runner (the same functions)
 #   3. sweep    : benchmarks/gpu_check.py: 125M / 1B / 3B GPTs, bf16, with / without checkpointing, two
 #                 sequence lengths; measured vs predicted step time, peak memory, MFU (table + JSON)
-#   4. cli      : `modelpar train` of gpt-125m and of a Hugging Face Llama from its config, one rank, the
+#   4. breakdown: benchmarks/gpu_breakdown.py: device time per kernel class (matmul, attention, loss, casts,
+#                 norms, optimizer, other) against the planner's FLOPs, bytes and rates for each
+#   5. cli      : `modelpar train` of gpt-100m and of a Hugging Face Llama from its config, one rank, the
 #                 planner's pick (only where jsonargparse and docstring_parser import)
 # Then a summary of every stage's exit status (also in $OUT/summary.txt). Exit status: 0 when every
 # stage passed, else 1. Without CUDA it says so after stage 1 and exits 0.
 #
-# Time (worst case, every stage running to its timeout): 45 + 180 + 255 + 150 s = 10.5 minutes. Override with
-# TESTS_TIMEOUT_S, SWEEP_TIMEOUT_S, CLI_TIMEOUT_S, SWEEP_BUDGET_S (the sweep stops starting rows after it: keep it
+# Time (worst case, every stage running to its timeout): 45 + 180 + 255 + 120 + 150 s = 12.5 minutes. Override with
+# TESTS_TIMEOUT_S, SWEEP_TIMEOUT_S, BREAKDOWN_TIMEOUT_S, CLI_TIMEOUT_S, SWEEP_BUDGET_S (the sweep stops starting rows after it: keep it
 # ~60 s under SWEEP_TIMEOUT_S, which covers the placement check and the JSON).
 # DEVICE_CHECK_DRY_RUN=1 runs stages 2 and 3 on the CPU (tests with gloo, a tiny sweep): a check of the
 # script and the Python code before GPU time is spent; its numbers mean nothing.
@@ -26,6 +28,9 @@ cd "$(dirname "$0")/.." || exit 2
 ROOT=$(pwd)
 OUT=${OUT:-$ROOT/device-check-out}
 mkdir -p "$OUT" || exit 2
+# stage logs are appended to (two stages share gpu_check.log: at most 8 files come back from a lent
+# machine); start them empty
+rm -f "$OUT"/env.txt "$OUT"/tests.log "$OUT"/gpu_check.log "$OUT"/cli.log
 PY=${PYTHON:-python3}
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -47,7 +52,7 @@ run_stage() {
     local shown="$*"
     shown=${shown//$'\n'/ }
     [ "${#shown}" -gt 160 ] && shown="${shown:0:160} ..."
-    echo "=== stage $name (timeout ${limit} s): $shown" | tee "$log"
+    echo "=== stage $name (timeout ${limit} s): $shown" | tee -a "$log"
     t0=$(date +%s)
     timeout -k 15 "$limit" "$@" 2>&1 | tee -a "$log"
     rc=${PIPESTATUS[0]}
@@ -143,7 +148,11 @@ fi
 run_stage sweep "$SWEEP_TIMEOUT_S" "$OUT/gpu_check.log" \
     "$PY" benchmarks/gpu_check.py --out "$OUT" --budget-s "$SWEEP_BUDGET_S" ${SWEEP_ARGS[@]+"${SWEEP_ARGS[@]}"}
 
-# 4. the command line on the GPU (needs the CLI's dependencies, jsonargparse and docstring_parser, which the
+# 4. where the step time goes: kernel classes measured under torch.profiler beside the planner's inputs
+run_stage breakdown "${BREAKDOWN_TIMEOUT_S:-120}" "$OUT/gpu_check.log" \
+    "$PY" benchmarks/gpu_breakdown.py --out "$OUT" ${SWEEP_ARGS[@]+"${SWEEP_ARGS[@]}"}
+
+# 5. the command line on the GPU (needs the CLI's dependencies, jsonargparse and docstring_parser, which the
 #    lent machine's image lacks: carry their wheels, docs/planner.md "GPU check"): `modelpar train`, one rank,
 #    the planner's pick, of a built-in GPT and of a Hugging Face Llama built from its config
 if "$PY" -c 'import jsonargparse, docstring_parser' 2>/dev/null; then
@@ -151,7 +160,7 @@ if "$PY" -c 'import jsonargparse, docstring_parser' 2>/dev/null; then
         CLI_GPT=gpt-nano; CLI_HF='{"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
             "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256}'
     else
-        CLI_GPT=gpt-125m; CLI_HF='{"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16,
+        CLI_GPT=gpt-100m; CLI_HF='{"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16,
             "num_key_value_heads": 8, "intermediate_size": 2816, "vocab_size": 256}'
     fi
     CLI_RUNS=$(mktemp -d)   # run folders stay out of $OUT (what comes back is capped at 8 files)

@@ -133,12 +133,17 @@ def params_of(model) -> dict:
 
 
 def assert_params_close(a: dict, b: dict, atol: float = 1e-4, rtol: float = 1e-4, rel_norm: float = 1e-5):
-    """README's bar: |delta| <= atol + rtol |theta| per element and ||delta|| / ||theta|| <= rel_norm."""
+    """README's bar (`modelpar.verify.compare`'s): |delta| <= atol + rtol |theta| per element, and
+    ||delta|| / ||theta|| <= rel_norm over all parameters together. Not per parameter: a parameter whose
+    gradient is analytically zero (a key bias: softmax ignores a per-row constant) stays at its initial
+    zeros plus ~1e-12 of round-off, which a per-parameter ratio reads as a 65% difference (H100, cuBLAS)."""
     assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    dsq = tsq = 0.0
     for n in a:
         d = (a[n] - b[n]).abs()
         assert bool((d <= atol + rtol * b[n].abs()).all()), f"{n}: max |delta| {d.max():.3e}"
-        assert float(d.norm()) <= rel_norm * float(b[n].norm()) + 1e-12, f"{n}: rel norm {d.norm() / b[n].norm():.3e}"
+        dsq, tsq = dsq + float(d.square().sum()), tsq + float(b[n].square().sum())
+    assert dsq ** 0.5 <= rel_norm * tsq ** 0.5, f"||delta|| / ||theta|| = {(dsq / tsq) ** 0.5:.3e} > {rel_norm:.0e}"
 
 
 def sgd_losses(fwd, params, x, y, steps: int = 3, lr: float = 0.1) -> list[float]:

@@ -88,6 +88,21 @@ def test_placement_layout_balanced_by_parameters():
     assert b0 == 1
 
 
+def test_placement_targets_go_to_the_heads_device():
+    """Placement over two device types (found on an H100: ``("cpu", "cuda:0")`` failed at the loss with
+    the targets on ``cpu``): the targets follow the output to the last segment's device. Here the last
+    segment is ``meta``, whose ops check devices the way CUDA's do: loss and evaluation come out there."""
+    model = build_gpt("gpt-nano", seq_len=16, n_layer=4)
+    plan = plan_for_strategy("placement", 1, placement_devices=("cpu", "meta"))
+    pm = parallelize(model, plan, MeshInfo(mesh=None), loss_fn=lm_loss, device=torch.device("cpu"))
+    assert pm.target_device == torch.device("meta")
+    w = torch.randint(0, 256, (2, 17))
+    assert pm.evaluate(w[:, :-1], w[:, 1:]).device.type == "meta"
+    plain = parallelize(build_gpt("gpt-nano", seq_len=16, n_layer=4), ParallelPlan(), MeshInfo(mesh=None),
+                        loss_fn=lm_loss, device=torch.device("cpu"))
+    assert plain.target_device == torch.device("cpu")
+
+
 def test_activation_checkpointing_keeps_names_and_grads_case_c8():
     from modelpar.parallel.checkpointing import apply_ac
 

@@ -91,6 +91,13 @@ class ParallelModel:
     def has_last_stage(self) -> bool:
         return self.schedule is None or (self.plan.num_stages - 1) in self.stage_indices
 
+    @property
+    def target_device(self) -> torch.device:
+        """Where the targets go: the device the output comes out on, under layer placement the last
+        segment's (``layout[-1]``: the head's device, e.g. ``cuda:0`` of ``("cpu", "cuda:0")``), else
+        ``device``."""
+        return torch.device(self.layout[-1][0]) if self.layout else self.device
+
     def parameters(self):
         """This rank's parameters, each once (stage modules of one rank may share a tied one)."""
         seen = set()
@@ -228,7 +235,7 @@ class ParallelModel:
             if self.schedule is None:
                 with self._autocast():
                     out = self.wrapped(x.to(self.device))
-                    loss = self.loss_fn(out, y.to(self.device))
+                    loss = self.loss_fn(out, y.to(self.target_device))
                 (loss if scale == 1.0 else loss * scale).backward()    # x 1.0: the same gradients
                 return _plain(loss.detach())
             m = self.plan.n_microbatches
@@ -273,7 +280,7 @@ class ParallelModel:
             if self.schedule is None:
                 with self._autocast():
                     out = self.wrapped(x.to(self.device))
-                    return _plain(self.loss_fn(out, y.to(self.device))).float()
+                    return _plain(self.loss_fn(out, y.to(self.target_device))).float()
             self._loss_scale = 1.0
             losses: list[torch.Tensor] = []
             kwargs = {"target": y.to(self.device), "losses": losses} if self.has_last_stage else {}
