@@ -34,7 +34,6 @@ def _profile(spec_cfg, seq=16, layers=None, batch=1):
 
 
 def test_llama_profile_parts_facts_and_attention_flops():
-    from torch.utils.flop_counter import sdpa_flop_count
     m, p = _profile(LLAMA)
     c = m.hf.config
     assert [b.name for b in p.blocks] == ["embed"] + [f"hf.model.layers.{i}" for i in range(4)] + ["head"]
@@ -46,14 +45,35 @@ def test_llama_profile_parts_facts_and_attention_flops():
     assert head.num_params == 32 + 128 * 32 and head.tp_sharded_params == 128 * 32       # norm + colwise head
     # every projection is split (q/k/v/gate/up colwise, o/down rowwise, no biases): all but the 2 norms
     assert layer.tp_sharded_params == layer.num_params - 2 * 32
-    # the GQA attention runs as torch's fused kernel (4 query heads over 2 key/value heads)
-    q, kv = (1, 4, 16, c.head_dim), (1, 2, 16, c.head_dim)
-    assert layer.attn_calls == 1 and layer.fwd_attn_flops == sdpa_flop_count(q, kv, kv)
+    # the GQA attention runs as torch's fused kernel (4 query heads over 2 key/value heads): two products
+    # of 2 x seq x seq x head_dim FLOPs per query head (written out: torch 2.11's sdpa_flop_count refuses
+    # unequal head counts, 2.13's accepts them)
+    assert layer.attn_calls == 1 and layer.fwd_attn_flops == 2 * 2 * 4 * 16 * 16 * c.head_dim
     assert layer.bwd_attn_flops == 2 * layer.fwd_attn_flops
     # the rest of the model, its glue included, is in the two parts: the head's matmul, the embedding's input
     assert head.fwd_flops == 2 * 16 * 32 * 128 and head.bwd_flops == 2 * head.fwd_flops
     assert emb.input_bytes == 8 * 16 and emb.output_bytes == layer.input_bytes == 4 * 16 * 32
     assert head.output_bytes == 4 * 16 * 128
+
+
+def test_gqa_profile_does_not_need_torchs_gqa_flop_formula(monkeypatch):
+    """torch 2.11's ``sdpa_flop_count`` asserts equal query and key/value head counts (a Llama config
+    with fewer key/value heads failed `modelpar train --strategy auto` on the H100 machine); the
+    profile must not depend on the newer formula: with 2.11's check put back, it profiles the same."""
+    import torch.utils.flop_counter as fc
+
+    real = fc.sdpa_flop_count
+
+    def strict(q, k, v):
+        assert q[1] == k[1] == v[1], "sdpa_flop_count: query/key/value shapes are incompatible"
+        return real(q, k, v)
+
+    from modelpar.planner.profile import profile_model
+
+    m, shared = _profile(LLAMA)
+    monkeypatch.setattr(fc, "sdpa_flop_count", strict)
+    fresh = profile_model(m, torch.zeros(1, 16, dtype=torch.long, device="meta"))    # not the module's cache
+    assert fresh.blocks[1].fwd_attn_flops == shared.blocks[1].fwd_attn_flops > 0
 
 
 def test_gpt2_tied_head_counted_once_and_conv1d_split():

@@ -208,9 +208,8 @@ class _OpCounter(TorchDispatchMode):
             ph = 1 if self.tracker.is_bw else 0
             self.gemms[idx][ph] += 1
             if "scaled_dot_product" in name:
-                from torch.utils.flop_counter import sdpa_flop_count
                 q, k, v = args[ph:ph + 3]          # backward ops take grad_out first
-                self.attn[idx][ph] += sdpa_flop_count(q.shape, k.shape, v.shape) * (2 if ph else 1)
+                self.attn[idx][ph] += _sdpa_flops(q.shape, k.shape, v.shape) * (2 if ph else 1)
                 self.attn[idx][2] += 1 - ph
                 key = _sdpa_shape(name, args, kwargs or {}, ph)
                 if key is not None:
@@ -355,16 +354,27 @@ _FLOP_OPS = {"mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backwa
              "_scaled_dot_product_flash_attention_for_cpu_backward"}
 
 
-def _cpu_flash_fwd(q, k, v, *args, out_shape=None, **kwargs) -> int:
+def _sdpa_flops(q, k, v) -> int:
+    """FLOPs of attention's two products on shapes ``(batch, heads, seq, head dim)``, grouped-query
+    attention included (fewer key / value heads than query heads: every query head still multiplies
+    with a full key / value head, so the FLOPs are those of ``k`` and ``v`` expanded to the query's
+    heads). torch 2.11's ``sdpa_flop_count`` asserts equal head counts (a Hugging Face Llama with
+    ``num_key_value_heads`` < ``num_attention_heads`` failed there; 2.13 accepts it), so the shapes
+    are expanded here."""
     from torch.utils.flop_counter import sdpa_flop_count
+    if len(q) == 4 and len(k) == 4 and k[1] != q[1]:
+        k, v = (k[0], q[1], *k[2:]), (v[0], q[1], *v[2:])
     return sdpa_flop_count(q, k, v)
+
+
+def _cpu_flash_fwd(q, k, v, *args, out_shape=None, **kwargs) -> int:
+    return _sdpa_flops(q, k, v)
 
 
 def _cpu_flash_bwd(grad_out, q, k, v, *args, out_shape=None, **kwargs) -> int:
     # model FLOPs: the 4 products of an unfused backward (the fused kernel's recomputed scores are
     # not counted, as PaLM App. B counts no recomputation)
-    from torch.utils.flop_counter import sdpa_flop_count
-    return 2 * sdpa_flop_count(q, k, v)
+    return 2 * _sdpa_flops(q, k, v)
 
 
 # torch's counter has no formula for the CPU flash kernel (used on CPU and by attention="flash")
