@@ -61,6 +61,7 @@ def planner_inputs(name: str, seq: int, mb: int, hw) -> dict:
     """The profile's per-step quantities the planner prices, and its rates (bf16, one device)."""
     from modelpar.planner.gpu import LOSS_BYTES_PER_LOGIT, physics_for
     prof = next(p for k, p in _PROFILES.items() if k[0] == name and k[1] == seq)
+    prof = prof.autocast or prof          # one device, bf16: the runtime autocasts (`plan.autocasts`)
     bl = prof.blocks
     af = sum(b.fwd_attn_flops for b in bl) * mb
     ab = sum(b.bwd_attn_flops for b in bl) * mb
@@ -81,7 +82,9 @@ def planner_inputs(name: str, seq: int, mb: int, hw) -> dict:
 
 def measure_classes(name: str, seq: int, mb: int, ac: str, device: str, steps: int, warmup: int = 2) -> dict:
     """Device seconds per kernel class per step, the wall seconds per step under the profiler, and
-    the number of kernels per step, over ``steps`` profiled steps after ``warmup``."""
+    the number of kernels per step, over ``steps`` profiled steps after ``warmup``; on CUDA also one
+    more step's allocated-bytes peak per phase (``forward``: up to the loss call; ``backward``: the
+    loss and the backward; ``optimizer``: the step), to place the step's peak."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -91,15 +94,24 @@ def measure_classes(name: str, seq: int, mb: int, ac: str, device: str, steps: i
     from modelpar.train.step import make_optimizer
 
     dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    phases: dict[str, float] = {}
+    marking = [False]
+
+    def loss_fn(logits, y):            # the forward's end: its peak, then the backward's from here
+        if marking[0]:
+            phases["forward"] = torch.cuda.max_memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+        return lm_loss(logits, y)
+
     model = sweep_model(name, seq, str(dev))
     pm = parallelize(model, ParallelPlan(precision="bf16", activation_checkpointing=ac), MeshInfo(None),
-                     loss_fn=lm_loss, device=dev)
+                     loss_fn=loss_fn, device=dev)
     opt = make_optimizer(model.parameters(), "adamw", lr=1e-4, weight_decay=0.1)
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randint(0, model.cfg.vocab_size, (mb, seq), generator=g).to(dev) for _ in range(2))
     for _ in range(warmup):
         _timed_step(pm, opt, x, y, dev)
-    cuda = dev.type == "cuda"
     acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     t0 = time.perf_counter()
     with profile(activities=acts) as prof:
@@ -115,7 +127,20 @@ def measure_classes(name: str, seq: int, mb: int, ac: str, device: str, steps: i
             continue
         per[kernel_class(e.name)] += e.time_range.elapsed_us() * 1e-6 / steps
         kernels += 1
-    return {"class_s": per, "busy_s": sum(per.values()), "wall_s": wall, "kernels": kernels / steps}
+    if cuda:
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        marking[0] = True
+        pm.forward_backward(x, y)
+        torch.cuda.synchronize(dev)
+        phases["backward"] = torch.cuda.max_memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        opt.step()
+        torch.cuda.synchronize(dev)
+        phases["optimizer"] = torch.cuda.max_memory_allocated(dev)
+        opt.zero_grad(set_to_none=True)
+    return {"class_s": per, "busy_s": sum(per.values()), "wall_s": wall, "kernels": kernels / steps,
+            "phase_peak_bytes": phases}
 
 
 def report(row: dict) -> list[str]:
@@ -127,6 +152,9 @@ def report(row: dict) -> list[str]:
              f"{m['kernels']:.0f} kernels/step; planner step {row['predicted_step_s'] * 1e3:.1f} ms "
              f"({', '.join(f'{k} {v * 1e3:.1f}' for k, v in row['predicted_parts_s'].items() if v)})"]
     lines.append("    " + "  ".join(f"{k} {v * 1e3:.1f}" for k, v in c.items()) + "  (ms per step, measured)")
+    if m.get("phase_peak_bytes"):
+        lines.append("    peak GiB by phase: " + ", ".join(f"{k} {v / 2 ** 30:.2f}" for k, v in m["phase_peak_bytes"].items())
+                     + f" (planner {row['predicted_peak_bytes'] / 2 ** 30:.2f} at its {row['predicted_phase']})")
     if c["gemm"]:
         lines.append(f"    matmul: {p['matmul_flops'] / 1e12:.2f} TFLOP -> {p['matmul_flops'] / c['gemm'] / 1e12:.0f} "
                      f"TFLOP/s measured, planner {p.get('rate_matmul', 0) / 1e12:.0f}")
@@ -157,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_breakdown: no CUDA device; nothing measured (--device cpu --tiny for a dry run)")
         return 0
     spec = a.rows or ("tiny:32:none,tiny:64:full" if a.tiny else
-                      "gpt-125m:1024:none,gpt-125m:4096:none,gpt-1b:1024:none,gpt-1b:1024:full")
+                      "gpt-125m:1024:none,gpt-1b:1024:none,gpt-1b:1024:full,gpt-3b:1024:full")
     models = {**SWEEP_MODELS, **TINY_MODELS}
     dev = "cuda:0" if a.device == "cuda" else "cpu"
     hw = hardware_for_device(torch.cuda.get_device_name(0) if a.device == "cuda" else "H200",
@@ -173,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {"model": name, "seq": seq, "micro_batch": mb, "ac": ac}
         pred = predict_row(name, seq, mb, ac, hw)
         row.update(predicted_step_s=pred["step_s"], predicted_parts_s=pred["step_parts_s"],
+                   predicted_peak_bytes=pred["peak_bytes"], predicted_phase=pred["memory_phase"],
                    planner=planner_inputs(name, seq, mb, hw))
         try:
             row["measured"] = measure_classes(name, seq, mb, ac, dev, a.steps)

@@ -413,6 +413,14 @@ def runtime_layout(plan: ParallelPlan) -> RuntimeLayout:
     return _LAYOUTS["none", False]
 
 
+def autocasts(plan: ParallelPlan) -> bool:
+    """Whether modelpar's runtime trains ``plan`` under ``torch.autocast`` with fp32 parameters: bf16
+    without FSDP2 (``fully_shard`` / ``replicate`` hold bf16 parameters by their mixed-precision
+    policy instead; `modelpar.parallel.compose.ParallelModel._autocast`). The planner profiles such
+    plans' activations under autocast (`planner.profile.profile_model`'s ``autocast``)."""
+    return plan.precision == "bf16" and not runtime_layout(plan).fsdp2
+
+
 # every layout `runtime_layout` returns (immutable; the planner asks ~10^5 times a search)
 _LAYOUTS = {(w, sharded): RuntimeLayout(w, {"none": (), "ddp": ("dp_replicate",), "replicate": ("dp_replicate",),
                                             "fsdp": ("dp_shard",), "hsdp": ("dp_replicate", "dp_shard")}[w], sharded)

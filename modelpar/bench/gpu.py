@@ -183,7 +183,7 @@ def predict_row(name: str, seq: int, micro_batch: int, ac: str, hw, *, models: d
     if prof is None:             # the profile does not depend on the checkpointing mode: once per shape
         m = sweep_model(name, seq, "meta", models=models)
         prof = _PROFILES[key] = profile_model(m, torch.zeros(1, seq, dtype=torch.long, device="meta"),
-                                              dtype=torch.bfloat16, attention="flash")
+                                              dtype=torch.bfloat16, attention="flash", autocast=True)
     plan = ParallelPlan(precision="bf16", activation_checkpointing=ac)
     batch = Batch(micro_batch, micro_batch)
     mem = estimate_memory(prof, plan, batch, optimizer="adamw")

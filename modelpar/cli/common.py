@@ -56,8 +56,8 @@ def profile_for(model: str, model_config: dict, seq_len: int, precision: str, bl
                                  f"{{'model': m, 'task': 'classify', 'input_shape': [...], 'num_classes': K}} "
                                  f"or a 'batch_fn' from the factory")
             x = torch.zeros(1, *shapes[0])
-        return (profile_model(um.model, x, dtype=dtype, blocks=default_blocks(um.model, blocks or None)),
-                f"{type(um.model).__name__} from {model}")
+        return (profile_model(um.model, x, dtype=dtype, blocks=default_blocks(um.model, blocks or None),
+                              autocast=dtype == torch.bfloat16), f"{type(um.model).__name__} from {model}")
     kw = {"seq_len": seq_len} if (seq_len and model in PRESETS) else {}
     if model == "cnn":
         m = build_builtin(model)                     # tiny: profiled under FakeTensorMode
@@ -68,7 +68,8 @@ def profile_for(model: str, model_config: dict, seq_len: int, precision: str, bl
             x = torch.zeros(1, MLP_PRESETS[model][0], device="meta")
         else:
             x = torch.zeros(1, m.cfg.seq_len, dtype=torch.long, device="meta")
-    return profile_model(m, x, dtype=dtype, blocks=default_blocks(m, blocks or None)), model
+    return profile_model(m, x, dtype=dtype, blocks=default_blocks(m, blocks or None),
+                         autocast=dtype == torch.bfloat16), model
 
 
 def factory_lm_seq_len(model: str, extra: dict, seq_len: int) -> int:
@@ -138,14 +139,20 @@ def _hf_profile(model: str, model_config: dict, seq_len: int, dtype, blocks: str
             over["layer_types"] = list(cfg.layer_types)[:HF_PROFILE_LAYERS]
     m = build_hf(model, over, device="meta", seed=None)
     x = example_input(m, 1, seq, device="meta")
-    prof = profile_model(m, x, dtype=dtype, blocks=default_blocks(m, blocks or None))
-    if short:
-        b = list(prof.blocks)
+    prof = profile_model(m, x, dtype=dtype, blocks=default_blocks(m, blocks or None), autocast=dtype == torch.bfloat16)
+
+    def deepen(p):              # the profiled layers standing for all `layers` (the autocast variant too)
+        if p is None:
+            return None
+        b = list(p.blocks)
         first, mid, last = b[1], b[3], b[-2]
         stem = first.name.rsplit(".", 1)[0]
         rows = [first] + [dataclasses.replace(mid, name=f"{stem}.{k}") for k in range(1, layers - 1)]
         rows.append(dataclasses.replace(last, name=f"{stem}.{layers - 1}"))
-        prof = dataclasses.replace(prof, blocks=(b[0], *rows, b[-1]), arch={**prof.arch, "n_layer": layers})
+        return dataclasses.replace(p, blocks=(b[0], *rows, b[-1]), arch={**p.arch, "n_layer": layers},
+                                   autocast=deepen(p.autocast))
+    if short:
+        prof = deepen(prof)
     what = f"seq {seq}" if f.task == "lm" else f"image {f.image_size}"
     return prof, f"{model} ({type(m.hf).__name__}, {what})"
 

@@ -54,7 +54,7 @@ its gradients (``gradient_as_bucket_view=True``): no copy into or out of them.
 
 from __future__ import annotations
 
-from modelpar.plan import ParallelPlan, runtime_layout
+from modelpar.plan import ParallelPlan, autocasts, runtime_layout
 # the collective (alpha-beta) and pipeline-bubble formulas live in formulas.py, re-exported here
 from modelpar.planner.formulas import (all_gather_time, all_reduce_time, alpha_beta_form,  # noqa: F401
                                        bubble_fraction, fill_drain_from_sums)
@@ -488,7 +488,8 @@ def estimate_step(profile: ModelProfile, plan: ParallelPlan, batch: Batch, hw: H
         raise ValueError(f"optimizer={optimizer!r} is unknown; valid: {', '.join(OPT_TRAFFIC)}")
     b = batch.micro_batch_size(plan)
     acc = batch.accumulation_steps(plan)
-    loads = rank_loads(profile, plan, act_bytes=2 if plan.precision == "bf16" else 4, cache=cache)
+    loads = rank_loads(profile, plan, act_bytes=2 if plan.precision == "bf16" else 4, cache=cache,
+                       autocast=autocasts(plan) if autocast_weights is None else autocast_weights)
     parts = rank_step(loads, plan, hw, micro_batch_size=b, accumulation=acc, optimizer=optimizer,
                       tp_bytes=tp_bytes_per_sample(profile, plan), dp_overlap=dp_overlap,
                       fused_tp_optimizer=fused_tp_optimizer, reduce_bytes=reduce_bytes,

@@ -10,7 +10,7 @@ with ``stop``, `step_parts`) in increasing order of a lower bound on their step 
 
 from __future__ import annotations
 
-from modelpar.plan import ParallelPlan
+from modelpar.plan import ParallelPlan, autocasts
 from modelpar.planner.comms import _coll
 from modelpar.planner.cost import _finish, step_form, tp_bytes_per_sample
 from modelpar.planner.grid import plan_memory as _plan_memory
@@ -121,12 +121,15 @@ def layouts(S: Search, factorizations):
             if pp * v > num_layers:
                 pruned["more pipeline stages than layers"] += n_inner
                 continue
-            key = (tp, pp, v)
+            # the runtime autocasts (fp32 parameters) unless FSDP2 holds bf16 ones
+            ac = S.precision == "bf16" and autocasts(ParallelPlan(tp=tp, pp=pp, dp_replicate=dr, dp_shard=ds,
+                                                                 precision="bf16"))
+            key = (tp, pp, v, ac)
             cached = S.load_cache.get(key)
             if cached is None:
                 plan0 = ParallelPlan(tp=tp, pp=pp, virtual_stages=v, sequence_parallel=sp,
                                      pp_schedule=sched, precision=S.precision)
-                all_loads = rank_loads(profile, plan0, act_bytes=S.act_bytes, cache=cache)
+                all_loads = rank_loads(profile, plan0, act_bytes=S.act_bytes, cache=cache, autocast=ac)
                 # interleaved stages hold micro-batches in flight in no rank order: every rank
                 reps = list(enumerate(all_loads)) if v > 1 else S.representatives(all_loads)
                 cached = S.load_cache[key] = (reps, [ld for _, ld in reps],

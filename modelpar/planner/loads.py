@@ -81,6 +81,7 @@ class RankLoad:
     params: float = 0.0            # parameters of the rank's stages
     root_params: float = 0.0       # parameters outside the transformer blocks (embed/head): FSDP root
     max_unit_params: float = 0.0   # largest FSDP unit (one block)
+    autocast: bool = False         # from the profile's autocast variant (`rank_loads`' ``autocast``)
     saved: float = 0.0             # saved bytes per sample, TP-split applied (a stage's input excluded)
     saved_ac: float = 0.0          # with full checkpointing: block inputs kept per sample (same)
     boundary: float = 0.0          # stage output bytes per sample (p2p send/recv buffers)
@@ -286,7 +287,7 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: P
     """Per-block contributions to a `RankLoad` for TP degree ``t`` (memoized in ``cache``, which
     serves one profile, per degree, sequence parallel and activation scale: the search builds ~200
     layouts from a few of these); fields in `records.BlockTerms`."""
-    key = (t, sp, scale)
+    key = (t, sp, scale, profile is not cache.profile)     # the base profile or its autocast one
     hit = cache.block_terms.get(key)
     if hit is not None:
         return hit
@@ -384,10 +385,12 @@ def _stage_terms(profile: ModelProfile, terms: BlockTerms, t: int, a: int, b: in
 
 
 def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
-               cache: PlannerCache | None = None) -> list[RankLoad]:
+               cache: PlannerCache | None = None, autocast: bool = False) -> list[RankLoad]:
     """One `RankLoad` per pipeline rank (``plan.pp`` of them), tensor parallel applied.
 
     ``act_bytes``: element size the activations will have (2 bf16, 4 fp32), relative to the profile's.
+    ``autocast``: the runtime trains under torch.autocast with fp32 parameters (`ParallelPlan.autocasts`):
+    the activations, traffic and backward moments come from ``profile.autocast`` where it was profiled.
     A stage's sums come from per-block prefix sums (`_block_terms`), so a load costs O(stages), not
     O(blocks), once the blocks' terms for the TP degree are known. ``cache``: the search's memo
     tables (`memo.PlannerCache`, serving ``profile``); None: a fresh one.
@@ -396,6 +399,7 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
         ValueError: more stages than blocks; a ``cache`` of another profile.
     """
     cache = (cache or PlannerCache()).bind(profile=profile)
+    base, profile = profile, (profile.autocast if autocast and profile.autocast is not None else profile)
     scale = act_bytes / (2 if profile.dtype == "bf16" else 4)
     t = plan.tp
     sp = plan.sequence_parallel
@@ -404,7 +408,9 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
     terms = _block_terms(profile, t, sp, scale, cache)
     pre, first_adj = terms.prefix, terms.first_adj
     bkey = (tuple(plan.stage_boundaries),) if plan.stage_boundaries and plan.num_stages > 1 else ()
-    loads = [RankLoad(key=(t, sp, plan.num_stages, plan.pp, scale, r) + bkey) for r in range(plan.pp)]
+    variant = (True,) if profile is not base else ()
+    loads = [RankLoad(key=(t, sp, plan.num_stages, plan.pp, scale, r) + bkey + variant, autocast=bool(variant))
+             for r in range(plan.pp)]
     sums = [[0] * len(_SUMS) for _ in range(plan.pp)]
     numels: list[list[tuple[float, bool]]] = [[] for _ in range(plan.pp)]
     units: list[list[float]] = [[] for _ in range(plan.pp)]       # FSDP units' parameters, in order

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from modelpar.plan import ParallelPlan, runtime_layout
+from modelpar.plan import ParallelPlan, autocasts, runtime_layout
 from modelpar.planner.loads import RankLoad, _adamw_temp, rank_loads, stage_ranges  # noqa: F401  (re-exported)
 from modelpar.planner.memo import PlannerCache
 from modelpar.planner.profile import ModelProfile
@@ -427,8 +427,10 @@ def memory_form(ld: RankLoad, plan: ParallelPlan, *, optimizer: str, global_batc
         f.comm_add = 4 * P
     grads = f.grads = 0.0 if ddp_view else grads
     f.sharded_layout = layout.sharded_grad_accumulation
-    # autocast keeps a bf16 copy of every weight it cast, from forward to the end of backward
-    f.cast_cache = 2 * P if (bf16 and not fsdp) else 0.0
+    # autocast's bf16 weight copies (Megatron's bf16 parameters, `published`), saved by the matmuls; under full
+    # checkpointing of an autocast load only the rest of the model's and one recomputed block's (docs/planner.md)
+    full_ac = ld.autocast and plan.activation_checkpointing == "full" and ld.root_params
+    f.cast_cache = 0.0 if (not bf16 or fsdp) else (2 * (ld.root_params + ld.max_unit_params) if full_ac else 2 * P)
     # FSDP's root parameters (embed/head) stay gathered from forward to the end of backward
     # (reshard_after_forward=False on the root); with reshard_after_forward=False every unit does
     f.root_g = work * (ld.root_params + (0.0 if rafw else P - ld.root_params)) if fsdp else 0.0
@@ -485,10 +487,9 @@ def estimate_memory(profile: ModelProfile, plan: ParallelPlan, batch: Batch, *,
     """
     if optimizer not in OPTIMIZER_BYTES:
         raise ValueError(f"optimizer={optimizer!r} is unknown; valid: {', '.join(OPTIMIZER_BYTES)}")
-    b = batch.micro_batch_size(plan)
-    acc = batch.accumulation_steps(plan)
+    b, acc = batch.micro_batch_size(plan), batch.accumulation_steps(plan)
     cache = (cache or PlannerCache()).bind(profile=profile)
-    loads = rank_loads(profile, plan, act_bytes=2 if plan.precision == "bf16" else 4, cache=cache)
+    loads = rank_loads(profile, plan, act_bytes=2 if plan.precision == "bf16" else 4, cache=cache, autocast=autocasts(plan))
     ests = [rank_memory(ld, plan, micro_batch_size=b, optimizer=optimizer, overhead_bytes=overhead_bytes,
                         pp_rank=r, accumulation=acc, global_batch_size=batch.global_batch_size, foreach=foreach,
                         recv_per_microbatch=recv_per_microbatch, fused=fused, gloo=gloo,

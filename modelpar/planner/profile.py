@@ -43,6 +43,7 @@ from torch.utils.module_tracker import ModuleTracker
 
 from modelpar.plan import CORE_ATTR
 from modelpar.planner.legality import tp_splits
+from modelpar.planner.profile_blocks import _arch_of, _block_params, _tp_styles, default_blocks  # noqa: F401
 from modelpar.planner.records import GemmShape
 from modelpar.planner.profile_ops import (_FLOP_FORMULAS, _FlashAttention, _hook_partial_grads,  # noqa: F401
                                           _Lifetimes, _nbytes, _OpCounter, _Outside, count_elementwise_bytes,
@@ -137,6 +138,11 @@ class ModelProfile:
     tokens_per_sample: int      # sequence length for token models, 1 otherwise
     arch: dict[str, int] = dataclasses.field(default_factory=dict)
     tp_splits: tuple[tuple[str, str, int], ...] = ()   # dims the derived TP plan splits (legality.tp_splits)
+    # the same model profiled as modelpar's runtime trains it in bf16 without FSDP (`profile_model`'s
+    # ``autocast``): fp32 parameters under torch.autocast, so an fp32 residual stream, fp32 norm inputs
+    # and a bf16 copy of a Linear's input per Linear; `planner.loads.rank_loads` reads it for plans
+    # whose runtime autocasts (`plan.autocasts`). None: not profiled (the bf16 profile stands in)
+    autocast: "ModelProfile | None" = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def num_params(self) -> int:
@@ -161,62 +167,16 @@ class ModelProfile:
                                             "tied_numels": tuple(tuple(x) for x in b.get("tied_numels", ())),
                                             "gemm_shapes": tuple(GemmShape(*x) for x in b.get("gemm_shapes", ()))})
                             for b in d["blocks"])
-        return cls(**{**d, "tp_splits": tuple(tuple(x) for x in d.get("tp_splits", ()))})
-
-
-def default_blocks(model: nn.Module, container: str | None = None) -> list[tuple[str, nn.Module | None]]:
-    """The pipeline-splittable blocks: GPT -> embed, blocks.i, head; Sequential -> its children; any
-    other model whose repeated blocks `modelpar.parallel.parts.find_blocks` finds (a Hugging Face
-    model's ``model.layers`` / ``transformer.h`` / ...) -> ``("embed", None)``, the blocks,
-    ``("head", None)``, where None stands for the rest of the model that runs before (after) the blocks,
-    the parent's forward code included (embeddings, position ids, rotary tables; final norm, head);
-    anything else -> the whole model as one block. ``container`` (``--blocks PATH``) names the
-    ModuleList / Sequential of the blocks instead (any model; raises ValueError if it is none)."""
-    from modelpar.parallel.parts import find_blocks
-    if container:
-        return [("embed", None)] + find_blocks(model, container)[1] + [("head", None)]
-    if all(hasattr(model, a) for a in ("embed", "blocks", "head")):
-        return ([("embed", model.embed)] + [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]
-                + [("head", model.head)])
-    if isinstance(model, nn.Sequential):
-        return [(n, m) for n, m in model.named_children()]
-    try:
-        _, found = find_blocks(model)
-    except ValueError:
-        return [("model", model)]
-    return [("embed", None)] + found + [("head", None)]
-
-
-def _arch_of(model: nn.Module, tokens: int, vocab_parallel: bool | None = None) -> dict[str, int]:
-    from modelpar.planner.hf_facts import hf_arch, is_hf_model
-    if is_hf_model(model):
-        return hf_arch(model, tokens, vocab_parallel)
-    cfg = getattr(model, "cfg", None)
-    if cfg is None or not hasattr(cfg, "n_head"):
-        return {}
-    return {"n_head": cfg.n_head, "d_model": cfg.d_model, "ffn": cfg.ffn, "n_layer": cfg.n_layer,
-            "vocab_size": cfg.vocab_size, "seq_len": cfg.seq_len}
-
-
-def _tp_styles(model: nn.Module, vocab_parallel: bool | None = None) -> dict[str, str]:
-    """``{module path: "colwise" | "rowwise"}`` of the TP plan modelpar's runtime derives for ``model``
-    ({} if none): `tensor.default_tp_plan`, whose GPT plan splits the token embedding (rowwise over
-    the vocabulary: its weight is sharded) and the head (colwise over the vocabulary) unless
-    ``vocab_parallel=False``; for a Hugging Face model the plan `modelpar.parallel.hf_tp` builds (its
-    declared ``_tp_plan`` translated, or the derived one: GPT-2's Conv1D and fused c_attn), with a
-    vocabulary-parallel embedding and head for language models."""
-    from modelpar.parallel import tensor
-    try:
-        plan, _ = tensor.default_tp_plan(model, loss_parallel=vocab_parallel)
-    except ValueError:
-        return {}
-    return tensor.tp_kinds(plan)      # Conv1D styles of HF models too (h-tp hook)
+        ac = d.get("autocast")
+        return cls(**{**d, "tp_splits": tuple(tuple(x) for x in d.get("tp_splits", ())),
+                      "autocast": cls.from_dict(ac) if isinstance(ac, dict) else ac})
 
 
 def profile_model(model: nn.Module, example_input: torch.Tensor | Sequence[torch.Tensor], *,
                   dtype: torch.dtype = torch.float32,
                   blocks: Sequence[tuple[str, nn.Module | None]] | None = None,
-                  attention: str = "flash", vocab_parallel: bool | None = None) -> ModelProfile:
+                  attention: str = "flash", vocab_parallel: bool | None = None,
+                  autocast: bool = False) -> ModelProfile:
     """Profile one training forward + backward of ``model`` on ``example_input`` without weights.
 
     Args:
@@ -235,14 +195,35 @@ def profile_model(model: nn.Module, example_input: torch.Tensor | Sequence[torch
         vocab_parallel: mark the GPT's token embedding and head TP-sharded as the runtime shards them
             under TP (None: the runtime's default, `modelpar.parallel.tensor.default_tp_plan`;
             False: both replicated, as ``parallelize(loss_parallel=False)``).
+        autocast: with ``dtype=torch.bfloat16``, also profile the model as modelpar's runtime trains
+            it in bf16 without FSDP (`ParallelPlan.precision`): fp32 parameters and floating inputs,
+            the forward under ``torch.autocast`` (CPU's bf16 autocast on fake CPU tensors: its casting
+            of matmuls, attention and norms is CUDA's), the backward outside it; the result's
+            ``autocast`` field holds that profile. Autocast's bf16 weight copies are neither saved
+            activations nor per-sample traffic there (the memory model counts them per parameter,
+            the cost model's cast term their traffic). Measured on an H100 (docs/planner.md, "GPU
+            check"): the bf16 profile missed ~8 B per token and width of every layer, the fp32
+            residual's norm inputs and the per-Linear input casts.
 
     Returns:
         ModelProfile with one BlockProfile per block, for the batch of ``example_input``.
 
     Raises:
         ValueError: unsupported dtype or attention, an empty input, a block that is not a
-            submodule of model, or a None block other than the first or the last.
+            submodule of model, or a None block other than the first or the last; ``autocast``
+            without ``dtype=torch.bfloat16``.
     """
+    if autocast:
+        if dtype != torch.bfloat16:
+            raise ValueError(f"profile_model autocast needs dtype=torch.bfloat16, got {dtype}")
+        base = profile_model(model, example_input, dtype=dtype, blocks=blocks, attention=attention,
+                             vocab_parallel=vocab_parallel)
+        return dataclasses.replace(base, autocast=_profile_model(model, example_input, dtype, blocks, attention,
+                                                                 vocab_parallel, True))
+    return _profile_model(model, example_input, dtype, blocks, attention, vocab_parallel, False)
+
+
+def _profile_model(model, example_input, dtype, blocks, attention, vocab_parallel, autocast: bool) -> ModelProfile:
     if attention not in ("flash", "math", "megatron"):
         raise ValueError(f"profile_model attention must be 'flash', 'math' or 'megatron', got {attention!r}")
     if dtype not in (torch.float32, torch.bfloat16):
@@ -263,7 +244,7 @@ def profile_model(model: nn.Module, example_input: torch.Tensor | Sequence[torch
     names = {(f"{root_name}.{fqn[m]}" if fqn[m] else root_name): i for i, (_, m) in enumerate(blocks)
              if m is not None}
 
-    on_meta = all(p.device.type == "meta" for p in model.parameters())
+    on_meta = all(p.device.type == "meta" for p in model.parameters()) and not autocast
     fake_mode = None
     if not on_meta:
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -276,7 +257,7 @@ def profile_model(model: nn.Module, example_input: torch.Tensor | Sequence[torch
     try:
         if flash is not None:
             flash.__enter__()
-        return _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel)
+        return _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel, autocast)
     finally:
         if flash is not None:
             flash.__exit__(None, None, None)
@@ -284,31 +265,12 @@ def profile_model(model: nn.Module, example_input: torch.Tensor | Sequence[torch
             fake_mode.__exit__(None, None, None)
 
 
-def _block_params(model, blocks, fqn, owner, block_of):
-    """Per block, ``[(owner module path, leaf name, parameter)]``: a module block's parameters; for a
-    None block, those of the modules outside every block module that ran while it was current
-    (``owner``), modules that never ran joining the last None block (they still take memory)."""
-    inside = {m for _, b in blocks if b is not None for m in b.modules()}
-    out = []
-    rest = len(blocks) - 1 if blocks[-1][1] is None else 0
-    for i, (_, mod) in enumerate(blocks):
-        rows = []
-        if mod is not None:
-            base = fqn[mod]
-            for pn, p in mod.named_parameters():
-                path, _, leaf = (f"{base}.{pn}" if base else pn).rpartition(".")
-                rows.append((path, leaf, p))
-        else:
-            for m in model.modules():
-                if m in inside or owner.get(m, rest) != i:
-                    continue
-                rows += [(fqn[m], pn, p) for pn, p in m.named_parameters(recurse=False)]
-        out.append(rows)
-    return out
-
-
-def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=None) -> ModelProfile:
-    dev = "meta" if on_meta else None
+def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=None,
+             autocast: bool = False) -> ModelProfile:
+    # autocast: fake CPU tensors (CPU autocast applies to them; meta tensors bypass autocast)
+    dev = "meta" if on_meta else ("cpu" if autocast else None)
+    compute_dtype = dtype
+    dtype = torch.float32 if autocast else dtype     # stand-ins: fp32 master weights under autocast
 
     def stand_in(t: torch.Tensor, grad: bool) -> torch.Tensor:
         d = dtype if t.is_floating_point() else t.dtype
@@ -422,7 +384,8 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
             hook_grads(bi, rows)
     tracker = ModuleTracker()
     shapes = {tuple(p.shape) for p in params.values() if p.dim() == 2}
-    counter = _OpCounter(tracker, names, n, frozenset(param_keys), frozenset(shapes | {s[::-1] for s in shapes}),
+    # the same set as `pack`'s: under autocast the counter adds each bf16 weight copy to it
+    counter = _OpCounter(tracker, names, n, param_keys, frozenset(shapes | {s[::-1] for s in shapes}),
                          lifetimes=life, outside=outside if outside.active else None,
                          seen=outside.seen if outside.active else None)
     # FlopCounterMode attributes backward FLOPs to modules only if it saw their forward: one counter
@@ -433,7 +396,8 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
     # with a composite decomposition (silu_backward: sigmoid, rsub, mul, add); the runtime runs one kernel
     try:
         with tracker, all_fc:
-            with fwd_fc, counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with fwd_fc, counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                    torch.autocast("cpu", dtype=compute_dtype, enabled=autocast):
                 out = torch.func.functional_call(model, {**params, **buffers}, xs)
             outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
             if outside.post:
@@ -456,7 +420,8 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
     mod_name = {i: k for k, i in names.items()}
     rows = []
     cum_saved = 0
-    esize = torch.empty((), dtype=dtype).element_size()
+    esize = torch.empty((), dtype=compute_dtype).element_size()   # parameter bytes at the compute dtype
+    gsize = torch.empty((), dtype=dtype).element_size()           # gradients: the parameters' dtype
     counted: dict[int, int] = {}              # parameters already in an earlier block (ties once) -> it
     for i, ((name, mod), bparams) in enumerate(zip(blocks, block_params)):
         numels, tied = [], []
@@ -485,7 +450,7 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
             fwd_gemm_param_bytes=counter.gemm_bytes[i][0], bwd_gemm_param_bytes=counter.gemm_bytes[i][1],
             fwd_gemm_act_bytes=counter.gemm_bytes[i][2], bwd_gemm_act_bytes=counter.gemm_bytes[i][3],
             fwd_attn_flops=counter.attn[i][0], bwd_attn_flops=counter.attn[i][1], attn_calls=counter.attn[i][2],
-            bwd_peaks=tuple((own - cum_saved - saved[i], inn, g // esize, pend // esize)
+            bwd_peaks=tuple((own - cum_saved - saved[i], inn, g // gsize, pend // esize)
                             for own, inn, g, pend in peaks[i]),
             saved_input_bytes=saved_in[i], attn_core_saved_bytes=core_saved[i], tied_numels=tuple(tied),
             saved_gathered_bytes=saved_g[i], fwd_calls=counter.calls[i][0], bwd_calls=counter.calls[i][1],
@@ -493,6 +458,6 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
         cum_saved += saved[i]
     x0 = inputs[0]
     tokens = x0.shape[1] if (x0.dim() == 2 and not x0.is_floating_point()) else 1
-    return ModelProfile(blocks=tuple(rows), dtype="bf16" if dtype == torch.bfloat16 else "fp32",
+    return ModelProfile(blocks=tuple(rows), dtype="bf16" if compute_dtype == torch.bfloat16 else "fp32",
                         batch_size=int(x0.shape[0]), tokens_per_sample=int(tokens),
                         arch=_arch_of(model, int(tokens), vocab_parallel), tp_splits=tp_splits(model, styles))

@@ -164,10 +164,11 @@ class _OpCounter(TorchDispatchMode):
     is told each block whose backward an op ran in. FLOPs are counted here too (torch's formulas,
     `FlopCounterMode`'s registry), for the blocks that are not modules."""
 
-    def __init__(self, tracker: ModuleTracker, names: dict[str, int], n: int, param_keys=frozenset(),
+    def __init__(self, tracker: ModuleTracker, names: dict[str, int], n: int, param_keys: set | None = None,
                  param_shapes=frozenset(), lifetimes: _Lifetimes | None = None, outside=None, seen=None):
         super().__init__()
-        self.tracker, self.names, self.param_keys = tracker, names, param_keys
+        # a set: `__torch_dispatch__` adds the parameters' dtype copies (the caller's `pack` sees them)
+        self.tracker, self.names, self.param_keys = tracker, names, param_keys if param_keys is not None else set()
         self.lifetimes = lifetimes
         self.outside, self.seen = outside, seen
         self.param_shapes = param_shapes        # shapes (and transposes) of 2-D parameters
@@ -233,10 +234,20 @@ class _OpCounter(TorchDispatchMode):
                     d = self.shapes[idx][ph]
                     d[key] = d.get(key, 0) + 1
             return out
-        flat = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
         phase = 1 if self.tracker.is_bw else 0
-        self.mem[idx][phase] += sum(t.numel() * t.element_size() for t in flat)
         self.ops[idx][phase] += 1
+        if name == "_to_copy" and isinstance(args[0], torch.Tensor):
+            # a copy of a parameter (autocast's bf16 weight copy): a parameter from here on (later
+            # matmuls read it as one, `pack` does not count it as an activation), and its traffic is
+            # once per micro-batch, not per sample (`cost.StepForm`'s cast term prices it); so is
+            # backward's copy of a weight gradient into the parameters' dtype (parameter-shaped)
+            if args[0].untyped_storage()._cdata in self.param_keys:
+                self.param_keys.add(out.untyped_storage()._cdata)
+                return out
+            if phase and (out.dim() == 1 or tuple(out.shape) in self.param_shapes):
+                return out
+        flat = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+        self.mem[idx][phase] += sum(t.numel() * t.element_size() for t in flat)
         return out
 
 

@@ -117,7 +117,7 @@ def _choose(cfg, world_size: int, *, strategy: str = "auto", measure_if_missing:
     precision = lay.precision or "fp32"
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     try:
-        prof = profile_model(task.model, x, dtype=dtype)
+        prof = profile_model(task.model, x, dtype=dtype, autocast=dtype == torch.bfloat16)
     except Exception as e:      # noqa: BLE001 - a model the planner cannot profile: one message, a way out
         from modelpar.models.spec import model_kind
 

@@ -1,0 +1,80 @@
+"""What `planner.profile` reads of a model besides running it: its pipeline-splittable blocks
+(`default_blocks`), shape facts (`_arch_of`), the TP styles of its derived plan (`_tp_styles`) and
+which parameters belong to which block (`_block_params`). Split out of `profile.py` unchanged;
+`profile` re-exports `default_blocks`."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+
+def default_blocks(model: nn.Module, container: str | None = None) -> list[tuple[str, nn.Module | None]]:
+    """The pipeline-splittable blocks: GPT -> embed, blocks.i, head; Sequential -> its children; any
+    other model whose repeated blocks `modelpar.parallel.parts.find_blocks` finds (a Hugging Face
+    model's ``model.layers`` / ``transformer.h`` / ...) -> ``("embed", None)``, the blocks,
+    ``("head", None)``, where None stands for the rest of the model that runs before (after) the blocks,
+    the parent's forward code included (embeddings, position ids, rotary tables; final norm, head);
+    anything else -> the whole model as one block. ``container`` (``--blocks PATH``) names the
+    ModuleList / Sequential of the blocks instead (any model; raises ValueError if it is none)."""
+    from modelpar.parallel.parts import find_blocks
+    if container:
+        return [("embed", None)] + find_blocks(model, container)[1] + [("head", None)]
+    if all(hasattr(model, a) for a in ("embed", "blocks", "head")):
+        return ([("embed", model.embed)] + [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]
+                + [("head", model.head)])
+    if isinstance(model, nn.Sequential):
+        return [(n, m) for n, m in model.named_children()]
+    try:
+        _, found = find_blocks(model)
+    except ValueError:
+        return [("model", model)]
+    return [("embed", None)] + found + [("head", None)]
+
+
+def _arch_of(model: nn.Module, tokens: int, vocab_parallel: bool | None = None) -> dict[str, int]:
+    from modelpar.planner.hf_facts import hf_arch, is_hf_model
+    if is_hf_model(model):
+        return hf_arch(model, tokens, vocab_parallel)
+    cfg = getattr(model, "cfg", None)
+    if cfg is None or not hasattr(cfg, "n_head"):
+        return {}
+    return {"n_head": cfg.n_head, "d_model": cfg.d_model, "ffn": cfg.ffn, "n_layer": cfg.n_layer,
+            "vocab_size": cfg.vocab_size, "seq_len": cfg.seq_len}
+
+
+def _tp_styles(model: nn.Module, vocab_parallel: bool | None = None) -> dict[str, str]:
+    """``{module path: "colwise" | "rowwise"}`` of the TP plan modelpar's runtime derives for ``model``
+    ({} if none): `tensor.default_tp_plan`, whose GPT plan splits the token embedding (rowwise over
+    the vocabulary: its weight is sharded) and the head (colwise over the vocabulary) unless
+    ``vocab_parallel=False``; for a Hugging Face model the plan `modelpar.parallel.hf_tp` builds (its
+    declared ``_tp_plan`` translated, or the derived one: GPT-2's Conv1D and fused c_attn), with a
+    vocabulary-parallel embedding and head for language models."""
+    from modelpar.parallel import tensor
+    try:
+        plan, _ = tensor.default_tp_plan(model, loss_parallel=vocab_parallel)
+    except ValueError:
+        return {}
+    return tensor.tp_kinds(plan)      # Conv1D styles of HF models too (h-tp hook)
+
+
+def _block_params(model, blocks, fqn, owner, block_of):
+    """Per block, ``[(owner module path, leaf name, parameter)]``: a module block's parameters; for a
+    None block, those of the modules outside every block module that ran while it was current
+    (``owner``), modules that never ran joining the last None block (they still take memory)."""
+    inside = {m for _, b in blocks if b is not None for m in b.modules()}
+    out = []
+    rest = len(blocks) - 1 if blocks[-1][1] is None else 0
+    for i, (_, mod) in enumerate(blocks):
+        rows = []
+        if mod is not None:
+            base = fqn[mod]
+            for pn, p in mod.named_parameters():
+                path, _, leaf = (f"{base}.{pn}" if base else pn).rpartition(".")
+                rows.append((path, leaf, p))
+        else:
+            for m in model.modules():
+                if m in inside or owner.get(m, rest) != i:
+                    continue
+                rows += [(fqn[m], pn, p) for pn, p in m.named_parameters(recurse=False)]
+        out.append(rows)
+    return out
