@@ -29,7 +29,9 @@ Exit status: 0 when every row ran, ran out of memory, or was skipped for the bud
 check matched; 1 when a row failed with another error or the placement check did not match.
 
 Run: ``PYTHONPATH=. python benchmarks/gpu_check.py [--models gpt-125m,gpt-1b,gpt-3b] [--seqs 1024,4096]
-[--tokens 16384] [--steps 4] [--warmup 2] [--budget-s 300] [--out DIR] [--device cpu --tiny]``
+[--tokens 16384] [--steps 4] [--warmup 2] [--budget-s 300] [--out DIR] [--device cpu --tiny]``.
+Without a GPU, ``--replay FILE...`` re-predicts recorded runs (``benchmarks/results/``) with this
+planner: the way to check a planner change against GPU measurements on a CPU machine.
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ from pathlib import Path
 import torch
 
 from modelpar.bench.gpu import (DENSE_BF16_PEAK, GOAL_MFU, SWEEP_MODELS, SWEEP_SEQS, TINY_MODELS, TINY_SEQS,
-                                TORCH_APIS, audit_torch_apis, hardware_for_device, matmul_flops, placement_check, run_sweep,
-                                sweep_rows, sweep_table)
+                                TORCH_APIS, audit_torch_apis, hardware_for_device, matmul_flops, placement_check, replay,
+                                run_sweep, sweep_rows, sweep_table)
 
 
 def _ints(s: str) -> tuple[int, ...]:
@@ -64,6 +66,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--budget-s", type=float, default=300.0, help="wall-time budget of the sweep (seconds)")
     ap.add_argument("--out", default=None, help="output folder (default: $OUT, else gpu-check-out)")
     ap.add_argument("--no-placement", action="store_true", help="skip the cpu + cuda:0 placement check")
+    ap.add_argument("--replay", nargs="+", metavar="JSON", default=None,
+                    help="no GPU needed: re-predict the rows of recorded gpu_check.json files with this planner "
+                         "(e.g. benchmarks/results/h100-2026-12-06/*gpu_check.json) and print measured vs predicted")
     args = ap.parse_args(argv)
     table = TINY_MODELS if args.tiny else SWEEP_MODELS
     names = args.models.split(",") if args.models else list(table)
@@ -79,8 +84,27 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def replay_files(paths: list[str]) -> int:
+    """`--replay`: each file's rows re-predicted (`modelpar.bench.gpu.replay`), its table, and the median and
+    largest |error| of step time and peak memory over its measured rows."""
+    import statistics
+    for path in paths:
+        rec = json.loads(Path(path).read_text())
+        print(f"{path}: {rec.get('where', '?')}, torch {rec.get('torch', '?')}; re-predicted by this planner")
+        res = replay(rec)
+        print("\n" + sweep_table(res) + "\n")
+        for key, what in (("step_error", "step time"), ("memory_error", "peak memory")):
+            errs = [abs(r[key]) for r in res["rows"] if key in r]
+            if errs:
+                print(f"{what}: median |error| {statistics.median(errs):.1%}, largest {max(errs):.1%} "
+                      f"over {len(errs)} measured rows")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     args = parse(argv)
+    if args.replay:
+        return replay_files(args.replay)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device is available (torch.cuda.is_available() is False); nothing to check. "
               "Run it on a machine with an NVIDIA GPU (or --device cpu --tiny for a dry run).")

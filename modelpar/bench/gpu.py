@@ -324,20 +324,45 @@ def run_sweep(rows, device: str, hw, *, budget_s: float = 300.0, steps: int = 4,
         if failed is not None:
             row["status"] = failed
         _free(device)                # outside the except block: its traceback holds the row's tensors
-        meas = row.get("measured")
-        if meas and pred:
-            t = meas["median_s"]
-            row["mfu"] = mfu(pred["model_flops"], t, peak_flops)
-            row["mfu_predicted"] = mfu(pred["model_flops"], pred["step_s"], peak_flops)
-            row["step_error"] = pred["step_s"] / t - 1
-            row["tokens_per_s"] = mb * seq / t
-            if meas["peak_bytes"]:
-                row["memory_error"] = pred["peak_bytes"] / meas["peak_bytes"] - 1
+        _score(row, peak_flops)
         log(_row_line(row))
         out["elapsed_s"] = time.monotonic() - start
         if on_row is not None:
             on_row(out)
     out["elapsed_s"] = time.monotonic() - start
+    return out
+
+
+def _score(row: dict, peak_flops: float) -> None:
+    """A row's MFU (measured and predicted), tokens/s and prediction errors (predicted / measured - 1),
+    where it has both a measurement and a prediction."""
+    meas, pred = row.get("measured"), row.get("predict")
+    if not (meas and pred):
+        return
+    t = meas["median_s"]
+    row["mfu"] = mfu(pred["model_flops"], t, peak_flops)
+    row["mfu_predicted"] = mfu(pred["model_flops"], pred["step_s"], peak_flops)
+    row["step_error"] = pred["step_s"] / t - 1
+    row["tokens_per_s"] = row["micro_batch"] * row["seq"] / t
+    if meas["peak_bytes"]:
+        row["memory_error"] = pred["peak_bytes"] / meas["peak_bytes"] - 1
+
+
+def replay(result: dict, *, log=print) -> dict:
+    """A recorded sweep (`run_sweep`'s result, e.g. a lent GPU's ``gpu_check.json``) re-predicted by
+    this planner: every row's measurement kept, its prediction and errors recomputed on the recorded
+    hardware profile (`planner.hardware.BUILTIN`). Lets a planner change be checked against GPU
+    measurements on a machine without a GPU. Returns the new result; rows are logged as they go."""
+    from modelpar.planner.hardware import BUILTIN
+    hw = BUILTIN[result["hardware"]]
+    out = {**result, "rows": [], "replayed_from": result.get("where", "")}
+    for old in result["rows"]:
+        row = {k: v for k, v in old.items() if k not in ("predict", "predict_error", "mfu", "mfu_predicted",
+                                                         "step_error", "tokens_per_s", "memory_error")}
+        row["predict"] = predict_row(row["model"], row["seq"], row["micro_batch"], row["ac"], hw)
+        _score(row, result["peak_flops"])
+        out["rows"].append(row)
+        log(_row_line(row))
     return out
 
 
