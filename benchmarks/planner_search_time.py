@@ -1,6 +1,7 @@
 """Time the planner's full search (goal: under 1 second) at 3,072 and 16,384 devices.
 
-Profiles gpt-70b on the meta device (bf16, not timed as search), then times `search_plans` over every
+Profiles gpt-70b on the meta device (bf16 and its autocast variant, as `modelpar plan` does; not timed
+as search), then times `search_plans` over every
 dp_replicate x dp_shard x tp x pp factorization of N H100s with all schedules, micro-batch counts,
 virtual stages, checkpointing modes and micro-batch sizes, and prints the counts and the top layouts.
 Default runs: 3,072 devices with a global batch of 3,072 sequences, and 16,384 devices with 16,384
@@ -111,7 +112,7 @@ def main(argv: list[str]) -> int:
     model = build_model("gpt-70b", device="meta")
     t0 = time.perf_counter()
     prof = profile_model(model, torch.zeros(1, model.cfg.seq_len, dtype=torch.long, device="meta"),
-                         dtype=torch.bfloat16)
+                         dtype=torch.bfloat16, autocast=True)      # as `modelpar plan` profiles bf16
     print(f"profile gpt-70b: {time.perf_counter() - t0:.2f} s")
     ok = True
     res = {(n_gbs, k): ([], [], [], []) for n_gbs in runs for k in (None, top)}   # CPU s, wall s, ref s, ratio

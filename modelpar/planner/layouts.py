@@ -117,13 +117,14 @@ def layouts(S: Search, factorizations):
         # (b, m, accumulation steps, the Batch (frozen, shared by its candidates)): the same for every
         # schedule of the layout
         groups = [(b, m, gbs // (b * m * dp), Batch(gbs, b * m)) for b, m in inner]
+        # the runtime autocasts (fp32 parameters) unless FSDP2 holds bf16 ones (profiled apart when the
+        # profile has its autocast variant)
+        ac = profile.autocast is not None and autocasts(ParallelPlan(tp=tp, pp=pp, dp_replicate=dr, dp_shard=ds,
+                                                                     precision=S.precision))
         for sched, v in scheds:
             if pp * v > num_layers:
                 pruned["more pipeline stages than layers"] += n_inner
                 continue
-            # the runtime autocasts (fp32 parameters) unless FSDP2 holds bf16 ones
-            ac = S.precision == "bf16" and autocasts(ParallelPlan(tp=tp, pp=pp, dp_replicate=dr, dp_shard=ds,
-                                                                 precision="bf16"))
             key = (tp, pp, v, ac)
             cached = S.load_cache.get(key)
             if cached is None:
