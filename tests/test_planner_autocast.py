@@ -6,6 +6,7 @@ without checkpointing where 50.6 GiB were allocated (docs/planner.md, "GPU check
 
 import dataclasses
 
+import pytest
 import torch
 
 from modelpar.models import build_model
@@ -89,8 +90,31 @@ def test_full_checkpointing_keeps_only_the_rest_of_the_models_weight_copies():
     none = ParallelPlan(precision="bf16")
     assert memory_form(rank_loads(prof, none, act_bytes=2, autocast=True)[0], none, optimizer="adamw").cast_cache \
         == 2 * ld.params
+    # until autocast exits (the loss's forward) every copy is there: the forward moment adds the rest
+    assert f.fwd_cast == 2 * ld.params - f.cast_cache > 0
     # a load of the bf16 profile (Megatron-LM's bf16 parameters, `planner.published`): every copy, always
-    assert memory_form(rank_loads(prof, full, act_bytes=2)[0], full, optimizer="adamw").cast_cache == 2 * ld.params
+    bf = memory_form(rank_loads(prof, full, act_bytes=2)[0], full, optimizer="adamw")
+    assert bf.cast_cache == 2 * ld.params and bf.fwd_cast == 0
+
+
+def test_loss_forward_moment_holds_every_weight_copy():
+    """gpt-3b with full checkpointing on the H100 peaked at the loss's forward (51.3 GiB; the loss's
+    backward, the only loss moment the model had, gave 49.1): there all 2 B / parameter of autocast's
+    copies are still cached, while the backward holds one fp32 logits-sized tensor more
+    (`test_planner_against_recorded_gpu_runs` checks the GPU rows). Here the moment's terms: with the
+    copies made large it is the peak, and it counts them, the logits and two fp32 logits-sized tensors."""
+    _, prof = _profiles()
+    full = ParallelPlan(precision="bf16", activation_checkpointing="full")
+    f = memory_form(rank_loads(prof, full, act_bytes=2, autocast=True)[0], full, optimizer="adamw")
+    b = 2
+    loss = f.parts(b, 1, 1, 1.0)
+    f.fwd_cast = big = 1e9
+    fwd = f.parts(b, 1, 1, 1.0)
+    assert fwd.phase == "forward" and loss.phase != "forward"
+    # the same base (parameters, optimizer, cast cache, the logits) and saved inputs; the loss's two
+    # fp32 tensors instead of its backward's loss_n, plus the copies
+    acts_loss_bwd = f.cast_cache + b * f.out + b * f.S + f.loss_n * f.loss_out * b
+    assert fwd.activations == pytest.approx(acts_loss_bwd - (f.loss_n - 2) * f.loss_out * b + big)
 
 
 def test_profile_dict_round_trip_keeps_the_autocast_variant():

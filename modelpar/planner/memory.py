@@ -77,7 +77,7 @@ class MemoryEstimate:
     comm_buffers: float
     overhead: float
     pp_rank: int = 0
-    phase: str = "backward"        # when: "backward" (start), "fsdp_backward" (largest unit), "optimizer"
+    phase: str = "backward"   # when: "loss" / "forward" (its backward / forward), "backward", "fsdp_backward", "optimizer"
 
     @property
     def total(self) -> float:
@@ -260,7 +260,7 @@ class MemoryForm:
 
     __slots__ = ("ld", "cache", "fsdp", "ws", "P", "params", "grads", "opt", "data", "work", "ac", "S", "pp",
                  "last", "out", "rafw", "recv_mult", "comm_add", "ddp_view", "sharded_layout", "cast_cache",
-                 "root_g", "po", "pgo_d", "pgos_d", "proj", "keep", "step_tmp", "gloo", "loss_out", "loss_n")
+                 "fwd_cast", "root_g", "po", "pgo_d", "pgos_d", "proj", "keep", "step_tmp", "gloo", "loss_out", "loss_n")
 
     def at(self, b: int, m: int, accumulation: int, W: float, pp_rank: int,
            overhead_bytes: float) -> MemoryEstimate:
@@ -325,6 +325,9 @@ class MemoryForm:
                 tot = base + bS + self.loss_n * bls
                 if tot > best_total:
                     best_total, best = tot, (held, g0, gath0, prev, None)
+                # the loss's forward (its fp32 logits and log-softmax), all weight copies still cached
+                if self.fwd_cast and base + self.fwd_cast + bS + 2 * bls > best_total:
+                    best_total, best = base + self.fwd_cast + bS + 2 * bls, (held, g0, gath0, prev, "forward")
             # the block / reduce moments, as totals b * A + K + G / dp_shard (see `_projections`)
             proj = self.proj[prev][sharded_acc]         # this form's, else the load's table
             if proj is None:
@@ -346,8 +349,9 @@ class MemoryForm:
             return _parts((params, grads, opt, data + 2 * held_end, 0.0, comm_persist, "pipeline_end"))
         held, g0, gath0, prev, c = best
         acts = data + self.cast_cache + held
-        if c is None:
-            return _parts((params, g0, opt, acts + bS + self.loss_n * bls, gath0, comm_persist, "loss"))
+        if c is None or c == "forward":
+            loss = self.fwd_cast + 2 * bls if c else self.loss_n * bls
+            return _parts((params, g0, opt, acts + bS + loss, gath0, comm_persist, c or "loss"))
         kind, t = c
         return _parts((params, g0 + t.grads_k + t.grads_g * ws, opt, acts + t.acts_a * b + t.acts_k,
                        gath0 + t.gathered_k, comm_persist + t.buffers_k + t.buffers_g * ws, kind))
@@ -385,8 +389,7 @@ def memory_form(ld: RankLoad, plan: ParallelPlan, *, optimizer: str, global_batc
     f.data = data = ld.data * global_batch_size
     bf16 = plan.precision == "bf16"
     f.work = work = 2 if bf16 else 4         # bytes of a gathered / working parameter (and its gradient)
-    # checkpointing: the ``saved_ac`` column holds what the mode keeps (full: block inputs;
-    # selective / every-k: `modelpar.planner.recompute.ac_load`)
+    # checkpointing: ``saved_ac`` holds what the mode keeps (full: block inputs; else `recompute.ac_load`)
     f.ac = ac = plan.activation_checkpointing != "none"
     f.S = ld.saved_ac if ac else ld.saved    # one micro-batch's saved bytes per sample
     f.pp = pp = plan.pp > 1
@@ -407,15 +410,12 @@ def memory_form(ld: RankLoad, plan: ParallelPlan, *, optimizer: str, global_batc
     # Megatron-LM reuses 2), and DDP's gradient buckets (below)
     f.recv_mult = recv_per_microbatch
     # DDP's buckets (4 B/param, from construction on). modelpar's runtime (``ddp_bucket_copy=None``):
-    # `apply_ddp` makes the gradients views into them (gradient_as_bucket_view=True), so no gradient
-    # storage beside them. Under PP or TP it runs FSDP2's replicate instead
-    # (`plan.runtime_layout`, which `parallel.compose.parallelize` applies): no buckets; each block's
-    # (and last the root's) unsharded gradients are copied into one flat fp32 buffer
-    # (reduce_dtype=float32), all-reduced and written into the replicated fp32 gradients, the
-    # unsharded ones then freed, so beside the gradients (4 B/param) one group's buffer exists at a
-    # time; counted as a buffer of the largest group through the step (at most a block's worth
-    # more than at the optimizer step). True: torch DDP's default, the buckets a copy beside the
-    # gradients; False: gradients reduced in place (Megatron-LM's contiguous gradient buffer).
+    # `apply_ddp` makes the gradients views into them (gradient_as_bucket_view=True): no gradient storage
+    # beside them. Under PP or TP it runs FSDP2's replicate (`plan.runtime_layout`): no buckets; each
+    # block's (last the root's) unsharded gradients are copied into one flat fp32 buffer, all-reduced and
+    # written into the replicated fp32 gradients, then freed: beside the gradients one group's buffer at
+    # a time, counted as the largest group's through the step. True: torch DDP's default, the buckets a
+    # copy beside the gradients; False: gradients reduced in place (Megatron-LM's contiguous buffer).
     layout = runtime_layout(plan)            # the wrapper `parallelize` applies (modelpar's runtime)
     ddp = layout.dp_wrapper in ("ddp", "replicate")
     replicate = ddp_bucket_copy is None and layout.dp_wrapper == "replicate"
@@ -428,15 +428,15 @@ def memory_form(ld: RankLoad, plan: ParallelPlan, *, optimizer: str, global_batc
     grads = f.grads = 0.0 if ddp_view else grads
     f.sharded_layout = layout.sharded_grad_accumulation
     # autocast's bf16 weight copies (Megatron's bf16 parameters, `published`), saved by the matmuls; under full
-    # checkpointing of an autocast load only the rest of the model's and one recomputed block's (docs/planner.md)
+    # checkpointing of an autocast load, from backward on, only the rest of the model's and one block's
     full_ac = ld.autocast and plan.activation_checkpointing == "full" and ld.root_params
     f.cast_cache = 0.0 if (not bf16 or fsdp) else (2 * (ld.root_params + ld.max_unit_params) if full_ac else 2 * P)
+    f.fwd_cast = 2 * P - f.cast_cache if full_ac else 0.0      # until autocast exits: every copy
     # FSDP's root parameters (embed/head) stay gathered from forward to the end of backward
     # (reshard_after_forward=False on the root); with reshard_after_forward=False every unit does
     f.root_g = work * (ld.root_params + (0.0 if rafw else P - ld.root_params)) if fsdp else 0.0
     f.po = params + opt
-    # `_projections` per (gradients of earlier micro-batches, sharded accumulation), filled by `parts`
-    # from the load's table (keyed by `records.ProjMode`)
+    # `_projections` per (earlier micro-batches' gradients, sharded accumulation), filled by `parts` (`records.ProjMode`)
     f.proj = [[None, None], [None, None]]
     f.keep = pp and recv_per_microbatch
     # modelpar's TP leaves some parameters plain tensors, and torch's fused kernel refuses mixed
