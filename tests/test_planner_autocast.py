@@ -121,3 +121,23 @@ def test_profile_dict_round_trip_keeps_the_autocast_variant():
     _, prof = _profiles()
     back = ModelProfile.from_dict(prof.to_dict())
     assert back == prof and back.autocast == prof.autocast and back.autocast.autocast is None
+
+
+def test_a_model_autocast_cannot_trace_keeps_its_bf16_profile(monkeypatch):
+    """The autocast pass failing (a model whose forward CPU autocast cannot run) is said once and the
+    bf16 profile stands in (the planner as before it), instead of the command failing."""
+    import modelpar.planner.profile as pr
+
+    real, want = pr._profile, _profiles()[1]
+
+    def fail_under_autocast(*args):
+        if args[-1]:
+            raise RuntimeError("no autocast here")
+        return real(*args)
+
+    monkeypatch.setattr(pr, "_profile", fail_under_autocast)
+    m = build_model("gpt-nano", device="meta", seq_len=SEQ)
+    with pytest.warns(UserWarning, match="autocast profile of GPT failed .*no autocast here"):
+        prof = profile_model(m, torch.zeros(1, SEQ, dtype=torch.long, device="meta"), dtype=torch.bfloat16,
+                             autocast=True)
+    assert prof.autocast is None and prof == want and want.autocast is not None

@@ -203,7 +203,8 @@ def profile_model(model: nn.Module, example_input: torch.Tensor | Sequence[torch
             activations nor per-sample traffic there (the memory model counts them per parameter,
             the cost model's cast term their traffic). Measured on an H100 (docs/planner.md, "GPU
             check"): the bf16 profile missed ~8 B per token and width of every layer, the fp32
-            residual's norm inputs and the per-Linear input casts.
+            residual's norm inputs and the per-Linear input casts. Where that second pass fails, a
+            warning says so and ``autocast`` stays None.
 
     Returns:
         ModelProfile with one BlockProfile per block, for the batch of ``example_input``.
@@ -218,8 +219,14 @@ def profile_model(model: nn.Module, example_input: torch.Tensor | Sequence[torch
             raise ValueError(f"profile_model autocast needs dtype=torch.bfloat16, got {dtype}")
         base = profile_model(model, example_input, dtype=dtype, blocks=blocks, attention=attention,
                              vocab_parallel=vocab_parallel)
-        return dataclasses.replace(base, autocast=_profile_model(model, example_input, dtype, blocks, attention,
-                                                                 vocab_parallel, True))
+        try:
+            variant = _profile_model(model, example_input, dtype, blocks, attention, vocab_parallel, True)
+        except Exception as e:     # noqa: BLE001 -- a model CPU autocast cannot trace: the bf16 profile stands in
+            import warnings
+            warnings.warn(f"profile_model: the autocast profile of {type(model).__name__} failed "
+                          f"({type(e).__name__}: {e}); its bf16 profile stands in for plans that autocast")
+            return base
+        return dataclasses.replace(base, autocast=variant)
     return _profile_model(model, example_input, dtype, blocks, attention, vocab_parallel, False)
 
 
