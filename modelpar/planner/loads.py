@@ -389,7 +389,7 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
     """One `RankLoad` per pipeline rank (``plan.pp`` of them), tensor parallel applied.
 
     ``act_bytes``: element size the activations will have (2 bf16, 4 fp32), relative to the profile's.
-    ``autocast``: the runtime trains under torch.autocast with fp32 parameters (`ParallelPlan.autocasts`):
+    ``autocast``: the runtime trains under torch.autocast with fp32 parameters (`modelpar.plan.autocasts`):
     the activations, traffic and backward moments come from ``profile.autocast`` where it was profiled.
     A stage's sums come from per-block prefix sums (`_block_terms`), so a load costs O(stages), not
     O(blocks), once the blocks' terms for the TP degree are known. ``cache``: the search's memo
