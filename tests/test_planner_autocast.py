@@ -110,7 +110,7 @@ def test_loss_forward_moment_holds_every_weight_copy():
     loss = f.parts(b, 1, 1, 1.0)
     f.fwd_cast = big = 1e9
     fwd = f.parts(b, 1, 1, 1.0)
-    assert fwd.phase == "forward" and loss.phase != "forward"
+    assert fwd.phase == "loss_forward" and loss.phase != "loss_forward"
     # the same base (parameters, optimizer, cast cache, the logits) and saved inputs; the loss's two
     # fp32 tensors instead of its backward's loss_n, plus the copies
     acts_loss_bwd = f.cast_cache + b * f.out + b * f.S + f.loss_n * f.loss_out * b

@@ -77,7 +77,7 @@ class MemoryEstimate:
     comm_buffers: float
     overhead: float
     pp_rank: int = 0
-    phase: str = "backward"   # when: "loss" / "forward" (its backward / forward), "backward", "fsdp_backward", "optimizer"
+    phase: str = "backward"   # "loss", "loss_forward" (the loss's moments), "backward", "fsdp_backward", "optimizer"
 
     @property
     def total(self) -> float:
@@ -327,7 +327,7 @@ class MemoryForm:
                     best_total, best = tot, (held, g0, gath0, prev, None)
                 # the loss's forward (its fp32 logits and log-softmax), all weight copies still cached
                 if self.fwd_cast and base + self.fwd_cast + bS + 2 * bls > best_total:
-                    best_total, best = base + self.fwd_cast + bS + 2 * bls, (held, g0, gath0, prev, "forward")
+                    best_total, best = base + self.fwd_cast + bS + 2 * bls, (held, g0, gath0, prev, "loss_forward")
             # the block / reduce moments, as totals b * A + K + G / dp_shard (see `_projections`)
             proj = self.proj[prev][sharded_acc]         # this form's, else the load's table
             if proj is None:
@@ -349,7 +349,7 @@ class MemoryForm:
             return _parts((params, grads, opt, data + 2 * held_end, 0.0, comm_persist, "pipeline_end"))
         held, g0, gath0, prev, c = best
         acts = data + self.cast_cache + held
-        if c is None or c == "forward":
+        if c is None or c == "loss_forward":
             loss = self.fwd_cast + 2 * bls if c else self.loss_n * bls
             return _parts((params, g0, opt, acts + bS + loss, gath0, comm_persist, c or "loss"))
         kind, t = c
