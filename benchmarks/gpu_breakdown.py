@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from modelpar.bench.gpu import (SWEEP_MODELS, TINY_MODELS, _free, _oom_types, _timed_step, hardware_for_device,
-                                lm_loss, predict_row, sweep_model, _PROFILES)
+                                lm_loss, predict_row, row_profile, row_setup)
 
 # (class, name fragments), first match wins; attention before gemm (flash kernels hold "gemm" parts)
 CLASSES = (("attention", ("flash", "fmha", "attention", "attn")),
@@ -60,7 +60,7 @@ def kernel_class(name: str) -> str:
 def planner_inputs(name: str, seq: int, mb: int, hw) -> dict:
     """The profile's per-step quantities the planner prices, and its rates (bf16, one device)."""
     from modelpar.planner.gpu import LOSS_BYTES_PER_LOGIT, physics_for
-    prof = next(p for k, p in _PROFILES.items() if k[0] == name and k[1] == seq)
+    prof = row_profile(name, seq)
     prof = prof.autocast or prof          # one device, bf16: the runtime autocasts (`plan.autocasts`)
     bl = prof.blocks
     af = sum(b.fwd_attn_flops for b in bl) * mb
@@ -88,11 +88,6 @@ def measure_classes(name: str, seq: int, mb: int, ac: str, device: str, steps: i
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from modelpar.parallel.compose import parallelize
-    from modelpar.parallel.mesh import MeshInfo
-    from modelpar.plan import ParallelPlan
-    from modelpar.train.step import make_optimizer
-
     dev = torch.device(device)
     cuda = dev.type == "cuda"
     phases: dict[str, float] = {}
@@ -104,12 +99,7 @@ def measure_classes(name: str, seq: int, mb: int, ac: str, device: str, steps: i
             torch.cuda.reset_peak_memory_stats(dev)
         return lm_loss(logits, y)
 
-    model = sweep_model(name, seq, str(dev))
-    pm = parallelize(model, ParallelPlan(precision="bf16", activation_checkpointing=ac), MeshInfo(None),
-                     loss_fn=loss_fn, device=dev)
-    opt = make_optimizer(model.parameters(), "adamw", lr=1e-4, weight_decay=0.1)
-    g = torch.Generator().manual_seed(0)
-    x, y = (torch.randint(0, model.cfg.vocab_size, (mb, seq), generator=g).to(dev) for _ in range(2))
+    pm, opt, x, y = row_setup(name, seq, mb, ac, dev, loss_fn=loss_fn)
     for _ in range(warmup):
         _timed_step(pm, opt, x, y, dev)
     acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]

@@ -171,19 +171,27 @@ def sweep_model(name: str, seq: int, device: str = "meta", *, models: dict | Non
 _PROFILES: dict = {}
 
 
+def row_profile(name: str, seq: int, *, models: dict | None = None):
+    """The planner's bf16 profile of sweep row ``name`` at ``seq`` tokens, with its autocast variant
+    (one device trains under autocast: `modelpar.plan.autocasts`), for one sample; memoized per shape
+    (it does not depend on the checkpointing mode)."""
+    from modelpar.planner.profile import profile_model
+    key = (name, seq, repr((models or {**SWEEP_MODELS, **TINY_MODELS})[name]))
+    prof = _PROFILES.get(key)
+    if prof is None:
+        m = sweep_model(name, seq, "meta", models=models)
+        prof = _PROFILES[key] = profile_model(m, torch.zeros(1, seq, dtype=torch.long, device="meta"),
+                                              dtype=torch.bfloat16, attention="flash", autocast=True)
+    return prof
+
+
 def predict_row(name: str, seq: int, micro_batch: int, ac: str, hw, *, models: dict | None = None) -> dict:
     """The planner's one-device bf16 prediction of one sweep row (fused AdamW, fused attention):
     step seconds by part, peak bytes by part, model FLOPs per step and the parameter count."""
     from modelpar.plan import ParallelPlan
     from modelpar.planner.cost import estimate_step
     from modelpar.planner.memory import Batch, estimate_memory
-    from modelpar.planner.profile import profile_model
-    key = (name, seq, repr((models or {**SWEEP_MODELS, **TINY_MODELS})[name]))
-    prof = _PROFILES.get(key)
-    if prof is None:             # the profile does not depend on the checkpointing mode: once per shape
-        m = sweep_model(name, seq, "meta", models=models)
-        prof = _PROFILES[key] = profile_model(m, torch.zeros(1, seq, dtype=torch.long, device="meta"),
-                                              dtype=torch.bfloat16, attention="flash", autocast=True)
+    prof = row_profile(name, seq, models=models)
     plan = ParallelPlan(precision="bf16", activation_checkpointing=ac)
     batch = Batch(micro_batch, micro_batch)
     mem = estimate_memory(prof, plan, batch, optimizer="adamw")
@@ -227,21 +235,9 @@ def measure_row(name: str, seq: int, micro_batch: int, ac: str, device: str, *, 
     (fewer steps, ``"cut": True``) once ``deadline`` (``time.monotonic()``) has passed.
     Raises torch's OutOfMemoryError when the row does not fit (the caller reports it).
     """
-    from modelpar.parallel.compose import parallelize
-    from modelpar.parallel.mesh import MeshInfo
-    from modelpar.plan import ParallelPlan
-    from modelpar.train.step import make_optimizer
-
     dev = torch.device(device)
     cuda = dev.type == "cuda"
-    model = sweep_model(name, seq, str(dev), models=models, seed=seed)
-    pm = parallelize(model, ParallelPlan(precision="bf16", activation_checkpointing=ac), MeshInfo(None),
-                     loss_fn=lm_loss, device=dev)
-    opt = make_optimizer(model.parameters(), "adamw", lr=1e-4, weight_decay=0.1)   # `modelpar train`'s builder
-    g = torch.Generator().manual_seed(seed)
-    vocab = model.cfg.vocab_size
-    x = torch.randint(0, vocab, (micro_batch, seq), generator=g).to(dev)
-    y = torch.randint(0, vocab, (micro_batch, seq), generator=g).to(dev)
+    pm, opt, x, y = row_setup(name, seq, micro_batch, ac, dev, models=models, seed=seed)
     times, losses, peak, static, cut = [], [], 0, 0, False
     for i in range(warmup + steps):
         if i == warmup and cuda:
@@ -259,6 +255,25 @@ def measure_row(name: str, seq: int, micro_batch: int, ac: str, device: str, *, 
         peak = torch.cuda.max_memory_allocated(dev)
     return {"times_s": times, "median_s": statistics.median(times), "peak_bytes": peak,
             "static_bytes": static, "losses": losses, "cut": cut}
+
+
+def row_setup(name: str, seq: int, micro_batch: int, ac: str, dev: torch.device, *, models: dict | None = None,
+              seed: int = 0, loss_fn=lm_loss):
+    """``(ParallelModel, optimizer, x, y)`` of one sweep row on ``dev`` as `modelpar train` builds them:
+    bf16 with the row's checkpointing (`parallelize`), fused AdamW with decay on matrices
+    (`train.step.make_optimizer`), one random batch of ``micro_batch`` sequences of ``seq`` tokens."""
+    from modelpar.parallel.compose import parallelize
+    from modelpar.parallel.mesh import MeshInfo
+    from modelpar.plan import ParallelPlan
+    from modelpar.train.step import make_optimizer
+
+    model = sweep_model(name, seq, str(dev), models=models, seed=seed)
+    pm = parallelize(model, ParallelPlan(precision="bf16", activation_checkpointing=ac), MeshInfo(None),
+                     loss_fn=loss_fn, device=dev)
+    opt = make_optimizer(model.parameters(), "adamw", lr=1e-4, weight_decay=0.1)
+    g = torch.Generator().manual_seed(seed)
+    x, y = (torch.randint(0, model.cfg.vocab_size, (micro_batch, seq), generator=g).to(dev) for _ in range(2))
+    return pm, opt, x, y
 
 
 def _free(device: str) -> None:
@@ -357,8 +372,7 @@ def replay(result: dict, *, log=print) -> dict:
     hw = BUILTIN[result["hardware"]]
     out = {**result, "rows": [], "replayed_from": result.get("where", "")}
     for old in result["rows"]:
-        row = {k: v for k, v in old.items() if k not in ("predict", "predict_error", "mfu", "mfu_predicted",
-                                                         "step_error", "tokens_per_s", "memory_error")}
+        row = {k: old[k] for k in ("model", "seq", "micro_batch", "ac", "status", "measured") if k in old}
         row["predict"] = predict_row(row["model"], row["seq"], row["micro_batch"], row["ac"], hw)
         _score(row, result["peak_flops"])
         out["rows"].append(row)
