@@ -141,3 +141,14 @@ def test_a_model_autocast_cannot_trace_keeps_its_bf16_profile(monkeypatch):
         prof = profile_model(m, torch.zeros(1, SEQ, dtype=torch.long, device="meta"), dtype=torch.bfloat16,
                              autocast=True)
     assert prof.autocast is None and prof == want and want.autocast is not None
+
+
+def test_autocast_profile_is_the_same_every_time():
+    """Autocast's copies are freed during the pass and their storages' addresses reused; a key kept
+    after its storage was freed took unrelated tensors for weight copies or gathered inputs, so two
+    profiles of one model differed (matmul weight / activation bytes, gathered bytes). Keys now leave
+    with their storage (`_OpCounter.track`)."""
+    m = build_model("gpt-nano", device="meta", n_layer=7, seq_len=48)
+    x = torch.zeros(1, 48, dtype=torch.long, device="meta")
+    a, b = (profile_model(m, x, dtype=torch.bfloat16, autocast=True).autocast for _ in range(2))
+    assert a.blocks == b.blocks

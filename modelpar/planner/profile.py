@@ -327,7 +327,9 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
                                 if isinstance(a, torch.Tensor)})
         if (isinstance(mod, nn.Linear) or type(mod).__name__ == "Conv1D") and not sharded_region[0] \
                 and styles.get(fqn.get(mod, "")) != "rowwise":
-            gather_keys.update(a.untyped_storage()._cdata for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor))
+            for a in tree_flatten(args)[0]:
+                if isinstance(a, torch.Tensor):
+                    counter.track(gather_keys, a)
         sub_stack.append(fqn.get(mod, ""))
 
     def post(mod, args, out):
@@ -392,7 +394,7 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
     tracker = ModuleTracker()
     shapes = {tuple(p.shape) for p in params.values() if p.dim() == 2}
     # the same set as `pack`'s: under autocast the counter adds each bf16 weight copy to it
-    counter = _OpCounter(tracker, names, n, param_keys, frozenset(shapes | {s[::-1] for s in shapes}),
+    counter = _OpCounter(tracker, names, n, param_keys, frozenset(shapes | {s[::-1] for s in shapes}), gather_keys,
                          lifetimes=life, outside=outside if outside.active else None,
                          seen=outside.seen if outside.active else None)
     # FlopCounterMode attributes backward FLOPs to modules only if it saw their forward: one counter

@@ -165,13 +165,17 @@ class _OpCounter(TorchDispatchMode):
     `FlopCounterMode`'s registry), for the blocks that are not modules."""
 
     def __init__(self, tracker: ModuleTracker, names: dict[str, int], n: int, param_keys: set | None = None,
-                 param_shapes=frozenset(), lifetimes: _Lifetimes | None = None, outside=None, seen=None):
+                 param_shapes=frozenset(), gather_keys: set | None = None, lifetimes: _Lifetimes | None = None,
+                 outside=None, seen=None):
         super().__init__()
         # a set: `__torch_dispatch__` adds the parameters' dtype copies (the caller's `pack` sees them)
         self.tracker, self.names, self.param_keys = tracker, names, param_keys if param_keys is not None else set()
         self.lifetimes = lifetimes
         self.outside, self.seen = outside, seen
         self.param_shapes = param_shapes        # shapes (and transposes) of 2-D parameters
+        # storages of matmul modules' inputs (`profile._profile`'s ``gather_keys``): a copy of one (autocast's
+        # bf16 input) joins them
+        self.gather_keys = gather_keys if gather_keys is not None else set()
         self.gemm_bytes = [[0, 0, 0, 0] for _ in range(n)]     # param fwd, param bwd, act fwd, act bwd
         self.mem = [[0, 0] for _ in range(n)]
         self.ops = [[0, 0] for _ in range(n)]
@@ -184,6 +188,16 @@ class _OpCounter(TorchDispatchMode):
         if outside is not None:
             from torch.utils.flop_counter import FlopCounterMode
             self.registry = FlopCounterMode(display=False, custom_mapping=_FLOP_FORMULAS).flop_registry
+
+    @staticmethod
+    def track(keys: set, t: torch.Tensor) -> None:
+        """Add ``t``'s storage to ``keys`` until it is freed (its address may then be reused by an
+        unrelated tensor, which must not be taken for it)."""
+        import weakref
+        st = t.untyped_storage()
+        if st._cdata not in keys:
+            keys.add(st._cdata)
+            weakref.finalize(st, keys.discard, st._cdata)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -241,8 +255,11 @@ class _OpCounter(TorchDispatchMode):
             # matmuls read it as one, `pack` does not count it as an activation), and its traffic is
             # once per micro-batch, not per sample (`cost.StepForm`'s cast term prices it); so is
             # backward's copy of a weight gradient into the parameters' dtype (parameter-shaped)
-            if args[0].untyped_storage()._cdata in self.param_keys:
-                self.param_keys.add(out.untyped_storage()._cdata)
+            src = args[0].untyped_storage()._cdata
+            if src in self.gather_keys:
+                self.track(self.gather_keys, out)
+            if src in self.param_keys:
+                self.track(self.param_keys, out)
                 return out
             if phase and (out.dim() == 1 or tuple(out.shape) in self.param_shapes):
                 return out
