@@ -78,23 +78,67 @@ def test_plans_read_the_profile_their_runtime_trains_with():
     assert ld_ac.saved > ld_bf.saved and ld_ac.params == ld_bf.params
 
 
-def test_full_checkpointing_keeps_only_the_rest_of_the_models_weight_copies():
-    """Under full checkpointing the checkpointed blocks save no matmul input, so autocast's weight
-    copies of the blocks go when it exits before backward; from the loss on, the embedding / head's
-    and one recomputed block's stay (the H100's peaks: gpt-1b predicted +6.2% before, -0.4% after)."""
+def test_weight_copies_follow_the_checkpointing_and_the_pipeline():
+    """Autocast caches one bf16 copy of each weight a matmul reads until it exits; the matmuls save
+    them. Without a pipeline backward runs after autocast exits, so a recomputed block's copies are
+    gone from the loss's backward on and its recompute makes its own while its backward runs (the
+    H100's peaks: gpt-1b full predicted +6.2% before, -0.4% after); a pipeline's schedule runs
+    inside autocast, so every copy lives through the step. The copies are the matmuls' weights, not
+    the embedding tables or the norms (2 B per parameter overstated gpt-1m by the embeddings; the
+    CPU measurements of `modelpar.measure.memory.autocast_cases` check the totals)."""
     _, prof = _profiles()
-    full = ParallelPlan(precision="bf16", activation_checkpointing="full")
-    ld = rank_loads(prof, full, act_bytes=2, autocast=True)[0]
-    f = memory_form(ld, full, optimizer="adamw")
-    assert f.cast_cache == 2 * (ld.root_params + ld.max_unit_params) < 2 * ld.params
-    none = ParallelPlan(precision="bf16")
-    assert memory_form(rank_loads(prof, none, act_bytes=2, autocast=True)[0], none, optimizer="adamw").cast_cache \
-        == 2 * ld.params
-    # until autocast exits (the loss's forward) every copy is there: the forward moment adds the rest
-    assert f.fwd_cast == 2 * ld.params - f.cast_cache > 0
-    # a load of the bf16 profile (Megatron-LM's bf16 parameters, `planner.published`): every copy, always
-    bf = memory_form(rank_loads(prof, full, act_bytes=2)[0], full, optimizer="adamw")
-    assert bf.cast_cache == 2 * ld.params and bf.fwd_cast == 0
+
+    def form(**kw):
+        plan = ParallelPlan(precision="bf16", **kw)
+        ld = rank_loads(prof, plan, act_bytes=2, autocast=True)[0]
+        return ld, memory_form(ld, plan, optimizer="adamw")
+
+    ld, none = form()
+    g = ld.gemm_param_bytes[0]
+    assert (none.cast_cache, none.fwd_cast) == (g, 0.0) and g < 2 * ld.params
+    unit = 2 * ld.max_unit_params       # one block's copies (its norms' few parameters included)
+    layers = (ld.params - ld.root_params) / ld.max_unit_params
+    _, full = form(activation_checkpointing="full")
+    assert full.cast_cache == pytest.approx(g - layers * unit + unit) and full.cast_cache < g
+    assert full.fwd_cast == g - full.cast_cache > 0          # until autocast exits (the loss's forward): all
+    _, every = form(activation_checkpointing="every-k", ac_every=2)   # gpt-nano: layer 0 of 2 recomputed
+    assert every.cast_cache == pytest.approx(g) and full.cast_cache < every.cast_cache
+    _, pipe = form(activation_checkpointing="full", pp=2, n_microbatches=2)
+    pld = rank_loads(prof, ParallelPlan(precision="bf16", pp=2), act_bytes=2, autocast=True)[0]
+    assert (pipe.cast_cache, pipe.fwd_cast) == (pld.gemm_param_bytes[0], 0.0)
+    # a load of the bf16 profile (Megatron-LM's bf16 parameters, `planner.published`): every parameter
+    plan = ParallelPlan(precision="bf16", activation_checkpointing="full")
+    bf = memory_form(rank_loads(prof, plan, act_bytes=2)[0], plan, optimizer="adamw")
+    assert (bf.cast_cache, bf.fwd_cast) == (2 * ld.params, 0.0)
+
+
+def test_weight_gradients_of_the_copies_are_not_activations():
+    """Under autocast a matmul's weight gradient is its bf16 copy's, cast to fp32 to become the .grad:
+    the profile counted it among the block's backward temporaries, per sample, so the memory model
+    multiplied a weight-sized tensor by the micro-batch (gpt-1m full checkpointing on CPU: +12% on
+    activations). It is a not-yet-stored gradient: the peaks scale with the batch in their
+    activation bytes only, and the pending gradients are the same at any batch."""
+    m = build_model("gpt-nano", device="meta", seq_len=SEQ)
+    one, two = (profile_model(m, torch.zeros(b, SEQ, dtype=torch.long, device="meta"), dtype=torch.bfloat16,
+                              autocast=True).autocast.blocks[2].bwd_peaks for b in (1, 2))
+    assert len(one) == len(two) and any(p[3] for p in one)
+    for p1, p2 in zip(one, two):
+        assert (2 * p1[0], 2 * p1[1], p1[2], p1[3]) == tuple(p2)
+
+
+def test_full_checkpointing_counts_a_blocks_input_once():
+    """Full checkpointing keeps each block's input; the recompute saves that same storage again (the
+    first norm's input), so inside block k's backward the input is counted once: the other blocks'
+    kept inputs, block k's saved bytes, its temporaries (CPU, gpt-1m fp32 full: +3.0% activations
+    before, one block input)."""
+    from modelpar.planner.loads import _backward_moments
+    from modelpar.planner.records import BlockRecord
+    rec = BlockRecord(saved=10.0, kept=3.0, peaks=((1.0, 0.0, 0, 0),), params=5.0, is_root=False, in_grad=0.0,
+                      in_saved=3.0)
+    first = rec._replace(saved=7.0, kept=0.0, in_saved=0.0)          # a stage's first block
+    bwd, _ = _backward_moments((first, rec, rec))
+    assert max(m.act_ac for m in bwd) == 0.0 + 3.0 + 10.0 + 1.0     # block 2: blocks 0-1 kept, its own saved
+    assert min(m.act_ac for m in bwd) == 7.0 + 1.0                  # block 0: its saved bytes only
 
 
 def test_loss_forward_moment_holds_every_weight_copy():

@@ -201,7 +201,8 @@ def _backward_moments(recs: tuple, own: bool = False, cache: PlannerCache | None
     ``own``: the second column's block record is what the block keeps (`modelpar.planner.recompute`),
     so inside block k's backward it holds blocks < k's and block k's whole saved bytes (restored by
     its recompute, or never freed); False (full checkpointing): the input of blocks <= k and block
-    k's recomputed saved bytes.
+    k's recomputed saved bytes less the input among them (``in_saved``: the recompute saves the kept
+    input itself, not a copy).
 
     ``cache``: memoized there per (``recs``, ``own``) (`memo.PlannerCache.moments`).
     """
@@ -215,7 +216,7 @@ def _backward_moments(recs: tuple, own: bool = False, cache: PlannerCache | None
     cum, cum_ac, done_u, done_r = [0.0] * (nb + 1), [0.0] * (nb + 1), [0.0] * (nb + 1), [0.0] * (nb + 1)
     prev_u, upto = [0.0] * nb, [0.0] * nb
     last_u, tot_u = 0.0, 0.0
-    for k, (saved, kept, _peaks, params, is_root, _in_grad) in enumerate(recs):     # `BlockRecord`s
+    for k, (saved, kept, _peaks, params, is_root, _in_grad, _in_saved) in enumerate(recs):   # `BlockRecord`s
         cum[k + 1], cum_ac[k + 1] = cum[k] + saved, cum_ac[k] + kept
         prev_u[k] = last_u
         if not is_root:
@@ -241,6 +242,7 @@ def _backward_moments(recs: tuple, own: bool = False, cache: PlannerCache | None
     for k in sorted(keep, reverse=True):
         rk = recs[k]
         sv, pk, root, gin_in = rk.saved, rk.params, rk.is_root, rk.in_grad
+        sv_ac = sv if own else sv - rk.in_saved     # full: the kept input is the input it saves
         kept: list[tuple] = []
         for ex, gi, gs, gq in rk.peaks:
             for a, g in kept:       # an earlier peak beats this one (a loop: no generator per peak)
@@ -249,7 +251,7 @@ def _backward_moments(recs: tuple, own: bool = False, cache: PlannerCache | None
             else:
                 kept.append((ex + gi, gs + gq))
                 # (act, act_ac, done_units, done_root, stored, unit, prev_unit, next_unit, units_upto, pending)
-                bwd.append(_bwd((cum[k + 1] + ex + gi, cum_ac[k + (0 if own else 1)] + sv + ex + gi, done_u[k],
+                bwd.append(_bwd((cum[k + 1] + ex + gi, cum_ac[k + (0 if own else 1)] + sv_ac + ex + gi, done_u[k],
                                  done_r[k], gs, 0.0 if root else pk, prev_u[k], next_u[k], upto[k], gq)))
         if not root:
             # (act, act_ac, done_units, done_root, unit, prev_unit, units_before)
@@ -351,7 +353,8 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: P
                               bl.output_bytes if i == n - 1 else (0.0 if last else None), a.ex_mul, g_div, a.shr,
                               cache)
         return BlockRecord(saved=a.saved_first if first else a.saved, kept=0.0 if first else a.ac_in, peaks=peaks,
-                           params=a.params, is_root=a.is_end, in_grad=bl.input_bytes * g_div if i > 0 else 0.0)
+                           params=a.params, is_root=a.is_end, in_grad=bl.input_bytes * g_div if i > 0 else 0.0,
+                           in_saved=0.0 if first else a.saved - a.saved_first)
 
     out = BlockTerms(prefix=pre, first_adj=first_adj, unit_params=unit_params, numels=numels, record=rec,
                      ac_info=ac_info, stages={})

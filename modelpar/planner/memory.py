@@ -32,6 +32,7 @@ from modelpar.plan import ParallelPlan, autocasts, runtime_layout
 from modelpar.planner.loads import RankLoad, _adamw_temp, rank_loads, stage_ranges  # noqa: F401  (re-exported)
 from modelpar.planner.memo import PlannerCache
 from modelpar.planner.profile import ModelProfile
+from modelpar.planner.recompute import cast_copies
 from modelpar.planner.records import BwdMoment, MemoryParts, MomentTerms, ProjMode, ReduceMoment, fast_new
 
 OPTIMIZER_BYTES = {"sgd": 0, "sgd_momentum": 4, "adamw": 8}   # fp32 state bytes per parameter
@@ -102,8 +103,8 @@ def _bwd_terms(c: BwdMoment, mode: ProjMode) -> MomentTerms:
     # weight gradients a matmul computed and AccumulateGrad has not stored yet are temporaries; with
     # gradients from earlier micro-batches the stored ones were added in place
     if not fsdp:
-        if prev:
-            return _terms((0.0, 0.0, A, 4 * gq, 0.0, 0.0, 0.0))
+        if prev:        # pp == 2: the weight copies' gradients wait for the stage's backward to end (ProjMode)
+            return _terms((0.0, 0.0, A, 4 * gq + (2 * (done_u + done_r) if pp == 2 else 0.0), 0.0, 0.0, 0.0))
         return _terms((4 * (done_u + done_r + gs), 0.0, A, 4 * gq, 0.0, 0.0, 0.0))
     pre = work * u_prev if rafw else 0.0    # the prefetched unit's flat all-gather output
     if prev:
@@ -331,7 +332,8 @@ class MemoryForm:
             # the block / reduce moments, as totals b * A + K + G / dp_shard (see `_projections`)
             proj = self.proj[prev][sharded_acc]         # this form's, else the load's table
             if proj is None:
-                mode = _mode((self.fsdp, self.ac, prev, self.rafw, self.work, self.pp, self.gloo, sharded_acc))
+                mode = _mode((self.fsdp, self.ac, prev, self.rafw, self.work, self.pp * (1 + ld.autocast), self.gloo,
+                              sharded_acc))
                 proj = self.proj[prev][sharded_acc] = ld.projections.get(mode) or self._projections(mode)
                 ld.projections[mode] = proj
             for A, K, G, c in proj:
@@ -427,13 +429,11 @@ def memory_form(ld: RankLoad, plan: ParallelPlan, *, optimizer: str, global_batc
         f.comm_add = 4 * P
     grads = f.grads = 0.0 if ddp_view else grads
     f.sharded_layout = layout.sharded_grad_accumulation
-    # autocast's bf16 weight copies (Megatron's bf16 parameters, `published`), saved by the matmuls; under full
-    # checkpointing of an autocast load, from backward on, only the rest of the model's and one block's
-    full_ac = ld.autocast and plan.activation_checkpointing == "full" and ld.root_params
-    f.cast_cache = 0.0 if (not bf16 or fsdp) else (2 * (ld.root_params + ld.max_unit_params) if full_ac else 2 * P)
-    f.fwd_cast = 2 * P - f.cast_cache if full_ac else 0.0      # until autocast exits: every copy
-    # FSDP's root parameters (embed/head) stay gathered from forward to the end of backward
-    # (reshard_after_forward=False on the root); with reshard_after_forward=False every unit does
+    # bf16 weight copies (Megatron's bf16 parameters, `published`); an autocast load's: `recompute.cast_copies`
+    # (from the loss's backward on; ``fwd_cast`` more until autocast exits, at the loss's forward)
+    f.cast_cache, f.fwd_cast = ((0.0, 0.0) if (not bf16 or fsdp) else cast_copies(ld, plan) if ld.autocast
+                                else (2 * P, 0.0))
+    # FSDP's root (embed/head) stays gathered through backward (reshard_after_forward=False; with it, every unit)
     f.root_g = work * (ld.root_params + (0.0 if rafw else P - ld.root_params)) if fsdp else 0.0
     f.po = params + opt
     # `_projections` per (earlier micro-batches' gradients, sharded accumulation), filled by `parts` (`records.ProjMode`)

@@ -91,7 +91,9 @@ class BlockProfile:
     # blocks, i.e. gradient temporaries made by this block's backward less the saved tensors it already
     # freed (may be negative); live gradients made by later blocks' backward (the gradient w.r.t. this
     # block's output); elements of this block's parameters whose gradient AccumulateGrad has stored;
-    # elements of weight gradients computed but not yet stored)
+    # weight gradients computed but not yet stored, in elements of the parameters' dtype (their bytes
+    # over its size: under autocast a matmul's compute-dtype weight gradient, before its cast to the
+    # parameter's dtype, counts at its own bytes))
     bwd_peaks: tuple[tuple[int, int, int, int], ...] = ()
     # part of saved_bytes that is the block's own input (for a stage's first block that storage is
     # the batch or the pipeline's receive buffer, which the memory model counts there)
@@ -459,7 +461,7 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
             fwd_gemm_param_bytes=counter.gemm_bytes[i][0], bwd_gemm_param_bytes=counter.gemm_bytes[i][1],
             fwd_gemm_act_bytes=counter.gemm_bytes[i][2], bwd_gemm_act_bytes=counter.gemm_bytes[i][3],
             fwd_attn_flops=counter.attn[i][0], bwd_attn_flops=counter.attn[i][1], attn_calls=counter.attn[i][2],
-            bwd_peaks=tuple((own - cum_saved - saved[i], inn, g // gsize, pend // esize)
+            bwd_peaks=tuple((own - cum_saved - saved[i], inn, g // gsize, pend // gsize)
                             for own, inn, g, pend in peaks[i]),
             saved_input_bytes=saved_in[i], attn_core_saved_bytes=core_saved[i], tied_numels=tuple(tied),
             saved_gathered_bytes=saved_g[i], fwd_calls=counter.calls[i][0], bwd_calls=counter.calls[i][1],

@@ -46,6 +46,7 @@ class _Lifetimes:
         self.saved: set[int] = set()          # serials saved for backward
         self.grad_block: dict[int, int] = {}  # serial -> block, for storages that became parameter grads
         self.partial: set[int] = set()        # serials of partial gradients of a parameter used twice
+        self.casts: dict[int, tuple] = {}     # serial made by a backward dtype cast -> its inputs' serials
 
     def add(self, t: torch.Tensor, creator: int) -> int:
         import weakref
@@ -67,11 +68,13 @@ class _Lifetimes:
             del self.live[key]
         self.events.append((-1, s))
 
-    def backward_op(self, block: int, args, out) -> None:
+    def backward_op(self, block: int, args, out, cast: bool = False) -> None:   # cast: a ``_to_copy``
         ins = {t.untyped_storage()._cdata for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in ins:   # not in-place
-                self.add(t, block)
+                s = self.add(t, block)
+                if cast:
+                    self.casts[s] = tuple(self.live[k] for k in ins if k in self.live)
         self.events.append((0, block))
 
     def grad(self, p: torch.Tensor, block: int) -> None:
@@ -98,6 +101,10 @@ class _Lifetimes:
         blocks between the two uses run their backward."""
         saved, grad_block, size, creator = self.saved, self.grad_block, self.size, self.creator
         partial = self.partial - set(grad_block)    # a partial that became the .grad is a gradient
+        # autocast: a matmul's weight gradient is its compute-dtype copy's, cast to become the .grad: a
+        # computed-not-yet-stored gradient of the block (the parameter's size), not an activation
+        wcopy = {i: grad_block[o] for o, ins in self.casts.items() if o in grad_block
+                 for i in ins if creator[i] >= 0 and i not in grad_block and i not in saved}
         partial_live = 0
         cur_saved = 0
         bw_total = 0
@@ -114,6 +121,8 @@ class _Lifetimes:
                 grads_by[grad_block[s]] += nb
             elif s in grad_block:
                 pending_by[grad_block[s]] += nb
+            elif s in wcopy:
+                pending_by[wcopy[s]] += nb
             elif s in partial:
                 partial_live += nb
             elif s in saved:
@@ -218,7 +227,7 @@ class _OpCounter(TorchDispatchMode):
             self.flops[idx][1 if self.tracker.is_bw else 0] += int(
                 self.registry[func.overloadpacket](*args, **(kwargs or {}), out_val=out))
         if self.lifetimes is not None and self.tracker.is_bw:
-            self.lifetimes.backward_op(idx, (args, kwargs), out)
+            self.lifetimes.backward_op(idx, (args, kwargs), out, name == "_to_copy")
         if name in _FLOP_OPS:
             ph = 1 if self.tracker.is_bw else 0
             self.gemms[idx][ph] += 1

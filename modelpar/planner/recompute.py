@@ -61,13 +61,39 @@ def ac_load(ld, plan: ParallelPlan, cache=None):
             kept = max(sv - core, 0.0)
         else:
             kept = ac_in if is_checkpointed(layer, plan) else sv
-        recs.append(_record((sv, kept, rec.peaks, rec.params, rec.is_root, rec.in_grad)))   # `kept` replaced
+        recs.append(_record((sv, kept, rec.peaks, rec.params, rec.is_root, rec.in_grad, rec.in_saved)))  # kept replaced
         kept_total += kept
     bwd, rs = _backward_moments(tuple(recs), True, cache)
     out = dataclasses.replace(ld, saved_ac=kept_total, bwd_moments=bwd, rs_moments=rs, projections={},
                               ac_variants={}, key=ld.key + key)
     ld.ac_variants[key] = out
     return out
+
+
+def cast_copies(ld, plan: ParallelPlan) -> tuple[float, float]:
+    """Bytes of autocast's compute-dtype weight copies on a rank training ``ld`` (a `loads.RankLoad` of
+    the autocast profile) under ``plan``: (held from the loss's backward on, held besides until autocast
+    exits). torch.autocast casts each parameter a matmul reads once and caches the copy until the
+    outermost autocast region exits; the matmuls also save it for their backward. The runtime
+    (`modelpar.parallel.compose`) runs forward and loss inside autocast and backward after it, except
+    under a pipeline, whose schedule runs entirely inside it: there every copy lives through the step
+    (a recompute finds it cached). Without a pipeline a recomputed block (full, every-k) saved no
+    copy, so its copies are freed when autocast exits; its recompute in backward makes its own, held
+    while that block's backward runs (the largest such block's, counted throughout). The copies are
+    the forward matmuls' parameter bytes (`RankLoad.gemm_param_bytes`: neither the embedding tables
+    nor the norms); a recomputed block's, 2 B per parameter (its few norm parameters included).
+    Measured on CPU (`modelpar.measure.memory.autocast_cases`)."""
+    g = ld.gemm_param_bytes[0]
+    mode = plan.activation_checkpointing
+    if plan.pp > 1 or mode not in ("full", "every-k"):
+        return g, 0.0
+    key = ("cast", mode, plan.ac_every)
+    hit = ld.ac_variants.get(key)
+    if hit is None:
+        ck = [rec.params for rec, layer, *_ in ld.ac_blocks if is_checkpointed(layer, plan)]
+        keep = g - min(g, 2 * sum(ck)) + 2 * max(ck, default=0.0)
+        hit = ld.ac_variants[key] = (min(keep, g), g - min(keep, g))
+    return hit
 
 
 def recompute_share(ld, plan: ParallelPlan) -> tuple[float, float]:

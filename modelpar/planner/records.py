@@ -40,6 +40,8 @@ class BlockRecord(NamedTuple):
     params: float       # the block's parameters (elements)
     is_root: bool       # a transformer's embed / head: FSDP's root, not a unit
     in_grad: float      # bytes of the gradient w.r.t. the block's input (0 for the model's first block)
+    in_saved: float     # bytes of its input among ``saved`` (0 as a stage's first block): under full
+                        # checkpointing the same storage as the input it keeps, so counted once
 
 
 class BwdMoment(NamedTuple):
@@ -79,7 +81,10 @@ class ProjMode(NamedTuple):
     prev: bool          # gradients from earlier micro-batches / local batches exist
     rafw: bool          # FSDP's reshard_after_forward
     work: int           # bytes of a gathered / working parameter (2 bf16, 4 fp32)
-    pp: bool            # a pipeline
+    pp: int             # 0 none, 1 a pipeline, 2 one under autocast: its schedule runs inside autocast, whose
+                        # cached weight copies (made in the step's first forward) have the lowest autograd
+                        # sequence numbers of a later micro-batch's graph, so the engine casts their
+                        # gradients last and each stays alive (2 B/param) until the stage's backward ends
     gloo: bool          # collectives on gloo (its reduce-scatter copies its input)
     sharded_acc: bool   # sharded gradients of earlier local batches held (FSDP accumulation)
 
