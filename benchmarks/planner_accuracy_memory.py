@@ -25,8 +25,8 @@ import sys
 import time
 
 from modelpar.measure import launch
-from modelpar.measure.memory import (BATCHES, HF_MODELS, PARTS, autocast_tp_cases, compare,  # noqa: F401
-                                     format_table, make_cases, predict, profile_for, runtime_cases, summary)
+from modelpar.measure.memory import (BATCHES, HF_MODELS, PARTS, autocast_hf_cases, autocast_tp_cases,  # noqa: F401
+                                     compare, format_table, make_cases, predict, profile_for, runtime_cases, summary)
 
 
 def main(argv: list[str]) -> int:
@@ -53,6 +53,9 @@ def main(argv: list[str]) -> int:
     by_world = {} if args.only_runtime_cases else make_cases(models, worlds)
     if args.runtime_cases or args.only_runtime_cases:
         by_world.setdefault(2, []).extend(runtime_cases())
+        import importlib.util
+        if importlib.util.find_spec("transformers") is not None:
+            by_world[2].extend(autocast_hf_cases())
     if args.autocast_tp:
         by_world.setdefault(2, []).extend(autocast_tp_cases())
     for world, cases in sorted(by_world.items()):

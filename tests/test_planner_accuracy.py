@@ -153,7 +153,9 @@ def _hf_cases_2() -> list:
     # TP (Llama's declared plan; GPT-2's derived one: Conv1D, per-head c_attn, vocab-parallel tied head),
     # TP + SP, and a pipeline whose last stage holds no input-part parameters (params -23.5% / -5.8%
     # there before: its stubs kept embed_tokens / wpe allocated)
-    return cases + _hf_cases(2, "tp", "act")[1] + _hf_cases(2, "tp_sp", "")[1] + _hf_cases(2, "pp_gpipe", "act")[1]
+    # and bf16 DDP (autocast over fp32 weights) without and with full checkpointing
+    return (cases + _hf_cases(2, "tp", "act")[1] + _hf_cases(2, "tp_sp", "")[1] + _hf_cases(2, "pp_gpipe", "act")[1]
+            + b.autocast_hf_cases())
 
 
 @pytest.mark.timeout(400)
@@ -183,7 +185,7 @@ def test_memory_prediction_hf_models_ddp_fsdp_2_ranks():
     (activations +9.4% at local batch 8 before)."""
     pytest.importorskip("transformers")
     b, cases = _bench(), _hf_cases_2()
-    assert len(cases) == 14
+    assert len(cases) == 18
     res = _measured("mem2", cases)
     rows = [b.compare(c, res.get(c.name, {"error": "no result"})) for c in cases]
     print("\n" + b.format_table(rows))

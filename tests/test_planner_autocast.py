@@ -196,3 +196,20 @@ def test_autocast_profile_is_the_same_every_time():
     x = torch.zeros(1, 48, dtype=torch.long, device="meta")
     a, b = (profile_model(m, x, dtype=torch.bfloat16, autocast=True).autocast for _ in range(2))
     assert a.blocks == b.blocks
+
+
+def test_profiled_attention_follows_autocast_like_torchs():
+    """The profile routes F.scaled_dot_product_attention to the CPU flash kernel, which autocast does not
+    see: fp32 q / k / v (Llama's rotary embedding multiplies bf16 projections by fp32 cos / sin) stayed
+    fp32 there, where torch's sdpa under autocast runs in bf16. HF Llama (2 layers, bf16 DDP on CPU):
+    activations +7.9% before (56 KiB per sample and layer: fp32 q, k, output and one more cast),
+    +0.9% after (`planner_accuracy_memory`-style measurement, docs/planner.md session 16)."""
+    from modelpar.planner.profile_ops import _FlashAttention
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        with _FlashAttention():
+            got = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert want.dtype == got.dtype == torch.bfloat16
+    with _FlashAttention():                      # no autocast: fp32 stays fp32
+        assert torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).dtype == torch.float32

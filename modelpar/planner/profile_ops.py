@@ -101,8 +101,7 @@ class _Lifetimes:
         blocks between the two uses run their backward."""
         saved, grad_block, size, creator = self.saved, self.grad_block, self.size, self.creator
         partial = self.partial - set(grad_block)    # a partial that became the .grad is a gradient
-        # autocast: a matmul's weight gradient is its compute-dtype copy's, cast to become the .grad: a
-        # computed-not-yet-stored gradient of the block (the parameter's size), not an activation
+        # autocast: a matmul's weight gradient is its bf16 copy's, cast to become the .grad: pending, not an activation
         wcopy = {i: grad_block[o] for o, ins in self.casts.items() if o in grad_block
                  for i in ins if creator[i] >= 0 and i not in grad_block and i not in saved}
         partial_live = 0
@@ -366,8 +365,7 @@ def count_elementwise_bytes(fn) -> int:
 
 
 class _FlashAttention(TorchFunctionMode):
-    """Routes ``F.scaled_dot_product_attention`` (no mask, no dropout) to the fused CPU flash kernel,
-    whose meta/fake implementation and saved tensors match a fused GPU kernel's (see module docstring)."""
+    """Routes F.scaled_dot_product_attention (no mask, no dropout) to the CPU flash kernel (module docstring)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -377,6 +375,8 @@ class _FlashAttention(TorchFunctionMode):
             drop = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
             causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
             if mask is None and not drop and q.shape[-1] == v.shape[-1] and q.dim() == 4:
+                if torch.is_autocast_enabled("cpu"):     # autocast's rule for sdpa, which this call bypasses
+                    q, k, v = (t.to(torch.get_autocast_dtype("cpu")) for t in (q, k, v))
                 return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     q, k, v, 0.0, bool(causal), scale=kwargs.get("scale"))[0]
         return func(*args, **kwargs)
