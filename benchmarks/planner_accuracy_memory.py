@@ -11,7 +11,7 @@ each the value *at the moment of the peak*. Goal: |error| <= max(5%, 1 MiB) for 
 Hugging Face models from config (``hf-llama``, ``hf-gpt2``, `HF_MODELS`) run single, ddp, fsdp, tp, tp + SP
 (``tp_sp``) and pp (gpipe, 1f1b).
 
-Run: ``.venv/bin/python benchmarks/planner_accuracy_memory.py [--models gpt-nano,gpt-1m,hf-llama,...] [--worlds 1,2,4] [--runtime-cases | --only-runtime-cases] [--autocast-tp]``
+Run: ``.venv/bin/python benchmarks/planner_accuracy_memory.py [--models gpt-nano,gpt-1m,hf-llama,...] [--worlds 1,2,4] [--runtime-cases | --only-runtime-cases]``
 ``--save FILE`` writes the measurements (JSON, per case); ``--measured FILE`` skips the runs and
 re-predicts against a saved file (measurements are deterministic tensor bytes, so a model change can
 be checked in seconds).
@@ -25,7 +25,7 @@ import sys
 import time
 
 from modelpar.measure import launch
-from modelpar.measure.memory import (BATCHES, HF_MODELS, PARTS, autocast_hf_cases, autocast_tp_cases,  # noqa: F401
+from modelpar.measure.memory import (BATCHES, HF_MODELS, PARTS, autocast_hf_cases,  # noqa: F401
                                      compare, format_table, make_cases, predict, profile_for, runtime_cases, summary)
 
 
@@ -39,8 +39,6 @@ def main(argv: list[str]) -> int:
                     help="also the 2-rank runtime cases the tests measure (bucket views, FSDP accumulation, "
                          "selective / every-k checkpointing, bf16 autocast with each checkpointing mode and a pipeline)")
     ap.add_argument("--only-runtime-cases", action="store_true", help="the runtime cases alone")
-    ap.add_argument("--autocast-tp", action="store_true",
-                    help="also TP under bf16 autocast (an open gap, not in the tests)")
     ap.add_argument("--measured", metavar="FILE",
                     help="re-predict against measurements saved with --save (no runs)")
     args = ap.parse_args(argv)
@@ -56,8 +54,6 @@ def main(argv: list[str]) -> int:
         import importlib.util
         if importlib.util.find_spec("transformers") is not None:
             by_world[2].extend(autocast_hf_cases())
-    if args.autocast_tp:
-        by_world.setdefault(2, []).extend(autocast_tp_cases())
     for world, cases in sorted(by_world.items()):
         res = ({c.name: saved[c.name] for c in cases if c.name in saved} if saved is not None
                else launch(cases, world, timeout=args.timeout))

@@ -213,3 +213,18 @@ def test_profiled_attention_follows_autocast_like_torchs():
     assert want.dtype == got.dtype == torch.bfloat16
     with _FlashAttention():                      # no autocast: fp32 stays fp32
         assert torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).dtype == torch.float32
+
+
+def test_colwise_linears_cast_replicated_inputs():
+    """The profile counts the saved tensors between a colwise Linear's output and its rowwise partner as
+    sharded over TP. Under autocast k's and v's Linears each cast the (replicated) norm output
+    themselves, after q's output had opened that region, so the profile halved those two casts under TP
+    (gpt-1m tp2 bf16 on CPU: activations -5.6%). Replicated per block: the two fp32 norm inputs (2 B more
+    each than the bf16 profile's) and the k / v casts (2 B each): 8 bytes per token and width more."""
+    m, prof = _profiles()
+    ac, bf = prof.autocast.blocks[2], prof.blocks[2]
+    rep_ac = ac.saved_bytes - ac.saved_tp_sharded_bytes
+    rep_bf = bf.saved_bytes - bf.saved_tp_sharded_bytes
+    assert rep_ac - rep_bf == 8 * SEQ * m.cfg.d_model
+    # the sharded part is the same tensors at the same dtype (q / k / v outputs, attention, MLP hidden)
+    assert ac.saved_tp_sharded_bytes == bf.saved_tp_sharded_bytes

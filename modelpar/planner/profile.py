@@ -327,6 +327,8 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
         if getattr(type(mod), CORE_ATTR, False):
             core_inputs.append({a.untyped_storage()._cdata for a in tree_flatten(args)[0]
                                 if isinstance(a, torch.Tensor)})
+        if styles.get(fqn.get(mod, "")) == "colwise":    # its input is replicated: under autocast the
+            sharded_region[0] = False                    # Linear casts it itself (k / v after q's output)
         if (isinstance(mod, nn.Linear) or type(mod).__name__ == "Conv1D") and not sharded_region[0] \
                 and styles.get(fqn.get(mod, "")) != "rowwise":
             for a in tree_flatten(args)[0]:
