@@ -228,3 +228,26 @@ def test_colwise_linears_cast_replicated_inputs():
     assert rep_ac - rep_bf == 8 * SEQ * m.cfg.d_model
     # the sharded part is the same tensors at the same dtype (q / k / v outputs, attention, MLP hidden)
     assert ac.saved_tp_sharded_bytes == bf.saved_tp_sharded_bytes
+
+
+def test_pipeline_holds_the_copies_gradients_until_the_stages_backward_ends():
+    """A pipeline's schedule runs inside autocast: the copies were made in the step's first forward, so in
+    a later micro-batch's backward their cast nodes have the lowest autograd sequence numbers and run
+    last; each copy's bf16 gradient (2 B / parameter) of the stage's completed blocks is alive meanwhile.
+    The moment with earlier micro-batches' gradients (``prev``) of an autocast pipeline load counts it
+    (``ProjMode.pp`` = 2); other loads do not."""
+    from modelpar.planner.memory import _bwd_terms
+    from modelpar.planner.records import BwdMoment, ProjMode
+    c = BwdMoment(act=1.0, act_ac=1.0, done_units=10.0, done_root=3.0, stored=0.0, unit=5.0, prev_unit=0.0,
+                  next_unit=0.0, units_upto=5.0, pending=2.0)
+
+    def acts_k(pp):
+        return _bwd_terms(c, ProjMode(fsdp=False, ac=False, prev=True, rafw=False, work=2, pp=pp, gloo=False,
+                                      sharded_acc=False)).acts_k
+    assert acts_k(2) - acts_k(1) == 2 * (10.0 + 3.0) and acts_k(1) == acts_k(0) == 4 * 2.0
+    # the forms of an autocast pipeline load ask for that mode
+    _, prof = _profiles()
+    plan = ParallelPlan(precision="bf16", pp=2, n_microbatches=4)
+    ld = rank_loads(prof, plan, act_bytes=2, autocast=True)[0]
+    memory_form(ld, plan, optimizer="adamw").parts(1, 4, 1, 2.0)
+    assert ld.projections and all(m.pp == 2 for m in ld.projections)

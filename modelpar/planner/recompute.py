@@ -91,8 +91,8 @@ def cast_copies(ld, plan: ParallelPlan) -> tuple[float, float]:
     hit = ld.ac_variants.get(key)
     if hit is None:
         ck = [rec.params for rec, layer, *_ in ld.ac_blocks if is_checkpointed(layer, plan)]
-        keep = g - min(g, 2 * sum(ck)) + 2 * max(ck, default=0.0)
-        hit = ld.ac_variants[key] = (min(keep, g), g - min(keep, g))
+        keep = min(g, g - min(g, 2 * sum(ck)) + 2 * max(ck, default=0.0))
+        hit = ld.ac_variants[key] = (keep, g - keep)
     return hit
 
 
