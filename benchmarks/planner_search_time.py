@@ -1,7 +1,7 @@
 """Time the planner's full search (goal: under 1 second) at 3,072 and 16,384 devices.
 
-Profiles gpt-70b on the meta device (bf16 and its autocast variant, as `modelpar plan` does; not timed
-as search), then times `search_plans` over every
+Profiles gpt-70b on the meta device (bf16 and its autocast variant, as `modelpar plan` does:
+`cli.common.profile_for`; not timed as search), then times `search_plans` over every
 dp_replicate x dp_shard x tp x pp factorization of N H100s with all schedules, micro-batch counts,
 virtual stages, checkpointing modes and micro-batch sizes, and prints the counts and the top layouts.
 Default runs: 3,072 devices with a global batch of 3,072 sequences, and 16,384 devices with 16,384
@@ -25,30 +25,39 @@ Run: ``PYTHONPATH=. .venv/bin/python benchmarks/planner_search_time.py [N:BATCH 
 
 from __future__ import annotations
 
+import gc
 import statistics
 import sys
 import time
 
-import torch
-
-from modelpar.models import build_model
+from modelpar.cli.common import profile_for
 from modelpar.planner.hardware import BUILTIN
-from modelpar.planner.profile import profile_model
 from modelpar.planner.search import search_plans
 
 
 def reference_loop(n: int = 400_000, clock=time.process_time) -> float:
-    """Seconds (of ``clock``) of a fixed pure-Python workload (the same on every host and commit)."""
-    t0 = clock()
-    d: dict[tuple, float] = {}
-    acc = 0.0
-    for i in range(n):
-        k = (i & 1023, i % 7)
-        x = d.get(k, 0.5) * 1.000001 + i * 1e-9
-        d[k] = x
-        acc += max(x, acc * 1e-12) if i % 3 else min(x, 2.0)
-    assert acc > 0
-    return clock() - t0
+    """Seconds (of ``clock``) of a fixed pure-Python workload (the same on every host and commit).
+
+    Runs with the cyclic garbage collector paused, as the search does: its ~10^5 short-lived tuples
+    would otherwise trigger collections that walk every object the process holds, so the loop's time
+    depended on the heap the previous search left (one process, 2026-12-06: 0.19-0.59 s collecting,
+    0.19-0.24 s paused, over six searches)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        t0 = clock()
+        d: dict[tuple, float] = {}
+        acc = 0.0
+        for i in range(n):
+            k = (i & 1023, i % 7)
+            x = d.get(k, 0.5) * 1.000001 + i * 1e-9
+            d[k] = x
+            acc += max(x, acc * 1e-12) if i % 3 else min(x, 2.0)
+        assert acc > 0
+        return clock() - t0
+    finally:
+        if was:
+            gc.enable()
 
 
 def _spread(xs: list[float], fmt: str) -> str:
@@ -109,10 +118,8 @@ def main(argv: list[str]) -> int:
     a = build_parser().parse_args(argv)
     repeat, top = a.repeat, a.top
     runs = a.runs or list(DEFAULT_RUNS)
-    model = build_model("gpt-70b", device="meta")
     t0 = time.perf_counter()
-    prof = profile_model(model, torch.zeros(1, model.cfg.seq_len, dtype=torch.long, device="meta"),
-                         dtype=torch.bfloat16, autocast=True)      # as `modelpar plan` profiles bf16
+    prof, _ = profile_for("gpt-70b", {}, 0, "bf16")     # as `modelpar plan` profiles it (bf16 and autocast)
     print(f"profile gpt-70b: {time.perf_counter() - t0:.2f} s")
     ok = True
     res = {(n_gbs, k): ([], [], [], []) for n_gbs in runs for k in (None, top)}   # CPU s, wall s, ref s, ratio

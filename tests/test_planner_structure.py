@@ -191,3 +191,23 @@ def test_the_planner_charges_the_runtime_layout(monkeypatch):
     assert mem.comm_buffers == pytest.approx(4 * max(ld.max_unit_params, ld.root_params)) and mem.grads > 0
     assert ddp_mem.comm_buffers == pytest.approx(4 * ld.params) and ddp_mem.grads == 0.0
     assert ddp_step.dp_comm != pytest.approx(step.dp_comm, rel=0.1)
+
+
+@pytest.mark.parametrize("prec", ["fp32", "bf16"])
+def test_gpt_preset_profiled_short_equals_every_layer_profiled(prec):
+    """`profile_for` profiles a built-in GPT deeper than `PROFILE_LAYERS` at that depth and repeats its
+    steady layer (gpt-70b's 88 layers: ~1 s instead of ~20 s); the result equals profiling every
+    layer, the autocast variant (bf16) and a tied head included."""
+    import torch
+
+    from modelpar.cli.common import PROFILE_LAYERS, profile_for
+    from modelpar.models import build_model
+    from modelpar.planner.profile import profile_model
+
+    for cfg in ({"n_layer": PROFILE_LAYERS + 3}, {"n_layer": PROFILE_LAYERS + 2, "tie_embeddings": True}):
+        short, _ = profile_for("gpt-1m", cfg, 0, prec)
+        m = build_model("gpt-1m", device="meta", **cfg)
+        full = profile_model(m, torch.zeros(1, m.cfg.seq_len, dtype=torch.long, device="meta"),
+                             dtype=torch.bfloat16 if prec == "bf16" else torch.float32, autocast=prec == "bf16")
+        assert short == full and len(short.blocks) == cfg["n_layer"] + 2
+        assert (short.autocast is not None) == (prec == "bf16")

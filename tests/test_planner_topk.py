@@ -72,11 +72,11 @@ def test_top_k_is_the_full_rankings_head_hf_llama():
 
 
 def test_lower_bound_never_exceeds_a_candidates_step_time(monkeypatch):
-    """Every group's bounds (`step_lower_bound`, and each mode's from `_mode_entries`) against the
+    """Every group's bounds (`step_lower_bound`, `group_floor`, and each mode's from `_mode_entries`) against the
     exact step totals of the candidates the full ranking's `evaluate_group` produced in it; a mode
     with candidates is never left out of `_mode_entries`."""
     from modelpar.planner import search, topk
-    seen = []
+    seen, seen_1f1b, tighter = [], [], [0]
     real = search.evaluate_group
 
     def spy(S, L, b, m, acc, batch, ranked, keys):
@@ -84,12 +84,17 @@ def test_lower_bound_never_exceeds_a_candidates_step_time(monkeypatch):
         real(S, L, b, m, acc, batch, ranked, keys)
         L.form(S, L.plan(S, m, "none", 1, False), False)
         lb = topk.step_lower_bound(S, L, b, m, acc)
+        gf = topk.group_floor(S, L, b, m, acc)
         modes = {j: mlb for mlb, j in topk._mode_entries(S, L, b, m, acc)}
         for c, (t, _) in zip(ranked[n0:], keys[n0:]):
             p = c.plan
             j = S.ac_opts.index((p.activation_checkpointing, p.ac_every if p.activation_checkpointing == "every-k" else 1))
-            assert j in modes and lb <= t and modes[j] <= t, (p.describe(), b, lb, modes, t)
+            assert j in modes and lb <= t and gf <= t and modes[j] <= t, (p.describe(), b, lb, gf, modes, t)
             seen.append((modes[j], t))
+            if L.pp > 1 and L.sched == "1f1b":
+                seen_1f1b.append((lb, t))
+            if gf > lb:
+                tighter[0] += 1
     monkeypatch.setattr(search, "evaluate_group", spy)
     prof = _gpt("gpt-1b", "bf16")
     search_plans(prof, 64, BUILTIN["H100-80GB-SXM"], global_batch_size=512, precision="bf16")
@@ -97,8 +102,11 @@ def test_lower_bound_never_exceeds_a_candidates_step_time(monkeypatch):
     prof, _ = profile_for("gpt-1m", {}, 64, "fp32")
     search_plans(prof, 8, get_hardware(PINNED, local_ranks=8), global_batch_size=32, precision="fp32")
     assert len(seen) > 1000
-    # and not vacuous: the mode's bound is within a factor 2 of the time for most candidates
+    # and not vacuous: the mode's bound is within a factor 2 of the time for most candidates, the
+    # group floor is above the stage-0 bound for many, and the 1F1B stage-0 bound is not the bare compute
     assert sum(t < 2 * lb for lb, t in seen) > len(seen) / 2
+    assert tighter[0] > len(seen) / 10, (tighter[0], len(seen))
+    assert len(seen_1f1b) > 50 and sum(t < 1.5 * lb for lb, t in seen_1f1b) > len(seen_1f1b) / 2
 
 
 def test_layout_entries_are_step_lower_bound(monkeypatch):

@@ -59,17 +59,24 @@ def profile_for(model: str, model_config: dict, seq_len: int, precision: str, bl
         return (profile_model(um.model, x, dtype=dtype, blocks=default_blocks(um.model, blocks or None),
                               autocast=dtype == torch.bfloat16), f"{type(um.model).__name__} from {model}")
     kw = {"seq_len": seq_len} if (seq_len and model in PRESETS) else {}
+    layers = 0
     if model == "cnn":
         m = build_builtin(model)                     # tiny: profiled under FakeTensorMode
         x = torch.zeros(1, 1, 8, 8)
     else:
+        if model in PRESETS and not blocks:
+            # a GPT's layers are one class with one shape: profiled at `PROFILE_LAYERS` and deepened as
+            # `_hf_profile` does (gpt-70b: 88 layers; tests/test_planner_hf.py checks the two equal)
+            layers = int((model_config or {}).get("n_layer", PRESETS[model].n_layer))
+            if layers > PROFILE_LAYERS:
+                kw["n_layer"] = PROFILE_LAYERS
         m = build_builtin(model, model_config, device="meta", **kw)
         if model in MLP_PRESETS:
             x = torch.zeros(1, MLP_PRESETS[model][0], device="meta")
         else:
             x = torch.zeros(1, m.cfg.seq_len, dtype=torch.long, device="meta")
-    return profile_model(m, x, dtype=dtype, blocks=default_blocks(m, blocks or None),
-                         autocast=dtype == torch.bfloat16), model
+    prof = profile_model(m, x, dtype=dtype, blocks=default_blocks(m, blocks or None), autocast=dtype == torch.bfloat16)
+    return (deepen_profile(prof, layers) if layers > PROFILE_LAYERS else prof), model
 
 
 def factory_lm_seq_len(model: str, extra: dict, seq_len: int) -> int:
@@ -109,8 +116,29 @@ def hf_seq_len(name: str, cfg, seq_len: int) -> int:
     return seq_len or default_seq_len(limit)
 
 
-# a model deeper than this is profiled at this depth and its steady layers repeated (`_hf_profile`)
-HF_PROFILE_LAYERS = 4
+# a model deeper than this is profiled at this depth and its steady layers repeated (`deepen_profile`)
+PROFILE_LAYERS = 4
+HF_PROFILE_LAYERS = PROFILE_LAYERS
+
+
+def deepen_profile(p, layers: int):
+    """A profile of `PROFILE_LAYERS` layers (embedding or stem, the layers, the head) standing for
+    ``layers`` of them: the third layer's row repeated for every layer between the second and the
+    last (the first differs: it is the first to save what the others share, e.g. rotary tables, and
+    its input is the embedding's output; the last feeds the head), the autocast variant likewise.
+    ``arch["n_layer"]`` becomes ``layers``. Valid where every layer is one class with one shape
+    (`_hf_profile`, `profile_for`); tests/test_planner_hf.py checks it equals profiling every layer."""
+    import dataclasses
+
+    if p is None:
+        return None
+    b = list(p.blocks)
+    first, mid, last = b[1], b[3], b[-2]
+    stem = first.name.rsplit(".", 1)[0]
+    rows = [first] + [dataclasses.replace(mid, name=f"{stem}.{k}") for k in range(1, layers - 1)]
+    rows.append(dataclasses.replace(last, name=f"{stem}.{layers - 1}"))
+    return dataclasses.replace(p, blocks=(b[0], *rows, b[-1]), arch={**p.arch, "n_layer": layers},
+                               autocast=deepen_profile(p.autocast, layers))
 
 
 def _hf_profile(model: str, model_config: dict, seq_len: int, dtype, blocks: str = ""):
@@ -122,8 +150,6 @@ def _hf_profile(model: str, model_config: dict, seq_len: int, dtype, blocks: str
     others share; the last feeds the head); a test checks this equals profiling every layer. Configs
     with per-layer settings (``layer_types`` that differ, e.g. sliding-window layers), and models
     whose blocks ``--blocks`` names, are profiled whole."""
-    import dataclasses
-
     from modelpar.models.hf import build_hf, example_input, facts, load_config
     from modelpar.planner.profile import default_blocks, profile_model
 
@@ -140,19 +166,8 @@ def _hf_profile(model: str, model_config: dict, seq_len: int, dtype, blocks: str
     m = build_hf(model, over, device="meta", seed=None)
     x = example_input(m, 1, seq, device="meta")
     prof = profile_model(m, x, dtype=dtype, blocks=default_blocks(m, blocks or None), autocast=dtype == torch.bfloat16)
-
-    def deepen(p):              # the profiled layers standing for all `layers` (the autocast variant too)
-        if p is None:
-            return None
-        b = list(p.blocks)
-        first, mid, last = b[1], b[3], b[-2]
-        stem = first.name.rsplit(".", 1)[0]
-        rows = [first] + [dataclasses.replace(mid, name=f"{stem}.{k}") for k in range(1, layers - 1)]
-        rows.append(dataclasses.replace(last, name=f"{stem}.{layers - 1}"))
-        return dataclasses.replace(p, blocks=(b[0], *rows, b[-1]), arch={**p.arch, "n_layer": layers},
-                                   autocast=deepen(p.autocast))
     if short:
-        prof = deepen(prof)
+        prof = deepen_profile(prof, layers)
     what = f"seq {seq}" if f.task == "lm" else f"image {f.image_size}"
     return prof, f"{model} ({type(m.hf).__name__}, {what})"
 

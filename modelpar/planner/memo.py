@@ -28,7 +28,11 @@ class PlannerCache:
       causal, kernel) (`gpu.gpu_load_times`);
     - ``waves``: `gpu.layer_wave_seconds` per (tokens per micro-batch, width, FFN, TP degree) (`cost.StepForm`);
     - ``mem_classes``: `grid.memory_class` per rank load key, numbering the contents in ``mem_class_ids``,
-      and `grid._selection`'s class list per (rank list, checkpointing mode).
+      and `grid._selection`'s class list per (rank list, checkpointing mode);
+    - ``exposed``: `topk._exposed_floor`'s tables: (rank load, number of its content) per load object
+      (by ``id``, the object kept to check it), the content numbers (what `comms._comm_terms` reads of
+      a load for the exposed terms), and `topk._exposed_terms` per (content number, degrees, the step
+      form's collective options).
 
     A cache serves one profile and one hardware: `bind` records them on first use and refuses others
     (the tables are not keyed by either).
@@ -36,7 +40,7 @@ class PlannerCache:
 
     __slots__ = ("profile", "hw", "block_terms", "moments", "peaks", "projections", "links", "buckets",
                  "comms", "load_times", "recompute_flops", "attn_rates", "waves",
-                 "mem_classes", "mem_class_ids")
+                 "mem_classes", "mem_class_ids", "exposed")
 
     def __init__(self, profile=None, hw=None):
         self.profile = profile
@@ -54,6 +58,7 @@ class PlannerCache:
         self.waves: dict[tuple, tuple] = {}
         self.mem_classes: dict[tuple, tuple] = {}
         self.mem_class_ids: dict[tuple, int] = {}
+        self.exposed: tuple[dict, dict, dict] = ({}, {}, {})
 
     def bind(self, *, profile=None, hw=None) -> "PlannerCache":
         """Record the profile / hardware this cache serves (first use), and return ``self``.

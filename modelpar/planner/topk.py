@@ -73,11 +73,59 @@ def _exposed_terms(form, plan, i: int, ld, b: int) -> tuple[float, float]:
 
 
 def _copy_floor(form, plan) -> tuple[float, float]:
-    """The smallest of `_copy_terms` over the form's ranks, each part apart."""
+    """The smallest of `_copy_terms` over the form's ranks, each part apart (memoized in
+    ``form.floors`` under -2: it reads the layout's degrees and FSDP options only)."""
     if plan.dp_shard == 1 or not form.overlap or not form.fsdp_stream_copies:
         return 0.0, 0.0                  # `_copy_terms` of every rank
-    terms = [_copy_terms(form, plan, ld) for ld in form.loads]
-    return min(t[0] for t in terms), min(t[1] for t in terms)
+    hit = form.floors.get(-2)
+    if hit is None:
+        terms = [_copy_terms(form, plan, ld) for ld in form.loads]
+        hit = form.floors[-2] = min(t[0] for t in terms), min(t[1] for t in terms)
+    return hit
+
+
+def _exposed_floor(form, plan, b: int) -> tuple[float, float]:
+    """The smallest of `_exposed_terms` over the form's ranks, each part apart (memoized in
+    ``form.floors`` under -1: like them it does not depend on ``b``, the count or the checkpointing)."""
+    hit = form.floors.get(-1)
+    if hit is None:
+        # per distinct content of what `comms._comm_terms` reads of a load for these terms (a pipeline's
+        # interior ranks of equal blocks hold equal loads; layouts that differ by the schedule only
+        # share them), with the degrees and the form's options they read (`cost.StepForm.comms_at`)
+        by_load, contents, terms = form.cache.exposed if form.cache is not None else ({}, {}, {})
+        opts = (plan.dp_replicate, plan.dp_shard, plan.tp, plan.pp, form.wb, form.dp_overlap, form.reduce_bytes,
+                form.rep_rt, form.overlap)
+        e_mb = e_once = float("inf")
+        for i, ld in enumerate(form.loads):
+            num = by_load.get(id(ld))          # the load's content, numbered once per load object
+            if num is None or num[0] is not ld:
+                content = (ld.params, ld.root_params, ld.max_unit_params, ld.unit_sizes, ld.param_sizes)
+                num = by_load[id(ld)] = (ld, contents.setdefault(content, len(contents)))
+            key = (num[1], opts)
+            t = terms.get(key)
+            if t is None:
+                t = terms[key] = _exposed_terms(form, plan, i, ld, b)
+            e_mb, e_once = min(e_mb, t[0]), min(e_once, t[1])
+        hit = form.floors[-1] = e_mb, e_once
+    return hit
+
+
+def group_floor(S: Search, L: Layout, b: int, m: int, acc: int) -> float:
+    """`step_lower_bound` plus the exposed data-parallel collectives every rank has at least
+    (`_exposed_floor`), a lower bound (seconds) on the step total of every candidate of the group
+    under any checkpointing, deferred sync or not. Proof: `step_lower_bound`'s, with dp_comm >= the
+    slowest rank's copies + its `_exposed_terms` (`mode_lower_bound`), each at least the smallest
+    over the ranks (the form's loads: every rank under a pipeline, the one rank without; the every-k
+    form has the same ranks and collectives). Computed only for groups the walk pops (stage 0): over
+    all ~10^4 groups of every layout, the collectives of every pipeline rank cost more than they prune."""
+    form = L.sform
+    plan = L.plan(S, m, "none", 1, False)
+    _, _, t_f, t_b, t_rc, t_tp, fill = form._slowest(plan, b)
+    mbs = acc * (m if L.pp > 1 else 1)
+    c_mb, c_once = _copy_floor(form, plan)
+    e_mb, e_once = _exposed_floor(form, plan, b)
+    return (_work_floor(L, m, acc, t_f + t_b + t_rc + t_tp, fill) + min(form.opt) + mbs * (c_mb + e_mb)
+            + c_once + e_once) * (1.0 - _SLACK)
 
 
 def step_lower_bound(S: Search, L: Layout, b: int, m: int, acc: int) -> float:
@@ -97,8 +145,8 @@ def step_lower_bound(S: Search, L: Layout, b: int, m: int, acc: int) -> float:
     - bubble = accumulation x bub: for the fraction schedules (interleaved, zero-bubble, ZB-V)
       bub = `bubble_fraction` (p, m, v) x m x work_i >= that x W; for GPipe (every rank's times:
       `formulas.fill_drain_from_sums`) bub = the sum of the other stages' work >= (sum of every
-      stage's work without checkpointing) - W = U + D of the "none" sums; for 1F1B bub >= 0 (its
-      terms are sums of seconds and max(0, .)); without a pipeline 0.
+      stage's work without checkpointing) - W = U + D of the "none" sums; for 1F1B see `_work_floor`
+      (half the fill and drain of equal stages at least); without a pipeline 0.
     - optimizer = the slowest rank's optimizer seconds >= the smallest of the form's (``opt``).
     - dp_comm = the exposed collectives and copies: each a max(0, .) or a sum of seconds (the deferred
       sync's part is `comms._fsdp_exposed` with the reduce-scatter minus without, >= 0 as it is
@@ -113,17 +161,39 @@ def step_lower_bound(S: Search, L: Layout, b: int, m: int, acc: int) -> float:
     both sums, so the returned bound is <= the float total of every candidate of the group."""
     form = L.sform
     _, _, t_f, t_b, t_rc, t_tp, fill = form._slowest(L.plan(S, m, "none", 1, False), b)
-    w = t_f + t_b + t_rc + t_tp
-    p = L.pp
-    mbs = acc * (m if p > 1 else 1)
-    bub = 0.0
-    if p > 1:
-        if L.sched == "gpipe" and fill is not None:
-            bub = acc * (fill[0] + fill[1])
-        elif L.sched != "1f1b":
-            bub = acc * bubble_fraction(L.sched, p, m, L.v) * m * w
+    mbs = acc * (m if L.pp > 1 else 1)
     c_mb, c_once = _copy_floor(form, L.plan(S, m, "none", 1, False))
-    return (mbs * w + bub + min(form.opt) + mbs * c_mb + c_once) * (1.0 - _SLACK)
+    return (_work_floor(L, m, acc, t_f + t_b + t_rc + t_tp, fill) + min(form.opt) + mbs * c_mb + c_once) \
+        * (1.0 - _SLACK)
+
+
+def _work_floor(L: Layout, m: int, acc: int, w: float, fill) -> float:
+    """compute + recompute + tp_comm + bubble of every candidate of a group of ``L``, at least
+    (seconds), from the slowest rank's work ``w`` and `StepForm._slowest`'s ``fill`` without
+    checkpointing (`step_lower_bound`'s proof; the caller lowers the float sum by `_SLACK`).
+
+    1F1B (`formulas.fill_drain_from_sums`, one stage per rank). Under any checkpointing let j be the
+    slowest rank, w_j its work (forward f + backward b_), U and D the work of the stages before and
+    after it, h = p - j - 1 and S = U + w_j + D. With m >= h + 1 the step's part is
+    m w_j + U + max(0, D - h f) + max(0, D - h b_) >= m w_j + U + max(0, 2 D - h w_j), which is
+    >= (m - 1 - h / 2) w_j + S both where 2 D >= h w_j (it is then (m - 1 - h) w_j + S + D) and where
+    not (m w_j + S - w_j - D with D < h w_j / 2); with m < h + 1 it is m w_j + U + D = (m - 1) w_j + S.
+    So it is >= max(0, m - 1 - (p - 1) / 2) w_j + S, and >= m w_j (the bubble's terms are >= 0);
+    w_j >= W and S >= the same sum without checkpointing (each rank's work only grows), so both hold
+    with the "none" values: for equal stages of work w, (m + (p - 1) / 2) w, half of the fill and
+    drain of (m + p - 1) w."""
+    p = L.pp
+    if p == 1:
+        return acc * w
+    sched = L.sched
+    if sched == "1f1b":
+        if fill is None:
+            return acc * m * w
+        total = fill[0] + fill[1] + fill[2] + fill[3]      # U + D + the slowest stage's F + B
+        return acc * max(m * w, max(0.0, m - 1 - (p - 1) / 2) * w + total)
+    if sched == "gpipe":
+        return acc * m * w + (acc * (fill[0] + fill[1]) if fill is not None else 0.0)
+    return acc * m * w + acc * bubble_fraction(sched, p, m, L.v) * m * w
 
 
 def _layout_entries(S: Search, L: Layout, heap: list) -> None:
@@ -131,7 +201,7 @@ def _layout_entries(S: Search, L: Layout, heap: list) -> None:
     (`layouts.group_pruned`), each at `step_lower_bound`: the same floats, computed once per micro-batch
     size and micro-batch count (the slowest rank's times depend on b, the plan on m only)."""
     form = L.sform
-    p, sched, v, order = L.pp, L.sched, L.v, L.order
+    p, sched, order = L.pp, L.sched, L.order
     opt = min(form.opt)
     defer_ok = S.defer_grad_sync and L.ds > 1 and p == 1          # `layouts.can_defer` less acc > 1
     n_ac, rep = S.n_ac, S.rep
@@ -153,13 +223,8 @@ def _layout_entries(S: Search, L: Layout, heap: list) -> None:
             hit = per_b[b] = (t_f + t_b + t_rc + t_tp, fill)
         w, fill = hit
         mbs = acc * (m if p > 1 else 1)
-        bub = 0.0
-        if p > 1:
-            if sched == "gpipe" and fill is not None:
-                bub = acc * (fill[0] + fill[1])
-            elif sched != "1f1b":
-                bub = acc * bubble_fraction(sched, p, m, v) * m * w
-        heap.append(((mbs * w + bub + opt + mbs * c_mb + c_once) * (1.0 - _SLACK), order, gi, -1, 0, 0, L, b, m, acc, batch, None))
+        heap.append(((_work_floor(L, m, acc, w, fill) + opt + mbs * c_mb + c_once) * (1.0 - _SLACK), order, gi, -1,
+                     0, 0, L, b, m, acc, batch, None))
 
 
 def mode_lower_bound(S: Search, L: Layout, b: int, m: int, acc: int, ac: str, k: int) -> float:
@@ -248,6 +313,11 @@ def top_candidates(S: Search, layouts, k: int) -> tuple[list, list, dict]:
             break
         if stage == 0:
             heappop(heap)
+            if not var:     # first pop: re-enter at the tighter `group_floor` where it is above the key
+                gf = group_floor(S, L, b, m, acc)
+                if gf > lb:
+                    heappush(heap, (gf, order, gi, -1, 1, 0, L, b, m, acc, batch, None))
+                    continue
             split += 1
             for mlb, mj in _mode_entries(S, L, b, m, acc):
                 heappush(heap, (max(lb, mlb), order, gi, mj, 0, 1, L, b, m, acc, batch, None))
