@@ -24,7 +24,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,17 +89,56 @@ def _quote(a: str) -> str:
     return shlex.quote(a)
 
 
+class _Stopped(BaseException):
+    """A stop signal (SIGTERM, SIGHUP) arrived while this process waited on a launch."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by signal {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+@contextmanager
+def _stop_on_signals():
+    """While a launch runs: SIGTERM (``timeout``, ``kill``, Slurm's ``scancel``) and SIGHUP (a closed
+    terminal) raise `_Stopped` here, so the waiting code stops the launch's process group before this
+    process exits (their default action ends it at once: torchrun and its ranks, in a session of
+    their own, then ran on). Outside the main thread (where Python delivers signals) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, _frame):
+        raise _Stopped(signum)
+
+    old = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _exit_code(e: BaseException) -> None:
+    """Re-raise a `_Stopped` as the exit a shell reports for that signal (128 + its number)."""
+    if isinstance(e, _Stopped):
+        print(f"modelpar: {e}; the launch's processes were stopped", file=sys.stderr, flush=True)
+        raise SystemExit(128 + e.signum) from None
+
+
 def run_local(target: list[str], nproc: int, *, threads: int = 1, env: dict | None = None,
               max_restarts: int = 0) -> int:
     """Run ``target`` on ``nproc`` local ranks, output to this terminal; returns torchrun's exit code
-    (0 when every rank exited 0). Ctrl-C stops the launch's whole process group and re-raises."""
-    proc = subprocess.Popen(torchrun_cmd(nproc, target, max_restarts=max_restarts),
-                            env=worker_env(threads, env), start_new_session=True)
-    try:
-        return proc.wait()
-    except BaseException:
-        _kill_group(proc)
-        raise
+    (0 when every rank exited 0). Ctrl-C, SIGTERM or SIGHUP stops the launch's whole process group,
+    then re-raises (the signals as ``SystemExit(128 + signal number)``)."""
+    with _stop_on_signals():
+        proc = subprocess.Popen(torchrun_cmd(nproc, target, max_restarts=max_restarts),
+                                env=worker_env(threads, env), start_new_session=True)
+        try:
+            return proc.wait()
+        except BaseException as e:
+            _kill_group(proc)
+            _exit_code(e)
+            raise
 
 
 def run_command(target: list[str], nproc: int, *, threads: int = 1, env: dict | None = None):
@@ -106,18 +147,21 @@ def run_command(target: list[str], nproc: int, *, threads: int = 1, env: dict | 
 
     torchrun runs in a child process (`_quiet_torchrun`) whose own logging and ``ChildFailedError``
     report are silenced: the ranks' first error line, written into ``$MODELPAR_OUTCOME_DIR``, is what
-    the command reports. Ctrl-C stops the launch's whole process group and re-raises."""
+    the command reports. Ctrl-C, SIGTERM or SIGHUP stops the launch's whole process group, then
+    re-raises (as `run_local`); should this process die without that (SIGKILL), the launcher child
+    notices it lost its parent and stops its ranks (`_main`)."""
     import tempfile
 
     from modelpar.rank_outcome import OUTCOME_ENV, LaunchOutcome
 
-    with tempfile.TemporaryDirectory(prefix="modelpar-outcome-") as d:
-        cmd = [sys.executable, "-m", "modelpar.launch", *torchrun_cmd(nproc, target)[3:]]
+    with tempfile.TemporaryDirectory(prefix="modelpar-outcome-") as d, _stop_on_signals():
+        cmd = [sys.executable, "-m", "modelpar.launch", str(os.getpid()), *torchrun_cmd(nproc, target)[3:]]
         proc = subprocess.Popen(cmd, env=worker_env(threads, {**(env or {}), OUTCOME_ENV: d}), start_new_session=True)
         try:
             rc = proc.wait()
-        except BaseException:
+        except BaseException as e:
             _kill_group(proc)
+            _exit_code(e)
             raise
         code_file = Path(d, "code")
         code = int(code_file.read_text()) if code_file.exists() else None
@@ -181,18 +225,21 @@ def run_workers(target: list[str], nproc: int, result_path: str | os.PathLike | 
     cmd = torchrun_cmd(nproc, target, max_restarts=max_restarts)
     t0 = time.time()
     log = open(log_path, "w") if log_path else None
-    proc = subprocess.Popen(cmd, stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=worker_env(threads, env), cwd=cwd, start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=timeout_s)
-        rc = proc.returncode
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        out, _ = proc.communicate()
-        rc = None
-    except BaseException:               # KeyboardInterrupt: stop this launch's processes, then re-raise
-        _kill_group(proc)
-        raise
+        with _stop_on_signals():
+            proc = subprocess.Popen(cmd, stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    env=worker_env(threads, env), cwd=cwd, start_new_session=True)
+            try:
+                out, _ = proc.communicate(timeout=timeout_s)
+                rc = proc.returncode
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                out, _ = proc.communicate()
+                rc = None
+            except BaseException as e:      # Ctrl-C, SIGTERM, SIGHUP: stop this launch's processes, then re-raise
+                _kill_group(proc)
+                _exit_code(e)
+                raise
     finally:
         if log is not None:
             log.close()
@@ -205,11 +252,13 @@ def run_workers(target: list[str], nproc: int, result_path: str | os.PathLike | 
 
 
 def _kill_group(proc: subprocess.Popen | None) -> None:
+    """SIGTERM to the launch's process group (torchrun stops its ranks, each in a session of its own:
+    SIGTERM, then SIGKILL after its 30 s), SIGKILL to the group if it is not gone after 35 s."""
     if proc is None:
         return
     try:
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
+        proc.wait(timeout=35)
     except (ProcessLookupError, subprocess.TimeoutExpired):
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -246,5 +295,20 @@ def exit_rank(code: int = 0):
         os._exit(code)
 
 
-if __name__ == "__main__":        # `python -m modelpar.launch TORCHRUN_ARGS...`: see `run_command`
-    sys.exit(_quiet_torchrun(sys.argv[1:]))
+def _watch_parent(parent: int, period_s: float = 1.0) -> None:
+    """Send this process SIGTERM once ``parent`` is no longer its parent (it died, even by SIGKILL,
+    and this process was re-parented): torchrun's handler then stops its ranks. Runs in a daemon thread."""
+    while os.getppid() == parent:
+        time.sleep(period_s)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m modelpar.launch PARENT_PID TORCHRUN_ARGS...`` (`run_command`): torchrun, quiet, in
+    this process, stopped when the process ``PARENT_PID`` is gone."""
+    threading.Thread(target=_watch_parent, args=(int(argv[0]),), daemon=True).start()
+    return _quiet_torchrun(argv[1:])
+
+
+if __name__ == "__main__":        # `python -m modelpar.launch PARENT_PID TORCHRUN_ARGS...`: see `run_command`
+    sys.exit(_main(sys.argv[1:]))

@@ -108,3 +108,43 @@ def test_two_torchrun_agents_as_two_nodes(tmp_path, capsys):
     assert "on 2 rank(s), plan ddp2" in joined          # one job of world size 2 across both agents
     assert joined.count("wall time") == 1               # rank 0 alone reports
     assert (run / "summary.json").exists()              # in the run folder the launcher wrote
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (no /proc entry, or a zombie nobody reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGHUP", "SIGKILL"])
+def test_stopping_the_command_stops_its_ranks(tmp_path, how):
+    """A command stopped while its ranks run (``timeout``'s SIGTERM, a closed terminal's SIGHUP, or
+    SIGKILL, which no handler sees) leaves no rank running: the launch ran torchrun in a session of
+    its own, and each rank in another, so before this they ran on, reparented, to the end of training."""
+    import signal
+    import time
+
+    pidfile = tmp_path / "rank.pid"
+    rank = tmp_path / "rank.py"
+    rank.write_text("import os, sys, time\nopen(sys.argv[1], 'w').write(str(os.getpid()))\ntime.sleep(200)\n")
+    parent = subprocess.Popen([sys.executable, "-c", "import sys; from modelpar.launch import run_command; "
+                               f"run_command([{str(rank)!r}, {str(pidfile)!r}], 1)"], env=_env())
+    t0 = time.time()
+    while not (pidfile.exists() and pidfile.read_text()):
+        assert time.time() - t0 < 90 and parent.poll() is None, "the rank did not start"
+        time.sleep(0.2)
+    pid = int(pidfile.read_text())
+    assert not _gone(pid)
+    parent.send_signal(getattr(signal, how))
+    rc = parent.wait(timeout=60)
+    if how != "SIGKILL":           # the handler stopped the launch, then exited as the signal would
+        assert rc == 128 + getattr(signal, how), rc
+    t0 = time.time()
+    while not _gone(pid):
+        assert time.time() - t0 < 60, f"rank {pid} still runs {time.time() - t0:.0f} s after {how}"
+        time.sleep(0.2)
