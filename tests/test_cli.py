@@ -541,3 +541,22 @@ def test_optimizer_flag_one_meaning_in_every_command():
     w = torch.nn.Parameter(torch.ones(2, 2))
     opt = make_optimizer([w], "sgd_momentum", lr=0.1)
     assert isinstance(opt, torch.optim.SGD) and opt.param_groups[0]["momentum"] == 0.9
+
+
+def test_train_refuses_a_pipeline_cut_the_factory_forward_cannot_keep_before_launch(tmp_path):
+    """A factory model whose forward adds a residual around each block (`helpers.lm_factory.TinyLM`) is
+    refused under a pipeline by `modelpar train` before any process starts and before the run folder
+    (it was refused on the ranks after launch: the preflight held the model on meta, where only shapes
+    compare), with the fix named; the same model with the residual inside its blocks passes."""
+    from modelpar.cli.train import main as train_main, parse_train_config
+    from modelpar.train.loop import preflight
+
+    argv = ["--model", "helpers.lm_factory:lm", "--strategy", "pp", "--nproc", "2", "--steps", "1",
+            "--out-dir", str(tmp_path / "runs")]
+    with pytest.raises(ValueError, match=r"the pipeline stages chained differ from the whole forward .*residual "
+                                         r"inside each block's forward"):
+        train_main(argv)            # (`modelpar.cli.main` prints it as one line and exits with code 2)
+    assert not (tmp_path / "runs").exists()
+    cfg, _, _ = parse_train_config(["--model", "helpers.lm_factory:lm_pipelined", "--strategy", "pp", "--nproc", "2"])
+    plan, _ = preflight(cfg, 2)
+    assert plan.pp == 2

@@ -324,6 +324,40 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+
+def cut_pipeline(model: nn.Module, parts: ModelParts, plan: ParallelPlan, example_input: torch.Tensor | None,
+                 split_points=None, block_costs=None) -> tuple[list[tuple[int, int]], list | None]:
+    """Where ``plan``'s pipeline cuts ``parts`` and what crosses each boundary: ``(ranges, specs)``,
+    ``ranges`` the [start, end) blocks of each stage (``plan.stage_boundaries``, ``split_points``, the
+    costs ``block_costs`` or, by default, the planner's split), ``specs`` `pipeline.check_stage_boundaries`'
+    (None without an example). With an example micro-batch it first checks that the parts in order
+    reproduce the model (`check_parts_order`) and that the chained stages do (`pipeline.check_stage_boundaries`):
+    on real weights these compare values, on a meta-built model shapes only. `parallelize` runs it on
+    every rank; `modelpar.train.loop.preflight` runs it on a factory model's real weights before launch.
+
+    Raises:
+        ValueError: a model cut inside its own forward without an example; parts or stages that do not
+            reproduce the model (cases C5, C6 and glue a cut cannot keep); bad boundaries or split points.
+    """
+    specs = None
+    if example_input is None and parts.form == "forward":   # (a meta-built model is cut on a meta example)
+        raise ValueError(f"pipelines of {type(model).__name__} need an example micro-batch "
+                         f"(parallelize(..., example_input=...)) to find where its forward can be cut")
+    if example_input is not None:
+        check_parts_order(model, parts, example_input)
+    bounds = plan.stage_boundaries
+    if split_points:
+        from modelpar.parallel.stages import boundaries_from_split_points
+        bounds = boundaries_from_split_points(parts, split_points, plan.num_stages)
+    if bounds is None and block_costs is None and (example_input is not None or pipeline.is_transformer(model, parts)):
+        ranges = pipeline.planned_ranges(model, parts, plan.num_stages, example_input)   # the planner's split
+    else:
+        costs = pipeline.stage_costs(parts, block_costs, example_input) if bounds is None else None
+        ranges = pipeline.split_stages(parts, plan.num_stages, bounds, block_costs=costs)
+    if example_input is not None:
+        specs = pipeline.check_stage_boundaries(parts, ranges, example_input)
+    return ranges, specs
+
 def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn: Callable,
                 device: torch.device, example_input: torch.Tensor | None = None,
                 tp_plan: dict[str, str] | None = None, split_points: tuple[str, ...] | None = None,
@@ -410,24 +444,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
     # 1. pipeline split (first: every later step sees only this rank's stages)
     indices, ranges = [], []
     if plan.pp_enabled:
-        specs = None
         ex = example_input.to(dev0 if dev0.type == "meta" else device) if example_input is not None else None
-        if ex is None and parts.form == "forward":   # (a meta-built model is cut on a meta example)
-            raise ValueError(f"pipelines of {type(model).__name__} need an example micro-batch "
-                             f"(parallelize(..., example_input=...)) to find where its forward can be cut")
-        if ex is not None:
-            check_parts_order(model, parts, ex)
-        bounds = plan.stage_boundaries
-        if split_points:
-            from modelpar.parallel.stages import boundaries_from_split_points
-            bounds = boundaries_from_split_points(parts, split_points, plan.num_stages)
-        if bounds is None and block_costs is None and (ex is not None or pipeline.is_transformer(model, parts)):
-            ranges = pipeline.planned_ranges(model, parts, plan.num_stages, ex)   # the planner's split
-        else:
-            costs = pipeline.stage_costs(parts, block_costs, ex) if bounds is None else None
-            ranges = pipeline.split_stages(parts, plan.num_stages, bounds, block_costs=costs)
-        if ex is not None:
-            specs = pipeline.check_stage_boundaries(parts, ranges, ex)
+        ranges, specs = cut_pipeline(model, parts, plan, ex, split_points, block_costs)
         ties.check_ties(model, plan, parts, tp_plan=tp_plan, ranges=ranges, ties=tied)
         indices = pipeline.stage_indices(mesh.pp_rank, plan.pp, plan.virtual_stages, plan.pp_schedule)
         modules: list[nn.Module] = pipeline.build_stage_modules(parts, ranges, indices, specs)

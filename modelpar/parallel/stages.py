@@ -427,9 +427,18 @@ def check_chain(parts: ModelParts, ranges: list[tuple[int, int]], example) -> li
     diff = (ref.float() - x.float()).abs().max().item()
     if diff > 1e-5 * (1 + ref.float().abs().max().item()):
         raise ValueError(f"{type(model).__name__}: the pipeline stages chained differ from the whole forward by "
-                         f"{diff:.3g}; its forward does glue a stage cut cannot keep. Name the blocks with "
-                         f"--blocks PATH")
+                         f"{diff:.3g}: its forward computes something around its blocks ({_block_names(parts)}) "
+                         f"that a stage does not carry to the next, e.g. a residual `h = h + block(h)` written in "
+                         f"the model's forward; move that into the blocks (the residual inside each block's "
+                         f"forward), or name with --blocks PATH blocks whose outputs chain to the whole forward "
+                         f"(DDP, FSDP and TP need no cut)")
     return [None] * (n - 1)
+
+
+def _block_names(parts: ModelParts) -> str:
+    """The first and last of ``parts``' block names, e.g. ``blocks.0..blocks.3``."""
+    names = [n for n, _ in parts.blocks]
+    return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
 
 
 # ---- costs on one traced forward ----------------------------------------------------------------------

@@ -23,6 +23,7 @@ from modelpar.train.config import TrainConfig
 from modelpar.train.data import eval_shard
 from modelpar.train.step import OPTIMIZERS
 from modelpar.train.task import Task, build_task
+from modelpar.models.spec import model_kind
 from modelpar.train.materialise import check_meta_init
 from modelpar.train.tokens import check_lm_data
 
@@ -97,6 +98,8 @@ def preflight(cfg: TrainConfig, world_size: int, resolved=None) -> tuple[Paralle
     plan.validate(1 if plan.is_placement else world_size,
                   num_blocks=parts.num_blocks if parts.form != "whole" else None,
                   local_batch_size=batches.local_batch_size)
+    if plan.pp > 1 and model_kind(cfg.model) == "factory":
+        _cut_real_weights(cfg, plan, batches.micro_batch_size)
     tp_plan = (default_tp_plan(task.model, sequence_parallel=plan.sequence_parallel, tp_degree=plan.tp)[0]
                if plan.tp > 1 else None)
     if tp_plan is not None:
@@ -109,6 +112,27 @@ def preflight(cfg: TrainConfig, world_size: int, resolved=None) -> tuple[Paralle
 
         check_sync_batchnorm(True, "cuda" if torch.cuda.is_available() else "cpu")
     return plan, batches
+
+
+def _cut_real_weights(cfg: TrainConfig, plan: ParallelPlan, micro_batch_size: int) -> None:
+    """The pipeline cut every rank makes (`compose.cut_pipeline`), made here on the factory model's own
+    weights (a factory allocates them anyway; ``preflight`` holds the model on the meta device, where
+    only shapes compare): a forward whose glue a stage cut cannot keep (a residual added around each
+    block in the model's own forward) is refused before launch, as ``modelpar verify`` refuses it,
+    not on the ranks after the run folder exists.
+
+    Raises:
+        ValueError: the parts or the chained stages do not reproduce the model (naming the difference).
+    """
+    from modelpar.parallel.compose import cut_pipeline
+    from modelpar.train.task import example_input
+
+    real = build_task(cfg, device="cpu", load_data=False)
+    split_points = split_points_of(cfg.split_points)
+    ex = example_input(real, micro_batch_size)
+    with torch.no_grad():             # the parts as `parallelize` finds them: with the example micro-batch
+        parts = get_model_parts(real.model, split_points, blocks=cfg.blocks or None, example_input=ex)
+        cut_pipeline(real.model, parts, plan, ex, split_points)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
