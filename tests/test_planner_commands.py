@@ -31,17 +31,41 @@ def test_estimate_main_answers_fit(capsys):
     assert "ddp" in out and "yes: best plan" in out
 
 
-@pytest.mark.parametrize("factory", ["lm", "conv_classifier"])
+@pytest.mark.parametrize("factory", ["lm_pipelined", "conv_classifier"])
 def test_plan_and_estimate_take_every_factory_form(factory, capsys):
     """Both declared factory forms of docs/your-model.md: a language model (token ids of max_positions, not
     floats of its first Linear's width: an embedding lookup failed before) and a classifier that declares
     its shapes (refused before); its two blocks cap the pipeline's stages (the search raised "4 pipeline
-    stages but the model has only 2 blocks" on the language model before)."""
+    stages but the model has only 2 blocks" on the language model before). (docs' TinyLM, `lm`, adds its
+    residuals in its own forward: no pipeline, see the next test.)"""
     model = f"helpers.lm_factory:{factory}"
     assert plan_main(["--model", model, "--nproc", "2", "--top", "3"]) == 0
     assert "candidates considered" in capsys.readouterr().out
     assert estimate_main(["--model", model, "--nproc", "2", "--strategy", "pp"]) == 0
     assert "pp2(1f1b" in capsys.readouterr().out
+
+
+def test_no_pipeline_is_priced_for_a_factory_forward_a_cut_cannot_keep(capsys):
+    """`helpers.lm_factory.TinyLM` adds each block's residual in its own forward, which a stage cut loses
+    (train refuses its pipelines before launch): the search prices none of them (every pipeline layout
+    pruned with the reason; `plan` ranked 21 before), ``plan --strategy pp`` and ``estimate`` of a
+    pipeline say why, and the same model with the residual inside its blocks is priced as before."""
+    from modelpar.cli.common import profile_for
+    from modelpar.planner.search import search_plans
+
+    glue, _ = profile_for("helpers.lm_factory:lm", {}, 0, "fp32")
+    fine, _ = profile_for("helpers.lm_factory:lm_pipelined", {}, 0, "fp32")
+    assert "residual" in glue.pipeline_refusal and fine.pipeline_refusal == ""
+    hw = BUILTIN["H100-80GB-SXM"]
+    rep = search_plans(glue, 4, hw, global_batch_size=16)
+    assert rep.pruned["the model's forward cannot be cut into stages"] > 0
+    assert rep.ranked and all(c.plan.pp == 1 for c in rep.ranked)
+    assert any(c.plan.pp > 1 for c in search_plans(fine, 4, hw, global_batch_size=16).ranked)
+    for main in (plan_main, estimate_main):
+        with pytest.raises(ValueError, match="the pipeline stages chained differ from the whole forward"):
+            main(["--model", "helpers.lm_factory:lm", "--nproc", "2", "--strategy", "pp"])
+    assert plan_main(["--model", "helpers.lm_factory:lm", "--nproc", "2", "--top", "3"]) == 0
+    assert "the model's forward cannot be cut into stages" in capsys.readouterr().out
 
 
 def test_plan_refuses_a_factory_sequence_past_its_positions(capsys):
@@ -176,3 +200,14 @@ def test_plan_prices_exactly_a_plan_file(tmp_path, capsys):
         plan_main(base + ["--plan", str(f), "--nproc", "2"])          # the file's plan uses 4
     assert plan_main(base + ["--nproc", "4", "--strategy", "rules"]) == 0
     assert "one plan priced (rules:" in capsys.readouterr().out
+
+
+def test_strategy_auto_prices_no_pipeline_a_factory_forward_cannot_keep():
+    """`train --strategy auto`'s search (`train.auto.choose`) on the same factory model: the pipeline
+    layouts are pruned with the reason, and the one it picks is not a pipeline."""
+    from modelpar.train.auto import choose
+    from modelpar.train.config import TrainConfig
+
+    c = choose(TrainConfig(model="helpers.lm_factory:lm", hardware="A100-80GB", global_batch_size=16), 4,
+               measure_if_missing=False)
+    assert "the model's forward cannot be cut into stages" in c.reason and c.plan.pp == 1, c.reason

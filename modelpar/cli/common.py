@@ -56,8 +56,11 @@ def profile_for(model: str, model_config: dict, seq_len: int, precision: str, bl
                                  f"{{'model': m, 'task': 'classify', 'input_shape': [...], 'num_classes': K}} "
                                  f"or a 'batch_fn' from the factory")
             x = torch.zeros(1, *shapes[0])
-        return (profile_model(um.model, x, dtype=dtype, blocks=default_blocks(um.model, blocks or None),
-                              autocast=dtype == torch.bfloat16), f"{type(um.model).__name__} from {model}")
+        prof = profile_model(um.model, x, dtype=dtype, blocks=default_blocks(um.model, blocks or None),
+                             autocast=dtype == torch.bfloat16)
+        from modelpar.parallel.compose import with_pipeline_refusal
+
+        return (with_pipeline_refusal(prof, um.model, x, blocks), f"{type(um.model).__name__} from {model}")
     kw = {"seq_len": seq_len} if (seq_len and model in PRESETS) else {}
     layers = 0
     if model == "cnn":

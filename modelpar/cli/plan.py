@@ -110,6 +110,8 @@ def main(argv: list[str]) -> int:
     if family:
         from modelpar.plan import strategy_of
         ranked = [c for c in rep.ranked if strategy_of(c.plan) == strategy]
+        if not ranked and prof.pipeline_refusal and strategy.startswith("pp"):
+            raise ValueError(f"--strategy {strategy}: {prof.pipeline_refusal}")     # as train refuses it
         if rep.ranked and not ranked:
             best = rep.ranked[0]
             print(f"no {strategy} plan is feasible for {desc} on {n} x {hw.name} ({rep.summary()}); the best "
@@ -202,6 +204,8 @@ def _priced(a, given: set[str], pf, prof, n: int, hw, prec: str):
                              f"--global-batch-size is {gbs}; drop one")
     blocks = len(prof.blocks) - 2 if prof.arch and len(prof.blocks) >= 3 else len(prof.blocks)
     plan.validate(n, num_blocks=blocks)
+    if plan.pp > 1 and prof.pipeline_refusal:     # what train would refuse before launch
+        raise ValueError(f"{plan.describe()}: {prof.pipeline_refusal}")
     check_tp_degree(prof.arch, plan.tp)           # heads / key-value heads / widths / vocabulary
     bad = split_violations(prof.tp_splits, plan.tp)   # any model's TP plan (case C7), as the search checks
     if bad:

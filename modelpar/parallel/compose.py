@@ -358,6 +358,38 @@ def cut_pipeline(model: nn.Module, parts: ModelParts, plan: ParallelPlan, exampl
         specs = pipeline.check_stage_boundaries(parts, ranges, example_input)
     return ranges, specs
 
+
+def pipeline_cut_refusal(model: nn.Module, example_input: torch.Tensor, blocks: str | None = None) -> str:
+    """Why ``model`` cannot be cut into pipeline stages, or "" where it can: its parts found as
+    `parallelize` finds them on ``example_input`` (real weights: values compare), then the finest cut
+    (every block a stage) checked as `cut_pipeline` checks the plan's (`check_parts_order`,
+    `pipeline.check_stage_boundaries`): a forward that computes around its blocks fails at some cut.
+    The planner commands and ``--strategy auto`` price no pipeline for such a model (`ModelProfile.pipeline_refusal`),
+    which ``train`` would refuse before launch. A model with fewer than two blocks gives "" (the search
+    prunes more stages than layers itself)."""
+    try:
+        with torch.no_grad():
+            parts = get_model_parts(model, None, blocks=blocks, example_input=example_input)
+            if parts.num_blocks < 2:
+                return ""
+            check_parts_order(model, parts, example_input)
+            pipeline.check_stage_boundaries(parts, [(i, i + 1) for i in range(parts.num_blocks)], example_input)
+    except (ValueError, RuntimeError, TypeError) as e:
+        return str(e)
+    return ""
+
+
+def with_pipeline_refusal(profile, model: nn.Module, example_input: torch.Tensor, blocks: str = ""):
+    """``profile`` (`planner.profile.ModelProfile`) with its ``pipeline_refusal`` set from cutting
+    ``model``'s own weights (`pipeline_cut_refusal`): the search then prices no pipeline for a model
+    whose forward computes around its blocks, as ``train`` would refuse one (``plan``, ``estimate`` and
+    ``--strategy auto`` on factory models)."""
+    import dataclasses
+
+    dev = next((p.device for p in model.parameters()), example_input.device)
+    why = pipeline_cut_refusal(model, example_input.to(dev), blocks or None)
+    return dataclasses.replace(profile, pipeline_refusal=why) if why else profile
+
 def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn: Callable,
                 device: torch.device, example_input: torch.Tensor | None = None,
                 tp_plan: dict[str, str] | None = None, split_points: tuple[str, ...] | None = None,

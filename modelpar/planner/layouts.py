@@ -110,6 +110,9 @@ def layouts(S: Search, factorizations):
         if not arch and tp > 1 and any(b.num_params and b.num_params < tp for b in profile.blocks):
             pruned["tp larger than a layer"] += layout_total
             continue
+        if pp > 1 and profile.pipeline_refusal:     # its forward cannot be cut (train would refuse it)
+            pruned["the model's forward cannot be cut into stages"] += layout_total
+            continue
         sp = S.sequence_parallel and tp > 1
         mem_memo: dict[tuple, tuple] = {}     # rank memory of this layout's plans (`grid.plan_memory`)
         forms: dict[tuple, object] = {}      # and its `memory.MemoryForm`s

@@ -145,6 +145,10 @@ class ModelProfile:
     # and a bf16 copy of a Linear's input per Linear; `planner.loads.rank_loads` reads it for plans
     # whose runtime autocasts (`plan.autocasts`). None: not profiled (the bf16 profile stands in)
     autocast: "ModelProfile | None" = dataclasses.field(default=None, compare=False, repr=False)
+    # why the model's forward cannot be cut into pipeline stages, found by cutting its own weights as the
+    # runtime does (`modelpar.cli.common.profile_for` on a factory model; the search then ranks no
+    # pipeline); "": not found refused
+    pipeline_refusal: str = ""
 
     @property
     def num_params(self) -> int:

@@ -126,6 +126,13 @@ def _choose(cfg, world_size: int, *, strategy: str = "auto", measure_if_missing:
         raise ValueError(f"--strategy {strategy} needs the planner's profile of --model {cfg.model}, which failed "
                          f"({type(e).__name__}: {str(e)[:200]}); name a strategy instead (--strategy ddp, fsdp, "
                          f"...)") from e
+    from modelpar.models.spec import model_kind
+
+    if model_kind(cfg.model) == "factory":        # its own weights: can its forward be cut into stages?
+        from modelpar.parallel.compose import with_pipeline_refusal
+
+        real = build_task(cfg, device="cpu", load_data=False)
+        prof = with_pipeline_refusal(prof, real.model, example_input(real, 1), cfg.blocks or "")
     hw = hardware_for(cfg, world_size, measure_if_missing=measure_if_missing)
     if strategy == "rules":
         from modelpar.train.resolve import given_fields, with_checkpointing_given
