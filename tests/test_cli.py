@@ -412,6 +412,31 @@ def test_estimate_resolves_the_plan_flags_as_train(flags, tmp_path, capsys):
     assert want != ParallelPlan()                 # each case resolves to a layout or an error
 
 
+@pytest.mark.parametrize("flags", [["--strategy", "fsdp", "--nproc", "2"], ["--strategy", "pp", "--nproc", "2"],
+                                   ["--strategy", "ddp", "--nproc", "4"], ["--plan", "PLAN"]])
+def test_estimate_prices_the_batch_train_runs(flags, tmp_path, capsys):
+    """Without --micro-batch-size `estimate` prices the local batch and accumulation `train` runs with
+    the same flags (`train.loop.batch_terms`: global / dp, or the plan file's local batch); it
+    priced one sample per micro-batch before (gpt-nano fsdp on 2: local 1 and accumulation 4 where
+    train runs local 4 and accumulation 1)."""
+    from modelpar.cli.estimate import main
+    from modelpar.cli.options import run_world_size
+    from modelpar.cli.train import parse_train_config
+    from modelpar.plan import ParallelPlan
+    from modelpar.plan_file import PlanFile
+    from modelpar.train.loop import batch_terms
+    from modelpar.train.resolve import resolve
+
+    f = PlanFile(ParallelPlan(dp_shard=2, pp=2, n_microbatches=4), 8, 4).write(tmp_path / "plan.json")
+    argv = _BASE + [str(f) if a == "PLAN" else a for a in flags]
+    cfg, ns, given = parse_train_config(argv)
+    r = resolve(cfg, run_world_size(ns, given, cfg.strategy))
+    want = batch_terms(cfg, r.plan, r.local_batch_size)
+    main(argv + ["--json"])
+    got = json.loads(capsys.readouterr().out)
+    assert (got["global_batch_size"], got["local_batch_size"]) == (want.global_batch_size, want.local_batch_size)
+
+
 @pytest.mark.parametrize("mode", ["every-k", "none"])
 def test_checkpointing_flags_narrow_train_auto_and_plan_alike(mode, capsys):
     """--activation-checkpointing / --ac-every mean the same in `train --strategy auto`'s search and in

@@ -37,7 +37,8 @@ class EstimateOptions:
 
     Args:
         micro_batch_size: samples per forward/backward on one data-parallel rank, or per pipeline
-            micro-batch under PP (0: 1, or the plan file's).
+            micro-batch under PP (0: the plan file's, else what train runs with the same flags: the
+            global batch / dp samples per rank, no accumulation, in the plan's micro-batches).
     """
 
     micro_batch_size: int = 0
@@ -128,8 +129,14 @@ def _exact_answer(a, resolved, gbs: int, prof, desc, n: int, hw) -> int:
         if resolved.local_batch_size and resolved.local_batch_size != local:
             raise ValueError(f"--micro-batch-size {a.micro_batch_size} contradicts the plan file's local batch "
                              f"{resolved.local_batch_size} ({m} micro-batch(es)); drop one")
-    else:
-        local = resolved.local_batch_size or m
+    elif resolved.local_batch_size:
+        local = resolved.local_batch_size
+    else:                       # what `train` runs with the same flags (`train.loop.batch_terms`): global / dp
+        if gbs % plan.dp or gbs < plan.dp:
+            raise ValueError(f"global_batch_size={gbs} is not a multiple of the data-parallel degree {plan.dp} "
+                             f"(dp_replicate x dp_shard = {plan.dp_replicate} x {plan.dp_shard}); give "
+                             f"--micro-batch-size or a --global-batch-size that is")
+        local = gbs // plan.dp
     batch = Batch(gbs, local)
     batch.accumulation_steps(plan)                # raises naming the numbers
     mem = estimate_memory(prof, plan, batch, optimizer=a.optimizer, overhead_bytes=hw.framework_overhead_bytes)
