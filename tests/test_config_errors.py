@@ -189,3 +189,18 @@ def test_pipeline_evaluation_needs_one_local_batch_of_validation_samples():
         preflight(TrainConfig(**cfg, eval_samples=8), 2)
     assert preflight(TrainConfig(**cfg, eval_samples=16), 2)[0].pp == 2
     assert preflight(TrainConfig(**{**cfg, "strategy": "ddp"}, eval_samples=8), 2)[0].pp == 1
+
+
+@pytest.mark.parametrize("cmd", ["train", "plan", "estimate"])
+def test_bad_model_config_json_and_zero_batch_name_the_flag(cmd):
+    """--model-config that is not a JSON object says what JSON found (it printed jsonargparse's
+    'Parser key "model_config": Expected a <class 'dict'>'), and --global-batch-size 0 names the flag in
+    every command (plan / estimate said 'num_devices=2 and global_batch_size=0 must be >= 1')."""
+    import importlib
+
+    main = importlib.import_module(f"modelpar.cli.{cmd}").main
+    with pytest.raises(ValueError, match=r"^--model-config must be a JSON object, e\.g\. .*\(JSON: Expecting "
+                                         r"property name"):
+        main(["--model", "gpt-nano", "--nproc", "2", "--model-config", "{bad json"])
+    with pytest.raises(ValueError, match=r"^--global-batch-size must be >= 1, got 0$"):
+        main(["--model", "gpt-nano", "--nproc", "2", "--global-batch-size", "0"])

@@ -11,6 +11,8 @@ line by itself. `normalize_argv` accepts the old underscore spellings of ``train
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import sys
 import typing
 from argparse import RawDescriptionHelpFormatter
@@ -153,6 +155,16 @@ def parse(parser, argv: list[str]):
         return parser.parse_args(argv)
     except ArgumentError as e:
         msg = " ".join(str(e).split())
+        m = re.match(r'Parser key "(\w+)": Expected a <class \'dict\'>\. Got value: (.*)$', msg)
+        if m:               # a JSON object option (--model-config): say what JSON found wrong
+            key, value = m.groups()
+            try:
+                json.loads(value)
+                why = "not an object"
+            except json.JSONDecodeError as je:
+                why = f"JSON: {je}"
+            msg = (f"--{key.replace('_', '-')} must be a JSON object, e.g. '{{\"n_layer\": 8}}'; got {value!r} "
+                   f"({why})")
         raise ValueError(msg) from None
 
 

@@ -151,11 +151,12 @@ def world_size(ns, given: set[str]) -> int:
     """``--nproc``, or ``--nnodes x --gpus-per-node`` when both are given (``--nproc`` then must agree).
 
     Raises:
-        ValueError: the two disagree, or a count < 1.
+        ValueError: the two disagree, or a count < 1 (``--global-batch-size`` too, checked here as every
+            command asks for the world size before any work).
     """
-    for k in ("nproc", "nnodes"):
-        if getattr(ns, k) < 1:
-            raise ValueError(f"--{k} must be >= 1, got {getattr(ns, k)}")
+    for k in ("nproc", "nnodes", "global_batch_size"):
+        if getattr(ns, k, 1) < 1:
+            raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(ns, k)}")
     if ns.nnodes > 1 or ("gpus_per_node" in given and "nnodes" in given):
         if ns.gpus_per_node < 1:
             raise ValueError(f"--nnodes {ns.nnodes} needs --gpus-per-node (devices per node)")
