@@ -108,7 +108,8 @@ def _trace(model: nn.Module, example, block_ids: set[int]):
     finally:
         for h in handles:
             h.remove()
-    return calls, outs, _tensor_meta(first_in[0]) if first_in else None
+    got = type(first_in[0]).__name__ if first_in else "nothing"
+    return calls, outs, (_tensor_meta(first_in[0]) if first_in else None), got
 
 
 def trace_parts(model: nn.Module, container: str, blocks: list[tuple[str, nn.Module]], example) -> ModelParts:
@@ -121,7 +122,7 @@ def trace_parts(model: nn.Module, container: str, blocks: list[tuple[str, nn.Mod
     """
     name = type(model).__name__
     block_ids = {id(b) for _, b in blocks}
-    calls, outs, hidden = _trace(model, example, block_ids)
+    calls, outs, hidden, got = _trace(model, example, block_ids)
     seq = [calls.get(id(b), []) for _, b in blocks]
     wrong = [p for (p, _), c in zip(blocks, seq) if len(c) != 1]
     if wrong:
@@ -131,8 +132,12 @@ def trace_parts(model: nn.Module, container: str, blocks: list[tuple[str, nn.Mod
     if starts != sorted(starts):
         raise ValueError(f"{name}: the blocks of {container} do not run in their order in the container")
     if hidden is None:
-        raise ValueError(f"{name}: block {blocks[0][0]} gets no tensor as its first input (the hidden state "
-                         f"a pipeline stage receives); name other blocks with --blocks PATH")
+        raise ValueError(f"{name}: block {blocks[0][0]} gets a {got} as its first input, not a tensor: a stage "
+                         f"cut inside the model's own forward hands the next stage one tensor (the hidden state, "
+                         f"each block's first argument). Make the blocks take and return the hidden state as a "
+                         f"tensor, or give the model the sequential form (input part, blocks, output part as "
+                         f"children run in order: dicts and tuples of tensors then cross stages, case C6), or "
+                         f"name other blocks with --blocks PATH")
     first, last = seq[0][0][0], seq[-1][0][1]
     prefixes = {""} | {container.rsplit(".", k)[0] for k in range(container.count(".") + 1)} | {container}
     pre, post, bad = [], [], []
