@@ -178,7 +178,8 @@ def main(argv: list[str]) -> int:
     run_dir = make_run_dir(cfg)
     write_run_folder(cfg, resolved, batches, run_dir)
     text = (run_dir / "config.yaml").read_text()
-    print("effective config:\n" + "\n".join("  " + l for l in text.strip().splitlines()), flush=True)
+    print(f"effective config (layout: the fields given; null ones are the plan's, {plan.describe()}):\n"
+          + "\n".join("  " + l for l in text.strip().splitlines()), flush=True)
     print(f"run folder: {run_dir} (config.yaml, plan.json)", flush=True)
     target = ["-m", "modelpar", "train", "--run-dir", str(run_dir)]
     if ns.nnodes > 1:
