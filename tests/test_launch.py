@@ -148,3 +148,60 @@ def test_stopping_the_command_stops_its_ranks(tmp_path, how):
     while not _gone(pid):
         assert time.time() - t0 < 60, f"rank {pid} still runs {time.time() - t0:.0f} s after {how}"
         time.sleep(0.2)
+
+
+def test_stop_request_notes_the_signal_only_while_enabled():
+    """`StopRequest` (no process group: one rank) turns SIGTERM into a noted request while enabled and
+    gives the handler back on close; disabled, it installs nothing."""
+    import signal
+
+    from modelpar.train.stop import StopRequest
+
+    before = signal.getsignal(signal.SIGTERM)
+    off = StopRequest(False)
+    assert signal.getsignal(signal.SIGTERM) is before and off.agreed() == 0
+    on = StopRequest(True)
+    try:
+        assert on.agreed() == 0
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert on.agreed() == signal.SIGTERM
+    finally:
+        on.close()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigterm_saves_a_checkpoint_and_resume_continues_from_it(tmp_path):
+    """A preempted run (SIGTERM to `modelpar train`, passed on by torchrun to the ranks) with
+    checkpointing on finishes its step, saves a checkpoint there and exits 128 + 15; ``--resume auto``
+    continues from that step. Before, the ranks died where they were: the work since the last
+    periodic checkpoint (here: since step 0) was lost."""
+    import signal
+    import time
+
+    from modelpar.train.checkpoint.storage import list_checkpoints
+
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "modelpar", "train", *TINY[:2], "--nproc", "2", "--strategy", "ddp",
+            "--global-batch-size", "4", "--seq-len", "16", "--eval-samples", "8", "--ckpt-every", "100000",
+            "--log-every", "1", "--out-dir", str(out)]
+    parent = subprocess.Popen(argv + ["--steps", "100000"], env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    t0 = time.time()
+    while True:
+        metrics = list(out.glob("*/metrics.jsonl"))
+        if metrics and sum(1 for _ in metrics[0].open()) > 4:
+            break
+        assert time.time() - t0 < 120 and parent.poll() is None, "training did not start"
+        time.sleep(0.2)
+    parent.send_signal(signal.SIGTERM)
+    text, _ = parent.communicate(timeout=90)
+    assert parent.returncode == 128 + signal.SIGTERM, text[-2000:]
+    steps = [s for s, _ in list_checkpoints(out / "checkpoints")]
+    assert len(steps) == 2 and steps[0] == 0 and steps[1] > 0, (steps, text[-2000:])
+    assert f"stopped by SIGTERM after step {steps[1]} of 100000: checkpoint saved in" in text
+    r = subprocess.run(argv + ["--steps", str(steps[1] + 2), "--resume", "auto"], env=_env(), capture_output=True,
+                       text=True, timeout=180)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert f"at step {steps[1]} " in r.stdout, r.stdout[-2000:]

@@ -149,6 +149,18 @@ def expected_rate_line(cfg, tokens_per_s: float) -> str:
     return f"expected ~{round(tokens_per_s, -digits):,.0f} tokens/s on {where} (planner prediction)"
 
 
+def _train_or_stop(train, cfg, **kw) -> int:
+    """Exit code of a rank's run: 0 when it trained to the end, 128 + the signal's number when a stop
+    request (`modelpar.train.stop`) ended it after a checkpoint (the runner said so on rank 0)."""
+    from modelpar.train.stop import RunStopped
+
+    try:
+        train(cfg, **kw)
+    except RunStopped as e:
+        return 128 + e.signum
+    return 0
+
+
 def main(argv: list[str]) -> int:
     from modelpar.launch import multinode_commands, run_command, under_launcher
     from modelpar.rank_outcome import run_rank_and_exit
@@ -162,12 +174,11 @@ def main(argv: list[str]) -> int:
     if ns.run_dir:                              # a rank of a resolved run: read, validate, train
         cfg, resolved = read_run_folder(Path(ns.run_dir))
         if not under_launcher():
-            train(cfg, run_dir=Path(ns.run_dir), resolved=resolved)
-            return 0
-        run_rank_and_exit(lambda: (train(cfg, run_dir=Path(ns.run_dir), resolved=resolved), 0)[1],
+            return _train_or_stop(train, cfg, run_dir=Path(ns.run_dir), resolved=resolved)
+        run_rank_and_exit(lambda: _train_or_stop(train, cfg, run_dir=Path(ns.run_dir), resolved=resolved),
                           "modelpar train")     # an error: reported, no teardown
     if under_launcher():                        # started by the user's own torchrun
-        run_rank_and_exit(lambda: (train(cfg), 0)[1], "modelpar train")
+        run_rank_and_exit(lambda: _train_or_stop(train, cfg), "modelpar train")
     world = run_world_size(ns, given, cfg.strategy)     # 1 for single / placement; a plan file's own
     # only train --strategy auto calibrates by itself (rules and the rest: the uncalibrated estimate)
     resolved = resolve(cfg, world, measure_if_missing=cfg.strategy.lower() == "auto")

@@ -137,7 +137,9 @@ class TrainConfig:
             checkpoint folder or of a ckpt_dir; "" starts fresh. Any plan and world size may resume.
         ckpt_dir: folder of checkpoints (step-NNNNNNNN subfolders; "": OUT_DIR/checkpoints). Must be on a
             filesystem every rank sees.
-        ckpt_every: save a checkpoint after every N optimizer steps, at step 0 and at the end (0: never).
+        ckpt_every: save a checkpoint after every N optimizer steps, at step 0 and at the end (0: never);
+            with it on, SIGTERM or SIGUSR1 (preemption, a scheduler's time limit) also saves one after the
+            step in progress and stops the run (exit code 128 + the signal), to continue with --resume auto.
         keep_last: keep the newest K complete checkpoints in ckpt_dir (0: keep all).
         async_ckpt: write checkpoints in a background thread (torch.distributed.checkpoint.async_save);
             training goes on while the files are written.

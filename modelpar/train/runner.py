@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from modelpar.train.metrics import PeakTensorMemory, RunRecord, StepMemory, peak
 from modelpar.train.preflight_checks import check_optimizer_params, check_same_steps, install_first_step_checks
 from modelpar.train.step import train_step
 from modelpar.parallel.parts import split_points_of
+from modelpar.train.stop import RunStopped, StopRequest
 from modelpar.train.task import build_task, example_input
 
 
@@ -138,6 +140,8 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
         t_last = t_train
         val_loss = val_before
         ckpt.after_step(ckpt.start_step)                  # a checkpoint at step 0 too
+        # SIGTERM / SIGUSR1 (preemption, a time limit): with checkpoints on, finish the step, save, leave
+        stop = StopRequest(ckpt.saver is not None, device)
         for step in range(ckpt.start_step, cfg.steps):
             if heartbeat is not None:
                 heartbeat.beat(step)
@@ -180,6 +184,17 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
                                              f"{_fmt_bytes(peak_rss_bytes())} RSS")
                 progress.update(1)
             ckpt.after_step(step + 1)
+            signum = stop.agreed()
+            if signum:
+                where = ckpt.save_now(step + 1)
+                stop.close()
+                if progress is not None:
+                    progress.close()
+                record.log(step + 1, stopped_by=signal.Signals(signum).name)
+                e = RunStopped(signum, step + 1, cfg.steps, where)
+                say(str(e))
+                raise e
+        stop.close()
         ckpt.close()
         if progress is not None:
             progress.close()

@@ -99,22 +99,36 @@ class TrainCheckpoints:
         if self.saver is None or steps_done == self.loaded_step:
             return
         if steps_done % self.every == 0 or steps_done == self.cfg.steps:
-            cfg = self.cfg
-            meta = {"plan": self.pm.plan.to_dict(), "plan_description": self.pm.plan.describe(),
-                    "train_config": cfg.to_dict(), "model": cfg.model,
-                    "data_position": {"seed": cfg.seed, "next_step": steps_done,
-                                      "global_batch_size": cfg.global_batch_size},
-                    "lr_schedule": {k: getattr(cfg, k) for k in ("lr", "min_lr", "warmup_steps", "steps")},
-                    "tied_parameters": [list(t) for t in getattr(self.pm, "ties", [])]}
-            if self.spec is None:
-                from modelpar.train.task import model_spec
+            self._save(steps_done)
 
-                self.spec = model_spec(cfg)
-            meta["model_spec"] = self.spec
-            gpt_cfg = getattr(self._full_model_cfg(), "__dict__", None)
-            if gpt_cfg:
-                meta["model_config"] = {k: v for k, v in gpt_cfg.items() if isinstance(v, (int, float, str, bool))}
-            self.saver.save(self.holder, self.opt, steps_done, meta=meta)
+    def save_now(self, steps_done: int) -> str:
+        """Collective. Save after ``steps_done`` steps unless `after_step` just did (a stop request,
+        `StopRequest`), and finish the save; returns the checkpoint directory."""
+        if self.saver is None:
+            raise ValueError("save_now needs checkpointing on (ckpt_every > 0)")
+        if steps_done != self.loaded_step and steps_done % self.every and steps_done != self.cfg.steps:
+            self._save(steps_done)
+        self.close()
+        return str(self.ckpt_dir)
+
+    def _save(self, steps_done: int) -> None:
+        """Collective. Write the checkpoint after ``steps_done`` steps (its run metadata beside it)."""
+        cfg = self.cfg
+        meta = {"plan": self.pm.plan.to_dict(), "plan_description": self.pm.plan.describe(),
+                "train_config": cfg.to_dict(), "model": cfg.model,
+                "data_position": {"seed": cfg.seed, "next_step": steps_done,
+                                  "global_batch_size": cfg.global_batch_size},
+                "lr_schedule": {k: getattr(cfg, k) for k in ("lr", "min_lr", "warmup_steps", "steps")},
+                "tied_parameters": [list(t) for t in getattr(self.pm, "ties", [])]}
+        if self.spec is None:
+            from modelpar.train.task import model_spec
+
+            self.spec = model_spec(cfg)
+        meta["model_spec"] = self.spec
+        gpt_cfg = getattr(self._full_model_cfg(), "__dict__", None)
+        if gpt_cfg:
+            meta["model_config"] = {k: v for k, v in gpt_cfg.items() if isinstance(v, (int, float, str, bool))}
+        self.saver.save(self.holder, self.opt, steps_done, meta=meta)
 
     def _full_model_cfg(self):
         for m in self.pm.modules:
