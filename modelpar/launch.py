@@ -108,6 +108,8 @@ def _stop_on_signals():
         return
 
     def stop(signum, _frame):
+        for sig in old:             # a second signal must not cut the stopping of the launch short
+            signal.signal(sig, signal.SIG_IGN)
         raise _Stopped(signum)
 
     old = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
