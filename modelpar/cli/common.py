@@ -58,7 +58,7 @@ def profile_for(model: str, model_config: dict, seq_len: int, precision: str, bl
             x = torch.zeros(1, *shapes[0])
         prof = profile_model(um.model, x, dtype=dtype, blocks=default_blocks(um.model, blocks or None),
                              autocast=dtype == torch.bfloat16)
-        from modelpar.parallel.compose import with_pipeline_refusal
+        from modelpar.parallel.cut import with_pipeline_refusal
 
         return (with_pipeline_refusal(prof, um.model, x, blocks), f"{type(um.model).__name__} from {model}")
     kw = {"seq_len": seq_len} if (seq_len and model in PRESETS) else {}

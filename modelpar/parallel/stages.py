@@ -82,8 +82,8 @@ def default_example(model: nn.Module) -> torch.Tensor | None:
 
 @torch.no_grad()
 def _trace(model: nn.Module, example, block_ids: set[int]):
-    """Run ``model(example)``; returns (calls: id -> [[start, end]], first output meta per id,
-    hidden-state input meta of the first block)."""
+    """Run ``model(example)``; returns (calls: id -> [[start, end]], first output meta per id, the
+    first block's hidden-state input meta, and its type's name)."""
     calls: dict[int, list[list]] = {}
     outs: dict[int, object] = {}
     first_in: list = []
@@ -108,8 +108,7 @@ def _trace(model: nn.Module, example, block_ids: set[int]):
     finally:
         for h in handles:
             h.remove()
-    got = type(first_in[0]).__name__ if first_in else "nothing"
-    return calls, outs, (_tensor_meta(first_in[0]) if first_in else None), got
+    return calls, outs, *((_tensor_meta(first_in[0]), type(first_in[0]).__name__) if first_in else (None, "nothing"))
 
 
 def trace_parts(model: nn.Module, container: str, blocks: list[tuple[str, nn.Module]], example) -> ModelParts:
@@ -132,12 +131,10 @@ def trace_parts(model: nn.Module, container: str, blocks: list[tuple[str, nn.Mod
     if starts != sorted(starts):
         raise ValueError(f"{name}: the blocks of {container} do not run in their order in the container")
     if hidden is None:
-        raise ValueError(f"{name}: block {blocks[0][0]} gets a {got} as its first input, not a tensor: a stage "
-                         f"cut inside the model's own forward hands the next stage one tensor (the hidden state, "
-                         f"each block's first argument). Make the blocks take and return the hidden state as a "
-                         f"tensor, or give the model the sequential form (input part, blocks, output part as "
-                         f"children run in order: dicts and tuples of tensors then cross stages, case C6), or "
-                         f"name other blocks with --blocks PATH")
+        raise ValueError(f"{name}: block {blocks[0][0]} gets a {got} as its first input, not a tensor: a stage cut in "
+                         f"the model's own forward hands on one tensor. Make the blocks take and return a tensor, or "
+                         f"give the model the sequential form (input part, blocks, output part run in order: dicts "
+                         f"and tuples of tensors then cross stages, case C6), or name other blocks with --blocks PATH")
     first, last = seq[0][0][0], seq[-1][0][1]
     prefixes = {""} | {container.rsplit(".", k)[0] for k in range(container.count(".") + 1)} | {container}
     pre, post, bad = [], [], []
@@ -432,18 +429,11 @@ def check_chain(parts: ModelParts, ranges: list[tuple[int, int]], example) -> li
     diff = (ref.float() - x.float()).abs().max().item()
     if diff > 1e-5 * (1 + ref.float().abs().max().item()):
         raise ValueError(f"{type(model).__name__}: the pipeline stages chained differ from the whole forward by "
-                         f"{diff:.3g}: its forward computes something around its blocks ({_block_names(parts)}) "
-                         f"that a stage does not carry to the next, e.g. a residual `h = h + block(h)` written in "
-                         f"the model's forward; move that into the blocks (the residual inside each block's "
-                         f"forward), or name with --blocks PATH blocks whose outputs chain to the whole forward "
-                         f"(DDP, FSDP and TP need no cut)")
+                         f"{diff:.3g}: its forward computes something around its blocks ({parts.blocks[0][0]}.."
+                         f"{parts.blocks[-1][0]}) that a stage does not carry on, e.g. a residual `h = h + block(h)` "
+                         f"in the model's forward; move that into the blocks (the residual inside each block's "
+                         f"forward), or name with --blocks PATH blocks that chain to the whole forward (DDP, FSDP, TP need no cut)")
     return [None] * (n - 1)
-
-
-def _block_names(parts: ModelParts) -> str:
-    """The first and last of ``parts``' block names, e.g. ``blocks.0..blocks.3``."""
-    names = [n for n, _ in parts.blocks]
-    return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
 
 
 # ---- costs on one traced forward ----------------------------------------------------------------------

@@ -129,7 +129,7 @@ def _choose(cfg, world_size: int, *, strategy: str = "auto", measure_if_missing:
     from modelpar.models.spec import model_kind
 
     if model_kind(cfg.model) == "factory":        # its own weights: can its forward be cut into stages?
-        from modelpar.parallel.compose import with_pipeline_refusal
+        from modelpar.parallel.cut import with_pipeline_refusal
 
         real = build_task(cfg, device="cpu", load_data=False)
         prof = with_pipeline_refusal(prof, real.model, example_input(real, 1), cfg.blocks or "")

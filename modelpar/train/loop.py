@@ -115,7 +115,7 @@ def preflight(cfg: TrainConfig, world_size: int, resolved=None) -> tuple[Paralle
 
 
 def _cut_real_weights(cfg: TrainConfig, plan: ParallelPlan, micro_batch_size: int) -> None:
-    """The pipeline cut every rank makes (`compose.cut_pipeline`), made here on the factory model's own
+    """The pipeline cut every rank makes (`parallel.cut.cut_pipeline`), made here on the factory model's own
     weights (a factory allocates them anyway; ``preflight`` holds the model on the meta device, where
     only shapes compare): a forward whose glue a stage cut cannot keep (a residual added around each
     block in the model's own forward) is refused before launch, as ``modelpar verify`` refuses it,
@@ -124,7 +124,7 @@ def _cut_real_weights(cfg: TrainConfig, plan: ParallelPlan, micro_batch_size: in
     Raises:
         ValueError: the parts or the chained stages do not reproduce the model (naming the difference).
     """
-    from modelpar.parallel.compose import cut_pipeline
+    from modelpar.parallel.cut import cut_pipeline
     from modelpar.train.task import example_input
 
     real = build_task(cfg, device="cpu", load_data=False)
