@@ -211,3 +211,27 @@ def test_strategy_auto_prices_no_pipeline_a_factory_forward_cannot_keep():
     c = choose(TrainConfig(model="helpers.lm_factory:lm", hardware="A100-80GB", global_batch_size=16), 4,
                measure_if_missing=False)
     assert "the model's forward cannot be cut into stages" in c.reason and c.plan.pp == 1, c.reason
+
+
+def test_strategy_auto_profiles_a_deep_gpt_short_and_chooses_the_same(monkeypatch):
+    """`train --strategy auto` profiles a built-in GPT deeper than `PROFILE_LAYERS` at that depth (as
+    `plan` does) and chooses exactly what the whole profile gives: plan, local batch, reason (the
+    search's summary) and prediction."""
+    import modelpar.planner as planner
+    from modelpar.planner import profile_blocks
+    from modelpar.train.auto import choose
+    from modelpar.train.config import TrainConfig
+
+    seen, real = [], planner.profile_model
+
+    def spy(model, *a, **k):
+        seen.append(model.cfg.n_layer)
+        return real(model, *a, **k)
+
+    monkeypatch.setattr(planner, "profile_model", spy)
+    cfg = TrainConfig(model="gpt-1m", model_config={"n_layer": 7}, hardware="A100-80GB", global_batch_size=16,
+                      precision="bf16")
+    short = choose(cfg, 4, measure_if_missing=False)
+    monkeypatch.setattr(profile_blocks, "PROFILE_LAYERS", 100)       # the whole model, as before
+    whole = choose(cfg, 4, measure_if_missing=False)
+    assert seen == [4, 7] and short == whole, (seen, short, whole)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from modelpar.planner.profile_blocks import PROFILE_LAYERS, deepen_profile
+
 GIB = 2 ** 30
 
 
@@ -119,29 +121,8 @@ def hf_seq_len(name: str, cfg, seq_len: int) -> int:
     return seq_len or default_seq_len(limit)
 
 
-# a model deeper than this is profiled at this depth and its steady layers repeated (`deepen_profile`)
-PROFILE_LAYERS = 4
+# (`PROFILE_LAYERS`: a deeper GPT or uniform HF model is profiled at that depth, `deepen_profile`)
 HF_PROFILE_LAYERS = PROFILE_LAYERS
-
-
-def deepen_profile(p, layers: int):
-    """A profile of `PROFILE_LAYERS` layers (embedding or stem, the layers, the head) standing for
-    ``layers`` of them: the third layer's row repeated for every layer between the second and the
-    last (the first differs: it is the first to save what the others share, e.g. rotary tables, and
-    its input is the embedding's output; the last feeds the head), the autocast variant likewise.
-    ``arch["n_layer"]`` becomes ``layers``. Valid where every layer is one class with one shape
-    (`_hf_profile`, `profile_for`); tests/test_planner_hf.py checks it equals profiling every layer."""
-    import dataclasses
-
-    if p is None:
-        return None
-    b = list(p.blocks)
-    first, mid, last = b[1], b[3], b[-2]
-    stem = first.name.rsplit(".", 1)[0]
-    rows = [first] + [dataclasses.replace(mid, name=f"{stem}.{k}") for k in range(1, layers - 1)]
-    rows.append(dataclasses.replace(last, name=f"{stem}.{layers - 1}"))
-    return dataclasses.replace(p, blocks=(b[0], *rows, b[-1]), arch={**p.arch, "n_layer": layers},
-                               autocast=deepen_profile(p.autocast, layers))
 
 
 def _hf_profile(model: str, model_config: dict, seq_len: int, dtype, blocks: str = ""):

@@ -78,3 +78,28 @@ def _block_params(model, blocks, fqn, owner, block_of):
                 rows += [(fqn[m], pn, p) for pn, p in m.named_parameters(recurse=False)]
         out.append(rows)
     return out
+
+
+# a model deeper than this is profiled at this depth and its steady layers repeated (`deepen_profile`)
+PROFILE_LAYERS = 4
+
+
+def deepen_profile(p, layers: int):
+    """A profile of `PROFILE_LAYERS` layers (embedding or stem, the layers, the head) standing for
+    ``layers`` of them: the third layer's row repeated for every layer between the second and the
+    last (the first differs: it is the first to save what the others share, e.g. rotary tables, and
+    its input is the embedding's output; the last feeds the head), the autocast variant likewise.
+    ``arch["n_layer"]`` becomes ``layers``. Valid where every layer is one class with one shape (the
+    built-in GPTs and uniform Hugging Face configs: `cli.common.profile_for`, `train.auto`); tests
+    check it equals profiling every layer (tests/test_planner_hf.py, tests/test_planner_structure.py)."""
+    import dataclasses
+
+    if p is None:
+        return None
+    b = list(p.blocks)
+    first, mid, last = b[1], b[3], b[-2]
+    stem = first.name.rsplit(".", 1)[0]
+    rows = [first] + [dataclasses.replace(mid, name=f"{stem}.{k}") for k in range(1, layers - 1)]
+    rows.append(dataclasses.replace(last, name=f"{stem}.{layers - 1}"))
+    return dataclasses.replace(p, blocks=(b[0], *rows, b[-1]), arch={**p.arch, "n_layer": layers},
+                               autocast=deepen_profile(p.autocast, layers))
