@@ -585,3 +585,17 @@ def test_train_refuses_a_pipeline_cut_the_factory_forward_cannot_keep_before_lau
     cfg, _, _ = parse_train_config(["--model", "helpers.lm_factory:lm_pipelined", "--strategy", "pp", "--nproc", "2"])
     plan, _ = preflight(cfg, 2)
     assert plan.pp == 2
+
+
+def test_train_notes_a_sequence_past_a_gpt_presets_positions():
+    """``--seq-len`` past a built-in GPT's positions is allowed (the learned table is sized to it) but
+    noted before launch with what it costs (the run printed nothing for 10 minutes at 100,000)."""
+    from modelpar.cli.train import long_sequence_note
+    from modelpar.train.config import TrainConfig
+
+    note = long_sequence_note(TrainConfig(model="gpt-1m", seq_len=100_000))
+    assert "--seq-len 100,000 is past gpt-1m's 128 positions" in note and "12.8M parameters" in note, note
+    assert long_sequence_note(TrainConfig(model="gpt-1m", seq_len=128)) == ""
+    assert long_sequence_note(TrainConfig(model="gpt-1m")) == ""
+    assert long_sequence_note(TrainConfig(model="gpt-1m", seq_len=512, model_config={"seq_len": 1024})) == ""
+    assert long_sequence_note(TrainConfig(model="helpers.lm_factory:lm", seq_len=32)) == ""

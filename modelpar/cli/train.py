@@ -149,6 +149,26 @@ def expected_rate_line(cfg, tokens_per_s: float) -> str:
     return f"expected ~{round(tokens_per_s, -digits):,.0f} tokens/s on {where} (planner prediction)"
 
 
+def long_sequence_note(cfg) -> str:
+    """A note when ``--seq-len`` takes a built-in GPT past its preset's positions ("" otherwise): its
+    learned position table grows with the length (HF models refuse a length past their configured
+    positions instead; a GPT preset sizes the table to the request), and attention's work with its
+    square, so the run can be far larger and slower than the preset's name says."""
+    from modelpar.models import PRESETS
+
+    if cfg.model not in PRESETS or not cfg.seq_len:
+        return ""
+    base = PRESETS[cfg.model]
+    d = int((cfg.model_config or {}).get("d_model", base.d_model))
+    preset_len = int((cfg.model_config or {}).get("seq_len", base.seq_len))
+    if cfg.seq_len <= preset_len:
+        return ""
+    return (f"--seq-len {cfg.seq_len:,} is past {cfg.model}'s {preset_len:,} positions: its learned position table "
+            f"grows to {cfg.seq_len:,} x {d} ({cfg.seq_len * d / 1e6:,.1f}M parameters) and attention's work per "
+            f"sample by ({cfg.seq_len:,} / {preset_len:,})^2 = {(cfg.seq_len / preset_len) ** 2:,.0f}x; "
+            f"`modelpar estimate` prices a step first")
+
+
 def _train_or_stop(train, cfg, **kw) -> int:
     """Exit code of a rank's run: 0 when it trained to the end, 128 + the signal's number when a stop
     request (`modelpar.train.stop`) ended it after a checkpoint (the runner said so on rank 0)."""
@@ -183,6 +203,9 @@ def main(argv: list[str]) -> int:
     # only train --strategy auto calibrates by itself (rules and the rest: the uncalibrated estimate)
     resolved = resolve(cfg, world, measure_if_missing=cfg.strategy.lower() == "auto")
     plan, batches = preflight(cfg, world, resolved)
+    note = long_sequence_note(cfg)
+    if note:
+        print(f"modelpar train: note: {note}", flush=True)
     print(f"plan: {plan.describe()} on {world} rank(s) -- {resolved.reason}", flush=True)
     if resolved.predicted_tokens_per_s > 0:     # what the user should expect (README: the hosts' range)
         print(expected_rate_line(cfg, resolved.predicted_tokens_per_s), flush=True)
