@@ -112,11 +112,11 @@ class RankLoad:
     # causal attention calls (layout ``"SDPA"``: (B x H / t, S, D)): the shards' matmul shapes are
     # not profiled, and the FLOPs-only curve prices every matmul
     gemm_shapes: tuple = ()
-    # the backward of one micro-batch on this rank, as candidate peak moments (`_backward_moments`):
-    # inside each block's backward (`records.BwdMoment`), and (FSDP) at each unit's reduce-scatter
-    # (`records.ReduceMoment`), that `rank_memory` weighs with the plan's batch, sharding and schedule
-    bwd_moments: tuple = ()
-    rs_moments: tuple = ()
+    # the backward of one micro-batch here as candidate peak moments (`_backward_moments`, read as `bwd_moments` /
+    # `rs_moments`, computed on first read from ``moment_src``: block records, cache): in each block's backward and
+    # (FSDP) at each unit's reduce-scatter, that `rank_memory` weighs with the plan's batch, sharding and schedule
+    moments: tuple | None = field(default=None, repr=False, compare=False)
+    moment_src: tuple = field(default=((), None), repr=False, compare=False)
     out: float = 0.0               # last stage: the model output (logits) bytes per sample
     # `memory._projections` per `records.ProjMode`
     projections: dict = field(default_factory=dict, repr=False, compare=False)
@@ -145,6 +145,19 @@ class RankLoad:
     # activation scale, pipeline rank; `recompute.ac_load` appends its mode): the memo tables'
     # (`memo.PlannerCache`) key for it
     key: tuple = field(default=(), compare=False)
+
+    @property
+    def bwd_moments(self) -> tuple:         # `_backward_moments`' `records.BwdMoment`s of the rank
+        return (self.moments or self._moments())[0]
+
+    @property
+    def rs_moments(self) -> tuple:          # and its `records.ReduceMoment`s
+        return (self.moments or self._moments())[1]
+
+    def _moments(self) -> tuple:            # (only the plans whose memory is estimated read them)
+        recs, cache = self.moment_src
+        self.moments = _backward_moments(recs, False, cache) if recs else ((), ())
+        return self.moments
 
 
 def _adamw_temp(numels: list[tuple[float, bool]]) -> float:
@@ -462,14 +475,11 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
         ld.gemm_act_bytes = (tot["ga_f"], tot["ga_b"])
     for ld, rc, ab, sh in zip(loads, recs, acb, shapes):
         ld.gemm_shapes = tuple(sorted(sh.items()))
-        ld.bwd_moments, ld.rs_moments = _backward_moments(tuple(rc), False, cache)
+        ld.moment_src = (tuple(rc), cache)          # `RankLoad.bwd_moments` computes them when first read
         ld.ac_blocks = tuple(ab)
     for ld, nl, un in zip(loads, numels, units):
-        sizes = [k for k, _ in nl]
-        ld.numels = tuple(nl)
-        ld.num_tensors = len(nl)
-        ld.param_sizes = tuple(sizes)
-        ld.unit_sizes = tuple(un)
+        ld.numels, ld.num_tensors, ld.unit_sizes = tuple(nl), len(nl), tuple(un)
+        ld.param_sizes = tuple(k for k, _ in nl)
     last = loads[(len(rng) - 1) % plan.pp]
     last.is_last = True
     arch = profile.arch

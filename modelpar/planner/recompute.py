@@ -64,7 +64,7 @@ def ac_load(ld, plan: ParallelPlan, cache=None):
         recs.append(_record((sv, kept, rec.peaks, rec.params, rec.is_root, rec.in_grad, rec.in_saved)))  # kept replaced
         kept_total += kept
     bwd, rs = _backward_moments(tuple(recs), True, cache)
-    out = dataclasses.replace(ld, saved_ac=kept_total, bwd_moments=bwd, rs_moments=rs, projections={},
+    out = dataclasses.replace(ld, saved_ac=kept_total, moments=(bwd, rs), projections={},
                               ac_variants={}, key=ld.key + key)
     ld.ac_variants[key] = out
     return out
