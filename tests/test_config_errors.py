@@ -204,3 +204,15 @@ def test_bad_model_config_json_and_zero_batch_name_the_flag(cmd):
         main(["--model", "gpt-nano", "--nproc", "2", "--model-config", "{bad json"])
     with pytest.raises(ValueError, match=r"^--global-batch-size must be >= 1, got 0$"):
         main(["--model", "gpt-nano", "--nproc", "2", "--global-batch-size", "0"])
+
+
+def test_estimate_names_the_micro_batch_flag_when_the_batch_does_not_split():
+    """`estimate --micro-batch-size 3` on a batch it does not split names the flags given (it said
+    'local_batch_size x dp = 3 x 2', a name the user never typed), the micro-batch count under a pipeline."""
+    from modelpar.cli.estimate import main
+
+    with pytest.raises(ValueError, match=r"^--global-batch-size 16 is not a multiple of --micro-batch-size 3 x 2 "
+                                         r"data-parallel rank\(s\) = 6"):
+        main(["--model", "gpt-1m", "--nproc", "2", "--strategy", "fsdp", "--micro-batch-size", "3"])
+    with pytest.raises(ValueError, match=r"--micro-batch-size 3 x 4 micro-batches x 1 data-parallel rank\(s\) = 12"):
+        main(["--model", "gpt-1m", "--nproc", "2", "--strategy", "pp", "--micro-batch-size", "3"])

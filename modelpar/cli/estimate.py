@@ -138,6 +138,11 @@ def _exact_answer(a, resolved, gbs: int, prof, desc, n: int, hw) -> int:
                              f"--micro-batch-size or a --global-batch-size that is")
         local = gbs // plan.dp
     batch = Batch(gbs, local)
+    if a.micro_batch_size and gbs % (local * plan.dp):       # in the flags the user gave
+        per = f" x {m} micro-batches" if m > 1 else ""
+        raise ValueError(f"--global-batch-size {gbs} is not a multiple of --micro-batch-size {a.micro_batch_size}{per} "
+                         f"x {plan.dp} data-parallel rank(s) = {local * plan.dp}; give a --micro-batch-size that makes "
+                         f"this product divide it")
     batch.accumulation_steps(plan)                # raises naming the numbers
     mem = estimate_memory(prof, plan, batch, optimizer=a.optimizer, overhead_bytes=hw.framework_overhead_bytes)
     st = estimate_step(prof, plan, batch, hw, optimizer=a.optimizer)
