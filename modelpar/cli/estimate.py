@@ -132,7 +132,7 @@ def _exact_answer(a, resolved, gbs: int, prof, desc, n: int, hw) -> int:
     elif resolved.local_batch_size:
         local = resolved.local_batch_size
     else:                       # what `train` runs with the same flags (`train.loop.batch_terms`): global / dp
-        if gbs % plan.dp or gbs < plan.dp:
+        if gbs % plan.dp:
             raise ValueError(f"global_batch_size={gbs} is not a multiple of the data-parallel degree {plan.dp} "
                              f"(dp_replicate x dp_shard = {plan.dp_replicate} x {plan.dp_shard}); give "
                              f"--micro-batch-size or a --global-batch-size that is")

@@ -3,7 +3,8 @@ the full ranking, in its order and with its numbers, without evaluating every ca
 
 A best-first walk (`top_candidates`) over a heap of lower bounds that tighten in stages: every
 (layout, micro-batch size b, micro-batch count m) group enters at `step_lower_bound` (any
-checkpointing mode, deferred sync or not); popped, the memory of its plan without checkpointing
+checkpointing mode, deferred sync or not); popped the first time it re-enters at `group_floor`
+(every rank's exposed collectives added) where that is higher; popped, the memory of its plan without checkpointing
 splits it into the modes that can still produce candidates, each at `mode_lower_bound`; a mode
 popped gets its exact step total (per variant: deferred sync or not), and only a variant popped at
 its exact total has its memory checked (`layouts.fitting_variants`, the full ranking's own test).
@@ -118,14 +119,7 @@ def group_floor(S: Search, L: Layout, b: int, m: int, acc: int) -> float:
     over the ranks (the form's loads: every rank under a pipeline, the one rank without; the every-k
     form has the same ranks and collectives). Computed only for groups the walk pops (stage 0): over
     all ~10^4 groups of every layout, the collectives of every pipeline rank cost more than they prune."""
-    form = L.sform
-    plan = L.plan(S, m, "none", 1, False)
-    _, _, t_f, t_b, t_rc, t_tp, fill = form._slowest(plan, b)
-    mbs = acc * (m if L.pp > 1 else 1)
-    c_mb, c_once = _copy_floor(form, plan)
-    e_mb, e_once = _exposed_floor(form, plan, b)
-    return (_work_floor(L, m, acc, t_f + t_b + t_rc + t_tp, fill) + min(form.opt) + mbs * (c_mb + e_mb)
-            + c_once + e_once) * (1.0 - _SLACK)
+    return _floor_sum(S, L, b, m, acc, exposed=True) * (1.0 - _SLACK)
 
 
 def step_lower_bound(S: Search, L: Layout, b: int, m: int, acc: int) -> float:
@@ -159,12 +153,20 @@ def step_lower_bound(S: Search, L: Layout, b: int, m: int, acc: int) -> float:
       here), as is pp_comm (2 v x p2p seconds per micro-batch).
     The sum of these is taken in floats and lowered by `_SLACK` relative, which exceeds the rounding of
     both sums, so the returned bound is <= the float total of every candidate of the group."""
+    return _floor_sum(S, L, b, m, acc, exposed=False) * (1.0 - _SLACK)
+
+
+def _floor_sum(S: Search, L: Layout, b: int, m: int, acc: int, *, exposed: bool) -> float:
+    """`step_lower_bound`'s sum before `_SLACK` (``exposed``: with `group_floor`'s collectives)."""
     form = L.sform
-    _, _, t_f, t_b, t_rc, t_tp, fill = form._slowest(L.plan(S, m, "none", 1, False), b)
+    plan = L.plan(S, m, "none", 1, False)
+    _, _, t_f, t_b, t_rc, t_tp, fill = form._slowest(plan, b)
     mbs = acc * (m if L.pp > 1 else 1)
-    c_mb, c_once = _copy_floor(form, L.plan(S, m, "none", 1, False))
-    return (_work_floor(L, m, acc, t_f + t_b + t_rc + t_tp, fill) + min(form.opt) + mbs * c_mb + c_once) \
-        * (1.0 - _SLACK)
+    c_mb, c_once = _copy_floor(form, plan)
+    if exposed:
+        e_mb, e_once = _exposed_floor(form, plan, b)
+        c_mb, c_once = c_mb + e_mb, c_once + e_once
+    return _work_floor(L, m, acc, t_f + t_b + t_rc + t_tp, fill) + min(form.opt) + mbs * c_mb + c_once
 
 
 def _work_floor(L: Layout, m: int, acc: int, w: float, fill) -> float:
@@ -286,7 +288,8 @@ def top_candidates(S: Search, layouts, k: int) -> tuple[list, list, dict]:
 
     A best-first walk over a heap of lower bounds, in stages (each entry's key is a lower bound on
     the step total of every candidate it stands for, and never below its parent's):
-    0. each (layout, b, m) group at `step_lower_bound`;
+    0. each (layout, b, m) group at `step_lower_bound`; popped the first time, it re-enters at
+       `group_floor` where that is above the key (no memory estimated yet);
     1. popped, the group's memory without checkpointing decides which modes remain (`_mode_entries`),
        each re-entering at its `mode_lower_bound`;
     2. a (group, mode) popped: the step parts of its plan (and of the deferred-sync plan where the

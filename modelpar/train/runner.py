@@ -88,6 +88,7 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
     if run_dir is None and is_main:
         run_dir = make_run_dir(cfg)
     record = RunRecord(run_dir if is_main else None)
+    stop = None                 # the stop-signal handlers, given back on failure too (`StopRequest.close`)
     try:                        # the record's files (TensorBoard's writer thread) closed on failure too
         say(f"modelpar train: {cfg.model} on {world} rank(s), plan {plan.describe()}, "
             f"{nthreads} thread(s) per rank, device {device.type}")
@@ -187,7 +188,6 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
             signum = stop.agreed()
             if signum:
                 where = ckpt.save_now(step + 1)
-                stop.close()
                 if progress is not None:
                     progress.close()
                 record.log(step + 1, stopped_by=signal.Signals(signum).name)
@@ -227,6 +227,8 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
             say(f"run record: {run_dir}")
         return summary
     finally:
+        if stop is not None:
+            stop.close()
         record.close()
 
 
