@@ -110,20 +110,25 @@ def test_lower_bound_never_exceeds_a_candidates_step_time(monkeypatch):
 
 
 def test_layout_entries_are_step_lower_bound(monkeypatch):
-    """The stage-0 keys `_layout_entries` computes per layout are `step_lower_bound`'s floats."""
+    """The stage-0 keys `_layout_entries` computes per layout are `step_lower_bound`'s floats, and the
+    key its family entered at (stage -1) is at most every one of them (else the max would raise them)."""
     from modelpar.planner import topk
-    real, n = topk._layout_entries, [0]
+    real, n, layouts = topk._layout_entries, [0], set()
 
-    def spy(S, L, heap):
-        n0 = len(heap)
-        real(S, L, heap)
-        for e in heap[n0:]:
-            assert e[0] == topk.step_lower_bound(S, L, e[7], e[8], e[9])
-            n[0] += 1
+    def spy(S, L, heap, lb):
+        real(S, L, heap, lb)
+        layouts.add(id(L))
+        for e in heap:
+            if e[6] is L and e[5] == 0 and e[4] == 0:
+                slb = topk.step_lower_bound(S, L, e[7], e[8], e[9])
+                assert e[0] == slb and lb <= slb
+                n[0] += 1
     monkeypatch.setattr(topk, "_layout_entries", spy)
-    search_plans(_gpt("gpt-1b", "bf16"), 64, BUILTIN["H100-80GB-SXM"], global_batch_size=512, precision="bf16",
-                 top_k=5)
+    rep = search_plans(_gpt("gpt-1b", "bf16"), 64, BUILTIN["H100-80GB-SXM"], global_batch_size=512,
+                       precision="bf16", top_k=5)
     assert n[0] > 100
+    # families spare work: some layouts' groups never entered (their family's floor was above the 5th)
+    assert 0 < len(layouts) and n[0] < rep.topk_stats["groups"]
 
 
 def test_top_k_rejects_bad_values_and_choose_plan_uses_it():

@@ -237,21 +237,17 @@ def step_form(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, optimi
     f.shard_share = _nccl_share(plan, "dp_shard", hw, phys) if plan.dp_shard > 1 and f.overlap else 0.0
     f.rep_share = _nccl_share(plan, "dp_replicate", hw, phys) if plan.dp_replicate > 1 and f.overlap else 0.0
     # the optimizer step of each rank (no micro-batch term)
-    f.opt = []
-    for ld in loads:
-        local = ld.params / plan.dp_shard
-        loop = optimizer == "adamw" and plan.tp > 1 and not fused_tp_optimizer
-        if hw.kind == "cpu":
-            traffic, kernels = ((ADAMW_LOOP_TRAFFIC, ADAMW_LOOP_KERNELS) if loop
-                                else (OPT_TRAFFIC_CPU[optimizer], OPT_KERNELS[optimizer]))
-            opt = local * traffic / mem_s + ld.num_tensors * kernels * hw.op_overhead_s
-            if loop:
-                opt += 2 * hw.fresh_seconds([k / plan.dp_shard for k in ld.param_sizes], 4)
-        else:
-            opt = local * (ADAMW_LOOP_TRAFFIC if loop else OPT_TRAFFIC[optimizer]) / mem_s
-            if master_weights:
-                opt += local * MASTER_WEIGHT_TRAFFIC / mem_s
-        f.opt.append(opt)
+    loop = optimizer == "adamw" and plan.tp > 1 and not fused_tp_optimizer
+    ds = plan.dp_shard
+    if hw.kind == "cpu":
+        traffic, kernels = ((ADAMW_LOOP_TRAFFIC, ADAMW_LOOP_KERNELS) if loop
+                            else (OPT_TRAFFIC_CPU[optimizer], OPT_KERNELS[optimizer]))
+        f.opt = [ld.params / ds * traffic / mem_s + ld.num_tensors * kernels * hw.op_overhead_s
+                 + (2 * hw.fresh_seconds([k / ds for k in ld.param_sizes], 4) if loop else 0.0) for ld in loads]
+    else:
+        traffic = ADAMW_LOOP_TRAFFIC if loop else OPT_TRAFFIC[optimizer]
+        f.opt = ([ld.params / ds * traffic / mem_s + ld.params / ds * MASTER_WEIGHT_TRAFFIC / mem_s for ld in loads]
+                 if master_weights else [ld.params / ds * traffic / mem_s for ld in loads])
     # `runtime_layout(plan).sharded_grad_accumulation` of this layout's plans is this and not defer_grad_sync
     f.shard_acc = plan.dp_shard > 1 and plan.pp == 1
     f.per_b, f.slowest, f.comms, f.floors = {}, {}, {}, {}      # floors: `topk._exposed_terms` per rank

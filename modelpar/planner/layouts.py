@@ -24,7 +24,7 @@ class Search:
     __slots__ = ("profile", "hw", "rep", "budget", "cache", "ac_opts", "has_full", "n_ac", "num_layers",
                  "global_batch_size", "optimizer", "precision", "sequence_parallel", "dp_overlap",
                  "allow_fsdp", "defer_grad_sync", "overhead", "state_bytes", "mem_kw", "flops", "act_bytes",
-                 "load_cache", "flight_cache", "shared_times", "ranked", "sort_keys", "schedules", "inner", "ac_bounds",
+                 "load_cache", "flight_cache", "shared_times", "families", "ranked", "sort_keys", "schedules", "inner", "ac_bounds",
                  "representatives", "plan_of", "candidate")
 
 
@@ -159,15 +159,21 @@ def layouts(S: Search, factorizations):
             yield L
 
 
+def group_refusal(L: Layout, m: int) -> str | None:
+    """Why the layout's schedule refuses this micro-batch count, or None."""
+    if L.interleaved and m % L.pp:
+        return "interleaved needs n_microbatches divisible by pp"
+    if L.sched == "1f1b" and m < L.pp:      # torch's Schedule1F1B refuses it (ParallelPlan.validate)
+        return "1f1b needs n_microbatches >= pp"
+    return None
+
+
 def group_pruned(S: Search, L: Layout, m: int) -> bool:
     """Whether the schedule refuses this micro-batch count (counted in ``S.rep.pruned``)."""
-    if L.interleaved and m % L.pp:
-        S.rep.pruned["interleaved needs n_microbatches divisible by pp"] += S.n_ac
-        return True
-    if L.sched == "1f1b" and m < L.pp:      # torch's Schedule1F1B refuses it (ParallelPlan.validate)
-        S.rep.pruned["1f1b needs n_microbatches >= pp"] += S.n_ac
-        return True
-    return False
+    why = group_refusal(L, m)
+    if why is not None:
+        S.rep.pruned[why] += S.n_ac
+    return why is not None
 
 
 def can_defer(S: Search, L: Layout, acc: int) -> bool:

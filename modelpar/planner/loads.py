@@ -16,7 +16,7 @@ from modelpar.plan import ParallelPlan
 from modelpar.planner.memo import PlannerCache
 from modelpar.planner.profile import ModelProfile, tied_copies
 from modelpar.planner.profile_ops import SDPA_LAYOUT
-from modelpar.planner.records import BlockRecord, BlockTerms, BwdMoment, ReduceMoment, StageTerms, fast_new
+from modelpar.planner.records import BlockRecord, BlockTerms, BwdMoment, ReduceMoment, fast_new, stage_terms
 from modelpar.stage_split import split_blocks
 
 
@@ -298,6 +298,18 @@ class _BlockArgs(NamedTuple):
     shr: float          # local share of the block's parameters
 
 
+def _block_shapes(bl, t: int, bs: int) -> tuple:
+    """A block's (`RankLoad.gemm_shapes` key, calls) per sample (`records.GemmShape`): matmul shapes
+    without TP only; attention's (B x H, S, D) under TP too, H / t per rank."""
+    out = []
+    for g in bl.gemm_shapes:
+        if t == 1 or g.layout == SDPA_LAYOUT:
+            dims = [g.m, g.k, g.n]
+            dims[g.batch_dim] /= bs * (t if g.layout == SDPA_LAYOUT else 1)
+            out.append(((g.phase, g.layout, *dims, g.batch_dim), g.calls))
+    return tuple(out)
+
+
 def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: PlannerCache) -> BlockTerms:
     """Per-block contributions to a `RankLoad` for TP degree ``t`` (memoized in ``cache``, which
     serves one profile, per degree, sequence parallel and activation scale: the search builds ~200
@@ -310,7 +322,7 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: P
     n = len(profile.blocks)
     transformer = bool(profile.arch)
     pre = [(0,) * len(_SUMS)]
-    first_adj, unit_params, numels, rec_args = [], [], [], []
+    first_adj, unit_params, numels, rec_args, gemms = [], [], [], [], []
     ac_info = []        # per block: (layer index or -1, core saved bytes, fwd FLOPs, attention fwd FLOPs)
     for i, bl in enumerate(profile.blocks):
         is_end = transformer and (i == 0 or i == n - 1)
@@ -329,6 +341,7 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: P
         first_adj.append(((saved_first - saved) * scale / bs, -ac_in * scale / bs))
         unit_params.append(None if is_end else local)
         numels.append([(k / t if sh else k, mat) for k, mat, sh in bl.param_numels])
+        gemms.append(_block_shapes(bl, t, bs))
         ac_info.append((-1 if is_end else (i - 1 if transformer else i), bl.attn_core_saved_bytes / t * scale / bs,
                         bl.fwd_flops / bs / t, bl.fwd_attn_flops / bs / t))
         frac = bl.saved_tp_sharded_bytes / bl.saved_bytes if bl.saved_bytes else 0.0
@@ -370,33 +383,8 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: P
                            in_saved=0.0 if first else a.saved - a.saved_first)
 
     out = BlockTerms(prefix=pre, first_adj=first_adj, unit_params=unit_params, numels=numels, record=rec,
-                     ac_info=ac_info, stages={})
+                     ac_info=ac_info, stages={}, shapes=gemms)
     cache.block_terms[key] = out
-    return out
-
-
-def _stage_terms(profile: ModelProfile, terms: BlockTerms, t: int, a: int, b: int) -> StageTerms:
-    """What stage ``[a, b)`` adds to its rank's load beyond the prefix sums (`records.StageTerms`),
-    memoized in ``terms.stages``: the search's layouts cut the blocks into few distinct stages (one
-    split per stage count), so most of its ~200 `rank_loads` calls find every stage there. The
-    shapes' calls are counts (integers), so a rank's sum over its stages' sums is exact."""
-    numels, units, recs, acb, shapes = [], [], [], [], {}
-    bs = profile.batch_size
-    for i in range(a, b):
-        numels.extend(terms.numels[i])
-        u = terms.unit_params[i]
-        if u is not None:
-            units.append(u)
-        recs.append(terms.record(i, i == a, i == b - 1))
-        acb.append((recs[-1],) + terms.ac_info[i])
-        for g in profile.blocks[i].gemm_shapes:         # `records.GemmShape`
-            # matmul shapes without TP only; attention's (B x H, S, D) under TP too, H / t per rank
-            if t == 1 or g.layout == SDPA_LAYOUT:
-                dims = [g.m, g.k, g.n]
-                dims[g.batch_dim] /= bs * (t if g.layout == SDPA_LAYOUT else 1)
-                key = (g.phase, g.layout, *dims, g.batch_dim)
-                shapes[key] = shapes.get(key, 0) + g.calls
-    out = terms.stages[(a, b)] = StageTerms(numels, units, recs, acb, shapes, max(units, default=0.0))
     return out
 
 
@@ -422,7 +410,7 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
     bs = profile.batch_size
     rng = plan_stage_ranges(profile, plan)
     terms = _block_terms(profile, t, sp, scale, cache)
-    pre, first_adj = terms.prefix, terms.first_adj
+    first_adj = terms.first_adj
     bkey = (tuple(plan.stage_boundaries),) if plan.stage_boundaries and plan.num_stages > 1 else ()
     variant = (True,) if profile is not base else ()
     loads = [RankLoad(key=(t, sp, plan.num_stages, plan.pp, scale, r) + bkey + variant, autocast=bool(variant))
@@ -430,6 +418,7 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
     sums = [[0] * len(_SUMS) for _ in range(plan.pp)]
     numels: list[list[tuple[float, bool]]] = [[] for _ in range(plan.pp)]
     units: list[list[float]] = [[] for _ in range(plan.pp)]       # FSDP units' parameters, in order
+    sizes: list[list[float]] = [[] for _ in range(plan.pp)]       # each tensor's elements (numels' first)
     recs: list[list[tuple]] = [[] for _ in range(plan.pp)]
     acb: list[list[tuple]] = [[] for _ in range(plan.pp)]
     shapes: list[dict] = [{} for _ in range(plan.pp)]
@@ -438,15 +427,13 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
     for s, (a, b) in enumerate(rng):
         r = s % plan.pp
         ld = loads[r]
-        acc = sums[r]
-        hi, lo = pre[b], pre[a]
-        for j in range(len(acc)):
-            acc[j] += hi[j] - lo[j]
+        st = terms.stages.get((a, b)) or stage_terms(terms, a, b)
+        sums[r] = acc = [x + d for x, d in zip(sums[r], st.diff)]     # the same floats as summing in place
         acc[_SAVED] += first_adj[a][0]
         acc[_SAVED_AC] += first_adj[a][1]
-        st = terms.stages.get((a, b)) or _stage_terms(profile, terms, t, a, b)
         ld.max_unit_params = max(ld.max_unit_params, st.max_unit)
         numels[r].extend(st.numels)
+        sizes[r].extend(st.sizes)
         units[r].extend(st.units)
         recs[r].extend(st.records)
         acb[r].extend(st.ac_blocks)
@@ -466,6 +453,7 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
             sums[r][_PARAMS] += k
             sums[r][_ROOT] += k if end else 0.0
             numels[r].append((k, mat))
+            sizes[r].append(k)
     for ld, acc in zip(loads, sums):
         tot = dict(zip(_SUMS, acc))
         for k in _LOAD_SUMS:
@@ -477,9 +465,8 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
         ld.gemm_shapes = tuple(sorted(sh.items()))
         ld.moment_src = (tuple(rc), cache)          # `RankLoad.bwd_moments` computes them when first read
         ld.ac_blocks = tuple(ab)
-    for ld, nl, un in zip(loads, numels, units):
-        ld.numels, ld.num_tensors, ld.unit_sizes = tuple(nl), len(nl), tuple(un)
-        ld.param_sizes = tuple(k for k, _ in nl)
+    for ld, nl, un, sz in zip(loads, numels, units, sizes):
+        ld.numels, ld.num_tensors, ld.unit_sizes, ld.param_sizes = tuple(nl), len(nl), tuple(un), tuple(sz)
     last = loads[(len(rng) - 1) % plan.pp]
     last.is_last = True
     arch = profile.arch

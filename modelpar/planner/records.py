@@ -127,11 +127,12 @@ class BlockTerms(NamedTuple):
     record: Callable        # record(i, first, last) -> the block's `BlockRecord` at that place
     ac_info: list           # per block: (layer index or -1, attention-core saved bytes, forward
                             # FLOPs, fused-attention forward FLOPs), per sample
-    stages: dict            # per stage range (a, b): its `StageTerms` (`loads._stage_terms`, filled on use)
+    stages: dict            # per stage range (a, b): its `StageTerms` (`stage_terms`, filled on use)
+    shapes: list            # per block: ((`loads.RankLoad.gemm_shapes` key, calls), ...) per sample
 
 
 class StageTerms(NamedTuple):
-    """`loads._stage_terms`: what one stage (blocks a..b-1) adds to its rank's `loads.RankLoad`
+    """`stage_terms`: what one stage (blocks a..b-1) adds to its rank's `loads.RankLoad`
     beyond the prefix sums, for one `BlockTerms` (TP degree, sequence parallel, activation scale)."""
 
     numels: list            # (elements, is a matrix) of each parameter tensor, in block order
@@ -140,6 +141,8 @@ class StageTerms(NamedTuple):
     ac_blocks: list         # each block's `RankLoad.ac_blocks` entry
     shapes: dict            # `RankLoad.gemm_shapes`' calls per shape key, summed over the stage's blocks
     max_unit: float         # the largest FSDP unit's parameters (0.0 for none)
+    diff: tuple             # the prefix sums' difference over the stage, in the order of `loads._SUMS`
+    sizes: tuple            # the elements of each parameter tensor (``numels``' first fields)
 
 
 class SlowestRank(NamedTuple):
@@ -160,3 +163,23 @@ def fast_new(cls):
     the Python frame of ``cls(...)`` (`tuple.__new__` itself, as ``cls._make`` uses): for the search's
     inner loops, where a record is built ~10^5 times per search."""
     return functools.partial(tuple.__new__, cls)
+
+
+def stage_terms(terms: BlockTerms, a: int, b: int) -> StageTerms:
+    """What stage ``[a, b)`` adds to its rank's `loads.RankLoad` beyond the prefix sums, memoized in
+    ``terms.stages``: the search's layouts cut the blocks into few distinct stages (one split per
+    stage count), so most of its ~200 `loads.rank_loads` calls find every stage there. The shapes'
+    calls are counts (integers), so a rank's sum over its stages' sums is exact."""
+    numels, units, recs, acb, shapes = [], [], [], [], {}
+    for i in range(a, b):
+        numels.extend(terms.numels[i])
+        u = terms.unit_params[i]
+        if u is not None:
+            units.append(u)
+        recs.append(terms.record(i, i == a, i == b - 1))
+        acb.append((recs[-1],) + terms.ac_info[i])
+        for key, calls in terms.shapes[i]:
+            shapes[key] = shapes.get(key, 0) + calls
+    out = terms.stages[(a, b)] = StageTerms(numels, units, recs, acb, shapes, max(units, default=0.0), tuple(
+        x - y for x, y in zip(terms.prefix[b], terms.prefix[a])), tuple(k for k, _ in numels))
+    return out

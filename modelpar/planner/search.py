@@ -290,7 +290,7 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                     foreach=foreach, recv_per_microbatch=recv_per_microbatch, gloo=gloo, cache=cache)
     S.flops = (profile.fwd_flops_per_sample, profile.train_flops_per_sample - profile.fwd_flops_per_sample)
     S.act_bytes = 2 if precision == "bf16" else 4
-    S.load_cache, S.flight_cache, S.shared_times = {}, {}, {}
+    S.load_cache, S.flight_cache, S.shared_times, S.families = {}, {}, {}, {}
     S.schedules = lambda pp: _schedules(pp, tuple(schedules))
     S.inner, S.ac_bounds, S.representatives, S.plan_of, S.candidate = (_inner, _ac_bounds, _representatives, _plan,
                                                                         Candidate)

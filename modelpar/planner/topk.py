@@ -22,7 +22,7 @@ from heapq import heapify, heappop, heappush
 from modelpar.planner.formulas import bubble_fraction, fill_drain_from_sums
 from modelpar.planner.grid import plan_memory as _plan_memory
 from modelpar.planner.cost import _finish
-from modelpar.planner.layouts import Layout, Search, can_defer, fitting_variants, group_pruned, step_parts
+from modelpar.planner.layouts import Layout, Search, can_defer, fitting_variants, group_refusal, step_parts
 
 # relative slack taken off every bound: the bound and the exact total are different float sums of
 # the same non-negative terms (tens of additions and products, each rounded by at most 2^-53
@@ -198,35 +198,58 @@ def _work_floor(L: Layout, m: int, acc: int, w: float, fill) -> float:
     return acc * m * w + acc * bubble_fraction(sched, p, m, L.v) * m * w
 
 
-def _layout_entries(S: Search, L: Layout, heap: list) -> None:
-    """Append stage-0 heap entries of every group of ``L`` that its schedule accepts
-    (`layouts.group_pruned`), each at `step_lower_bound`: the same floats, computed once per micro-batch
-    size and micro-batch count (the slowest rank's times depend on b, the plan on m only)."""
+def _family_floors(S: Search, L: Layout) -> tuple:
+    """The groups of ``L`` that its schedule accepts, each as (group index, `_work_floor`, mbs = its
+    micro-batches per step), and how many it refuses per reason (`layouts.group_pruned`'s counts) and
+    tries deferred (accumulation > 1): the same for every layout whose step form shares ``L``'s
+    per-micro-batch-size tables (`layouts._share_times`: the same slowest rank's times) and has its
+    schedule, virtual stages and groups (a (tp, pp) fixes dp, so the groups), so computed once for
+    them (memoized in ``S.families``, keyed by the tables' identity, which the search keeps alive)."""
     form = L.sform
-    p, sched, order = L.pp, L.sched, L.order
-    opt = min(form.opt)
-    defer_ok = S.defer_grad_sync and L.ds > 1 and p == 1          # `layouts.can_defer` less acc > 1
-    n_ac, rep = S.n_ac, S.rep
+    key = (id(form.slowest), L.sched, L.v, L.per_dp, len(L.groups))
+    hit = S.families.get(key)
+    if hit is not None and hit[0] is form.slowest:
+        return hit[1]
+    p = L.pp
     per_b: dict[int, tuple] = {}
-    plan_m: dict[int, object] = {}
-    c_mb, c_once = _copy_floor(form, L.plan(S, L.groups[0][1], "none", 1, False))
+    out, refused, deferrable = [], {}, 0
     for gi, (b, m, acc, batch) in enumerate(L.groups):
-        if (L.interleaved and m % p) or (sched == "1f1b" and m < p):
-            group_pruned(S, L, m)            # counts the reason
+        why = group_refusal(L, m)
+        if why is not None:
+            refused[why] = refused.get(why, 0) + 1
             continue
-        if defer_ok and acc > 1:
-            rep.considered += n_ac
+        deferrable += acc > 1
         hit = per_b.get(b)
         if hit is None:
-            plan = plan_m.get(m)
-            if plan is None:
-                plan = plan_m[m] = L.plan(S, m, "none", 1, False)
-            _, _, t_f, t_b, t_rc, t_tp, fill = form._slowest(plan, b)
+            _, _, t_f, t_b, t_rc, t_tp, fill = form._slowest(L.plan(S, m, "none", 1, False), b)
             hit = per_b[b] = (t_f + t_b + t_rc + t_tp, fill)
-        w, fill = hit
-        mbs = acc * (m if p > 1 else 1)
-        heap.append(((_work_floor(L, m, acc, w, fill) + opt + mbs * c_mb + c_once) * (1.0 - _SLACK), order, gi, -1,
-                     0, 0, L, b, m, acc, batch, None))
+        out.append((gi, _work_floor(L, m, acc, hit[0], hit[1]), acc * (m if p > 1 else 1)))
+    fam = (out, tuple(refused.items()), deferrable)
+    S.families[key] = (form.slowest, fam)
+    return fam
+
+
+def _count_groups(S: Search, L: Layout, fam: tuple) -> None:
+    """Count what `_family_floors` found of ``L``'s groups in ``S.rep``, as the full ranking does:
+    the schedule's refusals (`layouts.group_pruned`) and the deferred-sync variants considered."""
+    _, refused, deferrable = fam
+    for reason, n in refused:
+        S.rep.pruned[reason] += n * S.n_ac
+    if S.defer_grad_sync and L.ds > 1 and L.pp == 1:          # `layouts.can_defer` less acc > 1
+        S.rep.considered += deferrable * S.n_ac
+
+
+def _layout_entries(S: Search, L: Layout, heap: list, lb: float) -> None:
+    """Push stage-0 heap entries of every group of ``L`` that its schedule accepts, each at
+    `step_lower_bound` (the same floats, the work part from `_family_floors`), at least ``lb``."""
+    form = L.sform
+    opt = min(form.opt)
+    c_mb, c_once = _copy_floor(form, L.plan(S, L.groups[0][1], "none", 1, False))
+    order, groups = L.order, L.groups
+    for gi, wf, mbs in _family_floors(S, L)[0]:
+        b, m, acc, batch = groups[gi]
+        heappush(heap, (max(lb, (wf + opt + mbs * c_mb + c_once) * (1.0 - _SLACK)), order, gi, -1, 0, 0, L, b, m, acc,
+                        batch, None))
 
 
 def mode_lower_bound(S: Search, L: Layout, b: int, m: int, acc: int, ac: str, k: int) -> float:
@@ -300,12 +323,18 @@ def top_candidates(S: Search, layouts, k: int) -> tuple[list, list, dict]:
        ranking's order: within a group `evaluate_group` appends candidates by mode, then variant.
     The walk stops when the K-th best known candidate's total is below the lowest key left: every
     candidate not yet found is then strictly slower than the K-th."""
-    heap: list[tuple] = []
+    families: dict[int, tuple] = {}         # id of `_family_floors`' tuple -> (it, its layouts)
     for L in layouts:
         L.form(S, L.plan(S, L.groups[0][1], "none", 1, False), False)
-        _layout_entries(S, L, heap)
+        fam = _family_floors(S, L)
+        _count_groups(S, L, fam)
+        families.setdefault(id(fam), (fam, []))[1].append(L)
+    # stage -1: a family's layouts enter together at the least work floor of its groups (each of their
+    # stage-0 bounds adds non-negative terms to a group's work floor, rounded up to the same float at least)
+    heap: list[tuple] = [(min(wf for _, wf, _ in fam[0]) * (1.0 - _SLACK), Ls[0].order, -1, -1, 0, -1, Ls, 0, 0, 0,
+                          None, None) for fam, Ls in families.values() if fam[0]]
     heapify(heap)
-    n_groups = len(heap)
+    n_groups = sum(len(fam[0]) * len(Ls) for fam, Ls in families.values())
     best: list[tuple] = []   # (total, memory total, layout order, group, mode, variant, plan, memory, parts, batch)
     fits: dict[tuple, list] = {}        # (layout order, group, mode) -> its fitting variants
     evaluated, split, timed, found = set(), 0, 0, 0
@@ -314,6 +343,11 @@ def top_candidates(S: Search, layouts, k: int) -> tuple[list, list, dict]:
         lb, order, gi, j, var, stage, L, b, m, acc, batch, extra = heap[0]
         if len(best) >= k and best[k - 1][0] < lb:
             break
+        if stage == -1:
+            heappop(heap)
+            for L2 in L:                # ``L`` holds the family's layouts
+                _layout_entries(S, L2, heap, lb)
+            continue
         if stage == 0:
             heappop(heap)
             if not var:     # first pop: re-enter at the tighter `group_floor` where it is above the key
