@@ -334,8 +334,13 @@ def strategy_of(plan: ParallelPlan) -> str:
     --strategy S`` ranks the plans with ``strategy_of(plan) == S``."""
     if plan.is_placement:
         return "placement"
-    axes = tuple(n for n, d in (("dp_replicate", plan.dp_replicate), ("dp_shard", plan.dp_shard),
-                                ("tp", plan.tp), ("pp", plan.pp)) if d > 1)
+    return strategy_of_degrees(plan.dp_replicate, plan.dp_shard, plan.tp, plan.pp)
+
+
+def strategy_of_degrees(dp_replicate: int, dp_shard: int, tp: int, pp: int) -> str:
+    """`strategy_of` a multi-rank plan with these degrees (its family depends on them only)."""
+    axes = tuple(n for n, d in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard), ("tp", tp), ("pp", pp))
+                 if d > 1)
     return _FAMILIES.get(axes, "custom")
 
 

@@ -149,3 +149,20 @@ def test_top_k_is_the_full_rankings_head_gpt_70b_16384():
     one sequence per device) and all three on every smaller search above."""
     full = _check_top_k(_gpt("gpt-70b", "bf16"), 16384, BUILTIN["H100-80GB-SXM"], 16384, "bf16", ks=(1, 5))
     assert full.considered > 100_000
+
+
+def test_one_strategy_family_is_the_full_rankings_plans_of_it():
+    """``strategy=S`` (`modelpar plan --strategy S`) searches that family's layouts only: its top K are
+    the full ranking's first K plans of the family, bitwise, for every family with plans here."""
+    from modelpar.plan import strategy_of
+    prof, hw = _gpt("gpt-1b", "bf16"), BUILTIN["H100-80GB-SXM"]
+    full = search_plans(prof, 64, hw, global_batch_size=512, precision="bf16")
+    families = {strategy_of(c.plan) for c in full.ranked}
+    assert {"ddp", "fsdp", "hsdp", "fsdp+tp", "ddp+tp", "custom"} <= families
+    for s in sorted(families):
+        want = _rows([c for c in full.ranked if strategy_of(c.plan) == s][:5])
+        rep = search_plans(prof, 64, hw, global_batch_size=512, precision="bf16", top_k=5, strategy=s)
+        assert _rows(rep.ranked) == want, s
+        assert rep.considered < full.considered
+    with pytest.raises(ValueError, match="strategy='zero3' names no family.*fsdp"):
+        search_plans(prof, 64, hw, global_batch_size=512, precision="bf16", strategy="zero3")

@@ -190,7 +190,7 @@ def _fit_answer(a, prof, desc, n: int, hw, prec: str) -> int:
             print(f"  {s:<6} not applicable: {e}")
     from modelpar.train.resolve import search_settings
     rep = search_plans(prof, n, hw, global_batch_size=a.global_batch_size, optimizer=a.optimizer, precision=prec,
-                       **search_settings(plan_fields_given(a)))     # as train --strategy auto's search
+                       top_k=1, **search_settings(plan_fields_given(a)))   # as train --strategy auto's search
     if not rep.ranked:
         print(f"no: nothing fits on {n} devices ({rep.summary()})")
         return 1

@@ -101,31 +101,29 @@ def main(argv: list[str]) -> int:
         return _print_one(a, c, what, desc, prof, n, hw, prec, time.perf_counter() - t)
     # only the plans printed (and the one explained) are needed: the exact top-k mode ranks just those
     # (the summary then says how many were evaluated and found feasible, a lower bound on the total);
-    # one strategy family: every plan ranked, then those of the family kept
+    # one strategy family: only its layouts are searched (the full ranking's plans of that family, in order)
     family = strategy != "auto"
-    rep = search_plans(prof, n, hw, global_batch_size=a.global_batch_size, optimizer=a.optimizer, precision=prec,
-                       top_k=None if family else max(a.top, a.explain, 1),
-                       **search_settings(fields))           # as train --strategy auto's search
+    settings = dict(global_batch_size=a.global_batch_size, optimizer=a.optimizer, precision=prec,
+                    **search_settings(fields))           # as train --strategy auto's search
+    rep = search_plans(prof, n, hw, top_k=max(a.top, a.explain, 1), strategy=strategy if family else None,
+                       **settings)
     ranked = rep.ranked
-    if family:
-        from modelpar.plan import strategy_of
-        ranked = [c for c in rep.ranked if strategy_of(c.plan) == strategy]
-        if not ranked and prof.pipeline_refusal and strategy.startswith("pp"):
+    if family and not ranked:
+        if prof.pipeline_refusal and strategy.startswith("pp"):
             raise ValueError(f"--strategy {strategy}: {prof.pipeline_refusal}")     # as train refuses it
-        if rep.ranked and not ranked:
-            best = rep.ranked[0]
+        best = search_plans(prof, n, hw, top_k=1, **settings).ranked
+        if best:
             print(f"no {strategy} plan is feasible for {desc} on {n} x {hw.name} ({rep.summary()}); the best "
-                  f"plan of any strategy is {best.plan.describe()} ({best.step.total * 1e3:.1f} ms/step)")
+                  f"plan of any strategy is {best[0].plan.describe()} ({best[0].step.total * 1e3:.1f} ms/step)")
             return 1
     if a.explain and not 1 <= a.explain <= len(ranked):
         raise ValueError(f"--explain {a.explain}: only {len(ranked)} plans are feasible")
     if a.json:
         c = ranked[a.explain - 1]
-        total = rep.topk_stats["fitting"] if rep.top_k is not None else len(ranked)
-        what = f"plan {a.explain} of >= {total} feasible" + (f" {strategy} plans" if family else "")
+        what = f"plan {a.explain} of >= {rep.topk_stats['fitting']} feasible" + (f" {strategy} plans" if family else "")
         print(_plan_json(a, c, f"{what} on {n} x {hw.name}"))
         return 0
-    only = f", strategy {strategy} only: {len(ranked)} of them" if family else ""
+    only = f" (strategy {strategy} only)" if family else ""
     print(f"{desc} ({prof.num_params / 1e6:,.1f}M params) on {n} x {hw.name}, "
           f"global batch {a.global_batch_size}, {prec}: {rep.summary()}{only} [{time.perf_counter() - t:.2f} s]")
     if not ranked:

@@ -20,7 +20,7 @@ import gc
 from collections import Counter
 from dataclasses import dataclass, field
 
-from modelpar.plan import AC_MODES, PP_SCHEDULES, ParallelPlan
+from modelpar.plan import _FAMILIES, AC_MODES, PP_SCHEDULES, ParallelPlan, strategy_of_degrees
 from modelpar.planner.cost import StepEstimate
 from modelpar.planner.hardware import Hardware
 from modelpar.planner.loads import _has_ends
@@ -222,7 +222,7 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
                  schedules: tuple[str, ...] = SEARCH_SCHEDULES, allow_fsdp: bool = True,
                  checkpointing: tuple[str, ...] = AC_CHOICES, recv_per_microbatch: bool = True,
                  ac_every: tuple[int, ...] = AC_EVERY_CHOICES, defer_grad_sync: bool = True,
-                 top_k: int | None = None) -> SearchReport:
+                 top_k: int | None = None, strategy: str | None = None) -> SearchReport:
     """Enumerate, prune and rank every plan of ``num_devices`` for one model and batch.
 
     Args:
@@ -249,17 +249,24 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
             candidates, order and numbers), found by evaluating candidates in increasing order of a
             proven lower bound on their step time (`topk`); the report's pruning counts then cover
             what was evaluated only (`SearchReport.summary` says so).
+        strategy: None: every layout. A family name (``fsdp``, ``hsdp``, ``ddp+tp``, ...: the values of
+            `plan.strategy_of`): only the layouts of that family, so the ranking is the full ranking's
+            plans of that family, in its order (`modelpar plan --strategy S`); the counts cover them only.
 
     Returns:
         SearchReport; ``ranked`` is sorted by predicted samples/s, fastest first.
 
     Raises:
-        ValueError: non-positive device count or batch, unknown optimizer, top_k < 1.
+        ValueError: non-positive device count or batch, unknown optimizer, top_k < 1, a ``strategy``
+            that names no family of multi-rank plans.
     """
     if num_devices < 1 or global_batch_size < 1:
         raise ValueError(f"num_devices={num_devices} and global_batch_size={global_batch_size} must be >= 1")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k={top_k!r} must be None (every candidate) or an integer >= 1")
+    if strategy is not None and strategy not in (*_FAMILIES.values(), "custom"):
+        raise ValueError(f"strategy={strategy!r} names no family of plans; valid: {', '.join(_FAMILIES.values())}, "
+                         f"custom")
     if optimizer not in OPTIMIZER_BYTES:
         raise ValueError(f"optimizer={optimizer!r} is unknown; valid: {', '.join(OPTIMIZER_BYTES)}")
     budget = hw.memory_bytes * memory_fraction
@@ -305,7 +312,10 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        walk = layouts(S, factorizations(num_devices))
+        facts = factorizations(num_devices)
+        if strategy is not None:
+            facts = [f for f in facts if strategy_of_degrees(*f) == strategy]
+        walk = layouts(S, facts)
         if top_k is not None:
             rep.ranked, _, rep.topk_stats = top_candidates(S, walk, top_k)
             rep.top_k = top_k
