@@ -599,3 +599,16 @@ def test_train_notes_a_sequence_past_a_gpt_presets_positions():
     assert long_sequence_note(TrainConfig(model="gpt-1m")) == ""
     assert long_sequence_note(TrainConfig(model="gpt-1m", seq_len=512, model_config={"seq_len": 1024})) == ""
     assert long_sequence_note(TrainConfig(model="helpers.lm_factory:lm", seq_len=32)) == ""
+
+
+def test_train_refuses_model_config_on_a_factory_model_before_launch(tmp_path):
+    """``--model-config`` on a factory model was ignored by `modelpar train` (the factory built its own
+    shape; the run folder's config.yaml still recorded the override) where plan / verify refuse it."""
+    from modelpar.cli.train import main as train_main
+
+    argv = ["--model", "helpers.lm_factory:lm", "--model-config", '{"n_layer": 2}', "--strategy", "fsdp",
+            "--nproc", "2", "--steps", "1", "--out-dir", str(tmp_path / "runs")]
+    with pytest.raises(ValueError, match=r"--model-config overrides the shape of a GPT preset; "
+                                         r"'helpers.lm_factory:lm' takes none"):
+        train_main(argv)
+    assert not (tmp_path / "runs").exists()

@@ -199,6 +199,8 @@ def main(argv: list[str]) -> int:
                           "modelpar train")     # an error: reported, no teardown
     if under_launcher():                        # started by the user's own torchrun
         run_rank_and_exit(lambda: _train_or_stop(train, cfg), "modelpar train")
+    from modelpar.models.spec import check_model
+    check_model(cfg.model, cfg.model_config)    # as plan / verify: e.g. --model-config on a factory model
     world = run_world_size(ns, given, cfg.strategy)     # 1 for single / placement; a plan file's own
     # only train --strategy auto calibrates by itself (rules and the rest: the uncalibrated estimate)
     resolved = resolve(cfg, world, measure_if_missing=cfg.strategy.lower() == "auto")

@@ -117,11 +117,39 @@ def load_config(name: str, overrides: dict | None = None, *, dropout: float | No
     # overrides go through the constructor, so fields derived from them (Llama's head_dim from
     # hidden_size / num_attention_heads) follow them
     cfg = transformers.AutoConfig.for_model(mtype, **{**base, **overrides})
+    _causal_self_attention(cfg, {**base, **overrides}, name)
     if dropout is not None:
         for k, v in cfg.to_dict().items():
             if isinstance(v, float) and k.endswith(_DROPOUT_SUFFIXES):
                 setattr(cfg, k, dropout)
     return cfg
+
+
+def _causal_self_attention(cfg, given: dict, name: str) -> None:
+    """Make a causal-LM config attend causally, as next-token training needs.
+
+    The encoder families transformers maps to a causal-LM class (BERT, RoBERTa, ELECTRA,
+    BertGeneration, ...: BertLMHeadModel and the like) attend both ways unless the config sets
+    ``is_decoder``, so every position would see the token it must predict (measured: changing token 10
+    moves bert's logits at positions 0-9 by 7e-4); XLM reads ``causal`` instead. Every config that
+    declares either field gets it set (transformers 5 declares ``is_decoder`` only where a model reads it;
+    for the decoders among them, GPT-NeoX, BART's decoder, Pegasus', ..., the logits are identical, checked).
+
+    Raises:
+        ValueError: the config (``given``: the file's fields and --model-config) sets either to false.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if cfg.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return
+    for field in ("is_decoder", "causal"):
+        if not hasattr(cfg, field):
+            continue
+        if given.get(field) is False:
+            raise ValueError(f"--model {name!r}: {field}=false makes this {cfg.model_type} attend both ways, so "
+                             f"each position sees the token it is trained to predict; modelpar trains it as a "
+                             f"causal language model with {field}=true (drop {field} from --model-config)")
+        setattr(cfg, field, True)
 
 
 def task_of(cfg) -> str:

@@ -42,11 +42,12 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> dict[s
     """Write the model of a checkpoint (any layout) as one consolidated safetensors file, loadable by
     ``model.load_state_dict(safetensors.torch.load_file(out))`` on the plain model. One process.
 
-    Tied parameters (case C13, listed in the checkpoint's ``tied_parameters``) are written once, under
-    their first name, and the aliases recorded in the file's metadata (``modelpar_tied``, JSON
-    ``{alias: name}``); load such a file with ``safetensors.torch.load_model(model, out)``, which
-    fills the aliases of a model that ties them (``load_state_dict`` then reports the aliases as
-    missing).
+    Tied parameters (case C13, listed in the checkpoint's ``tied_parameters``) are written under every
+    name (each alias a copy, as the run folder's ``model.safetensors``), so the strict
+    ``load_state_dict`` loads the file into a model that ties them (the tie kept: both names load the
+    one parameter) or into one that does not; the aliases are recorded in the file's metadata
+    (``modelpar_tied``, JSON ``{alias: name}``). (``safetensors.torch.load_model`` expects shared
+    tensors once and reports the aliases as unexpected: pass it ``strict=False``.)
 
     Raises:
         CheckpointError: see `read_checkpoint_meta`.
@@ -54,6 +55,7 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike) -> dict[s
     from safetensors.torch import save_file
 
     meta, sd, aliases = read_model_state(path)
+    sd = {**sd, **{alias: sd[name].clone() for alias, name in aliases.items()}}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
