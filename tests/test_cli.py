@@ -612,3 +612,19 @@ def test_train_refuses_model_config_on_a_factory_model_before_launch(tmp_path):
                                          r"'helpers.lm_factory:lm' takes none"):
         train_main(argv)
     assert not (tmp_path / "runs").exists()
+
+
+def test_verify_takes_degrees_without_strategy_on_a_factory_model():
+    """``verify --pp 2 --dp-shard 2`` on a factory model without ``--strategy`` means custom, as the help
+    and train say (it was refused as ``--strategy auto``, which plans built-in models only)."""
+    from modelpar.cli.args import given_fields, normalize_argv, parse
+    from modelpar.cli.verify import build_parser, resolve_plan
+
+    p = build_parser()
+    argv = normalize_argv(["--model", "helpers.lm_factory:lm_pipelined", "--pp", "2", "--dp-shard", "2",
+                           "--nproc", "4", "--global-batch-size", "8"], p, prog="modelpar verify")
+    plan, _ = resolve_plan(parse(p, argv), given_fields(p, argv))
+    assert (plan.pp, plan.dp_shard, plan.world_size) == (2, 2, 4)
+    argv = normalize_argv(["--model", "helpers.lm_factory:lm_pipelined", "--nproc", "4"], p, prog="modelpar verify")
+    with pytest.raises(ValueError, match=r"--strategy auto plans built-in models only"):
+        resolve_plan(parse(p, argv), given_fields(p, argv))

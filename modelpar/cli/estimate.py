@@ -112,11 +112,14 @@ def main(argv: list[str]) -> int:
 def _exact_answer(a, resolved, gbs: int, prof, desc, n: int, hw) -> int:
     from modelpar.plan_file import PlanFile
     from modelpar.planner.cost import estimate_step, hfu, mfu
+    from modelpar.planner.search import selective_refusal
     from modelpar.planner.memory import Batch, estimate_memory
 
     plan = resolved.plan.validate(n, num_blocks=None)
     if plan.pp > 1 and prof.pipeline_refusal:     # what train would refuse before launch
         raise ValueError(f"{plan.describe()}: {prof.pipeline_refusal}")
+    if plan.activation_checkpointing == "selective" and selective_refusal(prof):
+        raise ValueError(selective_refusal(prof))
     from modelpar.planner.legality import check_tp_degree, split_violations
     check_tp_degree(prof.arch, plan.tp)           # heads / key-value heads / widths / vocabulary
     bad = split_violations(prof.tp_splits, plan.tp)   # any model's TP plan (case C7)

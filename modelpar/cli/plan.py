@@ -185,7 +185,7 @@ def _priced(a, given: set[str], pf, prof, n: int, hw, prec: str):
     from modelpar.planner.cost import estimate_step
     from modelpar.planner.legality import check_tp_degree, split_violations
     from modelpar.planner.memory import Batch, estimate_memory
-    from modelpar.planner.search import Candidate
+    from modelpar.planner.search import Candidate, selective_refusal
 
     gbs, local = global_batch_size_given(a, given), None        # a --plan file's, unless given
     if pf is None:
@@ -204,6 +204,8 @@ def _priced(a, given: set[str], pf, prof, n: int, hw, prec: str):
     plan.validate(n, num_blocks=blocks)
     if plan.pp > 1 and prof.pipeline_refusal:     # what train would refuse before launch
         raise ValueError(f"{plan.describe()}: {prof.pipeline_refusal}")
+    if plan.activation_checkpointing == "selective" and selective_refusal(prof):
+        raise ValueError(selective_refusal(prof))
     check_tp_degree(prof.arch, plan.tp)           # heads / key-value heads / widths / vocabulary
     bad = split_violations(prof.tp_splits, plan.tp)   # any model's TP plan (case C7), as the search checks
     if bad:

@@ -104,12 +104,12 @@ def resolve_plan(args, given: set[str] = frozenset()):
     """
     from modelpar.train.resolve import resolve
 
-    if args.strategy.lower() in ("auto", "rules") and ":" in args.model and not args.plan:
-        raise ValueError(f"--strategy {args.strategy} plans built-in models only for now; give --strategy "
+    cfg = as_train_config(args, given)         # degrees without --strategy: custom (strategy_given)
+    if cfg.strategy.lower() in ("auto", "rules") and ":" in args.model and not args.plan:
+        raise ValueError(f"--strategy {cfg.strategy} plans built-in models only for now; give --strategy "
                          f"(ddp, fsdp, tp, pp, ...), degrees or --plan for {args.model!r}")
     from modelpar.cli.options import run_world_size
 
-    cfg = as_train_config(args, given)
     world = run_world_size(args, given, cfg.strategy)     # as train: 1 for single / placement, a plan file's own
     r = resolve(cfg, world, measure_if_missing=False)
     return r.plan.validate(world), r.local_batch_size
@@ -327,6 +327,9 @@ def _check_before_launch(args, plan, local: int) -> None:
             parts = ModelParts(form="whole")
     if plan.pp > 1:
         _check_stages(parts, plan, sp, batch_fn(0)[0][:mb])
+    if plan.activation_checkpointing != "none":   # selective on blocks without an attention core
+        from modelpar.parallel.checkpointing import check_ac
+        check_ac(parts.blocks, plan.activation_checkpointing, plan.ac_every)
     check_ties(model, plan, parts, tp_plan=tp_plan)     # case C13: a layout that breaks a tie
     from modelpar.parallel.batchnorm import check_sync_batchnorm
     from modelpar.parallel.mesh import get_device

@@ -20,7 +20,7 @@ import gc
 from collections import Counter
 from dataclasses import dataclass, field
 
-from modelpar.plan import _FAMILIES, AC_MODES, PP_SCHEDULES, ParallelPlan, strategy_of_degrees
+from modelpar.plan import _FAMILIES, AC_MODES, CORE_ATTR, PP_SCHEDULES, ParallelPlan, strategy_of_degrees
 from modelpar.planner.cost import StepEstimate
 from modelpar.planner.hardware import Hardware
 from modelpar.planner.loads import _has_ends
@@ -34,6 +34,17 @@ VIRTUAL_STAGES = (2, 4, 8)
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 AC_CHOICES = ("none", "selective", "every-k", "full")
 AC_EVERY_CHOICES = (4, 2)     # k of "every-k" the search tries (ParallelPlan.ac_every)
+
+
+def selective_refusal(profile: ModelProfile) -> str:
+    """Why selective checkpointing cannot run on the profiled model ("" where it can): it recomputes
+    each block's attention core, and no block has one the runtime recognises (`parallel.checkpointing`;
+    the profile's ``attn_core_saved_bytes``), as the training preflight refuses it."""
+    if any(b.attn_core_saved_bytes for b in profile.blocks):
+        return ""
+    return ("--activation-checkpointing selective recomputes each block's attention core, and none of this "
+            "model's blocks has one modelpar recognises (a submodule whose class sets "
+            f"{CORE_ATTR} = True, as modelpar's GPT's AttentionCore does); use full or every-k")
 
 
 def _ac_options(checkpointing: tuple[str, ...], every: tuple[int, ...], profile: ModelProfile,
@@ -282,9 +293,11 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
         raise ValueError(f"unknown schedules/checkpointing modes {bad}; valid: {PP_SCHEDULES}, {AC_MODES}")
     ac_opts = _ac_options(tuple(checkpointing), tuple(ac_every), profile, num_layers)
     if not ac_opts:
-        raise ValueError(f"no checkpointing mode to search: checkpointing={tuple(checkpointing)}, "
-                         f"ac_every={tuple(ac_every)} (every-k needs 1 < k < {num_layers} layers; "
-                         f"selective needs attention cores)")
+        why = [selective_refusal(profile)] if "selective" in checkpointing else []
+        if "every-k" in checkpointing:
+            why.append(f"every-k needs 1 < k < {num_layers} layers, given ac_every={tuple(ac_every)} (--ac-every)")
+        raise ValueError(f"no checkpointing mode to search (checkpointing={tuple(checkpointing)}): "
+                         + "; ".join(w for w in why if w))
     S = Search()
     S.profile, S.hw, S.rep, S.budget, S.cache, S.ac_opts = profile, hw, rep, budget, cache, ac_opts
     S.has_full, S.n_ac, S.num_layers, S.global_batch_size = ("full", 1) in ac_opts, len(ac_opts), num_layers, \

@@ -98,6 +98,9 @@ def preflight(cfg: TrainConfig, world_size: int, resolved=None) -> tuple[Paralle
     plan.validate(1 if plan.is_placement else world_size,
                   num_blocks=parts.num_blocks if parts.form != "whole" else None,
                   local_batch_size=batches.local_batch_size)
+    if plan.activation_checkpointing != "none":     # e.g. selective on blocks without an attention core
+        from modelpar.parallel.checkpointing import check_ac
+        check_ac(parts.blocks, plan.activation_checkpointing, plan.ac_every)
     if plan.pp > 1 and model_kind(cfg.model) == "factory":
         _cut_real_weights(cfg, plan, batches.micro_batch_size)
     tp_plan = (default_tp_plan(task.model, sequence_parallel=plan.sequence_parallel, tp_degree=plan.tp)[0]
