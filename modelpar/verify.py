@@ -233,3 +233,34 @@ def compare_low_precision(name: str, ref: RunResult, got: RunResult, *, first_st
                  for k in set(ref.state) & set(got.state)), default=0.0)
     gn = [abs(a - b) / max(abs(a), 1e-12) for a, b in zip(ref.grad_norms, got.grad_norms)]
     return ParityReport(name, not fails, max_loss, abs_d, 0.0, 0.0, max(gn) if gn else 0.0, diffs, fails)
+
+
+def check_same_initial_weights(model: nn.Module, name: str) -> None:
+    """Refuse, on every rank alike, a model the ranks built with different initial weights (a factory
+    that does not seed itself): under FSDP, TP or a pipeline each rank keeps its own part of its own
+    build, so the model trained would be no model's weights, and tied copies on different pipeline
+    stages would start apart. One collective over the default process group: per floating-point
+    tensor of the state dict, the float64 sum of its first 1,024 elements (two random initialisations
+    differ there), min- and max-reduced over the ranks (on the current CUDA device under NCCL). Call it on every rank at the same point, after the model is built and before it is
+    parallelised; a model on the meta device has no values to compare (skip it).
+
+    Raises:
+        ValueError: a tensor whose sums differ between ranks (the first one named).
+    """
+    import torch.distributed as dist
+
+    named = [(k, t) for k, t in model.state_dict().items()
+             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+    if not named or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    fp = torch.stack([t.detach().reshape(-1)[:1024].double().sum() for _, t in named]).nan_to_num()
+    if dist.get_backend() == "nccl":
+        fp = fp.to(torch.device("cuda", torch.cuda.current_device()))
+    lo, hi = fp.clone(), fp.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    bad = (lo != hi).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(f"--model {name!r}: the ranks built different initial weights ({len(bad)} of {len(named)} "
+                         f"tensors differ, first {named[bad[0]][0]!r}); a factory must seed itself "
+                         f"(torch.manual_seed inside it) so that every call builds the same model (docs/your-model.md)")

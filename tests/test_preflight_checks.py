@@ -26,14 +26,26 @@ PRE2 = [{"name": "c1_ddp", "kind": "c1", "plan": {"dp_replicate": 2}},
         {"name": "frozen_ddp", "kind": "frozen_ddp"},
         {"name": "ddp_accum_early_only", "kind": "ddp_accum_early_only"}]
 PRE4 = [{"name": "c2", "kind": "c2"}, {"name": "c2_steps", "kind": "c2", "steps_differ": True}]
-workers.ride("pre2", 2, lambda work: PRE2, module=__file__)
+
+
+def _pre2(work):
+    from helpers.ckpt_worker import base_cfg
+
+    # an unseeded factory under a pipeline: each stage kept its own random build (a user's tied GPT-2 trained
+    # with its head and embedding 0.1 apart); refused on every rank before the model is parallelised
+    unseeded = {"name": "unseeded_pp", "kind": "train", "run_dir": str(work / "unseeded_pp"),
+                "cfg": base_cfg(model="helpers.lm_factory:lm_unseeded", strategy="pp", seq_len=16, steps=1)}
+    return PRE2 + [unseeded]
+
+
+workers.ride("pre2", 2, _pre2, module=__file__)
 workers.ride("pre4", 4, lambda work: PRE4, module=__file__)
 
 
 @pytest.fixture(scope="module")
 def two_ranks():
     res = workers.rider_results("pre2")
-    assert set(res) == {s["name"] for s in PRE2}, sorted(res)
+    assert set(res) == {s["name"] for s in PRE2} | {"unseeded_pp"}, sorted(res)
     return res
 
 
@@ -45,6 +57,15 @@ def test_c1_unused_parameters_one_error_on_every_rank(two_ranks, name):
     assert set(errs) == {"0", "1"} and errs["0"] == errs["1"], errs
     assert "2 trainable parameter(s) got no gradient in the first step" in errs["0"]
     assert "unused.bias, unused.weight" in errs["0"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_an_unseeded_factory_is_refused_on_every_rank(two_ranks):
+    errs = two_ranks["unseeded_pp"]["errors"]
+    assert set(errs) == {"0", "1"} and errs["0"] == errs["1"], errs
+    assert "'helpers.lm_factory:lm_unseeded': the ranks built different initial weights" in errs["0"], errs
+    assert "must seed itself" in errs["0"]
 
 
 @pytest.mark.slow

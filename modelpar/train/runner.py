@@ -85,6 +85,9 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
     say = (lambda *a: print(*a, flush=True)) if (is_main and not quiet) else (lambda *a: None)
 
     task = build_task(cfg)
+    if not cfg.meta_init:       # every rank keeps its own build's part: an unseeded factory is refused here
+        from modelpar.verify import check_same_initial_weights
+        check_same_initial_weights(task.model, cfg.model)
     if run_dir is None and is_main:
         run_dir = make_run_dir(cfg)
     record = RunRecord(run_dir if is_main else None)

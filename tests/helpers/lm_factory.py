@@ -86,3 +86,12 @@ class PipelinedLM(TinyLM):
 def lm_pipelined():
     torch.manual_seed(0)
     return {"model": PipelinedLM(), "task": "lm", "vocab_size": 256, "max_positions": 32}
+
+
+def lm_unseeded():
+    """A factory that does not seed itself, as each rank of a launch sees it: another RNG state on every
+    rank (here made so on purpose), so every rank builds other initial weights."""
+    import os
+
+    torch.manual_seed(1000 + int(os.environ.get("RANK", "0")))
+    return {"model": PipelinedLM(), "task": "lm", "vocab_size": 256, "max_positions": 32}
