@@ -236,7 +236,8 @@ class ParallelPlan:
             if local_batch_size is not None and local_batch_size % self.n_microbatches:
                 raise ValueError(f"local batch size {local_batch_size} is not divisible by "
                                  f"n_microbatches={self.n_microbatches} (case C5: pipeline micro-batches "
-                                 f"must all have the same size)")
+                                 f"must all have the same size); set --n-microbatches to a divisor of "
+                                 f"{local_batch_size}, or raise --global-batch-size")
             if self.stage_boundaries is not None:
                 b = tuple(self.stage_boundaries)
                 if len(b) != self.num_stages - 1:

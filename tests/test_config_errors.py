@@ -113,7 +113,7 @@ def test_unknown_strategy_lists_valid():
 
 
 def test_unknown_schedule_lists_valid():
-    with pytest.raises(ValueError, match=r"pp_schedule='fast' is unknown; valid: gpipe, 1f1b, interleaved1f1b"):
+    with pytest.raises(ValueError, match=r"--pp-schedule 'fast' is unknown; valid: gpipe, 1f1b, interleaved1f1b"):
         _pre(strategy="pp", pp_schedule="fast")
 
 
@@ -216,3 +216,33 @@ def test_estimate_names_the_micro_batch_flag_when_the_batch_does_not_split():
         main(["--model", "gpt-1m", "--nproc", "2", "--strategy", "fsdp", "--micro-batch-size", "3"])
     with pytest.raises(ValueError, match=r"--micro-batch-size 3 x 4 micro-batches x 1 data-parallel rank\(s\) = 12"):
         main(["--model", "gpt-1m", "--nproc", "2", "--strategy", "pp", "--micro-batch-size", "3"])
+
+
+@pytest.mark.parametrize("world,argv,message", [
+    (2, ["--strategy", "pp", "--pp-schedule", "foo"], r"^--pp-schedule 'foo' is unknown; valid: gpipe, 1f1b"),
+    (2, ["--strategy", "ddp", "--optimizer", "lion"], r"^--optimizer 'lion' is unknown; valid: adamw"),
+    # the blocks first (it named --eval-samples first, and only once that was raised, the blocks)
+    (6, ["--strategy", "pp", "--global-batch-size", "12", "--eval-samples", "8"],
+     r"^pp x virtual_stages = 6 x 1 = 6 pipeline stages but the model has only 2 blocks"),
+    # a default n_microbatches (2 x pp) the user never set: the flags that fix it are named
+    (4, ["--pp", "2", "--dp-shard", "2", "--global-batch-size", "4"],
+     r"not divisible by n_microbatches=4 .*set --n-microbatches to a divisor of 2, or raise --global-batch-size"),
+])
+def test_train_names_the_flag_of_a_bad_value_first(world, argv, message):
+    """A new user's report: errors named internal fields (``ParallelPlan.pp_schedule='foo'``,
+    ``optimizer='lion'``) or a default the user never set, without the flag that changes it."""
+    from modelpar.cli.train import parse_train_config
+    from modelpar.train.resolve import resolve
+
+    cfg, _, _ = parse_train_config(["--model", "gpt-nano", "--nproc", str(world), *argv])
+    with pytest.raises(ValueError, match=message):
+        preflight(cfg, world, resolve(cfg, world))
+
+
+def test_estimate_says_how_to_split_a_batch_over_the_data_parallel_ranks(capsys):
+    from modelpar.cli import main
+
+    rc = main(["estimate", "--model", "gpt-nano", "--strategy", "ddp", "--nproc", "64", "--hardware", "H100-80GB-SXM"])
+    err = capsys.readouterr().err
+    assert rc == 2 and ("--global-batch-size 16 is not a multiple of the data-parallel degree 64" in err
+                        and "give a --global-batch-size that is a multiple of 64, or fewer data-parallel ranks" in err), err

@@ -136,9 +136,10 @@ def _exact_answer(a, resolved, gbs: int, prof, desc, n: int, hw) -> int:
         local = resolved.local_batch_size
     else:                       # what `train` runs with the same flags (`train.loop.batch_terms`): global / dp
         if gbs % plan.dp:
-            raise ValueError(f"global_batch_size={gbs} is not a multiple of the data-parallel degree {plan.dp} "
-                             f"(dp_replicate x dp_shard = {plan.dp_replicate} x {plan.dp_shard}); give "
-                             f"--micro-batch-size or a --global-batch-size that is")
+            raise ValueError(f"--global-batch-size {gbs} is not a multiple of the data-parallel degree {plan.dp} "
+                             f"(dp_replicate x dp_shard = {plan.dp_replicate} x {plan.dp_shard}): each data-parallel "
+                             f"rank needs whole samples; give a --global-batch-size that is a multiple of {plan.dp}, "
+                             f"or fewer data-parallel ranks")
         local = gbs // plan.dp
     batch = Batch(gbs, local)
     if a.micro_batch_size and gbs % (local * plan.dp):       # in the flags the user gave

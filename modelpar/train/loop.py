@@ -70,7 +70,7 @@ def preflight(cfg: TrainConfig, world_size: int, resolved=None) -> tuple[Paralle
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
     if cfg.optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer={cfg.optimizer!r} is unknown; valid: {', '.join(OPTIMIZERS)}")
+        raise ValueError(f"--optimizer {cfg.optimizer!r} is unknown; valid: {', '.join(OPTIMIZERS)}")
     task = build_task(cfg, device="meta", load_data=False)
     if task.lm is not None:     # sequence length within the positions, token ids within the vocabulary
         check_lm_data(cfg, model=cfg.model, vocab=task.lm.vocab, max_positions=task.lm.max_positions,
@@ -90,14 +90,14 @@ def preflight(cfg: TrainConfig, world_size: int, resolved=None) -> tuple[Paralle
         boundaries_from_split_points(parts, split_points_of(cfg.split_points), plan.num_stages)
     check_meta_init(cfg, plan)
     batches = batch_terms(cfg, plan, resolved.local_batch_size)
+    plan.validate(1 if plan.is_placement else world_size,
+                  num_blocks=parts.num_blocks if parts.form != "whole" else None,
+                  local_batch_size=batches.local_batch_size)
     if plan.pp > 1 and cfg.eval_samples // plan.dp < batches.local_batch_size:
         # `evaluate` runs whole local batches only under a pipeline: fewer samples would average none (NaN)
         raise ValueError(f"eval_samples={cfg.eval_samples} gives each of the {plan.dp} data-parallel rank(s) fewer "
                          f"than one local batch ({batches.local_batch_size} samples), which a pipeline evaluates "
                          f"whole; raise --eval-samples to >= {batches.local_batch_size * plan.dp}")
-    plan.validate(1 if plan.is_placement else world_size,
-                  num_blocks=parts.num_blocks if parts.form != "whole" else None,
-                  local_batch_size=batches.local_batch_size)
     if plan.activation_checkpointing != "none":     # e.g. selective on blocks without an attention core
         from modelpar.parallel.checkpointing import check_ac
         check_ac(parts.blocks, plan.activation_checkpointing, plan.ac_every)

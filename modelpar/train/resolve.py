@@ -65,6 +65,20 @@ def _given_degrees(cfg) -> dict:
     return {k: v for k, v in given_fields(cfg).items() if k in DEGREES}
 
 
+def _check_choices(fields: dict) -> None:
+    """The named plan fields given (--pp-schedule, --precision) are among their values.
+
+    Raises:
+        ValueError: an unknown value, naming the flag and the valid ones.
+    """
+    from modelpar.plan import PP_SCHEDULES
+
+    for field, valid in (("pp_schedule", PP_SCHEDULES), ("precision", ("fp32", "bf16"))):
+        v = fields.get(field)
+        if v is not None and v not in valid:
+            raise ValueError(f"--{field.replace('_', '-')} {v!r} is unknown; valid: {', '.join(valid)}")
+
+
 def resolve(cfg, world_size: int, *, measure_if_missing: bool = False) -> Resolved:
     """The one plan ``cfg`` names on ``world_size`` ranks (see the module docstring).
     ``measure_if_missing``: ``auto`` / ``rules`` may calibrate an uncalibrated machine first (only
@@ -76,6 +90,7 @@ def resolve(cfg, world_size: int, *, measure_if_missing: bool = False) -> Resolv
     """
     strategy = cfg.strategy.lower()
     degrees = _given_degrees(cfg)
+    _check_choices(given_fields(cfg))
     if getattr(cfg, "plan", ""):
         return _from_plan_file(cfg, world_size)
     if strategy in ("auto", "rules"):
