@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from modelpar.models.factory_check import factory_lm_seq_len  # noqa: F401  (re-exported)
 from modelpar.planner.profile_blocks import PROFILE_LAYERS, deepen_profile
 
 GIB = 2 ** 30
@@ -37,32 +38,17 @@ def profile_for(model: str, model_config: dict, seq_len: int, precision: str, bl
             shape cannot be found.
     """
     from modelpar.models import MLP_PRESETS, PRESETS
-    from modelpar.models.spec import build_builtin, build_factory, check_model, infer_classifier_shapes
+    from modelpar.models.spec import build_builtin, check_model
     from modelpar.planner.profile import default_blocks, profile_model
 
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     kind = check_model(model, model_config)
     if kind == "hf":
         return _hf_profile(model, model_config, seq_len, dtype, blocks)
-    if kind == "factory":
-        um = build_factory(model)
-        if um.batch_fn is not None:
-            x = um.batch_fn(0)[0][:1]
-        elif um.extra.get("task") == "lm":
-            x = torch.zeros(1, factory_lm_seq_len(model, um.extra, seq_len), dtype=torch.long)
-        else:
-            shape = um.extra.get("input_shape")
-            shapes = infer_classifier_shapes(um.model, tuple(shape) if shape else None, um.extra.get("num_classes", 0))
-            if shapes is None:
-                raise ValueError(f"--model {model!r}: cannot tell its input shape (no nn.Linear); return "
-                                 f"{{'model': m, 'task': 'classify', 'input_shape': [...], 'num_classes': K}} "
-                                 f"or a 'batch_fn' from the factory")
-            x = torch.zeros(1, *shapes[0])
-        prof = profile_model(um.model, x, dtype=dtype, blocks=default_blocks(um.model, blocks or None),
-                             autocast=dtype == torch.bfloat16)
-        from modelpar.parallel.cut import with_pipeline_refusal
+    if kind == "factory":       # built on CPU, its forward checked (one function: train --strategy auto's too)
+        from modelpar.models.factory_check import factory_profile
 
-        return (with_pipeline_refusal(prof, um.model, x, blocks), f"{type(um.model).__name__} from {model}")
+        return factory_profile(model, seq_len, dtype, blocks)
     kw = {"seq_len": seq_len} if (seq_len and model in PRESETS) else {}
     layers = 0
     if model == "cnn":
@@ -82,24 +68,6 @@ def profile_for(model: str, model_config: dict, seq_len: int, precision: str, bl
             x = torch.zeros(1, m.cfg.seq_len, dtype=torch.long, device="meta")
     prof = profile_model(m, x, dtype=dtype, blocks=default_blocks(m, blocks or None), autocast=dtype == torch.bfloat16)
     return (deepen_profile(prof, layers) if layers > PROFILE_LAYERS else prof), model
-
-
-def factory_lm_seq_len(model: str, extra: dict, seq_len: int) -> int:
-    """Tokens per sample of a factory language model (``{"model", "task": "lm", "vocab_size",
-    "max_positions"}``, `modelpar.models.spec`): ``seq_len``, or (0) its ``max_positions``, as train's.
-
-    Raises:
-        ValueError: neither given, or ``seq_len`` beyond ``max_positions`` (naming both).
-    """
-    maxpos = extra.get("max_positions")
-    if seq_len < 0:
-        raise ValueError(f"--seq-len must be >= 0, got {seq_len}")
-    if seq_len and isinstance(maxpos, int) and seq_len > maxpos:
-        raise ValueError(f"--seq-len {seq_len} exceeds the max_positions={maxpos} that --model {model!r} declares")
-    seq = seq_len or (maxpos if isinstance(maxpos, int) else 0)
-    if seq < 1:
-        raise ValueError(f"--model {model!r}: a factory language model without 'max_positions' needs --seq-len")
-    return seq
 
 
 def hf_seq_len(name: str, cfg, seq_len: int) -> int:

@@ -184,7 +184,7 @@ def _train_or_stop(train, cfg, **kw) -> int:
 def main(argv: list[str]) -> int:
     from modelpar.launch import multinode_commands, run_command, under_launcher
     from modelpar.rank_outcome import run_rank_and_exit
-    from modelpar.train.loop import preflight
+    from modelpar.train.loop import check_factory_forward, preflight
     from modelpar.train.resolve import resolve, with_run_precision
     from modelpar.train.runner import make_run_dir, train
 
@@ -202,6 +202,7 @@ def main(argv: list[str]) -> int:
     from modelpar.models.spec import check_model
     check_model(cfg.model, cfg.model_config)    # as plan / verify: e.g. --model-config on a factory model
     world = run_world_size(ns, given, cfg.strategy)     # 1 for single / placement; a plan file's own
+    check_factory_forward(cfg)                  # a factory model of a form train cannot run: one line, now
     # only train --strategy auto calibrates by itself (rules and the rest: the uncalibrated estimate)
     resolved = resolve(cfg, world, measure_if_missing=cfg.strategy.lower() == "auto")
     plan, batches = preflight(cfg, world, resolved)

@@ -299,13 +299,16 @@ def run_rank(args, plan, local: int, probe=None) -> int:
 
 def _check_before_launch(args, plan, local: int) -> None:
     """Bad --model / plan fail here, before any process starts (cases C5, C7)."""
+    from modelpar.models.spec import check_model
     from modelpar.plan import gradient_accumulation_steps
 
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     gradient_accumulation_steps(args.global_batch_size, local, plan.dp)
     plan.validate(plan.world_size, local_batch_size=local)
-    model, batch_fn = load_task(args)[:2]
+    model, batch_fn, loss_fn = load_task(args)[:3]
+    if check_model(args.model, args.model_config) == "factory":     # a form it cannot run: one line, now
+        _check_forward(args.model, model, batch_fn, loss_fn)
     tp_plan = None
     if plan.tp > 1:                              # case C7: a split that does not divide (vocabulary too)
         from modelpar.parallel.tensor import default_tp_plan, validate_tp_plan
@@ -335,6 +338,21 @@ def _check_before_launch(args, plan, local: int) -> None:
     from modelpar.parallel.mesh import get_device
 
     check_sync_batchnorm(args.sync_batchnorm, get_device().type, [model])    # case C15
+
+
+def _check_forward(name: str, model, batch_fn, loss_fn) -> None:
+    """A factory model's one forward on the first sample of its first batch
+    (`modelpar.models.factory_check.check_forward`): modelpar's losses need logits of the form's shape;
+    a factory's own loss_fn takes whatever its forward returns."""
+    import torch
+
+    from modelpar.models.factory_check import check_forward
+    from modelpar.train.task import classification_loss, lm_loss
+
+    x = batch_fn(0)[0]
+    if isinstance(x, torch.Tensor):
+        form = "lm" if loss_fn is lm_loss else "classify" if loss_fn is classification_loss else "custom"
+        check_forward(name, model, x[:1], form=form)
 
 
 def _check_stages(parts, plan, split_points, example) -> None:

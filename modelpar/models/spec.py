@@ -26,6 +26,12 @@ It returns either
   tokenizer file or a token file, `modelpar.train.tokens`); ``--seq-len`` 0 means ``P``, and a
   sequence longer than ``P`` or a token id >= ``V`` is refused before launch.
 
+Every command runs a factory's model once before launch, on its own weights and a one-sample batch of
+its form (`modelpar.models.factory_check.check_forward`): a forward that fails (e.g. token ids into a
+model returned bare, taken for a classifier of float inputs; a forward needing more inputs than the
+batch's one tensor) or that returns no logits tensor of the form's shape (e.g. a Hugging Face
+``ModelOutput``: wrap the model so its forward returns ``.logits``) is refused in one line.
+
 Dropout must be 0 where parity is checked (`modelpar verify`).
 """
 

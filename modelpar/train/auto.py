@@ -123,29 +123,31 @@ def _choose(cfg, world_size: int, *, strategy: str = "auto", measure_if_missing:
     task = build_task(dataclasses.replace(cfg, model_config={**(cfg.model_config or {}),
                                                              "n_layer": profile_blocks.PROFILE_LAYERS})
                       if short else cfg, device="meta", load_data=False)
-    x = example_input(task, 1).to("meta")
     lay = cfg.layout                           # what the user set (None: unset)
     precision = lay.precision or "fp32"
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    try:
-        prof = profile_model(task.model, x, dtype=dtype, autocast=dtype == torch.bfloat16)
-    except Exception as e:      # noqa: BLE001 - a model the planner cannot profile: one message, a way out
-        from modelpar.models.spec import model_kind
+    from modelpar.models.spec import model_kind
 
-        if model_kind(cfg.model) == "builtin":
+    try:
+        if model_kind(cfg.model) == "factory":
+            # as `plan` profiles it (one function): its own weights on CPU under FakeTensorMode, its forward
+            # checked, the pipeline cut made on its weights. Not on meta: a wrapped Hugging Face model's
+            # forward reads values (its causal mask looks for packed sequences with .item()), which meta tensors lack
+            from modelpar.models.factory_check import factory_profile
+
+            prof = factory_profile(cfg.model, cfg.seq_len, dtype, cfg.blocks or "")[0]
+        else:
+            prof = profile_model(task.model, example_input(task, 1).to("meta"), dtype=dtype,
+                                 autocast=dtype == torch.bfloat16)
+    except Exception as e:      # noqa: BLE001 - a model the planner cannot profile: one message, a way out
+        kind = model_kind(cfg.model)
+        if kind == "builtin" or (kind == "factory" and isinstance(e, ValueError)):     # already one line
             raise
         raise ValueError(f"--strategy {strategy} needs the planner's profile of --model {cfg.model}, which failed "
                          f"({type(e).__name__}: {str(e)[:200]}); name a strategy instead (--strategy ddp, fsdp, "
                          f"...)") from e
     if short:
         prof = profile_blocks.deepen_profile(prof, layers)
-    from modelpar.models.spec import model_kind
-
-    if model_kind(cfg.model) == "factory":        # its own weights: can its forward be cut into stages?
-        from modelpar.parallel.cut import with_pipeline_refusal
-
-        real = build_task(cfg, device="cpu", load_data=False)
-        prof = with_pipeline_refusal(prof, real.model, example_input(real, 1), cfg.blocks or "")
     hw = hardware_for(cfg, world_size, measure_if_missing=measure_if_missing)
     if strategy == "rules":
         from modelpar.train.resolve import given_fields, with_checkpointing_given

@@ -75,7 +75,8 @@ def preflight(cfg: TrainConfig, world_size: int, resolved=None) -> tuple[Paralle
     if task.lm is not None:     # sequence length within the positions, token ids within the vocabulary
         check_lm_data(cfg, model=cfg.model, vocab=task.lm.vocab, max_positions=task.lm.max_positions,
                       seq_len=task.lm.seq_len)
-    if resolved is None:
+    if resolved is None:        # (a resolved plan: the launcher checked the forward before resolving it)
+        check_factory_forward(cfg)
         from modelpar.train.resolve import resolve
         resolved = resolve(cfg, world_size)
     plan = resolved.plan
@@ -115,6 +116,28 @@ def preflight(cfg: TrainConfig, world_size: int, resolved=None) -> tuple[Paralle
 
         check_sync_batchnorm(True, "cuda" if torch.cuda.is_available() else "cpu")
     return plan, batches
+
+
+def check_factory_forward(cfg: TrainConfig) -> None:
+    """A factory model's one forward on its own weights and a one-sample batch of its task
+    (`modelpar.models.factory_check.check_forward`), before the plan is resolved and any process starts:
+    a forward that fails (float inputs into an embedding, inputs the batch does not give) or returns
+    no logits tensor (a Hugging Face model's ``ModelOutput``) is refused in one line naming the form it
+    needs. Built-in and Hugging Face models (modelpar's own wrapper) are not run.
+
+    Raises:
+        ValueError: see `check_forward` and `modelpar.train.task.build_task`.
+    """
+    if model_kind(cfg.model) != "factory":
+        return
+    from modelpar.models.factory_check import check_forward
+    from modelpar.train.task import example_input
+
+    real = build_task(cfg, device="cpu", load_data=False)
+    if real.lm is not None and real.lm.max_positions and real.lm.seq_len > real.lm.max_positions:
+        return                  # `check_lm_data` (preflight) names the flag and the limit
+    check_forward(cfg.model, real.model, example_input(real, 1), form=real.kind,
+                  vocab=real.lm.vocab if real.lm is not None else 0)
 
 
 def _cut_real_weights(cfg: TrainConfig, plan: ParallelPlan, micro_batch_size: int) -> None:
