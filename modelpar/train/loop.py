@@ -104,6 +104,10 @@ def preflight(cfg: TrainConfig, world_size: int, resolved=None) -> tuple[Paralle
                if plan.tp > 1 else None)
     if tp_plan is not None:
         validate_tp_plan(task.model, tp_plan, plan.tp, seq_len=cfg.seq_len or None)
+        from modelpar.parallel.tp_factory import check_guess
+        from modelpar.train.task import example_input
+
+        check_guess(task.model, tp_plan, example_input(task, 1))    # a guessed Linear pairing: its data flow
     check_ties(task.model, plan, parts, tp_plan=tp_plan)        # case C13: a layout that breaks a tie
     if plan.cpu_offload and not torch.cuda.is_available():
         raise ValueError("cpu_offload=True needs CUDA: on a CPU-only run the shards already live in CPU memory")
