@@ -1,7 +1,8 @@
 """Tensor parallel on factory models (`modelpar.parallel.tp_factory`): a transformers model inside a user's
 wrapper gets the plan of ``hf:`` models under its own path (sequence parallel where ``hf:`` has it); a
 Linear pairing guessed in module order is checked (widths, the forward's data flow) and refused before
-launch where it is not the forward's."""
+launch where it is not the forward's; the planner prunes tp layouts of a model train refuses under TP, and
+``estimate``'s per-strategy list says which strategies train would refuse, with train's reason."""
 
 import pytest
 import torch
@@ -75,6 +76,32 @@ def test_train_preflight_takes_the_factory_plan_and_refuses_a_wrong_guess():
         preflight(TrainConfig(model="helpers.lm_factory:lm", **kw), 2)
     pytest.importorskip("transformers")
     assert preflight(TrainConfig(model="helpers.hf_factory:llama", sequence_parallel=True, **kw), 2)[0].tp == 2
+
+
+def test_planner_prunes_tp_of_a_model_train_refuses_under_tp(capsys):
+    """Before: `plan` ranked tp layouts of factory models that train then refused (GPT-2's Conv1D behind a
+    wrapper: "needs at least two nn.Linear layers"; TinyLM: crashed in the ranks)."""
+    from modelpar.cli.common import profile_for
+    from modelpar.cli.estimate import main as estimate_main
+    from modelpar.cli.plan import main as plan_main
+    from modelpar.planner.hardware import get_hardware
+    from modelpar.planner.search import search_plans
+
+    prof, _ = profile_for("helpers.lm_factory:lm", {}, 16, "fp32")
+    assert "not how its forward uses them" in prof.tp_refusal
+    rep = search_plans(prof, 4, get_hardware("H100-80GB-SXM"), global_batch_size=8, top_k=50)
+    assert rep.ranked and all(c.plan.tp == 1 for c in rep.ranked)
+    with pytest.raises(ValueError, match=r"--strategy tp: tensor parallel: TinyLM has no TP plan"):
+        plan_main(["--model", "helpers.lm_factory:lm", "--nproc", "2", "--strategy", "tp", "--seq-len", "16"])
+    with pytest.raises(ValueError, match=r"tp2: tensor parallel: TinyLM"):
+        estimate_main(["--model", "helpers.lm_factory:lm", "--nproc", "2", "--strategy", "tp", "--seq-len", "16"])
+    pytest.importorskip("transformers")
+    capsys.readouterr()
+    assert estimate_main(["--model", "helpers.hf_factory:llama", "--nproc", "64", "--hardware", "H100-80GB-SXM",
+                          "--seq-len", "16"]) == 0
+    out = capsys.readouterr().out
+    assert ("ddp    not applicable: global_batch_size=16 is not divisible by the data-parallel degree 64" in out
+            and "tp     not applicable: tensor parallel degree tp=64 does not divide the model's attention" in out), out
 
 
 @pytest.mark.slow

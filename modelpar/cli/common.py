@@ -62,7 +62,10 @@ def profile_for(model: str, model_config: dict, seq_len: int, precision: str, bl
                              autocast=dtype == torch.bfloat16)
         from modelpar.parallel.cut import with_pipeline_refusal
 
-        return (with_pipeline_refusal(prof, um.model, x, blocks), f"{type(um.model).__name__} from {model}")
+        from modelpar.parallel.tp_factory import with_tp_refusal
+
+        prof = with_tp_refusal(with_pipeline_refusal(prof, um.model, x, blocks), um.model, x)
+        return prof, f"{type(um.model).__name__} from {model}"
     kw = {"seq_len": seq_len} if (seq_len and model in PRESETS) else {}
     layers = 0
     if model == "cnn":
@@ -152,6 +155,9 @@ def _hf_profile(model: str, model_config: dict, seq_len: int, dtype, blocks: str
     prof = profile_model(m, x, dtype=dtype, blocks=default_blocks(m, blocks or None), autocast=dtype == torch.bfloat16)
     if short:
         prof = deepen_profile(prof, layers)
+    from modelpar.parallel.tp_factory import with_tp_refusal
+
+    prof = with_tp_refusal(prof, m, x)            # a family without a TP plan (ResNet): tp pruned
     what = f"seq {seq}" if f.task == "lm" else f"image {f.image_size}"
     return prof, f"{model} ({type(m.hf).__name__}, {what})"
 

@@ -146,6 +146,10 @@ def _choose(cfg, world_size: int, *, strategy: str = "auto", measure_if_missing:
 
         real = build_task(cfg, device="cpu", load_data=False)
         prof = with_pipeline_refusal(prof, real.model, example_input(real, 1), cfg.blocks or "")
+    if model_kind(cfg.model) in ("factory", "hf"):   # no TP plan train would run: no tp layout
+        from modelpar.parallel.tp_factory import with_tp_refusal
+
+        prof = with_tp_refusal(prof, task.model, example_input(task, 1))
     hw = hardware_for(cfg, world_size, measure_if_missing=measure_if_missing)
     if strategy == "rules":
         from modelpar.train.resolve import given_fields, with_checkpointing_given
