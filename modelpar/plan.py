@@ -349,6 +349,22 @@ _FAMILIES = {(): "single", ("dp_replicate",): "ddp", ("dp_shard",): "fsdp", ("tp
              ("dp_replicate", "dp_shard"): "hsdp", ("dp_replicate", "tp"): "ddp+tp", ("dp_shard", "tp"): "fsdp+tp"}
 
 
+def split_global_batch(global_batch_size: int, plan: "ParallelPlan") -> int:
+    """The local batch ``train`` runs without a given local batch: ``global_batch_size`` over the plan's
+    data-parallel ranks (`modelpar.train.loop.batch_terms`; ``estimate``'s per-strategy list asks the same).
+
+    Raises:
+        ValueError: the data-parallel degree does not divide the global batch, or exceeds it.
+    """
+    if global_batch_size % plan.dp:
+        raise ValueError(f"global_batch_size={global_batch_size} is not divisible by the data-parallel "
+                         f"degree {plan.dp} (dp_replicate x dp_shard = {plan.dp_replicate} x {plan.dp_shard})")
+    if global_batch_size // plan.dp < 1:
+        raise ValueError(f"global_batch_size={global_batch_size} is smaller than the data-parallel degree "
+                         f"{plan.dp}")
+    return global_batch_size // plan.dp
+
+
 def gradient_accumulation_steps(global_batch_size: int, local_batch_size: int, dp_degree: int) -> int:
     """global / (local x dp), the derived number of forward/backward passes per optimizer step.
 

@@ -39,7 +39,7 @@ def test_sequence_parallel_checks_seq_len_and_vocab():
 
 
 def test_sequence_parallel_is_refused_for_other_models():
-    with pytest.raises(ValueError, match="derived for modelpar's GPT only"):
+    with pytest.raises(ValueError, match="derived for modelpar's GPT and transformers models only"):
         derive_tp_plan(build_mlp([8, 8, 2]), sequence_parallel=True)
     with pytest.raises(ValueError, match="sequence_parallel=True needs tp > 1"):
         ParallelPlan(dp_shard=2, sequence_parallel=True).validate(2)

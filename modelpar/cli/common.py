@@ -120,6 +120,9 @@ def _hf_profile(model: str, model_config: dict, seq_len: int, dtype, blocks: str
     prof = profile_model(m, x, dtype=dtype, blocks=default_blocks(m, blocks or None), autocast=dtype == torch.bfloat16)
     if short:
         prof = deepen_profile(prof, layers)
+    from modelpar.parallel.tp_factory import with_tp_refusal
+
+    prof = with_tp_refusal(prof, m, x)            # a family without a TP plan (ResNet): tp pruned
     what = f"seq {seq}" if f.task == "lm" else f"image {f.image_size}"
     return prof, f"{model} ({type(m.hf).__name__}, {what})"
 

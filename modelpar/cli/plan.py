@@ -111,6 +111,8 @@ def main(argv: list[str]) -> int:
     if family and not ranked:
         if prof.pipeline_refusal and strategy.startswith("pp"):
             raise ValueError(f"--strategy {strategy}: {prof.pipeline_refusal}")     # as train refuses it
+        if prof.tp_refusal and "tp" in strategy:
+            raise ValueError(f"--strategy {strategy}: {prof.tp_refusal}")           # as train refuses it
         best = search_plans(prof, n, hw, top_k=1, **settings).ranked
         if best:
             print(f"no {strategy} plan is feasible for {desc} on {n} x {hw.name} ({rep.summary()}); the best "
@@ -204,6 +206,8 @@ def _priced(a, given: set[str], pf, prof, n: int, hw, prec: str):
     plan.validate(n, num_blocks=blocks)
     if plan.pp > 1 and prof.pipeline_refusal:     # what train would refuse before launch
         raise ValueError(f"{plan.describe()}: {prof.pipeline_refusal}")
+    if plan.tp > 1 and prof.tp_refusal:
+        raise ValueError(f"{plan.describe()}: {prof.tp_refusal}")
     if plan.activation_checkpointing == "selective" and selective_refusal(prof):
         raise ValueError(selective_refusal(prof))
     check_tp_degree(prof.arch, plan.tp)           # heads / key-value heads / widths / vocabulary

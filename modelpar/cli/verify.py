@@ -316,6 +316,9 @@ def _check_before_launch(args, plan, local: int) -> None:
         tp_plan = default_tp_plan(model, sequence_parallel=plan.sequence_parallel, tp_degree=plan.tp)[0]
         x0 = batch_fn(0)[0]                                              # the sequence, for sequence parallel
         validate_tp_plan(model, tp_plan, plan.tp, seq_len=x0.shape[1] if x0.dim() == 2 else None)
+        from modelpar.parallel.tp_factory import check_guess
+
+        check_guess(model, tp_plan, x0[:1])         # a guessed Linear pairing: its forward's data flow
     from modelpar.parallel.parts import ModelParts, get_model_parts, split_points_of
     from modelpar.parallel.ties import check_ties
 

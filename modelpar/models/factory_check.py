@@ -161,4 +161,7 @@ def factory_profile(name: str, seq_len: int, dtype: torch.dtype, blocks: str = "
     x = check_factory(name, um, seq_len)
     prof = profile_model(um.model, x, dtype=dtype, blocks=default_blocks(um.model, blocks or None),
                          autocast=dtype == torch.bfloat16)
-    return with_pipeline_refusal(prof, um.model, x, blocks), f"{type(um.model).__name__} from {name}"
+    from modelpar.parallel.tp_factory import with_tp_refusal
+
+    prof = with_tp_refusal(with_pipeline_refusal(prof, um.model, x, blocks), um.model, x)
+    return prof, f"{type(um.model).__name__} from {name}"

@@ -363,7 +363,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
     Raises:
         ValueError: the model cannot be split as the plan needs (see `modelpar.parallel.parts`), a
             stage boundary carries something other than tensors, a TP split does not divide evenly
-            (the GPT's vocabulary included), tied parameters the layout cannot keep tied
+            (the GPT's vocabulary included), a derived TP plan the model's forward does not follow
+            (`tp_factory.check_guess`, with ``example_input``), tied parameters the layout cannot keep tied
             (`ties.check_ties`), an unknown ``loss_reduction``, or ``sync_batchnorm`` without CUDA.
     """
     if loss_reduction not in ("mean", "sum"):
@@ -388,6 +389,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
         if tp_plan is None:
             tp_plan, _ = tensor.default_tp_plan(model, sequence_parallel=plan.sequence_parallel,
                                                 loss_parallel=loss_parallel, tp_degree=plan.tp)
+            if example_input is not None:       # a guessed Linear pairing: its forward's data flow
+                from modelpar.parallel.tp_factory import check_guess
+                check_guess(model, tp_plan, example_input[:1])
         seq = example_input.shape[1] if example_input is not None and example_input.dim() == 2 else None
         tensor.validate_tp_plan(model, tp_plan, plan.tp, seq_len=seq)
         shard_head = tensor.head_is_vocab_sharded(tp_plan)

@@ -10,8 +10,11 @@ forward and one in backward. The plan is derived automatically:
   derived from its blocks' projection groups (GPT-2's ``Conv1D`` and fused ``c_attn`` included), with
   vocab-parallel embedding and head and, for the llama / gpt2 families, sequence parallel
   (`modelpar.parallel.hf_tp`);
+- a factory model holding a transformers model (e.g. at ``.hf`` of a wrapper): that model's plan, as
+  for ``hf:`` models, under its path (`modelpar.parallel.tp_factory`);
 - any chain of ``nn.Linear`` layers (with element-wise ops between them): consecutive pairs become
-  (colwise, rowwise); an unpaired last Linear stays replicated.
+  (colwise, rowwise); an unpaired last Linear stays replicated. Pairs whose widths do not chain are
+  refused, and before launch the forward's data flow is checked (`tp_factory.dataflow_refusal`).
 
 Sequence parallel (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models", Sec. 4.2.2) for the GPT: the LayerNorms (and the dropouts after the rowwise Linears) work on
@@ -62,8 +65,9 @@ def derive_tp_plan(model: nn.Module, *, sequence_parallel: bool = False, shard_h
                    tp_degree: int | None = None) -> dict[str, str]:
     """``{module path: style}`` for the GPT, a Hugging Face model (`modelpar.parallel.hf_tp.hf_tp_plan`:
     its own ``_tp_plan`` translated, or a GPT-2 style plan derived; ``shard_head`` there means the
-    vocab-parallel embedding and head, dropped when ``tp_degree`` does not divide the vocabulary), or a
-    chain of Linears.
+    vocab-parallel embedding and head, dropped when ``tp_degree`` does not divide the vocabulary; a
+    transformers model inside a factory's model gets the same plan under its path,
+    `modelpar.parallel.tp_factory`), or a chain of Linears (pairs whose widths chain only).
 
     Args:
         sequence_parallel: GPT only: shard LayerNorm/dropout regions along the sequence.
@@ -71,15 +75,20 @@ def derive_tp_plan(model: nn.Module, *, sequence_parallel: bool = False, shard_h
             (loss parallel).
 
     Raises:
-        ValueError: the model has fewer than two Linear layers to pair; sequence_parallel or
-            shard_head asked of a model other than the built-in GPT.
+        ValueError: the model has fewer than two Linear layers to pair, or a pair whose widths do not
+            chain (`tp_factory.check_pairs`); sequence_parallel or shard_head asked of a model other
+            than the built-in GPT or a transformers model; see `hf_tp.hf_tp_plan`.
     """
     from modelpar.models.gpt import GPT
-    from modelpar.parallel import hf_tp
+    from modelpar.parallel import hf_tp, tp_factory
 
     if hf_tp.is_hf(model):
         return hf_tp.hf_tp_plan(model, sequence_parallel=sequence_parallel, tp_degree=tp_degree,
                                 loss_parallel=shard_head)
+    view = None if isinstance(model, GPT) else tp_factory.hf_view(model)
+    if view is not None:            # a transformers model inside a factory model: the hf: plan, re-prefixed
+        return tp_factory.to_model_paths(hf_tp.hf_tp_plan(view[0], sequence_parallel=sequence_parallel,
+                                                          tp_degree=tp_degree, loss_parallel=shard_head), view[1])
     if isinstance(model, GPT):
         sp = sequence_parallel
         row = ROWWISE_SEQ if sp else ROWWISE
@@ -101,16 +110,17 @@ def derive_tp_plan(model: nn.Module, *, sequence_parallel: bool = False, shard_h
             plan["head"] = GATHER_SEQ_INPUT
         return plan
     if sequence_parallel or shard_head:
-        raise ValueError(f"sequence_parallel / loss parallel plans are derived for modelpar's GPT only; "
-                         f"{type(model).__name__} needs its own TP plan (parallelize(..., tp_plan=...) from Python)")
+        raise ValueError(f"sequence_parallel / loss parallel plans are derived for modelpar's GPT and transformers "
+                         f"models only (hf:NAME, or one inside a factory's model); {type(model).__name__} holds "
+                         f"neither and needs its own TP plan (parallelize(..., tp_plan=...) from Python)")
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     if len(linears) < 2:
         raise ValueError(f"tensor parallel needs at least two nn.Linear layers to pair (colwise, rowwise); "
-                         f"{type(model).__name__} has {len(linears)}. Pass your own TP plan (parallelize(..., tp_plan=...) "
-                         f"from Python; no command takes one yet).")
+                         f"{type(model).__name__} has {len(linears)}: {tp_factory.HINT}")
     plan = {}
     for a, b in zip(linears[0::2], linears[1::2]):
         plan[a], plan[b] = COLWISE, ROWWISE
+    tp_factory.check_pairs(model, plan)
     return plan
 
 
@@ -128,9 +138,9 @@ def default_tp_plan(model: nn.Module, *, sequence_parallel: bool = False, loss_p
     """
     from modelpar.models.gpt import GPT
 
-    from modelpar.parallel import hf_tp
+    from modelpar.parallel import hf_tp, tp_factory
 
-    if hf_tp.is_hf(model):
+    if hf_tp.is_hf(model) or (not isinstance(model, GPT) and tp_factory.hf_view(model) is not None):
         plan = derive_tp_plan(model, sequence_parallel=sequence_parallel, shard_head=loss_parallel is not False,
                               tp_degree=tp_degree)
         return plan, head_is_vocab_sharded(plan)
@@ -167,13 +177,19 @@ def validate_tp_plan(model: nn.Module, tp_plan: dict[str, str], tp_degree: int, 
     if tp_degree == 1:
         return
     from modelpar.models.gpt import GPT
-    from modelpar.parallel import hf_tp
+    from modelpar.parallel import hf_tp, tp_factory
 
     for path, style in tp_plan.items():
         if style not in STYLES:
             raise ValueError(f"TP plan entry {path!r} has style {style!r}; valid: {', '.join(STYLES)}")
+    view = None if isinstance(model, GPT) or hf_tp.is_hf(model) else tp_factory.hf_view(model)
     if hf_tp.is_hf(model):
         hf_tp.check_hf_tp(model, tp_plan, tp_degree, seq_len=seq_len)
+    elif view is not None:          # the transformers model inside a factory model
+        try:
+            hf_tp.check_hf_tp(view[0], tp_factory.to_view_paths(tp_plan, view[1]), tp_degree, seq_len=seq_len)
+        except ValueError as e:     # the modules named by their paths in the model
+            raise ValueError(str(e).replace("'hf.", f"'{view[1]}." if view[1] else "'")) from None
 
     if isinstance(model, GPT) and model.cfg.n_head % tp_degree:
         raise ValueError(f"tensor parallel degree {tp_degree} does not divide the number of attention "
@@ -195,6 +211,7 @@ def validate_tp_plan(model: nn.Module, tp_plan: dict[str, str], tp_degree: int, 
             if m.num_embeddings % tp_degree:
                 what = ("GPTConfig.vocab_size" if isinstance(model, GPT) and path == "embed.tok"
                         else f"{type(model.hf.config).__name__}.vocab_size" if hf_tp.is_hf(model)
+                        else f"{type(view[0].hf.config).__name__}.vocab_size" if view is not None
                         else f"{path}.num_embeddings")
                 raise ValueError(f"tensor parallel degree {tp_degree} does not divide {what}="
                                  f"{m.num_embeddings}: the token embedding and output head are split over "

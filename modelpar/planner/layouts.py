@@ -110,6 +110,9 @@ def layouts(S: Search, factorizations):
         if not arch and tp > 1 and any(b.num_params and b.num_params < tp for b in profile.blocks):
             pruned["tp larger than a layer"] += layout_total
             continue
+        if tp > 1 and profile.tp_refusal:           # no TP plan train would run for this model
+            pruned["the model has no TP plan train would run"] += layout_total
+            continue
         if pp > 1 and profile.pipeline_refusal:     # its forward cannot be cut (train would refuse it)
             pruned["the model's forward cannot be cut into stages"] += layout_total
             continue

@@ -149,6 +149,10 @@ class ModelProfile:
     # runtime does (`modelpar.cli.common.profile_for` on a factory model; the search then ranks no
     # pipeline); "": not found refused
     pipeline_refusal: str = ""
+    # why train refuses the model under tensor parallel at any degree (no TP plan derives, or the guessed
+    # Linear pairing is not its forward's data flow: `modelpar.parallel.tp_factory.tp_refusal`); the
+    # search then ranks no layout with tp > 1; "": not found refused
+    tp_refusal: str = ""
 
     @property
     def num_params(self) -> int:

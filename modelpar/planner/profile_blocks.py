@@ -35,6 +35,10 @@ def _arch_of(model: nn.Module, tokens: int, vocab_parallel: bool | None = None) 
     from modelpar.planner.hf_facts import hf_arch, is_hf_model
     if is_hf_model(model):
         return hf_arch(model, tokens, vocab_parallel)
+    from modelpar.parallel.tp_factory import hf_view
+    view = hf_view(model)           # a transformers model inside a factory's model: its config's facts
+    if view is not None:
+        return hf_arch(view[0], tokens, vocab_parallel)
     cfg = getattr(model, "cfg", None)
     if cfg is None or not hasattr(cfg, "n_head"):
         return {}

@@ -148,6 +148,10 @@ def _choose(cfg, world_size: int, *, strategy: str = "auto", measure_if_missing:
                          f"...)") from e
     if short:
         prof = profile_blocks.deepen_profile(prof, layers)
+    if model_kind(cfg.model) == "hf":       # no TP plan train would run: no tp layout (a factory's: factory_profile)
+        from modelpar.parallel.tp_factory import with_tp_refusal
+
+        prof = with_tp_refusal(prof, task.model, example_input(task, 1))
     hw = hardware_for(cfg, world_size, measure_if_missing=measure_if_missing)
     if strategy == "rules":
         from modelpar.train.resolve import given_fields, with_checkpointing_given

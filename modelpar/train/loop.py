@@ -18,7 +18,7 @@ from modelpar.parallel.parts import ModelParts, get_model_parts, split_points_of
 from modelpar.parallel.stages import boundaries_from_split_points
 from modelpar.parallel.tensor import default_tp_plan, validate_tp_plan
 from modelpar.parallel.ties import check_ties
-from modelpar.plan import ParallelPlan, gradient_accumulation_steps
+from modelpar.plan import ParallelPlan, gradient_accumulation_steps, split_global_batch
 from modelpar.train.config import TrainConfig
 from modelpar.train.data import eval_shard
 from modelpar.train.step import OPTIMIZERS
@@ -41,11 +41,7 @@ class Batches:
 def batch_terms(cfg: TrainConfig, plan: ParallelPlan, local_batch_size: int = 0) -> Batches:
     """The batch terms of ``cfg`` under ``plan``; ``local_batch_size`` (0: ``cfg.local_batch_size``,
     else global / dp) is the resolved local batch (the planner picks it under ``auto``)."""
-    local = local_batch_size or cfg.local_batch_size
-    if not local and cfg.global_batch_size % plan.dp:
-        raise ValueError(f"global_batch_size={cfg.global_batch_size} is not divisible by the data-parallel "
-                         f"degree {plan.dp} (dp_replicate x dp_shard = {plan.dp_replicate} x {plan.dp_shard})")
-    local = local or cfg.global_batch_size // plan.dp
+    local = local_batch_size or cfg.local_batch_size or split_global_batch(cfg.global_batch_size, plan)
     if local < 1:
         raise ValueError(f"global_batch_size={cfg.global_batch_size} is smaller than the data-parallel degree "
                          f"{plan.dp}")
@@ -108,6 +104,10 @@ def preflight(cfg: TrainConfig, world_size: int, resolved=None) -> tuple[Paralle
                if plan.tp > 1 else None)
     if tp_plan is not None:
         validate_tp_plan(task.model, tp_plan, plan.tp, seq_len=cfg.seq_len or None)
+        from modelpar.parallel.tp_factory import check_guess
+        from modelpar.train.task import example_input
+
+        check_guess(task.model, tp_plan, example_input(task, 1))    # a guessed Linear pairing: its data flow
     check_ties(task.model, plan, parts, tp_plan=tp_plan)        # case C13: a layout that breaks a tie
     if plan.cpu_offload and not torch.cuda.is_available():
         raise ValueError("cpu_offload=True needs CUDA: on a CPU-only run the shards already live in CPU memory")
