@@ -112,10 +112,11 @@ def main(argv: list[str]) -> int:
 def _exact_answer(a, resolved, gbs: int, prof, desc, n: int, hw) -> int:
     from modelpar.plan_file import PlanFile
     from modelpar.planner.cost import estimate_step, hfu, mfu
+    from modelpar.planner.legality import check_model_takes
     from modelpar.planner.memory import Batch, estimate_memory
 
     plan = resolved.plan.validate(n, num_blocks=None)
-    _check_model_takes(prof, plan)
+    check_model_takes(prof, plan)                 # what train refuses before launch
     m = plan.n_microbatches if plan.pp > 1 else 1
     if a.micro_batch_size:
         local = a.micro_batch_size * m
@@ -165,31 +166,9 @@ def _exact_answer(a, resolved, gbs: int, prof, desc, n: int, hw) -> int:
     return 0 if fits else 1
 
 
-def _check_model_takes(prof, plan) -> None:
-    """What ``train`` refuses of this model under ``plan`` before launch: a pipeline it cannot cut, no TP
-    plan it runs, selective checkpointing without attention cores, a TP degree that does not divide
-    heads / widths / the vocabulary.
-
-    Raises:
-        ValueError: the plan named with train's reason.
-    """
-    if plan.pp > 1 and prof.pipeline_refusal:
-        raise ValueError(f"{plan.describe()}: {prof.pipeline_refusal}")
-    if plan.tp > 1 and prof.tp_refusal:
-        raise ValueError(f"{plan.describe()}: {prof.tp_refusal}")
-    from modelpar.planner.search import selective_refusal
-    if plan.activation_checkpointing == "selective" and selective_refusal(prof):
-        raise ValueError(selective_refusal(prof))
-    from modelpar.planner.legality import check_tp_degree, split_violations
-    check_tp_degree(prof.arch, plan.tp)           # heads / key-value heads / widths / vocabulary
-    bad = split_violations(prof.tp_splits, plan.tp)   # any model's TP plan (case C7)
-    if bad:
-        raise ValueError(f"tensor parallel degree tp={plan.tp} does not divide {', '.join(bad)} (split by "
-                         f"the model's TP plan); choose a TP degree that divides every split dimension")
-
-
 def _fit_answer(a, prof, desc, n: int, hw, prec: str) -> int:
     from modelpar.plan import plan_for_strategy, split_global_batch
+    from modelpar.planner.legality import check_model_takes
     from modelpar.planner.memory import Batch, estimate_memory
     from modelpar.planner.search import search_plans
 
@@ -198,7 +177,7 @@ def _fit_answer(a, prof, desc, n: int, hw, prec: str) -> int:
     for s in (("single",) if n == 1 else ("ddp", "fsdp", "tp", "pp")):
         try:
             plan = plan_for_strategy(s, n, precision=prec)
-            _check_model_takes(prof, plan)            # as train refuses it, with its reason
+            check_model_takes(prof, plan)             # as train refuses it, with its reason
             split_global_batch(a.global_batch_size, plan)
             local = plan.n_microbatches if plan.pp > 1 else 1
             m = estimate_memory(prof, plan, Batch(local * plan.dp, local), optimizer=a.optimizer,

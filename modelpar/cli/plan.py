@@ -185,9 +185,9 @@ def _priced(a, given: set[str], pf, prof, n: int, hw, prec: str):
             plan cannot split, or a --global-batch-size that contradicts the plan file's.
     """
     from modelpar.planner.cost import estimate_step
-    from modelpar.planner.legality import check_tp_degree, split_violations
+    from modelpar.planner.legality import check_model_takes
     from modelpar.planner.memory import Batch, estimate_memory
-    from modelpar.planner.search import Candidate, selective_refusal
+    from modelpar.planner.search import Candidate
 
     gbs, local = global_batch_size_given(a, given), None        # a --plan file's, unless given
     if pf is None:
@@ -204,17 +204,7 @@ def _priced(a, given: set[str], pf, prof, n: int, hw, prec: str):
                              f"--global-batch-size is {gbs}; drop one")
     blocks = len(prof.blocks) - 2 if prof.arch and len(prof.blocks) >= 3 else len(prof.blocks)
     plan.validate(n, num_blocks=blocks)
-    if plan.pp > 1 and prof.pipeline_refusal:     # what train would refuse before launch
-        raise ValueError(f"{plan.describe()}: {prof.pipeline_refusal}")
-    if plan.tp > 1 and prof.tp_refusal:
-        raise ValueError(f"{plan.describe()}: {prof.tp_refusal}")
-    if plan.activation_checkpointing == "selective" and selective_refusal(prof):
-        raise ValueError(selective_refusal(prof))
-    check_tp_degree(prof.arch, plan.tp)           # heads / key-value heads / widths / vocabulary
-    bad = split_violations(prof.tp_splits, plan.tp)   # any model's TP plan (case C7), as the search checks
-    if bad:
-        raise ValueError(f"tensor parallel degree tp={plan.tp} does not divide {', '.join(bad)} (split by "
-                         f"the model's TP plan); choose a TP degree that divides every split dimension")
+    check_model_takes(prof, plan)                 # what train would refuse before launch
     batch = Batch(gbs, local or gbs // plan.dp)   # no local batch given: what train runs (global / dp)
     batch.accumulation_steps(plan)                # raises naming the numbers
     plan.validate(n, num_blocks=blocks, local_batch_size=batch.local_batch_size)

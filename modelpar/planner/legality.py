@@ -9,6 +9,8 @@ built-in GPT, and HF language models unless ``arch["vocab_parallel"] == 0``), th
 
 from __future__ import annotations
 
+from modelpar.plan import CORE_ATTR
+
 # (arch key, what it is), in the order a message names them
 TP_FIELDS = (("n_head", "attention (query) heads"), ("n_kv_head", "key/value heads"),
              ("d_model", "hidden size"), ("ffn", "FFN width"), ("vocab_size", "vocabulary"))
@@ -68,3 +70,37 @@ def tp_splits(model, styles: dict[str, str]) -> tuple[tuple[str, str, int], ...]
 def split_violations(splits, tp: int) -> list[str]:
     """The entries of `tp_splits` that ``tp`` does not divide, as ``"path.dim=size"`` ([] if none)."""
     return [f"{p}.{d}={n}" for p, d, n in splits if tp > 1 and n % tp]
+
+
+def selective_refusal(profile) -> str:
+    """Why selective checkpointing cannot run on the profiled model ("" where it can): it recomputes
+    each block's attention core, and no block has one the runtime recognises (`parallel.checkpointing`;
+    the profile's ``attn_core_saved_bytes``), as the training preflight refuses it."""
+    if any(b.attn_core_saved_bytes for b in profile.blocks):
+        return ""
+    return ("--activation-checkpointing selective recomputes each block's attention core, and none of this "
+            "model's blocks has one modelpar recognises (a submodule whose class sets "
+            f"{CORE_ATTR} = True, as modelpar's GPT's AttentionCore does); use full or every-k")
+
+
+def check_model_takes(profile, plan) -> None:
+    """What ``train`` refuses of the profiled model under ``plan`` before launch (`plan --plan FILE` and
+    `estimate` of one layout price nothing it would refuse): a pipeline its forward cannot be cut into
+    (``profile.pipeline_refusal``), no TP plan it runs (``tp_refusal``), selective checkpointing without
+    attention cores (`selective_refusal`), a TP degree that does not divide heads / widths / the
+    vocabulary (`check_tp_degree`) or a split width of its TP plan (`split_violations`, case C7).
+
+    Raises:
+        ValueError: the first of these, with train's reason.
+    """
+    if plan.pp > 1 and profile.pipeline_refusal:
+        raise ValueError(f"{plan.describe()}: {profile.pipeline_refusal}")
+    if plan.tp > 1 and profile.tp_refusal:
+        raise ValueError(f"{plan.describe()}: {profile.tp_refusal}")
+    if plan.activation_checkpointing == "selective" and selective_refusal(profile):
+        raise ValueError(selective_refusal(profile))
+    check_tp_degree(profile.arch, plan.tp)
+    bad = split_violations(profile.tp_splits, plan.tp)
+    if bad:
+        raise ValueError(f"tensor parallel degree tp={plan.tp} does not divide {', '.join(bad)} (split by "
+                         f"the model's TP plan); choose a TP degree that divides every split dimension")

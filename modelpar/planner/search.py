@@ -20,10 +20,11 @@ import gc
 from collections import Counter
 from dataclasses import dataclass, field
 
-from modelpar.plan import _FAMILIES, AC_MODES, CORE_ATTR, PP_SCHEDULES, ParallelPlan, strategy_of_degrees
+from modelpar.plan import _FAMILIES, AC_MODES, PP_SCHEDULES, ParallelPlan, strategy_of_degrees
 from modelpar.planner.cost import StepEstimate
 from modelpar.planner.hardware import Hardware
 from modelpar.planner.loads import _has_ends
+from modelpar.planner.legality import selective_refusal
 from modelpar.planner.layouts import Search, can_defer, evaluate_group, group_pruned, layouts
 from modelpar.planner.memo import PlannerCache
 from modelpar.planner.memory import OPTIMIZER_BYTES, Batch, MemoryEstimate
@@ -34,17 +35,6 @@ VIRTUAL_STAGES = (2, 4, 8)
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 AC_CHOICES = ("none", "selective", "every-k", "full")
 AC_EVERY_CHOICES = (4, 2)     # k of "every-k" the search tries (ParallelPlan.ac_every)
-
-
-def selective_refusal(profile: ModelProfile) -> str:
-    """Why selective checkpointing cannot run on the profiled model ("" where it can): it recomputes
-    each block's attention core, and no block has one the runtime recognises (`parallel.checkpointing`;
-    the profile's ``attn_core_saved_bytes``), as the training preflight refuses it."""
-    if any(b.attn_core_saved_bytes for b in profile.blocks):
-        return ""
-    return ("--activation-checkpointing selective recomputes each block's attention core, and none of this "
-            "model's blocks has one modelpar recognises (a submodule whose class sets "
-            f"{CORE_ATTR} = True, as modelpar's GPT's AttentionCore does); use full or every-k")
 
 
 def _ac_options(checkpointing: tuple[str, ...], every: tuple[int, ...], profile: ModelProfile,
