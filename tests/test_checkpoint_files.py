@@ -236,3 +236,26 @@ def test_checkpoint_from_an_earlier_modelpar_resumes(fixture_ckpt):
     with pytest.raises(CheckpointError, match=r"differs in what fixes the model and the sample order: seed: "
                                               r"checkpoint 0 vs now 1"):
         TrainCheckpoints(TrainConfig(**{**cfg.to_dict(), "seed": 1}), pm, _fresh_fixture_model()[1])
+
+
+def test_checkpoint_refusals_come_before_launch(saved, fixture_ckpt, tmp_path):
+    """A user's report: a fresh run into a folder of checkpoints, or a resume of another run's, was
+    refused by every rank ~11 s after launch (the run folder made); now once, before any process."""
+    from modelpar.cli.train import main as train_main
+    from modelpar.train.checkpoint.resume import check_checkpoints_before_launch
+    from modelpar.train.config import TrainConfig
+
+    argv = ["--model", "gpt-nano", "--strategy", "ddp", "--nproc", "2", "--steps", "4", "--ckpt-every", "2",
+            "--ckpt-dir", str(saved[0]), "--out-dir", str(tmp_path / "runs")]
+    with pytest.raises(ValueError, match=r"already holds checkpoints \(step-00000006 and 1 older\)"):
+        train_main(argv)
+    assert not (tmp_path / "runs").exists()
+    ck, _ = fixture_ckpt
+    cfg = TrainConfig(model="gpt-nano", model_config=dict(FIXTURE_MODEL), seq_len=16, global_batch_size=4, steps=4,
+                      data="fixture-text", resume=str(ck), ckpt_dir=str(ck))
+    check_checkpoints_before_launch(cfg)                    # the same run: nothing to refuse
+    with pytest.raises(CheckpointError, match=r"differs in what fixes the model and the sample order: seed: "
+                                              r"checkpoint 0 vs now 1"):
+        check_checkpoints_before_launch(TrainConfig(**{**cfg.to_dict(), "seed": 1}))
+    with pytest.raises(ValueError, match=r"is at step 2, past steps=1"):
+        check_checkpoints_before_launch(TrainConfig(**{**cfg.to_dict(), "steps": 1}))

@@ -206,6 +206,8 @@ def main(argv: list[str]) -> int:
     # only train --strategy auto calibrates by itself (rules and the rest: the uncalibrated estimate)
     resolved = resolve(cfg, world, measure_if_missing=cfg.strategy.lower() == "auto")
     plan, batches = preflight(cfg, world, resolved)
+    from modelpar.train.checkpoint.resume import check_checkpoints_before_launch
+    check_checkpoints_before_launch(cfg)        # as every rank would refuse them, once, before launch
     note = long_sequence_note(cfg)
     if note:
         print(f"modelpar train: note: {note}", flush=True)

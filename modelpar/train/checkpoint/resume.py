@@ -20,6 +20,59 @@ _MUST_MATCH = ("model", "model_config", "seed", "global_batch_size", "seq_len", 
                "token_dtype")
 
 
+def resume_source(cfg, ckpt_dir: Path) -> Path | None:
+    """The checkpoint ``cfg.resume`` names (``auto``: the latest in ``ckpt_dir``, None on a first
+    attempt; a path: that checkpoint), None without ``--resume``.
+
+    Raises:
+        CheckpointError: a path that is no checkpoint (`resolve_checkpoint`).
+    """
+    r = cfg.resume
+    if not r:
+        return None
+    if r == "auto":
+        return latest_checkpoint(ckpt_dir)
+    return resolve_checkpoint(r)
+
+
+def _refuse_a_used_dir(ckpt_dir: Path) -> None:
+    found = list_checkpoints(ckpt_dir)
+    if found:
+        raise ValueError(f"ckpt_dir {str(ckpt_dir)!r} already holds checkpoints ({found[-1][1].name} and "
+                         f"{len(found) - 1} older); pass --resume auto to continue them, or another --ckpt-dir "
+                         f"(nothing was overwritten)")
+
+
+def _refuse_another_run(meta: dict, cfg) -> None:
+    saved_cfg = meta.get("train_config", {})
+    diffs = [f"{k}: checkpoint {saved_cfg[k]!r} vs now {getattr(cfg, k)!r}" for k in _MUST_MATCH
+             if k in saved_cfg and saved_cfg[k] != getattr(cfg, k)]
+    if diffs:
+        raise CheckpointError(f"checkpoint {meta['path']!r} was written by a run that differs in what "
+                              f"fixes the model and the sample order: {'; '.join(diffs)}")
+
+
+def check_checkpoints_before_launch(cfg) -> None:
+    """What `TrainCheckpoints` refuses on every rank, checked once before any process starts (one
+    JSON read): a fresh run (checkpointing on, no --resume) into a ``ckpt_dir`` that holds checkpoints,
+    a checkpoint to resume that is not one or whose run differs in what fixes the model and the sample
+    order (`_MUST_MATCH`), or one past ``cfg.steps``.
+
+    Raises:
+        CheckpointError, ValueError: as `TrainCheckpoints` does, with its messages.
+    """
+    ckpt_dir = Path(cfg.ckpt_dir or Path(cfg.out_dir) / "checkpoints")
+    source = resume_source(cfg, ckpt_dir)
+    if source is None:
+        if cfg.ckpt_every > 0:
+            _refuse_a_used_dir(ckpt_dir)
+        return
+    meta = read_checkpoint_meta(source)
+    _refuse_another_run(meta, cfg)
+    if int(meta["step"]) > cfg.steps:
+        raise ValueError(f"checkpoint {meta['path']!r} is at step {meta['step']}, past steps={cfg.steps}")
+
+
 class TrainCheckpoints:
     """Checkpointing of one `modelpar.train.runner.train` run: resume, periodic saves, close.
 
@@ -48,25 +101,13 @@ class TrainCheckpoints:
         self.saver: Checkpointer | None = None
         self.holder = checkpoint_module(pm.modules, getattr(pm, "ties", None))   # before the first forward
         self.spec = None                 # the model spec (`task.model_spec`), taken at the first save
-        source = self._resume_source()
+        source = resume_source(cfg, self.ckpt_dir)
         if source is not None:
             self._resume(source)
         elif self.every > 0:
-            found = list_checkpoints(self.ckpt_dir)
-            if found:
-                raise ValueError(f"ckpt_dir {str(self.ckpt_dir)!r} already holds checkpoints "
-                                 f"({found[-1][1].name} and {len(found) - 1} older); pass --resume auto to "
-                                 f"continue them, or another --ckpt-dir (nothing was overwritten)")
+            _refuse_a_used_dir(self.ckpt_dir)
         if self.every > 0:
             self.saver = Checkpointer(self.ckpt_dir, keep_last=cfg.keep_last, async_save=cfg.async_ckpt)
-
-    def _resume_source(self) -> Path | None:
-        r = self.cfg.resume
-        if not r:
-            return None
-        if r == "auto":
-            return latest_checkpoint(self.ckpt_dir)     # None: a fresh start (first attempt)
-        return resolve_checkpoint(r)
 
     def _resume(self, source: Path) -> None:
         cfg, pm = self.cfg, self.pm
@@ -75,12 +116,7 @@ class TrainCheckpoints:
             box = [meta]
             dist.broadcast_object_list(box, src=0)
             meta = box[0]
-        saved_cfg = meta.get("train_config", {})
-        diffs = [f"{k}: checkpoint {saved_cfg[k]!r} vs now {getattr(cfg, k)!r}" for k in _MUST_MATCH
-                 if k in saved_cfg and saved_cfg[k] != getattr(cfg, k)]
-        if diffs:
-            raise CheckpointError(f"checkpoint {meta['path']!r} was written by a run that differs in what "
-                                  f"fixes the model and the sample order: {'; '.join(diffs)}")
+        _refuse_another_run(meta, cfg)
         same_layout = meta.get("plan") == pm.plan.to_dict() and meta.get("world_size") == _world()
         meta = load_checkpoint(self.holder, self.opt, meta["path"], restore_rng=same_layout)
         self.start_step = self.loaded_step = int(meta["step"])
