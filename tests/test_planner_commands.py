@@ -95,6 +95,14 @@ def test_rules_follow_precedence():
     assert plan.pp == 4 and "model parallel" in why
     with pytest.raises(ValueError, match="task"):
         rule_plan(small, 2, hw, global_batch_size=8, task="speech")
+    # model parallel the model refuses: the other form, or FSDP (it picked tp / pp that train refuses)
+    import dataclasses
+    plan, _ = rule_plan(dataclasses.replace(mid, pipeline_refusal="no cut"), 4, BUILTIN["A100-40GB"],
+                        global_batch_size=8, precision="bf16")
+    assert plan.tp == 4 and plan.pp == 1
+    plan, why = rule_plan(dataclasses.replace(mid, pipeline_refusal="no cut", tp_refusal="no TP plan"), 4,
+                          BUILTIN["A100-40GB"], global_batch_size=8, precision="bf16")
+    assert plan.dp_shard == 4 and "refuses -> FSDP" in why
 
 
 @pytest.mark.timeout(300)        # two rounds of every term (`--rounds 2`): ~45-90 s quiet on 2 cores

@@ -26,8 +26,13 @@ RULES = (
 )
 
 
-def _model_parallel(num_blocks: int, n: int) -> dict:
-    return {"pp": n, "n_microbatches": 2 * n} if num_blocks >= 2 * n else {"tp": n}
+def _model_parallel(profile: ModelProfile, num_blocks: int, n: int) -> dict | None:
+    """pp with two blocks per device at least, else tp; the other where the model refuses one (its
+    forward cannot be cut: ``pipeline_refusal``; no TP plan train runs: ``tp_refusal``); None: neither."""
+    pp_ok = num_blocks >= 2 * n and not profile.pipeline_refusal
+    if pp_ok:
+        return {"pp": n, "n_microbatches": 2 * n}
+    return None if profile.tp_refusal else {"tp": n}
 
 
 def rule_plan(profile: ModelProfile, num_devices: int, hw: Hardware, *, global_batch_size: int,
@@ -72,7 +77,10 @@ def rule_plan(profile: ModelProfile, num_devices: int, hw: Hardware, *, global_b
         why = "size > 1B -> FSDP" + (" (HSDP across nodes)" if n > 8 else "")
     else:
         inner = n if n <= 8 else per_node
-        plan = make(dp_replicate=n // inner, **_model_parallel(blocks, inner))
+        mp = _model_parallel(profile, blocks, inner)
+        if mp is None:          # too few blocks for pp (or no cut) and no TP plan: the sharding rule
+            return make(dp_shard=n), f"size {P / 1e6:.3g}M -> model parallel, which the model refuses -> FSDP"
+        plan = make(dp_replicate=n // inner, **mp)
         why = f"size {P / 1e6:.3g}M -> model parallel" + (" x DDP" if n > 8 else "")
     if mem(plan) > hw.memory_bytes and plan.dp_shard != n:
         plan, why = make(dp_shard=n), why + "; does not fit -> FSDP over all devices"
