@@ -239,6 +239,13 @@ def test_train_names_the_flag_of_a_bad_value_first(world, argv, message):
         preflight(cfg, world, resolve(cfg, world))
 
 
+def test_plan_names_the_optimizer_flag(capsys):
+    from modelpar.cli import main
+
+    assert main(["plan", "--model", "gpt-nano", "--optimizer", "lion", "--nproc", "2"]) == 2
+    assert "--optimizer 'lion' is unknown; valid: sgd, sgd_momentum, adamw" in capsys.readouterr().err
+
+
 def test_estimate_says_how_to_split_a_batch_over_the_data_parallel_ranks(capsys):
     from modelpar.cli import main
 

@@ -269,7 +269,7 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
         raise ValueError(f"strategy={strategy!r} names no family of plans; valid: {', '.join(_FAMILIES.values())}, "
                          f"custom")
     if optimizer not in OPTIMIZER_BYTES:
-        raise ValueError(f"optimizer={optimizer!r} is unknown; valid: {', '.join(OPTIMIZER_BYTES)}")
+        raise ValueError(f"--optimizer {optimizer!r} is unknown; valid: {', '.join(OPTIMIZER_BYTES)}")
     budget = hw.memory_bytes * memory_fraction
     foreach = hw.kind != "cpu"             # torch's optimizers use foreach kernels on accelerators
     gloo = hw.kind == "cpu"                # CPU ranks communicate over gloo (its reduce-scatter copies)
