@@ -347,6 +347,8 @@ def strategy_of_degrees(dp_replicate: int, dp_shard: int, tp: int, pp: int) -> s
 
 _FAMILIES = {(): "single", ("dp_replicate",): "ddp", ("dp_shard",): "fsdp", ("tp",): "tp", ("pp",): "pp",
              ("dp_replicate", "dp_shard"): "hsdp", ("dp_replicate", "tp"): "ddp+tp", ("dp_shard", "tp"): "fsdp+tp"}
+# every value `strategy_of_degrees` returns
+STRATEGY_FAMILIES = (*_FAMILIES.values(), "custom")
 
 
 def split_global_batch(global_batch_size: int, plan: "ParallelPlan") -> int:

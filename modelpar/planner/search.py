@@ -20,7 +20,7 @@ import gc
 from collections import Counter
 from dataclasses import dataclass, field
 
-from modelpar.plan import _FAMILIES, AC_MODES, PP_SCHEDULES, ParallelPlan, strategy_of_degrees
+from modelpar.plan import AC_MODES, PP_SCHEDULES, STRATEGY_FAMILIES, ParallelPlan, strategy_of_degrees
 from modelpar.planner.cost import StepEstimate
 from modelpar.planner.hardware import Hardware
 from modelpar.planner.loads import _has_ends
@@ -265,9 +265,8 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
         raise ValueError(f"num_devices={num_devices} and global_batch_size={global_batch_size} must be >= 1")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k={top_k!r} must be None (every candidate) or an integer >= 1")
-    if strategy is not None and strategy not in (*_FAMILIES.values(), "custom"):
-        raise ValueError(f"strategy={strategy!r} names no family of plans; valid: {', '.join(_FAMILIES.values())}, "
-                         f"custom")
+    if strategy is not None and strategy not in STRATEGY_FAMILIES:
+        raise ValueError(f"strategy={strategy!r} names no family of plans; valid: {', '.join(STRATEGY_FAMILIES)}")
     if optimizer not in OPTIMIZER_BYTES:
         raise ValueError(f"--optimizer {optimizer!r} is unknown; valid: {', '.join(OPTIMIZER_BYTES)}")
     budget = hw.memory_bytes * memory_fraction
