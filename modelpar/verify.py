@@ -30,7 +30,8 @@ from modelpar.parallel.compose import parallelize
 from modelpar.parallel.mesh import MeshInfo, build_mesh
 from modelpar.plan import ParallelPlan, gradient_accumulation_steps
 from modelpar.train.data import global_batch_slice
-from modelpar.train.loop import gather_full_state_dict, reduce_loss
+from modelpar.train.gather import gather_full_state_dict
+from modelpar.train.loop import reduce_loss
 from modelpar.train.step import make_optimizer as _make_optimizer, train_step
 
 

@@ -233,28 +233,3 @@ def evaluate(pm: ParallelModel, task: Task, batches: Batches) -> float:
             count += n
     pm.train(True)
     return reduce_loss(pm, total, count, pm.device)
-
-
-def gather_full_state_dict(pm: ParallelModel) -> dict[str, torch.Tensor]:
-    """The whole model's state dict on rank 0 (CPU tensors, original names); {} on other ranks."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    sd: dict[str, torch.Tensor] = {}
-    distributed = pm.mesh.mesh is not None
-    for m in pm.modules:
-        if distributed:
-            part = get_model_state_dict(m, options=StateDictOptions(full_state_dict=True))
-        else:
-            part = m.state_dict()
-        sd.update({k: v.detach().cpu().clone() for k, v in part.items()})
-    if not distributed:
-        return sd
-    keep = pm.mesh.dp_rank == 0 and pm.mesh.tp_rank == 0
-    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(sd if keep else {}, gathered, dst=0)
-    if dist.get_rank() != 0:
-        return {}
-    out: dict[str, torch.Tensor] = {}
-    for part in gathered:
-        out.update(part)
-    return out

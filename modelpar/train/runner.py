@@ -17,7 +17,8 @@ from modelpar.plan_file import PlanFile
 from modelpar.train.checkpoint import TrainCheckpoints
 from modelpar.train.config import TrainConfig
 from modelpar.train.health import guard, start_heartbeat
-from modelpar.train.loop import build_optimizer, evaluate, gather_full_state_dict, lr_at, preflight, reduce_losses
+from modelpar.train.gather import gather_full_state_dict
+from modelpar.train.loop import build_optimizer, evaluate, lr_at, preflight, reduce_losses
 from modelpar.train.metrics import PeakTensorMemory, RunRecord, StepMemory, peak_rss_bytes
 from modelpar.train.preflight_checks import check_optimizer_params, check_same_steps, install_first_step_checks
 from modelpar.train.step import train_step
