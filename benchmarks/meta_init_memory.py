@@ -1,8 +1,9 @@
 """Per-rank peak RSS (MiB) after building, FSDP-sharding and (with meta_init) materialising a Hugging Face
-GPT-2 from config (85.3M parameters, 325 MiB fp32) on 2 CPU ranks, with meta_init off (0) and on (1).
+GPT-2 from config (85.3M parameters, 325 MiB fp32; ``hf``, the default) or the built-in ``gpt-100m``
+(85.9M, the same widths; ``gpt``) on 2 CPU ranks, with meta_init off (0) and on (1).
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc-per-node 2 \
-        benchmarks/meta_init_memory.py 0|1
+        benchmarks/meta_init_memory.py 0|1 [hf|gpt]
 """
 import json, resource, sys
 from pathlib import Path
@@ -17,8 +18,12 @@ from modelpar.train.materialise import materialise
 meta = sys.argv[1] == "1"
 rank, world = init_distributed(120)
 torch.set_num_threads(1)
-mc = {"n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 256, "n_positions": 64, "bos_token_id": 0, "eos_token_id": 0}
-cfg = TrainConfig(model="hf:gpt2", model_config=mc, meta_init=meta, seq_len=32)
+if sys.argv[2:] == ["gpt"]:
+    cfg = TrainConfig(model="gpt-100m", meta_init=meta, seq_len=32)
+else:
+    mc = {"n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 256, "n_positions": 64, "bos_token_id": 0,
+          "eos_token_id": 0}
+    cfg = TrainConfig(model="hf:gpt2", model_config=mc, meta_init=meta, seq_len=32)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 task = build_task(cfg, load_data=False)
 plan = plan_for_strategy("fsdp", world)

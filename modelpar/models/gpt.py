@@ -162,6 +162,13 @@ class Head(nn.Module):
         return self.out(self.ln_f(x))
 
 
+def init_std(name: str, n_layer: int) -> float:
+    """Standard deviation of the normal initialisation of matrix or embedding ``name`` of a GPT of
+    ``n_layer`` blocks: 0.02, and 0.02 / sqrt(2 n_layer) for the projections that write into the
+    residual stream (attention output ``o``, MLP ``down``): GPT-2 (Radford et al. 2019, Section 2.3)."""
+    return 0.02 / math.sqrt(2 * n_layer) if name.endswith(("o.weight", "down.weight")) else 0.02
+
+
 class GPT(nn.Module):
     """Decoder-only transformer. ``forward(idx: (batch, seq) int64) -> logits (batch, seq, vocab)``."""
 
@@ -176,11 +183,10 @@ class GPT(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer)."""
+        """GPT-2 initialisation (`init_std`); biases 0, norm weights 1 (their own default)."""
         for name, p in self.named_parameters():
             if p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith(("o.weight", "down.weight")) else 0.02
-                nn.init.normal_(p, 0.0, std)
+                nn.init.normal_(p, 0.0, init_std(name, self.cfg.n_layer))
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
 

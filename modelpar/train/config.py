@@ -110,10 +110,11 @@ class TrainConfig:
         weight_decay: AdamW weight decay on matrices (not on biases, norms or embeddings' 1-D params).
         optimizer: adamw, sgd or sgd_momentum (SGD with momentum 0.9).
         grad_clip: clip gradients to this global L2 norm (0: off).
-        meta_init: Hugging Face models under FSDP, TP and pipelines (or one process): build on the meta
-            device and give each rank memory for its own shards and stages only, filled from the pretrained folder's safetensors files
-            (sliced) or, from a config, from (seed, parameter name), the same values on every layout but
-            not transformers' own initialisation (`modelpar.train.materialise`).
+        meta_init: Hugging Face models and the built-in GPT presets under FSDP, TP and pipelines (or one
+            process): build on the meta device and give each rank memory for its own shards and stages
+            only, filled from the pretrained folder's safetensors files (sliced) or, from a config, from
+            (seed, parameter name), the same values on every layout but not those the model's own
+            initialisation draws (`modelpar.train.materialise`).
         dropout: dropout probability of GPT and Hugging Face models (every dropout field of an HF config
             is set to it).
         eval_every: validate every N steps (and before and after training).

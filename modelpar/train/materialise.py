@@ -1,7 +1,7 @@
 """Models too big for one rank: build on the meta device, shard, then materialise each rank's shards.
 
-With ``meta_init`` (`TrainConfig`), a Hugging Face model is built with its parameters on the meta
-device (`params_on_meta`: the modules' constructors run, parameters allocate nothing, buffers such as
+With ``meta_init`` (`TrainConfig`), a Hugging Face model or a built-in GPT preset is built with its
+parameters on the meta device (`params_on_meta`: the modules' constructors run, parameters allocate nothing, buffers such as
 rotary tables are real and small), laid out by `modelpar.parallel.parallelize` (FSDP and TP shard meta
 parameters as they would real ones, into DTensors with meta local shards; a pipeline keeps this rank's
 stage modules only), and then `materialise` gives every rank real memory for its own shards of its own
@@ -13,11 +13,11 @@ stages only (``to_empty``) and fills them:
 - from a config: each parameter's values are drawn from a generator seeded by (``seed``, parameter
   name; a tied copy: its tie's first name), one whole parameter at a time on CPU, and this rank's
   slice kept (of the TP-permuted order for GPT-2's fused ``c_attn``). Matrices and embeddings
-  ~ N(0, ``initializer_range``) (transformers' default rule), norm weights 1, biases 0. The values are
-  the same under every layout and world size (the slice of the same full tensor), but they are not
-  transformers' own initialisation (which also scales some projections and consumes the RNG in
-  construction order), so a ``meta_init`` run is comparable to another ``meta_init`` run, not to a
-  run without it.
+  ~ N(0, ``initializer_range``) (transformers' default rule; a built-in GPT: its own rule,
+  `modelpar.models.gpt.init_std`), norm weights 1, biases 0. The values are the same under every
+  layout and world size (the slice of the same full tensor), but they are not the values the model's
+  own initialisation draws (which consumes one RNG in construction order), so a ``meta_init`` run is
+  comparable to another ``meta_init`` run, not to a run without it.
 
 Peak memory per rank: its shards, plus one whole parameter at a time (the largest: the embedding).
 """
@@ -52,21 +52,29 @@ def params_on_meta():
         nn.Module.register_parameter = register
 
 
+def meta_buildable(model: str) -> bool:
+    """Whether ``meta_init`` can build ``model`` on the meta device: a Hugging Face model or a
+    built-in GPT preset (not a factory, whose construction is the user's, nor a built-in MLP / CNN)."""
+    from modelpar.models import PRESETS
+    from modelpar.models.spec import model_kind
+
+    return model_kind(model) == "hf" or model in PRESETS
+
+
 def check_meta_init(cfg, plan) -> None:
-    """``meta_init`` is for Hugging Face models on one process, under FSDP, tensor parallelism and
-    pipelines (and their products): layouts whose ranks each hold their own shards or stages.
+    """``meta_init`` is for Hugging Face models and the built-in GPT presets (`meta_buildable`) on one
+    process, under FSDP, tensor parallelism and pipelines (and their products): layouts whose ranks each
+    hold their own shards or stages.
 
     Raises:
         ValueError: another model kind, placement (one process holds every part), or DDP (it
             broadcasts rank 0's whole parameters at wrap time, which meta parameters do not have).
     """
-    from modelpar.models.spec import model_kind
-
     if not cfg.meta_init:
         return
-    if model_kind(cfg.model) != "hf":
-        raise ValueError(f"meta_init=True builds Hugging Face models on the meta device; --model {cfg.model} is "
-                         f"not one")
+    if not meta_buildable(cfg.model):
+        raise ValueError(f"meta_init=True builds Hugging Face models and the built-in GPT presets on the meta "
+                         f"device; --model {cfg.model} is neither (a factory or built-in MLP / CNN builds itself)")
     if plan.is_placement or (plan.dp_replicate > 1 and not plan.fsdp_enabled):
         raise ValueError(f"meta_init=True materialises each rank's FSDP / TP shards and pipeline stages; the plan "
                          f"{plan.describe()} has placement or DDP (use --strategy fsdp, tp, pp or single)")
@@ -132,6 +140,21 @@ def _weight_files(folder: str) -> dict[str, str]:
         return {k: single for k in f.keys()}
 
 
+def _std_rule(cfg, m: nn.Module):
+    """``name -> std`` of the normal draw of a matrix or embedding: a built-in GPT's own rule
+    (`modelpar.models.gpt.init_std`: the residual projections scaled by 1/sqrt(2 n_layer)); a Hugging
+    Face model's config's ``initializer_range`` (0.02 where it has none)."""
+    from modelpar.models import PRESETS
+
+    if cfg.model in PRESETS:
+        from modelpar.models.gpt import init_std
+
+        n_layer = int((cfg.model_config or {}).get("n_layer", PRESETS[cfg.model].n_layer))
+        return lambda name: init_std(name, n_layer)
+    std = float(getattr(m.hf.config, "initializer_range", 0.02)) if hasattr(m, "hf") else 0.02
+    return lambda name: std
+
+
 @torch.no_grad()
 def materialise(modules: list[nn.Module], cfg, device: torch.device,
                 ties: list[tuple[str, ...]] | None = None) -> None:
@@ -179,7 +202,7 @@ def materialise(modules: list[nn.Module], cfg, device: torch.device,
         for n, b in m.named_buffers():
             b.copy_(buffers[n])
         owners = _owners(m)
-        std = float(getattr(getattr(m, "hf", m).config, "initializer_range", 0.02)) if hasattr(m, "hf") else 0.02
+        std_of = _std_rule(cfg, m)
         for name, p in m.named_parameters():
             local, sl = _slices(p)
             src = source(name)
@@ -191,7 +214,7 @@ def materialise(modules: list[nn.Module], cfg, device: torch.device,
                 f = handles.get(path) or handles.setdefault(path, safe_open(path, "pt"))
                 value = f.get_slice(hf(src))[sl] if perm is None else f.get_tensor(hf(src))
             else:
-                value = _seeded(src, owners[name], p.shape, cfg.seed, std)
+                value = _seeded(src, owners[name], p.shape, cfg.seed, std_of(src))
                 value = value[sl] if perm is None else value
             if perm is not None:       # the laid-out (permuted) order, then this rank's slice
                 value = value.index_select(_dim_of(name.rsplit(".", 1)[-1]), perm)[sl]

@@ -165,6 +165,12 @@ def build_model_for(cfg, device: str = "cpu") -> nn.Module:
         kw["dropout"] = cfg.dropout
         if cfg.seq_len:
             kw["seq_len"] = cfg.seq_len
+        if getattr(cfg, "meta_init", False) and str(device) != "meta":     # materialised per shard later
+            from modelpar.train.materialise import params_on_meta
+
+            with params_on_meta():
+                return build_builtin(cfg.model, getattr(cfg, "model_config", None) or None, device=device,
+                                     seed=cfg.seed, **kw)
     return build_builtin(cfg.model, getattr(cfg, "model_config", None) or None, device=device, seed=cfg.seed, **kw)
 
 

@@ -1,0 +1,98 @@
+"""``--meta-init`` on the built-in GPT presets: built on the meta device, laid out, and each rank's
+shards and stages materialised from (seed, parameter name) by the GPT's own rule
+(`modelpar.models.gpt.init_std`), so the values are the same on every layout: FSDP x2, TP x2 (the
+vocabulary-parallel embedding and head) and PP x2 with the head tied to the embedding across the two
+stages each train like one process with ``--meta-init``. The launched part rides the session's first
+2-rank scenario launch (`helpers.workers`); the rest runs here."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import workers
+from helpers.ckpt_worker import base_cfg
+
+LOSS_RTOL = 1e-5
+TIED = {"tie_embeddings": True}
+LAUNCHED = {"fsdp": dict(strategy="fsdp"), "tp": dict(strategy="tp"),
+            "pp_tied": dict(strategy="pp", model_config=TIED)}
+
+
+def _specs(work: Path) -> list[dict]:
+    return [{"name": f"gpt_meta_{k}", "kind": "train", "run_dir": str(work / k),
+             "cfg": base_cfg(meta_init=True, out_dir=str(work / "out"), **kw)} for k, kw in LAUNCHED.items()]
+
+
+workers.ride("gpt_meta2", 2, _specs, module=__file__)
+
+
+def _train_here(tmp: Path, name: str, **kw) -> dict:
+    from modelpar.train.config import TrainConfig
+    from modelpar.train.runner import train
+
+    return train(TrainConfig(**base_cfg(out_dir=str(tmp / "out"), **kw)), run_dir=tmp / name, quiet=True)
+
+
+def _max_rel(a, b) -> float:
+    assert len(a) == len(b) and a
+    return max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_meta_init_gpt_trains_alike_on_every_layout(tmp_path):
+    res = workers.rider_results("gpt_meta2")
+    ref = _train_here(tmp_path, "ref", strategy="single", meta_init=True)
+    ref_tied = _train_here(tmp_path, "ref_tied", strategy="single", meta_init=True, model_config=TIED)
+    plain = _train_here(tmp_path, "plain", strategy="single")
+    assert ref["losses"] != plain["losses"]      # drawn per name, not in the model's construction order
+    for k in LAUNCHED:
+        r = res[f"gpt_meta_{k}"]
+        assert not r["errors"], (k, r["errors"])
+        got, want = r["result"], (ref_tied if k == "pp_tied" else ref)
+        assert got["world_size"] == 2
+        assert _max_rel(want["losses"], got["losses"]) <= LOSS_RTOL, (k, want["losses"], got["losses"])
+    assert res["gpt_meta_pp_tied"]["result"]["plan"]["pp"] == 2
+    assert res["gpt_meta_tp"]["result"]["plan"]["tp"] == 2
+
+
+def test_meta_init_gpt_draws_the_gpts_own_rule_and_keeps_its_tie():
+    """One process: nothing is allocated before `materialise`; then matrices and embeddings have std
+    0.02 (the residual projections 0.02 / sqrt(2 n_layer)), norm weights are 1, biases 0, and the tied
+    head is the embedding's tensor."""
+    from modelpar.train.config import TrainConfig
+    from modelpar.train.materialise import materialise
+    from modelpar.train.task import build_task
+
+    n_layer = 4
+    cfg = TrainConfig(model="gpt-nano", model_config={"n_layer": n_layer, "d_model": 128, **TIED}, meta_init=True,
+                      seq_len=16)
+    model = build_task(cfg, load_data=False).model
+    assert all(p.is_meta for p in model.parameters())
+    materialise([model], cfg, torch.device("cpu"))
+    assert model.head.out.weight is model.embed.tok.weight
+    seen = set()
+    for name, p in model.named_parameters():
+        seen.add(name.rsplit(".", 1)[-1])
+        if name.endswith("bias"):
+            assert torch.count_nonzero(p) == 0, name
+        elif p.dim() == 1:
+            assert torch.equal(p, torch.ones_like(p)), name
+        else:
+            want = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("o.weight", "down.weight")) else 0.02
+            assert abs(p.std().item() / want - 1) < 0.1, (name, p.std().item(), want)
+    assert {"weight", "bias"} <= seen
+
+
+def test_meta_init_refuses_a_builtin_mlp_before_launch():
+    from modelpar.plan import ParallelPlan
+    from modelpar.train.config import TrainConfig
+    from modelpar.train.materialise import check_meta_init
+
+    with pytest.raises(ValueError, match="mlp-small is neither"):
+        check_meta_init(TrainConfig(model="mlp-small", meta_init=True), ParallelPlan(dp_shard=2))
+    check_meta_init(TrainConfig(model="gpt-nano", meta_init=True), ParallelPlan(dp_shard=2))
