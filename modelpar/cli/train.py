@@ -202,10 +202,12 @@ def main(argv: list[str]) -> int:
     from modelpar.models.spec import check_model
     check_model(cfg.model, cfg.model_config)    # as plan / verify: e.g. --model-config on a factory model
     world = run_world_size(ns, given, cfg.strategy)     # 1 for single / placement; a plan file's own
-    check_factory_forward(cfg)                  # a factory model of a form train cannot run: one line, now
-    # only train --strategy auto calibrates by itself (rules and the rest: the uncalibrated estimate)
-    resolved = resolve(cfg, world, measure_if_missing=cfg.strategy.lower() == "auto")
-    plan, batches = preflight(cfg, world, resolved)
+    from modelpar.models.spec import one_factory_build
+    with one_factory_build():                   # a factory model: built once for these checks, then dropped
+        check_factory_forward(cfg)              # a factory model of a form train cannot run: one line, now
+        # only train --strategy auto calibrates by itself (rules and the rest: the uncalibrated estimate)
+        resolved = resolve(cfg, world, measure_if_missing=cfg.strategy.lower() == "auto")
+        plan, batches = preflight(cfg, world, resolved)
     from modelpar.train.checkpoint.resume import check_checkpoints_before_launch
     check_checkpoints_before_launch(cfg)        # as every rank would refuse them, once, before launch
     note = long_sequence_note(cfg)

@@ -48,7 +48,7 @@ STRATEGIES_4 = {"fsdp_tp": dict(dp_shard=2, tp=2)}
 # norms and residual stream on sequence shards)
 HF_ONLY_2 = {"tp_sp": dict(tp=2, sequence_parallel=True)}
 # the HF rows. Pipelines: a stage after the first holds no input-part parameters (its stubs keep
-# meta skeletons for attribute reads, `parallel.stages._skeleton`; before, Llama's embed_tokens and
+# meta skeletons for attribute reads, `parallel.stages.skeleton`; before, Llama's embed_tokens and
 # GPT-2's wpe stayed allocated there: params -23.5% / -5.8% on the last stage). TP + SP: the
 # colwise projections and the head keep the sequence all-gather's output for backward (DTensor's
 # ColwiseParallel), where Korthikanti et al.'s 1/t assumes Megatron's re-gather in backward; the

@@ -145,9 +145,10 @@ def check_factory(name: str, um, seq_len: int) -> torch.Tensor:
 
 
 def factory_profile(name: str, seq_len: int, dtype: torch.dtype, blocks: str = ""):
-    """``(profile, description)`` of a factory model: built on CPU (its own weights), checked
-    (`check_factory`), profiled on its one-sample input (`planner.profile.profile_model`, under
-    FakeTensorMode) with the pipeline cut made on its weights (`parallel.cut.with_pipeline_refusal`).
+    """``(profile, description)`` of a factory model: built on CPU (its own weights; inside
+    `modelpar.models.spec.one_factory_build`, the scope's one build), checked (`check_factory`), profiled
+    on its one-sample input (`planner.profile.profile_model`, under FakeTensorMode) with the pipeline cut
+    made on its weights (`parallel.cut.with_pipeline_refusal`).
     ``plan``, ``estimate`` and ``train --strategy auto`` all profile a factory model here.
 
     Raises:

@@ -37,6 +37,8 @@ Dropout must be 0 where parity is checked (`modelpar verify`).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import os
@@ -146,12 +148,51 @@ def load_factory(name: str):
         raise ValueError(f"--model {name!r}: cannot load {fn_name} from module {mod_name}: {e}") from None
 
 
+# inside `one_factory_build`: {} or the one build it shares ("name", "built", "modes"); None outside
+_SHARED: dict | None = None
+
+
+@contextlib.contextmanager
+def one_factory_build():
+    """A scope in which `build_factory` calls a factory once: a later call for the same name gets that
+    build (one entry: another name replaces it), its modules back in the train / eval modes the factory
+    left them in and its own copy of the declared fields. On exit the build is dropped (and garbage
+    collected), so nothing holds the model's memory after. ``modelpar train`` runs its checks before
+    launch in one (the forward check, the planner's profile, the meta-device preflight, the pipeline cut
+    on real weights), and `modelpar.train.loop.preflight` runs in one. What gets the shared build must
+    not change it beyond modes (`modelpar.train.task` copies it to the meta device rather than moving
+    it). Nested: the outermost scope holds the build."""
+    global _SHARED
+    if _SHARED is not None:
+        yield
+        return
+    _SHARED = {}
+    try:
+        yield
+    finally:
+        built, _SHARED = bool(_SHARED), None
+        if built:               # a model in a reference cycle would otherwise wait for the next collection
+            import gc
+            gc.collect()
+
+
+def _shared(um: UserModel) -> UserModel:
+    for m, training in _SHARED["modes"]:
+        m.training = training
+    return dataclasses.replace(um, extra=dict(um.extra))
+
+
 def build_factory(name: str) -> UserModel:
-    """Call the factory and normalise what it returned (see the module docstring).
+    """Call the factory and normalise what it returned (see the module docstring); inside
+    `one_factory_build`, once per scope for ``name``.
 
     Raises:
         ValueError: it cannot be loaded, or returned neither an ``nn.Module`` nor a dict with one.
     """
+    if _SHARED is not None:
+        if _SHARED.get("name") == name:
+            return _shared(_SHARED["built"])
+        _SHARED.clear()         # one entry: the build of another name goes before this one is made
     made = load_factory(name)()
     spec = made if isinstance(made, dict) else {"model": made}
     model = spec.get("model")
@@ -159,7 +200,11 @@ def build_factory(name: str) -> UserModel:
         raise ValueError(f"--model {name!r}: the factory must return an nn.Module or a dict with 'model', "
                          f"got {type(made).__name__}")
     rest = {k: v for k, v in spec.items() if k not in ("model", "batch_fn", "loss_fn", "loss_reduction")}
-    return UserModel(model, spec.get("batch_fn"), spec.get("loss_fn"), spec.get("loss_reduction", "mean"), rest)
+    um = UserModel(model, spec.get("batch_fn"), spec.get("loss_fn"), spec.get("loss_reduction", "mean"), rest)
+    if _SHARED is None:
+        return um
+    _SHARED.update(name=name, built=um, modes=[(m, m.training) for m in model.modules()])
+    return _shared(um)
 
 
 def infer_classifier_shapes(model: nn.Module, input_shape: tuple[int, ...] | None = None,

@@ -26,7 +26,7 @@ TP plans written in whole-model paths apply per stage. In the shell
   activation (or a zero tensor of the module's traced output shape when that differs, e.g. GPT-2's
   position embedding, ``(1, seq, d)``), so the glue computes masks with the right shape and dtype;
   attribute reads (``embeddings.patch_embeddings.projection.weight.dtype``) go to a skeleton of the
-  original module (`_skeleton`: its tree and non-tensor attributes, meta tensors for its parameters
+  original module (`skeleton`: its tree and non-tensor attributes, meta tensors for its parameters
   and buffers), so the stage holds none of them (Llama's ``embed_tokens``, GPT-2's ``wpe``: nothing
   trains them there), except a parameter tied to one the stage holds (GPT-2's ``wte.weight`` is the
   last stage's ``lm_head.weight``: the same object, kept tied by `modelpar.parallel.ties`); a read
@@ -191,13 +191,13 @@ class _State:
         self.active = False
 
 
-def _skeleton(m: nn.Module, keep: dict[int, torch.Tensor]) -> nn.Module:
-    """A copy of ``m``'s module tree for attribute reads only: every module a new object sharing the
-    non-tensor attributes, every parameter, buffer and plain tensor attribute replaced by a meta tensor
-    of its shape, dtype and ``requires_grad`` (no memory), except those in ``keep`` (id -> the tensor
-    the stage really holds: a parameter tied to one of the stage's, GPT-2's ``wte.weight`` on the last
-    stage is its ``lm_head.weight``), which stay the same object."""
-    memo: dict[int, torch.Tensor] = dict(keep)
+def skeleton(m: nn.Module, keep: dict[int, torch.Tensor] | None = None) -> nn.Module:
+    """A copy of ``m``'s module tree on the meta device (no memory; ``m`` is left as it is): every module a
+    new object sharing the non-tensor attributes, every parameter, buffer and plain tensor attribute a meta
+    tensor of its shape, dtype and ``requires_grad`` (tied ones stay tied), except those in ``keep`` (id ->
+    the tensor a stage really holds: GPT-2's ``wte.weight`` on the last stage is its ``lm_head.weight``),
+    kept as they are. Stage stubs read attributes from it; a factory's meta model is one (`train.task`)."""
+    memo: dict[int, object] = dict(keep or {})      # id -> its copy: tensors, and modules (shared stay shared)
 
     def meta(t):
         if id(t) not in memo:
@@ -206,13 +206,13 @@ def _skeleton(m: nn.Module, keep: dict[int, torch.Tensor]) -> nn.Module:
         return memo[id(t)]
 
     def copy(mod: nn.Module) -> nn.Module:
-        new = _shallow(mod)
+        if id(mod) in memo:
+            return memo[id(mod)]
+        new = memo[id(mod)] = _shallow(mod)
         new.__dict__["_parameters"] = {k: None if v is None else meta(v) for k, v in mod._parameters.items()}
         new.__dict__["_buffers"] = {k: None if v is None else meta(v) for k, v in mod._buffers.items()}
         new.__dict__["_modules"] = {k: None if v is None else copy(v) for k, v in mod._modules.items()}
-        for k, v in mod.__dict__.items():
-            if isinstance(v, torch.Tensor):
-                new.__dict__[k] = meta(v)
+        new.__dict__.update({k: meta(v) for k, v in mod.__dict__.items() if isinstance(v, torch.Tensor)})
         return new
 
     return copy(m)
@@ -221,7 +221,7 @@ def _skeleton(m: nn.Module, keep: dict[int, torch.Tensor]) -> nn.Module:
 class _Stub(nn.Module):
     """An input-part module on a stage after the first: returns the received activation (or zeros of
     the traced output shape). Attribute reads fall through to the original module until `release`
-    replaces it by its `_skeleton` (shapes, dtypes and non-tensor attributes; meta tensors), so the
+    replaces it by its `skeleton` (shapes, dtypes and non-tensor attributes; meta tensors), so the
     stage holds none of its parameters and buffers: nothing trains them there."""
 
     def __init__(self, state: _State, orig: nn.Module, out_meta, hidden_meta):
@@ -231,8 +231,8 @@ class _Stub(nn.Module):
         setattr(self, STUB_ATTR, True)
 
     def release(self, keep: dict[int, torch.Tensor]) -> None:
-        """Drop the reference to the original module (see `_skeleton` for ``keep``)."""
-        self.__dict__["_mp_orig"] = _skeleton(self.__dict__["_mp_orig"], keep)
+        """Drop the reference to the original module (see `skeleton` for ``keep``)."""
+        self.__dict__["_mp_orig"] = skeleton(self.__dict__["_mp_orig"], keep)
 
     def forward(self, *args, **kwargs):
         h = self._mp_state.received

@@ -59,9 +59,19 @@ def preflight(cfg: TrainConfig, world_size: int, resolved=None) -> tuple[Paralle
     Language models: `modelpar.train.tokens.check_lm_data` (sequence length within the model's
     positions, token ids and tokenizer within its vocabulary).
 
+    A factory model is built once for all of these (`modelpar.models.spec.one_factory_build`; the
+    scope of ``modelpar train``'s launcher when it is in one), and dropped on return.
+
     Raises:
         ValueError: one clear message naming the field and the numbers.
     """
+    from modelpar.models.spec import one_factory_build
+
+    with one_factory_build():
+        return _preflight(cfg, world_size, resolved)
+
+
+def _preflight(cfg: TrainConfig, world_size: int, resolved) -> tuple[ParallelPlan, Batches]:
     for name in ("steps", "global_batch_size"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
@@ -123,7 +133,8 @@ def check_factory_forward(cfg: TrainConfig) -> None:
     (`modelpar.models.factory_check.check_forward`), before the plan is resolved and any process starts:
     a forward that fails (float inputs into an embedding, inputs the batch does not give) or returns
     no logits tensor (a Hugging Face model's ``ModelOutput``) is refused in one line naming the form it
-    needs. Built-in and Hugging Face models (modelpar's own wrapper) are not run.
+    needs. Built-in and Hugging Face models (modelpar's own wrapper) are not run. The factory is called
+    here unless a `modelpar.models.spec.one_factory_build` scope already holds its build.
 
     Raises:
         ValueError: see `check_forward` and `modelpar.train.task.build_task`.
@@ -142,9 +153,9 @@ def check_factory_forward(cfg: TrainConfig) -> None:
 
 def _cut_real_weights(cfg: TrainConfig, plan: ParallelPlan, micro_batch_size: int) -> None:
     """The pipeline cut every rank makes (`parallel.cut.cut_pipeline`), made here on the factory model's own
-    weights (a factory allocates them anyway; ``preflight`` holds the model on the meta device, where
-    only shapes compare): a forward whose glue a stage cut cannot keep (a residual added around each
-    block in the model's own forward) is refused before launch, as ``modelpar verify`` refuses it,
+    weights (``preflight``'s one build, `modelpar.models.spec.one_factory_build`; its model on the meta
+    device compares shapes only): a forward whose glue a stage cut cannot keep (a residual added around
+    each block in the model's own forward) is refused before launch, as ``modelpar verify`` refuses it,
     not on the ranks after the run folder exists.
 
     Raises:

@@ -68,10 +68,10 @@ def _kind(cfg) -> str:
 
 def _factory(cfg, device: str = "cpu"):
     """``(model, LMShape or None, classifier (input shape, classes) or None)`` of a factory model, called
-    once. Two forms train: a language model ``{"model", "task": "lm", "vocab_size", "max_positions"}``
-    and a classifier (an ``nn.Module``, or ``{"model", "task": "classify", "input_shape", "num_classes"}``;
-    the shapes default to the first and last ``nn.Linear``: float inputs ``(batch, *input_shape)`` to
-    logits ``(batch, classes)``).
+    once (`build_factory`: inside `one_factory_build`, the scope's one build). Two forms train: a language
+    model ``{"model", "task": "lm", "vocab_size", "max_positions"}`` and a classifier (an ``nn.Module``, or
+    ``{"model", "task": "classify", "input_shape", "num_classes"}``; the shapes default to the first and
+    last ``nn.Linear``: float inputs ``(batch, *input_shape)`` to logits ``(batch, classes)``).
 
     Raises:
         ValueError: a malformed declaration; the ``batch_fn`` / ``loss_fn`` form (verify's, whose data
@@ -98,7 +98,7 @@ def _factory(cfg, device: str = "cpu"):
             raise ValueError(f"--model {cfg.model!r}: a factory classifier needs its input shape and classes: it has "
                              f"no nn.Linear to read them from; return {{'model': m, 'task': 'classify', "
                              f"'input_shape': [...], 'num_classes': K}}")
-        return um.model.to(device), None, got
+        return _on(um.model, device), None, got
     if task != "lm":
         raise ValueError(f"--model {cfg.model!r}: a factory model's 'task' is 'lm' or 'classify', got {task!r}")
     if not isinstance(vocab, int) or vocab < 1:
@@ -109,7 +109,17 @@ def _factory(cfg, device: str = "cpu"):
     seq = cfg.seq_len or maxpos or 0
     if seq < 1:
         raise ValueError(f"--model {cfg.model!r}: a factory language model without 'max_positions' needs --seq-len")
-    return um.model.to(device), LMShape(vocab, maxpos, seq), None
+    return _on(um.model, device), LMShape(vocab, maxpos, seq), None
+
+
+def _on(model: nn.Module, device) -> nn.Module:
+    """``model`` moved to ``device``; for the meta device a copy of it there (`parallel.stages.skeleton`),
+    ``model`` left as it is (a build `modelpar.models.spec.one_factory_build` shares keeps its weights)."""
+    if torch.device(device).type == "meta":
+        from modelpar.parallel.stages import skeleton
+
+        return skeleton(model)
+    return model.to(device)
 
 
 def lm_shape(cfg, model: nn.Module | None = None) -> LMShape | None:
@@ -202,7 +212,8 @@ def _check_no_token_options(cfg) -> None:
 
 
 def build_task(cfg, *, device: str = "cpu", load_data: bool = True) -> Task:
-    """Build the model (``device="meta"`` allocates nothing) and, if asked, its data."""
+    """Build the model and, if asked, its data. ``device="meta"``: a built-in or Hugging Face model
+    allocates nothing; a factory runs as it is and its model is copied to the meta device (`_on`)."""
     classifier = None
     if _kind(cfg) == "factory":
         model, shape, classifier = _factory(cfg, device)      # the factory is called once
