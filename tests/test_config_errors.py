@@ -253,3 +253,27 @@ def test_estimate_says_how_to_split_a_batch_over_the_data_parallel_ranks(capsys)
     err = capsys.readouterr().err
     assert rc == 2 and ("--global-batch-size 16 is not a multiple of the data-parallel degree 64" in err
                         and "give a --global-batch-size that is a multiple of 64, or fewer data-parallel ranks" in err), err
+
+
+@pytest.mark.parametrize("model,way", [("gpt-nano", "add --meta-init"),
+                                       ("helpers.lm_factory:lm", "launch fewer ranks on this host (--nproc)")])
+def test_train_refuses_whole_model_builds_the_host_cannot_hold(tmp_path, monkeypatch, capsys, model, way):
+    """Without --meta-init every local rank builds the whole model on the host before sharding it
+    (gpt-70b on 8 ranks: 2.3 TB): refused before launch, no run folder, naming the numbers and the way
+    out (the host's available memory made tiny here; --meta-init itself is not refused)."""
+    from modelpar.cli import main
+    from modelpar.train import materialise
+
+    monkeypatch.setattr(materialise, "host_memory_available", lambda: 1000)
+    out = tmp_path / "runs"
+    argv = ["train", "--model", model, "--strategy", "fsdp", "--nproc", "2", "--steps", "1", "--seq-len", "16",
+            "--global-batch-size", "4", "--out-dir", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "each of the 2 rank(s) on this host builds the whole model" in err, err
+    assert "GB available" in err and way in err, err
+    assert not out.exists()
+    from modelpar.train.task import build_task
+
+    cfg = TrainConfig(model="gpt-nano", meta_init=True)     # each rank allocates its own shards only
+    materialise.check_host_memory(cfg, build_task(cfg, device="meta", load_data=False).model, 2, 1000)

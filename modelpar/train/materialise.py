@@ -219,3 +219,44 @@ def materialise(modules: list[nn.Module], cfg, device: torch.device,
             if perm is not None:       # the laid-out (permuted) order, then this rank's slice
                 value = value.index_select(_dim_of(name.rsplit(".", 1)[-1]), perm)[sl]
             local.copy_(value.to(local.dtype))
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory available to new allocations (Linux ``MemAvailable``, /proc/meminfo); None
+    where the kernel does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_host_memory(cfg, model: nn.Module, local_ranks: int, available: int | None) -> None:
+    """Before a launch on this host: without ``meta_init`` every one of the ``local_ranks`` processes
+    builds the whole model on the host (fp32, 4 bytes a parameter) before any sharding, so the host
+    needs ``local_ranks`` whole models at once. ``model``: the model as built on the meta device (its
+    parameter count); ``available``: `host_memory_available` (None: not checked).
+
+    Raises:
+        ValueError: the builds exceed ``available``, naming both in GB and the way out (``--meta-init``
+            where the model takes it, else fewer local ranks).
+    """
+    if cfg.meta_init or available is None:
+        return
+    seen, n = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            n += p.numel()
+    need = local_ranks * n * 4
+    if need <= available:
+        return
+    way = ("add --meta-init (the model is built on the meta device and each rank allocates only its own shards "
+           "and stages)" if meta_buildable(cfg.model) else
+           "launch fewer ranks on this host (--nproc), or build the model inside each rank's share yourself")
+    raise ValueError(f"each of the {local_ranks} rank(s) on this host builds the whole model ({n / 1e9:.2f}B "
+                     f"parameters, {n * 4 / 1e9:.1f} GB in fp32) before sharding it: {need / 1e9:.1f} GB at once, "
+                     f"but this host has {available / 1e9:.1f} GB available; {way}")
