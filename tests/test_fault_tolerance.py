@@ -107,3 +107,39 @@ def test_heartbeat_names_a_dead_rank_and_a_stalled_one():
     assert "rank 2 stopped" in msg and "at step 4" in msg
     a.close()
     b.close()
+
+
+def test_heartbeat_read_costs_two_store_requests_at_any_world_size():
+    """After a failure every surviving rank reads every rank's heartbeat: per-key requests would put
+    2 x world^2 of them on the launcher's store (3,072 ranks: ~19M). One ``check`` and one
+    ``multi_get`` per read where all have written; per-key requests only where one never did."""
+    import torch.distributed as dist
+
+    from modelpar.train.health import Heartbeat
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner, self.calls = inner, 0
+
+        def __getattr__(self, name):
+            fn = getattr(self.inner, name)
+
+            def call(*a):
+                self.calls += 1
+                return fn(*a)
+            return call
+
+    world = 64
+    store = Counting(dist.HashStore())
+    beats = [Heartbeat(store, r, world, interval_s=60) for r in range(world)]
+    try:
+        store.calls = 0
+        got = beats[0].read()
+        assert store.calls == 2, store.calls
+        assert sorted(got) == list(range(world)) and all(v is not None and v[0] == -1 for v in got.values())
+        store.inner.delete_key("hb/5")              # a rank that never wrote one: named None, the rest read
+        got = beats[0].read()
+        assert got[5] is None and all(got[r] is not None for r in range(world) if r != 5)
+    finally:
+        for hb in beats:
+            hb.close()

@@ -88,14 +88,23 @@ class Heartbeat:
         self.step, self._step_t = step, time.monotonic()
 
     def read(self) -> dict[int, tuple[int, float, int] | None]:
-        """rank -> (step, seconds in that step, counter), None where no heartbeat was ever written."""
+        """rank -> (step, seconds in that step, counter), None where no heartbeat was ever written.
+
+        Two store requests where every rank has written one (``check`` of all keys, ``multi_get``):
+        after a failure every surviving rank reads all ranks' heartbeats, so one request per key would
+        put 2 x world^2 requests on the launcher's store (3,072 ranks: ~19M, against the store the
+        elastic agent needs to restart the job); one per key only where some heartbeat is missing."""
+        keys = [f"hb/{r}" for r in range(self.world)]
+        if self.store.check(keys):
+            values = self.store.multi_get(keys)
+        else:                   # some rank never wrote one (it died first): only those are None
+            values = [self.store.get(k) if self.store.check([k]) else None for k in keys]
         out = {}
-        for r in range(self.world):
-            key = f"hb/{r}"
-            if not self.store.check([key]):
+        for r, v in enumerate(values):
+            if v is None:
                 out[r] = None
                 continue
-            s, age, c = self.store.get(key).decode().split()
+            s, age, c = v.decode().split()
             out[r] = (int(s), float(age), int(c))
         return out
 
