@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from modelpar.parallel.mesh import MeshInfo
 from modelpar.models import build_gpt
 from modelpar.train.checkpoint import (CheckpointError, Checkpointer, checkpoint_module, export_checkpoint,
                                        list_checkpoints, load_checkpoint, read_checkpoint_meta, step_dir)
@@ -145,7 +146,7 @@ def test_fresh_run_refuses_a_folder_with_checkpoints(saved):
     cfg = TrainConfig(model="gpt-nano", ckpt_dir=str(saved[0]), ckpt_every=2)
     with pytest.raises(ValueError, match=r"already holds checkpoints \(step-00000006 and 1 older\); pass "
                                          r"--resume auto"):
-        TrainCheckpoints(cfg, type("PM", (), {"modules": [saved[1]]})(), saved[2])
+        TrainCheckpoints(cfg, type("PM", (), {"modules": [saved[1]], "mesh": MeshInfo(mesh=None)})(), saved[2])
 
 
 def test_meta_records_names_and_shapes(saved):
@@ -225,7 +226,7 @@ def test_checkpoint_from_an_earlier_modelpar_resumes(fixture_ckpt):
     said = []
     cfg = TrainConfig(model="gpt-nano", model_config=dict(FIXTURE_MODEL), seq_len=16, global_batch_size=4, steps=4,
                       data="fixture-text", resume=str(ck), ckpt_dir=str(ck))
-    pm = SimpleNamespace(modules=[m], ties=FIXTURE_TIE, plan=ParallelPlan())
+    pm = SimpleNamespace(modules=[m], ties=FIXTURE_TIE, plan=ParallelPlan(), mesh=MeshInfo(mesh=None))
     torch.manual_seed(123)
     tc = TrainCheckpoints(cfg, pm, opt, say=said.append)
     assert tc.start_step == tc.loaded_step == 2 and tc.saver is None

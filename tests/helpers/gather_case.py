@@ -67,3 +67,44 @@ def gather(spec: dict) -> dict:
         out["missing"] = sorted(set(ref) - set(sd))
         out["equal"] = all(k in sd and torch.equal(sd[k], v) for k, v in ref.items())
     return out
+
+
+def shapes(spec: dict) -> dict:
+    """The parameter list a run's checkpoints record (`param_shapes` of `TrainCheckpoints`' holder) under
+    spec["plan"]: every rank's count of ``all_gather_object`` calls and the size of the group of each,
+    and whether its list is the whole model's with global shapes."""
+    import types
+
+    import torch.distributed as dist
+
+    from modelpar.models.mlp import build_mlp
+    from modelpar.parallel.compose import parallelize
+    from modelpar.parallel.mesh import build_mesh
+    from modelpar.plan import ParallelPlan
+    from modelpar.train.checkpoint import state
+    from modelpar.train.checkpoint.resume import TrainCheckpoints
+
+    plan = ParallelPlan(**spec["plan"])
+    cpu = torch.device("cpu")
+    model = build_mlp(WIDTHS, seed=0)
+    want = {n: list(p.shape) for n, p in model.named_parameters()}
+    pm = parallelize(model, plan, build_mesh(plan, cpu), loss_fn=nn.functional.cross_entropy, device=cpu,
+                     example_input=torch.randn(2 * plan.n_microbatches, WIDTHS[0]))
+    cfg = types.SimpleNamespace(ckpt_every=0, ckpt_dir=spec["work"], out_dir=spec["work"], resume="")
+    holder = TrainCheckpoints(cfg, pm, None, say=lambda *a: None).holder
+    calls = []
+    real = dist.all_gather_object
+
+    def counting(out, obj, group=None):
+        calls.append(dist.get_world_size(group))
+        return real(out, obj, group=group)
+
+    state.dist.all_gather_object = counting
+    try:
+        got = state.param_shapes(holder)
+    finally:
+        state.dist.all_gather_object = real
+    mine = {"rank": dist.get_rank(), "group_sizes": calls, "whole": got == want}
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    return {"ranks": ranks}

@@ -99,7 +99,8 @@ class TrainCheckpoints:
         self.start_step = 0
         self.loaded_step: int | None = None
         self.saver: Checkpointer | None = None
-        self.holder = checkpoint_module(pm.modules, getattr(pm, "ties", None))   # before the first forward
+        self.holder = checkpoint_module(pm.modules, getattr(pm, "ties", None),   # before the first forward
+                                        stage_group=pm.mesh.group("pp"))
         self.spec = None                 # the model spec (`task.model_spec`), taken at the first save
         source = resume_source(cfg, self.ckpt_dir)
         if source is not None:

@@ -29,7 +29,11 @@ from modelpar.train.checkpoint.storage import (CheckpointError, CheckpointWriter
                                                load_rng, read_state)
 
 
-def checkpoint_module(modules: list[nn.Module], ties: list[tuple[str, ...]] | None = None) -> nn.Module:
+_WORLD = object()        # `checkpoint_module`'s default stage group: every rank
+
+
+def checkpoint_module(modules: list[nn.Module], ties: list[tuple[str, ...]] | None = None, *,
+                      stage_group=_WORLD) -> nn.Module:
     """One module holding this rank's parameters (and persistent buffers) under their original names,
     the same objects the optimizer holds (pipeline ranks may hold several stage modules). Build it
     right after `parallelize` and the optimizer.
@@ -37,6 +41,10 @@ def checkpoint_module(modules: list[nn.Module], ties: list[tuple[str, ...]] | No
     ``ties`` (`ParallelModel.ties`, case C13): a tied parameter is held under its first name whichever
     copy this rank has (a last pipeline stage's ``head.out.weight`` is stored as ``embed.tok.weight``),
     so a checkpoint names it once, the same on every layout, and resumes on any other.
+
+    ``stage_group``: one rank of each pipeline stage, this one among them (this rank's pipeline group,
+    ``ParallelModel.mesh.group("pp")``), over which `param_shapes` gathers the whole model's parameter
+    list; None: this rank holds every stage (no pipeline; nothing gathered); the default: every rank.
     """
     holder = nn.Module()
     canonical = {alias: tie[0] for tie in ties or () for alias in tie[1:]}
@@ -63,6 +71,7 @@ def checkpoint_module(modules: list[nn.Module], ties: list[tuple[str, ...]] | No
                     o, leaf = owner_of(f"{mod_name}.{b_name}" if mod_name else b_name)
                     o.register_buffer(leaf, buf)
     holder._modelpar_perms = permuted_params(modules)    # GPT-2's fused q|k|v under TP: stored in original order
+    holder._modelpar_stage_group = stage_group
     return holder
 
 
@@ -86,11 +95,20 @@ def get_train_state(holder: nn.Module, opt: torch.optim.Optimizer | None) -> dic
 
 
 def param_shapes(holder: nn.Module) -> dict[str, list[int]]:
-    """Every parameter of the whole model (all ranks; collective) -> global shape."""
-    local = {n: list(p.shape) for n, p in holder.named_parameters()}     # a DTensor's shape is the global one
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, local)
+    """Every parameter of the whole model -> global shape (collective over ``holder``'s stage group).
+
+    A DTensor's shape is the global one and DDP replicas are whole, so the ranks of one pipeline stage
+    name the same parameters: the whole model is the union over one rank of each stage, this rank's
+    pipeline group (`checkpoint_module`'s ``stage_group``; no gather without a pipeline). A holder made
+    without one (library use) gathers over the world: ``all_gather_object`` pads every rank's pickle
+    to the largest, so at 3,072 ranks each would receive ~3,072 copies of the parameter list."""
+    local = {n: list(p.shape) for n, p in holder.named_parameters()}
+    group = getattr(holder, "_modelpar_stage_group", _WORLD)
+    if group is _WORLD:
+        group = dist.group.WORLD if dist.is_initialized() else None
+    if group is not None and dist.get_world_size(group) > 1:
+        parts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, local, group=group)
         for part in parts:
             local.update(part)
     return dict(sorted(local.items()))
