@@ -277,16 +277,23 @@ def hardware_for_device(device_name: str, total_memory: int = 0) -> Hardware:
     return BUILTIN["H100-80GB-SXM"]
 
 
-def total_ram_bytes() -> float:
-    """This machine's physical memory, bytes (/proc/meminfo, else sysconf)."""
+def meminfo_bytes(field: str) -> int | None:
+    """``field`` of Linux's /proc/meminfo (``"MemTotal"``, ``"MemAvailable"``), bytes; None where the
+    file or the field is missing."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemTotal:"):
-                    return float(line.split()[1]) * 1024
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
     except OSError:
-        pass
-    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        return None
+    return None
+
+
+def total_ram_bytes() -> float:
+    """This machine's physical memory, bytes (/proc/meminfo, else sysconf)."""
+    total = meminfo_bytes("MemTotal")
+    return float(total if total is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 def cpu_profile(local_ranks: int = 1) -> Hardware:

@@ -224,14 +224,9 @@ def materialise(modules: list[nn.Module], cfg, device: torch.device,
 def host_memory_available() -> int | None:
     """Bytes of host memory available to new allocations (Linux ``MemAvailable``, /proc/meminfo); None
     where the kernel does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    from modelpar.planner.hardware import meminfo_bytes
+
+    return meminfo_bytes("MemAvailable")
 
 
 def check_host_memory(cfg, model: nn.Module, local_ranks: int, available: int | None) -> None:
