@@ -126,12 +126,15 @@ def _exact_answer(a, resolved, gbs: int, prof, desc, n: int, hw) -> int:
     elif resolved.local_batch_size:
         local = resolved.local_batch_size
     else:                       # what `train` runs with the same flags (`train.loop.batch_terms`): global / dp
-        if gbs % plan.dp:
+        from modelpar.plan import split_global_batch
+
+        try:
+            local = split_global_batch(gbs, plan)
+        except ValueError:      # in the flags the user gave
             raise ValueError(f"--global-batch-size {gbs} is not a multiple of the data-parallel degree {plan.dp} "
                              f"(dp_replicate x dp_shard = {plan.dp_replicate} x {plan.dp_shard}): each data-parallel "
                              f"rank needs whole samples; give a --global-batch-size that is a multiple of {plan.dp}, "
-                             f"or fewer data-parallel ranks")
-        local = gbs // plan.dp
+                             f"or fewer data-parallel ranks") from None
     batch = Batch(gbs, local)
     if a.micro_batch_size and gbs % (local * plan.dp):       # in the flags the user gave
         per = f" x {m} micro-batches" if m > 1 else ""
