@@ -15,6 +15,8 @@ plain one-device reference:
 - `ParallelModel` + `train_step` end to end (accumulation, clipping; no wrapper and FSDP on one
   rank) against a plain CUDA fp32 loop (README's parity bar);
 - checkpoint save and resume on CUDA (DCP over NCCL): the resumed run continues the saved one;
+- ``meta_init`` of a built-in GPT under FSDP (shards materialised on the device) and the end-of-run
+  gather of its weights (`DTensor.full_tensor` over NCCL, host copies);
 - placement ``cpu`` + ``cuda:0`` against one device.
 
 fp32 comparisons turn TF32 off. Tolerances are stated where used.
@@ -477,6 +479,41 @@ def test_checkpoint_save_and_resume_fsdp_nccl(tmp_path):
 
 
 @_mark
+@_mark
+def test_meta_init_fsdp_and_the_end_of_run_gather(tmp_path):
+    """A built-in GPT with ``meta_init``: built on meta, FSDP-sharded over a one-rank mesh, each shard
+    materialised on the device (`train.materialise`), equal to the same materialisation on one process
+    without FSDP; then the end-of-run gather (`train.gather.gather_full_state_dict`: `DTensor.full_tensor`
+    over NCCL, host copies) returns exactly the device's parameters, every name, on the host."""
+    import types
+
+    from modelpar.parallel.data_parallel import apply_fsdp
+    from modelpar.parallel.mesh import MeshInfo
+    from modelpar.train.config import TrainConfig
+    from modelpar.train.gather import gather_full_state_dict
+    from modelpar.train.materialise import materialise
+    from modelpar.train.task import build_task
+
+    cfg = TrainConfig(model="gpt-nano", model_config={"tie_embeddings": True}, meta_init=True, seq_len=16)
+    with world1(tmp_path):
+        ref = build_task(cfg, load_data=False).model
+        materialise([ref], cfg, _dev())
+        sh = build_task(cfg, load_data=False).model
+        assert all(p.is_meta for p in sh.parameters())
+        mesh = mesh1("dp_shard")
+        apply_fsdp(sh, mesh, list(sh.blocks), precision="fp32")
+        materialise([sh], cfg, _dev(), ties=[("embed.tok.weight", "head.out.weight")])
+        assert all(local(p).device == _dev() for p in sh.parameters())
+        assert_params_close(params_of(sh), params_of(ref), atol=0, rtol=0, rel_norm=0)
+        pm = types.SimpleNamespace(mesh=MeshInfo(mesh=mesh), modules=[sh], device=_dev())
+        got = gather_full_state_dict(pm)
+        want = {k: local(v.detach()).cpu() for k, v in sh.state_dict().items()}
+        assert got.keys() == want.keys() and all(v.device.type == "cpu" for v in got.values())
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        x, y = data(2, 16)
+        assert torch.isfinite(lm_loss(sh(x), y))
+
+
 def test_placement_cpu_and_cuda_matches_one_device():
     """gpt-3m split over cpu and cuda:0 (fp32, TF32 off) against one device: losses within 1e-4 relative."""
     from modelpar.bench.gpu import placement_check
