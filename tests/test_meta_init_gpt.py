@@ -46,7 +46,8 @@ def _max_rel(a, b) -> float:
 @pytest.mark.timeout(600)
 def test_meta_init_gpt_trains_alike_on_every_layout(tmp_path):
     res = workers.rider_results("gpt_meta2")
-    ref = _train_here(tmp_path, "ref", strategy="single", meta_init=True)
+    ref = _train_here(tmp_path, "ref", strategy="single", meta_init=True, sample_bytes=20)
+    assert ref["sample"].startswith("def ")      # the end-of-run sample builds its model on meta, assigns the weights
     ref_tied = _train_here(tmp_path, "ref_tied", strategy="single", meta_init=True, model_config=TIED)
     plain = _train_here(tmp_path, "plain", strategy="single")
     assert ref["losses"] != plain["losses"]      # drawn per name, not in the model's construction order

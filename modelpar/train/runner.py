@@ -237,13 +237,15 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
 
 
 def sample_text(cfg: TrainConfig, weights_path: Path, num_bytes: int, prompt: str = "def ") -> str:
-    """Generate ``num_bytes`` bytes from the saved weights in a fresh single-process model."""
+    """Generate ``num_bytes`` bytes from the saved weights in a fresh single-process model (built on the
+    meta device, the saved tensors assigned: no initialisation, no second copy of the weights; also
+    under ``meta_init``, whose build keeps parameters on meta)."""
     from safetensors.torch import load_file
 
     from modelpar.train.task import build_model_for
 
-    model = build_model_for(cfg)
-    model.load_state_dict(load_file(str(weights_path)))
+    model = build_model_for(cfg, device="meta")
+    model.load_state_dict(load_file(str(weights_path)), assign=True)
     g = torch.Generator().manual_seed(cfg.seed)
     idx = torch.tensor([list(prompt.encode())], dtype=torch.long)
     out = model.generate(idx, num_bytes, generator=g)[0].tolist()
