@@ -179,18 +179,19 @@ def _unit_name(where: tuple[int, str]) -> str:
 def retie(modules: list[nn.Module], ties: list[tuple[str, ...]]) -> int:
     """Point every copy of each tie held by ``modules`` (this rank's whole model or stage modules,
     which keep the original paths) at one parameter: the first copy's. Returns how many copies were
-    re-pointed. Needed after TP, which gives every module a new DTensor parameter."""
+    re-pointed. Needed after TP, which gives every module a new DTensor parameter. Only the modules
+    ``named_modules`` reaches count: a pipeline stage's stub of a part another stage holds
+    (`stages._Stub`) reads attributes through to the original module until released, and that
+    module's parameter (the original, never laid out) is not this stage's copy."""
     n = 0
+    held = [dict(mod.named_modules(remove_duplicate=False)) for mod in modules]
     for tie in ties:
         slots = []
-        for mod in modules:
+        for mods in held:
             for name in tie:
                 path, leaf = name.rsplit(".", 1) if "." in name else ("", name)
-                try:
-                    owner = mod.get_submodule(path)
-                except AttributeError:
-                    continue
-                if leaf in owner._parameters:
+                owner = mods.get(path)
+                if owner is not None and leaf in owner._parameters:
                     slots.append((owner, leaf))
         if len(slots) < 2:
             continue
