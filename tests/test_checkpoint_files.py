@@ -260,3 +260,24 @@ def test_checkpoint_refusals_come_before_launch(saved, fixture_ckpt, tmp_path):
         check_checkpoints_before_launch(TrainConfig(**{**cfg.to_dict(), "seed": 1}))
     with pytest.raises(ValueError, match=r"is at step 2, past steps=1"):
         check_checkpoints_before_launch(TrainConfig(**{**cfg.to_dict(), "steps": 1}))
+
+
+def test_resume_keeps_this_layouts_optimizer_implementation(tmp_path):
+    """A checkpoint of fused AdamW resumed where the optimizer runs torch's single-tensor loop (plain TP:
+    its groups mix plain tensors and DTensors, which the fused kernel refuses): the checkpoint's moments
+    and hyper-parameters are loaded, the implementation flags stay this run's (they were the checkpoint's:
+    every rank of a plain-TP resume from an FSDP checkpoint failed at its first step)."""
+    torch.manual_seed(0)
+    m = build_gpt("gpt-nano", seq_len=16)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
+    m(torch.randint(0, 256, (2, 16))).sum().backward()
+    opt.step()
+    path = Checkpointer(tmp_path / "ck").save(checkpoint_module([m]), opt, 1)
+    m2 = build_gpt("gpt-nano", seq_len=16)
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=5e-4, foreach=False)
+    load_checkpoint(checkpoint_module([m2]), opt2, path)
+    g = opt2.param_groups[0]
+    assert g["foreach"] is False and not g["fused"], g
+    assert g["lr"] == 1e-3                          # the checkpoint's hyper-parameters
+    p, p2 = next(m.parameters()), next(m2.parameters())
+    assert torch.equal(opt2.state[p2]["exp_avg"], opt.state[p]["exp_avg"])

@@ -180,6 +180,9 @@ class Checkpointer:
         self.writer.close()
 
 
+_STEP_IMPL = ("foreach", "fused", "capturable", "differentiable")    # torch optimizers' implementation flags
+
+
 def load_checkpoint(holder: nn.Module, opt: torch.optim.Optimizer | None, path: str | os.PathLike, *,
                     restore_rng: bool = False) -> dict:
     """Load a checkpoint written under any plan and world size into this rank's parameters and
@@ -225,8 +228,14 @@ def load_checkpoint(holder: nn.Module, opt: torch.optim.Optimizer | None, path: 
     read_state(plain, p)
     restore_layout(plain, getattr(holder, "_modelpar_perms", {}))    # original order -> this layout's
     if with_optim:
+        # the groups' hyper-parameters come from the checkpoint, but how the step runs is this layout's:
+        # a checkpoint of fused AdamW (every parameter a plain tensor, or every one a DTensor) would
+        # otherwise turn the fused kernel on for plain TP, whose groups mix both (torch refuses them)
+        impl = [{k: g[k] for k in _STEP_IMPL if k in g} for g in opt.param_groups]
         set_state_dict(holder, opt, model_state_dict=plain["model"], optim_state_dict=plain["optim"],
                        options=_options())
+        for g, kept in zip(opt.param_groups, impl):
+            g.update(kept)
     else:
         set_model_state_dict(holder, plain["model"], options=_options())
         if opt is not None:
