@@ -255,25 +255,37 @@ def test_estimate_says_how_to_split_a_batch_over_the_data_parallel_ranks(capsys)
                         and "give a --global-batch-size that is a multiple of 64, or fewer data-parallel ranks" in err), err
 
 
-@pytest.mark.parametrize("model,way", [("gpt-nano", "add --meta-init"),
-                                       ("helpers.lm_factory:lm", "launch fewer ranks on this host (--nproc)")])
-def test_train_refuses_whole_model_builds_the_host_cannot_hold(tmp_path, monkeypatch, capsys, model, way):
+@pytest.mark.parametrize("model,strategy,nproc,way", [
+    ("gpt-nano", "fsdp", 2, "add --meta-init"),
+    ("helpers.lm_factory:lm", "fsdp", 2, "launch fewer ranks on this host (--nproc)"),
+    ("gpt-nano", "ddp", 2, "--meta-init needs a layout that shards the parameters"),
+    ("gpt-nano", "single", 1, "train a smaller model, or on hosts with more memory")])
+def test_train_refuses_whole_model_builds_the_host_cannot_hold(tmp_path, monkeypatch, capsys, model, strategy, nproc,
+                                                               way):
     """Without --meta-init every local rank builds the whole model on the host before sharding it
     (gpt-70b on 8 ranks: 2.3 TB): refused before launch, no run folder, naming the numbers and the way
-    out (the host's available memory made tiny here; --meta-init itself is not refused)."""
+    out, --meta-init only where the layout takes it (the host's available memory made tiny here). With
+    --meta-init, only CPU ranks' training state is bounded (every replica holds each parameter, its
+    gradient and AdamW's moments: 16 bytes)."""
     from modelpar.cli import main
-    from modelpar.train import materialise
+    from modelpar.train import host_memory
 
-    monkeypatch.setattr(materialise, "host_memory_available", lambda: 1000)
+    monkeypatch.setattr(host_memory, "host_memory_available", lambda: 1000)
     out = tmp_path / "runs"
-    argv = ["train", "--model", model, "--strategy", "fsdp", "--nproc", "2", "--steps", "1", "--seq-len", "16",
-            "--global-batch-size", "4", "--out-dir", str(out)]
+    argv = ["train", "--model", model, "--strategy", strategy, "--nproc", str(nproc), "--steps", "1", "--seq-len",
+            "16", "--global-batch-size", "4", "--out-dir", str(out)]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "each of the 2 rank(s) on this host builds the whole model" in err, err
+    who = f"each of the {nproc} rank(s) on this host builds" if nproc > 1 else "the one process builds"
+    assert len(err.splitlines()) == 1 and f"{who} the whole model" in err, err
     assert "GB available" in err and way in err, err
     assert not out.exists()
     from modelpar.train.task import build_task
 
     cfg = TrainConfig(model="gpt-nano", meta_init=True)     # each rank allocates its own shards only
-    materialise.check_host_memory(cfg, build_task(cfg, device="meta", load_data=False).model, 2, 1000)
+    model = build_task(cfg, device="meta", load_data=False).model
+    n = sum(p.numel() for p in model.parameters())
+    host_memory.check_host_memory(cfg, ParallelPlan(dp_shard=2), model, 2, 1000, on_cpu=False)
+    host_memory.check_host_memory(cfg, ParallelPlan(dp_shard=2), model, 2, 16 * n, on_cpu=True)
+    with pytest.raises(ValueError, match=r"CPU ranks keep the training state in host memory: .* x 1 data-parallel"):
+        host_memory.check_host_memory(cfg, ParallelPlan(dp_shard=2), model, 2, 16 * n - 1, on_cpu=True)

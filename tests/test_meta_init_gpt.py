@@ -1,8 +1,8 @@
 """``--meta-init`` on the built-in GPT presets: built on the meta device, laid out, and each rank's
 shards and stages materialised from (seed, parameter name) by the GPT's own rule
 (`modelpar.models.gpt.init_std`), so the values are the same on every layout: FSDP x2, TP x2 (the
-vocabulary-parallel embedding and head) and PP x2 with the head tied to the embedding across the two
-stages each train like one process with ``--meta-init``. The launched part rides the session's first
+vocabulary-parallel embedding and head), PP x2 with the head tied to the embedding across the two
+stages, and PP x2 x TP x2 tied each train like one process with ``--meta-init``. The launched part rides the session's first
 2-rank scenario launch (`helpers.workers`); the rest runs here."""
 
 from __future__ import annotations
@@ -28,6 +28,12 @@ def _specs(work: Path) -> list[dict]:
 
 
 workers.ride("gpt_meta2", 2, _specs, module=__file__)
+# pipeline x TP with the head tied across the stages: the last stage's stub of the embedding reads through to
+# the unlaid-out original until released, and re-tying after TP must not take that copy for the head's
+workers.ride("gpt_meta4", 4, lambda work: [
+    {"name": "gpt_meta_pp_tp_tied", "kind": "train", "run_dir": str(work / "pp_tp_tied"),
+     "cfg": base_cfg(meta_init=True, out_dir=str(work / "out"), strategy="custom", pp=2, tp=2,
+                     model_config=TIED)}], module=__file__)
 
 
 def _train_here(tmp: Path, name: str, **kw) -> dict:
@@ -59,6 +65,10 @@ def test_meta_init_gpt_trains_alike_on_every_layout(tmp_path):
         assert _max_rel(want["losses"], got["losses"]) <= LOSS_RTOL, (k, want["losses"], got["losses"])
     assert res["gpt_meta_pp_tied"]["result"]["plan"]["pp"] == 2
     assert res["gpt_meta_tp"]["result"]["plan"]["tp"] == 2
+    r4 = workers.rider_results("gpt_meta4")["gpt_meta_pp_tp_tied"]
+    assert not r4["errors"], r4["errors"]
+    assert r4["result"]["plan"]["pp"] == 2 and r4["result"]["plan"]["tp"] == 2
+    assert _max_rel(ref_tied["losses"], r4["result"]["losses"]) <= LOSS_RTOL, (ref_tied["losses"], r4["result"]["losses"])
 
 
 def test_meta_init_gpt_draws_the_gpts_own_rule_and_keeps_its_tie():
@@ -97,3 +107,31 @@ def test_meta_init_refuses_a_builtin_mlp_before_launch():
     with pytest.raises(ValueError, match="mlp-small is neither"):
         check_meta_init(TrainConfig(model="mlp-small", meta_init=True), ParallelPlan(dp_shard=2))
     check_meta_init(TrainConfig(model="gpt-nano", meta_init=True), ParallelPlan(dp_shard=2))
+
+
+def test_auto_and_rules_pick_a_layout_meta_init_takes(monkeypatch):
+    """--meta-init with --strategy rules or the default auto: the choice shards the parameters (no DDP,
+    which --meta-init refuses). Rules pick DDP for this small model without it; auto's search leaves
+    every DDP layout out (`search_plans(allow_ddp=False)`), whatever it would pick on this host."""
+    from modelpar.planner import search
+    from modelpar.train.config import TrainConfig
+    from modelpar.train.loop import preflight
+
+    base = dict(model="gpt-nano", seq_len=16, global_batch_size=8)
+    plain = preflight(TrainConfig(**base, strategy="rules"), 2)[0]
+    assert plain.dp_replicate == 2 and plain.dp_shard == 1, plain.describe()
+    meta = preflight(TrainConfig(**base, strategy="rules", meta_init=True), 2)[0]
+    assert meta.dp_replicate == 1, meta.describe()          # here: model parallel (tp2), the rules' next
+    seen = []
+    real = search.search_plans
+
+    def spy(*a, **kw):
+        rep = real(*a, **kw)
+        seen.append((kw.get("allow_ddp", True), rep))
+        return rep
+
+    monkeypatch.setattr(search, "search_plans", spy)
+    meta = preflight(TrainConfig(**base, strategy="auto", meta_init=True), 2)[0]
+    assert not (meta.dp_replicate > 1 and meta.dp_shard == 1), meta.describe()
+    (allow, rep), = seen
+    assert allow is False and rep.pruned["replicated data parallel (DDP) excluded"] > 0

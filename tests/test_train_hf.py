@@ -527,11 +527,11 @@ def test_llama_trains_checkpoints_and_exports_untied(tmp_path):
 def test_meta_init_refusals():
     from modelpar.train.loop import preflight
 
-    with pytest.raises(ValueError, match=r"meta_init=True builds Hugging Face models and the built-in GPT presets "
+    with pytest.raises(ValueError, match=r"--meta-init builds Hugging Face models and the built-in GPT presets "
                                          r"on the meta device; --model helpers.lm_factory:lm is neither"):
         preflight(cfg_of(model="helpers.lm_factory:lm", model_config={}, strategy="single", meta_init=True), 1)
-    with pytest.raises(ValueError, match=r"meta_init=True materialises each rank's FSDP / TP shards and pipeline "
-                                         r"stages; the plan .* has placement or DDP"):
+    with pytest.raises(ValueError, match=r"--meta-init materialises each rank's FSDP / TP shards and pipeline "
+                                         r"stages; the plan .* has placement or replicas of unsharded parameters \(DDP\)"):
         preflight(cfg_of(strategy="ddp", meta_init=True), 2)
     for strategy in ("tp", "pp"):                       # each rank materialises its own shards / stages
         assert preflight(cfg_of(strategy=strategy, meta_init=True), 2)[0].describe()

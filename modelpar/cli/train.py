@@ -208,12 +208,16 @@ def main(argv: list[str]) -> int:
         # only train --strategy auto calibrates by itself (rules and the rest: the uncalibrated estimate)
         resolved = resolve(cfg, world, measure_if_missing=cfg.strategy.lower() == "auto")
         plan, batches = preflight(cfg, world, resolved)
-        if ns.nnodes == 1 and world > 1:        # the ranks' whole-model builds on this host, before launch
-            from modelpar.train.materialise import check_host_memory, host_memory_available
+        if ns.nnodes == 1:                      # the ranks' builds and CPU training state on this host
+            import torch
+
+            from modelpar.train.host_memory import check_host_memory, host_memory_available
             from modelpar.train.task import build_task
 
-            check_host_memory(cfg, build_task(cfg, device="meta", load_data=False).model, world,
-                              host_memory_available())
+            on_cpu = (all(str(d).startswith("cpu") for d in plan.placement_devices) if plan.is_placement
+                      else not torch.cuda.is_available())
+            check_host_memory(cfg, plan, build_task(cfg, device="meta", load_data=False).model, world,
+                              host_memory_available(), on_cpu=on_cpu)
     from modelpar.train.checkpoint.resume import check_checkpoints_before_launch
     check_checkpoints_before_launch(cfg)        # as every rank would refuse them, once, before launch
     note = long_sequence_note(cfg)

@@ -23,7 +23,7 @@ class Search:
 
     __slots__ = ("profile", "hw", "rep", "budget", "cache", "ac_opts", "has_full", "n_ac", "num_layers",
                  "global_batch_size", "optimizer", "precision", "sequence_parallel", "dp_overlap",
-                 "allow_fsdp", "defer_grad_sync", "overhead", "state_bytes", "mem_kw", "flops", "act_bytes",
+                 "allow_fsdp", "allow_ddp", "defer_grad_sync", "overhead", "state_bytes", "mem_kw", "flops", "act_bytes",
                  "load_cache", "flight_cache", "shared_times", "families", "ranked", "sort_keys", "schedules", "inner", "ac_bounds",
                  "representatives", "plan_of", "candidate")
 
@@ -99,6 +99,9 @@ def layouts(S: Search, factorizations):
         rep.considered += layout_total
         if gbs % dp:
             pruned["global batch not divisible by dp"] += layout_total
+            continue
+        if dr > 1 and ds == 1 and not S.allow_ddp:      # replicas of unsharded parameters (--meta-init refuses)
+            pruned["replicated data parallel (DDP) excluded"] += layout_total
             continue
         # the GPT's embedding and head split over the vocabulary under TP (runtime vocab parallel)
         if arch and tp > 1 and tp_violations(arch, tp):      # heads, kv heads, widths, vocab (legality.py)

@@ -36,14 +36,16 @@ def _model_parallel(profile: ModelProfile, num_blocks: int, n: int) -> dict | No
 
 
 def rule_plan(profile: ModelProfile, num_devices: int, hw: Hardware, *, global_batch_size: int,
-              task: str = "language", optimizer: str = "adamw", precision: str = "fp32"
-              ) -> tuple[ParallelPlan, str]:
+              task: str = "language", optimizer: str = "adamw", precision: str = "fp32",
+              allow_ddp: bool = True) -> tuple[ParallelPlan, str]:
     """The plan the common advice picks, and the rule that picked it.
 
     Args:
         profile: the model's profile; num_devices: world size N; hw: device (memory per rank).
         global_batch_size: samples per step (must be divisible by the data-parallel degree chosen).
         task: ``"language"``, ``"image"`` or ``"detection"``.
+        allow_ddp: False (``meta_init``): no replicas of unsharded parameters; the DDP rule is skipped
+            and model parallelism's data-parallel axis shards (FSDP) instead of replicating.
 
     Raises:
         ValueError: unknown task or num_devices < 1.
@@ -67,7 +69,7 @@ def rule_plan(profile: ModelProfile, num_devices: int, hw: Hardware, *, global_b
     if n == 1:
         return make(), "devices: 1 -> single"
     ddp = make(dp_replicate=n)
-    replica_fits = mem(ddp) <= hw.memory_bytes
+    replica_fits = allow_ddp and mem(ddp) <= hw.memory_bytes
     if replica_fits and (P <= 500e6 or task != "language"):
         why = "task: image -> DDP" if task != "language" else f"size {P / 1e6:.3g}M <= 500M and fits -> DDP"
         return ddp, why
@@ -80,8 +82,8 @@ def rule_plan(profile: ModelProfile, num_devices: int, hw: Hardware, *, global_b
         mp = _model_parallel(profile, blocks, inner)
         if mp is None:          # too few blocks for pp (or no cut) and no TP plan: the sharding rule
             return make(dp_shard=n), f"size {P / 1e6:.3g}M -> model parallel, which the model refuses -> FSDP"
-        plan = make(dp_replicate=n // inner, **mp)
-        why = f"size {P / 1e6:.3g}M -> model parallel" + (" x DDP" if n > 8 else "")
+        plan = make(**{"dp_replicate" if allow_ddp else "dp_shard": n // inner}, **mp)
+        why = f"size {P / 1e6:.3g}M -> model parallel" + ((" x DDP" if allow_ddp else " x FSDP") if n > 8 else "")
     if mem(plan) > hw.memory_bytes and plan.dp_shard != n:
         plan, why = make(dp_shard=n), why + "; does not fit -> FSDP over all devices"
     return plan, why

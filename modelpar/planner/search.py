@@ -220,7 +220,7 @@ def _representatives(loads) -> list[tuple[int, object]]:
 def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, global_batch_size: int,
                  optimizer: str = "adamw", precision: str = "bf16", sequence_parallel: bool = False,
                  dp_overlap: bool = True, memory_fraction: float = 1.0,
-                 schedules: tuple[str, ...] = SEARCH_SCHEDULES, allow_fsdp: bool = True,
+                 schedules: tuple[str, ...] = SEARCH_SCHEDULES, allow_fsdp: bool = True, allow_ddp: bool = True,
                  checkpointing: tuple[str, ...] = AC_CHOICES, recv_per_microbatch: bool = True,
                  ac_every: tuple[int, ...] = AC_EVERY_CHOICES, defer_grad_sync: bool = True,
                  top_k: int | None = None, strategy: str | None = None) -> SearchReport:
@@ -238,6 +238,9 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
         memory_fraction: share of ``hw.memory_bytes`` a plan may use.
         schedules: pipeline schedules to consider (names from ``plan.PP_SCHEDULES``).
         allow_fsdp: consider dp_shard > 1 (set False to search the DDP x TP x PP space only).
+        allow_ddp: consider data parallelism over replicas of unsharded parameters (dp_replicate > 1
+            with dp_shard = 1: DDP, or FSDP2's ``replicate`` under TP / PP); False under ``meta_init``,
+            which those layouts refuse (they broadcast rank 0's whole parameters when they wrap).
         checkpointing: activation checkpointing modes to consider (`plan.AC_MODES`); a mode that
             recomputes is tried only where the same plan without checkpointing does not fit.
         recv_per_microbatch: see `memory.estimate_memory` (False models Megatron-LM's runtime).
@@ -292,7 +295,7 @@ def search_plans(profile: ModelProfile, num_devices: int, hw: Hardware, *, globa
     S.has_full, S.n_ac, S.num_layers, S.global_batch_size = ("full", 1) in ac_opts, len(ac_opts), num_layers, \
         global_batch_size
     S.optimizer, S.precision, S.sequence_parallel, S.dp_overlap = optimizer, precision, sequence_parallel, dp_overlap
-    S.allow_fsdp, S.defer_grad_sync = allow_fsdp, defer_grad_sync
+    S.allow_fsdp, S.allow_ddp, S.defer_grad_sync = allow_fsdp, allow_ddp, defer_grad_sync
     S.overhead = hw.framework_overhead_bytes
     S.state_bytes = 8 + OPTIMIZER_BYTES[optimizer]
     S.mem_kw = dict(optimizer=optimizer, global_batch_size=global_batch_size,

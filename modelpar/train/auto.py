@@ -157,7 +157,8 @@ def _choose(cfg, world_size: int, *, strategy: str = "auto", measure_if_missing:
         from modelpar.train.resolve import given_fields, with_checkpointing_given
 
         plan, why = rule_plan(prof, world_size, hw, global_batch_size=cfg.global_batch_size,
-                              task="language" if task.kind == "lm" else "image", precision=precision)
+                              task="language" if task.kind == "lm" else "image", precision=precision,
+                              allow_ddp=not cfg.meta_init)
         plan = with_checkpointing_given(plan, given_fields(cfg))     # rules choose no checkpointing
         local, predicted = 0, 0.0
         reason = f"rules: {why}"
@@ -166,7 +167,7 @@ def _choose(cfg, world_size: int, *, strategy: str = "auto", measure_if_missing:
 
         # the search settings `plan` / `estimate` take from the same flags (one function)
         plan, rep = choose_plan(prof, world_size, hw, global_batch_size=cfg.global_batch_size,
-                                precision=precision, optimizer=cfg.optimizer,
+                                precision=precision, optimizer=cfg.optimizer, allow_ddp=not cfg.meta_init,
                                 **search_settings(given_fields(cfg)))
         local = rep.ranked[0].batch.local_batch_size
         predicted = rep.ranked[0].step.samples_per_s * task.tokens_per_sample if task.kind == "lm" else 0.0

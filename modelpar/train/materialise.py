@@ -73,11 +73,13 @@ def check_meta_init(cfg, plan) -> None:
     if not cfg.meta_init:
         return
     if not meta_buildable(cfg.model):
-        raise ValueError(f"meta_init=True builds Hugging Face models and the built-in GPT presets on the meta "
+        raise ValueError(f"--meta-init builds Hugging Face models and the built-in GPT presets on the meta "
                          f"device; --model {cfg.model} is neither (a factory or built-in MLP / CNN builds itself)")
     if plan.is_placement or (plan.dp_replicate > 1 and not plan.fsdp_enabled):
-        raise ValueError(f"meta_init=True materialises each rank's FSDP / TP shards and pipeline stages; the plan "
-                         f"{plan.describe()} has placement or DDP (use --strategy fsdp, tp, pp or single)")
+        raise ValueError(f"--meta-init materialises each rank's FSDP / TP shards and pipeline stages; the plan "
+                         f"{plan.describe()} has placement or replicas of unsharded parameters (DDP), which need "
+                         f"whole parameters at wrap time (use a layout that shards them: --strategy fsdp, hsdp, "
+                         f"tp, pp or their products such as fsdp+tp, or single; --strategy auto and rules pick one)")
 
 
 def _plain_in_place(m: nn.Module, device: torch.device) -> None:
@@ -219,39 +221,3 @@ def materialise(modules: list[nn.Module], cfg, device: torch.device,
             if perm is not None:       # the laid-out (permuted) order, then this rank's slice
                 value = value.index_select(_dim_of(name.rsplit(".", 1)[-1]), perm)[sl]
             local.copy_(value.to(local.dtype))
-
-
-def host_memory_available() -> int | None:
-    """Bytes of host memory available to new allocations (Linux ``MemAvailable``, /proc/meminfo); None
-    where the kernel does not say."""
-    from modelpar.planner.hardware import meminfo_bytes
-
-    return meminfo_bytes("MemAvailable")
-
-
-def check_host_memory(cfg, model: nn.Module, local_ranks: int, available: int | None) -> None:
-    """Before a launch on this host: without ``meta_init`` every one of the ``local_ranks`` processes
-    builds the whole model on the host (fp32, 4 bytes a parameter) before any sharding, so the host
-    needs ``local_ranks`` whole models at once. ``model``: the model as built on the meta device (its
-    parameter count); ``available``: `host_memory_available` (None: not checked).
-
-    Raises:
-        ValueError: the builds exceed ``available``, naming both in GB and the way out (``--meta-init``
-            where the model takes it, else fewer local ranks).
-    """
-    if cfg.meta_init or available is None:
-        return
-    seen, n = set(), 0
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            n += p.numel()
-    need = local_ranks * n * 4
-    if need <= available:
-        return
-    way = ("add --meta-init (the model is built on the meta device and each rank allocates only its own shards "
-           "and stages)" if meta_buildable(cfg.model) else
-           "launch fewer ranks on this host (--nproc), or build the model inside each rank's share yourself")
-    raise ValueError(f"each of the {local_ranks} rank(s) on this host builds the whole model ({n / 1e9:.2f}B "
-                     f"parameters, {n * 4 / 1e9:.1f} GB in fp32) before sharding it: {need / 1e9:.1f} GB at once, "
-                     f"but this host has {available / 1e9:.1f} GB available; {way}")
