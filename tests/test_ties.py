@@ -179,6 +179,21 @@ def test_checkpoint_round_trip_keeps_the_tie_and_export_loads_strictly(tmp_path)
     torch.testing.assert_close(m4(x), m(x), rtol=0, atol=0)
 
 
+def test_export_command_counts_a_tie_once(tmp_path, capsys):
+    """`modelpar export` of a tied GPT: its line counts the model's parameters (the tie once: it counted the
+    copy written under the second name too) and says how many tied names were written as copies."""
+    from modelpar.cli import main
+    from modelpar.train.checkpoint import Checkpointer, checkpoint_module
+
+    m = tied_gpt()
+    Checkpointer(tmp_path / "ck").save(checkpoint_module([m]), None, 1,
+                                       meta={"tied_parameters": [["embed.tok.weight", "head.out.weight"]]})
+    assert main(["export", str(tmp_path / "ck"), "--out", str(tmp_path / "m.safetensors")]) == 0
+    n = sum(p.numel() for p in m.parameters())          # each Parameter once
+    line = capsys.readouterr().out
+    assert f"{len(m.state_dict())} tensors, {n:,} parameters; 1 tied name(s) written as copies" in line, line
+
+
 # ---- C14: what crosses a stage boundary is contiguous both ways ----------------------------------------
 @pytest.mark.parametrize("mode", ["out", "slice", "in"])
 def test_stage_boundary_tensors_are_contiguous(mode):

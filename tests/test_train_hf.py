@@ -118,6 +118,9 @@ def test_same_plan_resume_is_bit_identical(runs):
     full, resumed = runs["res"]["ddp"], runs["res"]["ddp_resume4"]
     assert resumed["start_step"] == 4 and resumed["losses"] == full["losses"][4:]
     assert resumed["val_loss_after"] == full["val_loss_after"]
+    rows = [json.loads(l) for l in (runs["work"] / "runs" / "ddp_resume4" / "metrics.jsonl").read_text().splitlines()]
+    vals = [r["step"] for r in rows if "val_loss" in r]
+    assert vals[0] == 4 and vals[-1] == 6, vals      # the evaluation before training: at the step resumed from
 
 
 @pytest.mark.slow

@@ -53,7 +53,9 @@ def main(argv: list[str]) -> int:
     except (CheckpointError, ValueError) as e:
         print(f"modelpar export: error: {e}", file=sys.stderr)
         return 2
-    n = sum(v.numel() for v in sd.values())
+    aliases = {n for tie in read_checkpoint_meta(src).get("tied_parameters", []) for n in tie[1:]} & set(sd)
+    n = sum(v.numel() for k, v in sd.items() if k not in aliases)      # a tie's parameters once
     what = "a transformers folder (config.json, model.safetensors)" if fmt == "hf" else "one safetensors file"
-    print(f"wrote {out}: {what}, {len(sd)} tensors, {n:,} parameters (from {src})")
+    tied = f"; {len(aliases)} tied name(s) written as copies" if aliases else ""
+    print(f"wrote {out}: {what}, {len(sd)} tensors, {n:,} parameters{tied} (from {src})")
     return 0

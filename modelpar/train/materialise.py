@@ -134,7 +134,7 @@ def _weight_files(folder: str) -> dict[str, str]:
             return {k: os.path.join(folder, v) for k, v in json.load(f)["weight_map"].items()}
     single = os.path.join(folder, "model.safetensors")
     if not os.path.isfile(single):
-        raise ValueError(f"meta_init=True reads weights from safetensors files; {folder!r} has neither "
+        raise ValueError(f"--meta-init reads weights from safetensors files; {folder!r} has neither "
                          f"model.safetensors nor model.safetensors.index.json")
     from safetensors import safe_open
 
@@ -211,7 +211,7 @@ def materialise(modules: list[nn.Module], cfg, device: torch.device,
             perm = perms.get(name)
             if folder:
                 if hf(src) not in files:
-                    raise ValueError(f"meta_init=True: {folder!r} has no weight {hf(src)!r}")
+                    raise ValueError(f"--meta-init: {folder!r} has no weight {hf(src)!r}")
                 path = files[hf(src)]
                 f = handles.get(path) or handles.setdefault(path, safe_open(path, "pt"))
                 value = f.get_slice(hf(src))[sl] if perm is None else f.get_tensor(hf(src))

@@ -118,6 +118,8 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
         if cfg.meta_init:           # built on meta: this rank's shards get memory and values now
             from modelpar.train.materialise import materialise
 
+            say(f"  --meta-init: materialising each rank's shards and stages on {device.type} (rank 0: "
+                f"{sum(_local_numel(p) for p in pm.parameters()) / 1e6:,.1f}M parameters)")
             materialise(pm.modules, cfg, device, ties=pm.ties)
         note = dropout_note(pm.modules, plan, cfg.dropout)
         if note:
@@ -131,7 +133,7 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
 
         val_before = evaluate(pm, task, batches)
         say(f"  validation loss before training: {val_before:.4f}")
-        record.log(0, val_loss=val_before)
+        record.log(ckpt.start_step, val_loss=val_before)       # a resumed run: at the step it resumed from
 
         tokens_per_step = batches.global_batch_size * task.tokens_per_sample
         progress = None
@@ -234,6 +236,11 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
         if stop is not None:
             stop.close()
         record.close()
+
+
+def _local_numel(p) -> int:
+    """Elements of this rank's part of parameter ``p`` (a DTensor's local shard)."""
+    return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
 
 
 def sample_text(cfg: TrainConfig, weights_path: Path, num_bytes: int, prompt: str = "def ") -> str:
