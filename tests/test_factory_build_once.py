@@ -107,3 +107,17 @@ def test_the_checks_share_one_build_and_leave_it_as_the_factory_built_it(counted
     gc.collect()
     assert counted.CALLS[1]() is None                           # the scope held it; nothing else does
     assert build_factory(M).model is not fresh.model and len(counted.CALLS) == 3
+
+
+def test_a_rank_builds_a_factory_model_once(counted, tmp_path):
+    """A rank's preflight (its meta-device task and, under a pipeline, the cut on real weights) and the model it
+    trains share one build (before: two calls per rank, each a whole CPU build); one process here."""
+    from modelpar.train.config import TrainConfig
+    from modelpar.train.runner import train
+
+    from helpers.ckpt_worker import data_dir
+
+    cfg = TrainConfig(model=M, strategy="single", steps=1, global_batch_size=4, seq_len=16, eval_samples=4,
+                      eval_every=0, sample_bytes=0, data=data_dir(), out_dir=str(tmp_path / "out"))
+    summary = train(cfg, run_dir=tmp_path / "run", quiet=True)
+    assert summary["losses"] and len(counted.CALLS) == 1, len(counted.CALLS)

@@ -80,12 +80,15 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
     rank, world = init_distributed(cfg.timeout_s)
     nthreads = threads_per_rank(cfg.threads)
     torch.set_num_threads(nthreads)
-    plan, batches = preflight(cfg, world, resolved)
+    from modelpar.models.spec import one_factory_build
+
+    with one_factory_build():   # a factory model: the preflight's checks and the model trained are one build
+        plan, batches = preflight(cfg, world, resolved)
+        task = build_task(cfg)
     device = get_device() if not plan.is_placement else torch.device(plan.placement_devices[0])
     is_main = rank == 0
     say = (lambda *a: print(*a, flush=True)) if (is_main and not quiet) else (lambda *a: None)
 
-    task = build_task(cfg)
     if not cfg.meta_init:       # every rank keeps its own build's part: an unseeded factory is refused here
         from modelpar.verify import check_same_initial_weights
         check_same_initial_weights(task.model, cfg.model)
