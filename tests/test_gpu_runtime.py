@@ -479,7 +479,6 @@ def test_checkpoint_save_and_resume_fsdp_nccl(tmp_path):
 
 
 @_mark
-@_mark
 def test_meta_init_fsdp_and_the_end_of_run_gather(tmp_path):
     """A built-in GPT with ``meta_init``: built on meta, FSDP-sharded over a one-rank mesh, each shard
     materialised on the device (`train.materialise`), equal to the same materialisation on one process
@@ -514,6 +513,7 @@ def test_meta_init_fsdp_and_the_end_of_run_gather(tmp_path):
         assert torch.isfinite(lm_loss(sh(x), y))
 
 
+@_mark
 def test_placement_cpu_and_cuda_matches_one_device():
     """gpt-3m split over cpu and cuda:0 (fp32, TF32 off) against one device: losses within 1e-4 relative."""
     from modelpar.bench.gpu import placement_check
