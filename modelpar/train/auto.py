@@ -101,8 +101,10 @@ def choose(cfg, world_size: int, *, strategy: str = "auto", measure_if_missing: 
 
 
 def _choose(cfg, world_size: int, *, strategy: str = "auto", measure_if_missing: bool = True) -> Choice:
-    """Profile the config's model on the meta device and let the planner (``auto``) or the
-    rule-of-thumb baseline (``rules``) pick the plan for ``world_size`` ranks.
+    """Profile the config's model (on the meta device; a factory model on CPU under FakeTensorMode,
+    `models.factory_check.factory_profile`) and let the planner (``auto``) or the rule-of-thumb
+    baseline (``rules``) pick the plan for ``world_size`` ranks (under ``meta_init``: layouts that
+    shard the parameters only).
 
     The user's explicit choices (precision, activation checkpointing when not "none") are kept.
 
