@@ -174,7 +174,7 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
                 loss_sum, n, gnorm = train_step(pm, opt, xg, yg, accum_steps=batches.accum_steps,
                                                 grad_clip=cfg.grad_clip, need_norm=log_now)
             if mem.peak:
-                peak_tensor = max(peak_tensor, mem.peak)
+                peak_tensor = max(peak_tensor, int(mem.peak))     # bytes (StepMemory sums floats)
             pending.append((loss_sum, n))
             now = time.time()
             tok_s = tokens_per_step / max(now - t_last, 1e-9)
