@@ -24,15 +24,6 @@ def host_memory_available() -> int | None:
     return meminfo_bytes("MemAvailable")
 
 
-def _num_params(model: nn.Module) -> int:
-    seen, n = set(), 0
-    for p in model.parameters():
-        if id(p) not in seen:            # a tie counted once
-            seen.add(id(p))
-            n += p.numel()
-    return n
-
-
 def check_host_memory(cfg, plan, model: nn.Module, local_ranks: int, available: int | None, *,
                       on_cpu: bool) -> None:
     """Refuse a launch of ``local_ranks`` processes on this host (all of ``plan``'s ranks) whose builds or,
@@ -49,7 +40,7 @@ def check_host_memory(cfg, plan, model: nn.Module, local_ranks: int, available: 
     from modelpar.planner.memory import OPTIMIZER_BYTES
     from modelpar.train.materialise import meta_buildable
 
-    n = _num_params(model)
+    n = sum(p.numel() for p in model.parameters())      # `parameters()` yields a tied tensor once
     gb = lambda b: f"{b / 1e9:.1f} GB"      # noqa: E731
     if not cfg.meta_init and local_ranks * n * 4 > available:
         sharded = plan.fsdp_enabled or plan.tp > 1 or plan.pp > 1
