@@ -131,13 +131,17 @@ def test_grad_use_check_one_small_all_reduce_per_step_and_no_diagnosis_when_clea
         return orig(*a, **k)
     monkeypatch.setattr(grad_use, "_diagnose", diagnose)
     lin(torch.ones(1, 3)).sum().backward()
+    # the first check learns the groups: an all-gather of a few int64 per rank and one all-reduce of
+    # the pattern of a clean step; no names (all_gather_object) and no diagnosis
+    check()
+    assert fake.calls == {"all_gather": 1, "all_reduce": 2} and diagnosed == {}
+    # then one all-reduce of the packed marks per step; the one host read per step is the reduced
+    # words (a few int64s), not a read per parameter
     with counting() as n:
-        for _ in range(3):
+        for _ in range(2):
             check()
-    # the layout once, then one all-reduce of the packed marks per step; no all-gather, no diagnosis;
-    # the one host read per step is the reduced words (a few int64s), not a read per parameter
-    assert fake.calls == {"all_gather_object": 1, "all_reduce": 3} and diagnosed == {}
-    assert n == {"Tensor.tolist": 3}
+    assert fake.calls == {"all_gather": 1, "all_reduce": 4} and diagnosed == {}
+    assert n == {"Tensor.tolist": 2}
     # rank 1 used no bias: its reduced words differ, so the marks are gathered and the bias is named
     weight_only = grad_use._pack([1, 0], 1)
 
@@ -148,7 +152,24 @@ def test_grad_use_check_one_small_all_reduce_per_step_and_no_diagnosis_when_clea
     fake.peer = peer
     with pytest.raises(ValueError, match=r"rank-divergent parameter use at step 3 .*bias"):
         check()
-    assert diagnosed == {"_diagnose": 1} and fake.calls["all_gather"] == 1 and fake.calls["all_reduce"] == 4
+    assert diagnosed == {"_diagnose": 1} and fake.calls == {"all_gather": 2, "all_reduce": 5, "all_gather_object": 1}
+
+
+def test_grad_use_check_gathers_the_names_when_a_group_disagrees_on_its_parameters(monkeypatch):
+    """The ranks of one data-parallel group whose parameter digests differ (names or trainable flags):
+    the clean pattern comes from the gathered names (`GradUseCheck._learn_groups`), and a clean step
+    still passes with one all-reduce."""
+    lin = torch.nn.Linear(3, 2)
+    check = GradUseCheck(lin.named_parameters(), (0, 0))
+
+    def peer(t):
+        return t.clone() if t.dtype != torch.int64 or t.numel() != 4 else t + torch.tensor([0, 0, 0, 1])
+    fake = _FakeDist(monkeypatch, peer=peer)
+    lin(torch.ones(1, 3)).sum().backward()
+    check()
+    assert fake.calls == {"all_gather": 1, "all_gather_object": 1, "all_reduce": 1}
+    check()
+    assert fake.calls == {"all_gather": 1, "all_gather_object": 1, "all_reduce": 2}
 
 
 def test_grad_use_check_under_ddp_is_local_after_the_first_step(monkeypatch):
@@ -162,7 +183,7 @@ def test_grad_use_check_under_ddp_is_local_after_the_first_step(monkeypatch):
         check.reset_seen()
         lin(torch.ones(1, 3)).sum().backward()
         check()
-    assert fake.calls == {"all_gather_object": 1, "all_reduce": 1}      # the first step only
+    assert fake.calls == {"all_gather": 1, "all_reduce": 2}      # the first step only
     check.reset_seen()
     (lin.weight.sum() * 1.0).backward()                                  # the bias gets nothing
     with pytest.raises(ValueError, match=r"1 trainable parameter\(s\) got no gradient on rank 0 at step 3: bias\. "
@@ -172,7 +193,7 @@ def test_grad_use_check_under_ddp_is_local_after_the_first_step(monkeypatch):
     with pytest.raises(ValueError, match=r"1 parameter\(s\) changed requires_grad after DDP wrapped the model: "
                                          r"bias \(trainable -> frozen\)"):
         check()
-    assert fake.calls == {"all_gather_object": 1, "all_reduce": 1}
+    assert fake.calls == {"all_gather": 1, "all_reduce": 2}
 
 
 def test_grad_use_reduced_words_equal_the_gathered_marks_exactly():

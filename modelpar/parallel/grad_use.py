@@ -43,13 +43,18 @@ smallest words; they are equal, and equal to the pattern of a step with nothing 
 when every rank of the group sent that pattern. Only otherwise (something to name, or a pattern
 already found harmless, remembered) does the all-gather of every rank's marks and the Python
 diagnosis over ranks x parameters run, on every rank alike, since every rank sees the same reduced
-words (`benchmarks/unused_param_check.py` measures the cost). Turned off with
+words (`benchmarks/unused_param_check.py` measures the cost). The groups are learned once, at the first
+check, from one all-gather of ``(group key, parameter count, digest of the names and trainable flags)``:
+a few int64 per rank, not the names (an ``all_gather_object`` of every rank's names pads each pickle to
+the largest and unpickles world x parameters strings on every rank: ~1 GB per rank at 16,384 ranks of
+a 70B model). The names are gathered only when there is something to report. Turned off with
 ``parallelize(check_unused_params=False)`` / ``--no-check-unused-params``.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 
 import torch
 import torch.distributed as dist
@@ -75,7 +80,7 @@ class GradUseCheck:
         self.group_key = tuple(group_key)
         self.ddp, self.find_unused = ddp, find_unused
         self.step = 0
-        self._layout: list[tuple[tuple, list[str], list[bool]]] | None = None   # per rank, gathered once
+        self._layout: list[tuple[tuple, list[str], list[bool]]] | None = None   # per rank, on a report only
         self._clean: torch.Tensor | None = None     # the gathered marks of a step with nothing to report
         self._slots: tuple[int, int, int] | None = None   # (this rank's group, groups, words per rank)
         self._harmless: set[tuple] = set()          # reduced words of steps with nothing to report
@@ -132,10 +137,10 @@ class GradUseCheck:
             if msg:
                 raise ValueError(msg)
             return
-        layout = self._gather_layout()
-        words = self._reduced_words(layout)
+        words = self._reduced_words()
         if words in self._harmless:
             return              # every rank of every group sent a pattern with nothing to report
+        layout = self._gather_layout()      # something to name (or a pattern not yet known harmless)
         width = max(len(names) for _, names, _ in layout) or 1
         marks = torch.zeros(width, dtype=torch.uint8)
         marks[:len(self.params)] = self.local_marks()
@@ -172,21 +177,34 @@ class GradUseCheck:
                 f"accumulation micro-batch, the one that reduces). Checked on this rank alone (no collective "
                 f"under DDP after the first step): other ranks may report other parameters.")
 
-    def _reduced_words(self, layout) -> tuple | None:
-        """This step's marks reduced over the world in one all-reduce (MAX): per group, the largest
-        and the smallest packed word of its ranks (`_pack`), as one tuple; None where they differ
-        within a group (the ranks sent different marks: the caller gathers them to name them)."""
-        if self._slots is None:
-            keys = list(dict.fromkeys(key for key, _, _ in layout))
-            width = max(len(names) for _, names, _ in layout) or 1
-            nw = -(-2 * width // _WORD_BITS)
-            clean = {key: _pack([int(rg) for rg in rgs], nw) for key, _, rgs in layout}
-            self._slots = (keys.index(self.group_key), len(keys), nw)
+    def _learn_groups(self) -> None:
+        """Once, at the first check: this rank's group slot, the number of groups and the words per
+        rank from an all-gather of a few int64 per rank, and the pattern of a step with nothing to
+        report (each group's trainable flags) from one all-reduce, without gathering any name. Where
+        the ranks of a group disagree on their parameters (names or flags), the clean pattern comes from
+        the gathered names instead, as every report does."""
+        digest = hashlib.blake2b(repr((self.names, self.requires_grad)).encode(), digest_size=8).digest()
+        row = torch.tensor([*self.group_key, len(self.names), int.from_bytes(digest, "little") >> 2],
+                           dtype=torch.int64, device=_comm_device())
+        rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+        dist.all_gather(rows, row)
+        rows = [tuple(r.tolist()) for r in rows]
+        k = len(self.group_key)
+        keys = list(dict.fromkeys(r[:k] for r in rows))
+        nw = -(-2 * (max(r[k] for r in rows) or 1) // _WORD_BITS)
+        self._slots = (keys.index(self.group_key), len(keys), nw)
+        uniform = len({r[:k] + r[k + 1:] for r in rows}) == len(keys)
+        if uniform:             # every group's ranks hold the same parameters: its flags are the pattern
+            self._harmless.add(self._reduce_slots(_pack([int(rg) for rg in self.requires_grad], nw)))
+        else:
+            clean = {key: _pack([int(rg) for rg in rgs], nw) for key, _, rgs in self._gather_layout()}
             self._harmless.add(tuple(w for key in keys for w in clean[key]))
+
+    def _reduce_slots(self, mine: list[int]) -> tuple | None:
+        """``mine`` (this rank's packed words) in its group's slot, all-reduced (MAX) over the world
+        with their negations: per group, the largest and the smallest word of its ranks, as one tuple
+        of the groups' words in slot order; None where they differ within a group."""
         g, n_groups, nw = self._slots
-        seen = self._seen if self._seen is not None else [p.grad is not None for p in self.params]
-        mine = _pack([bool(has) | ((p.requires_grad != rg) << 1)
-                      for p, rg, has in zip(self.params, self.requires_grad, seen)], nw)
         flat = [_EMPTY] * (2 * nw * n_groups)
         flat[2 * nw * g:2 * nw * (g + 1)] = mine + [-w for w in mine]
         buf = torch.tensor(flat, dtype=torch.int64, device=_comm_device())
@@ -199,6 +217,16 @@ class GradUseCheck:
                 return None
             words += hi
         return tuple(words)
+
+    def _reduced_words(self) -> tuple | None:
+        """This step's marks reduced over the world in one all-reduce (MAX) (`_reduce_slots`); None
+        where the ranks of a group sent different marks (the caller gathers them to name them)."""
+        if self._slots is None:
+            self._learn_groups()
+        seen = self._seen if self._seen is not None else [p.grad is not None for p in self.params]
+        return self._reduce_slots(_pack([bool(has) | ((p.requires_grad != rg) << 1)
+                                         for p, rg, has in zip(self.params, self.requires_grad, seen)],
+                                        self._slots[2]))
 
     def _clean_marks(self, layout, width: int) -> torch.Tensor:
         """(ranks, width) ``uint8``: 1 for each rank's trainable parameters, 0 elsewhere: the marks of

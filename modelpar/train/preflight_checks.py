@@ -12,7 +12,9 @@
   not have replaced parameters). The check of every step is `modelpar.parallel.grad_use`.
 
 Every check gathers each rank's findings (``all_gather_object``) so that all ranks raise the same
-message naming the parameters and the ranks.
+message naming the parameters and the ranks. The findings of a good step are a few bytes per rank
+(the gathered pickles are padded to the largest and every rank receives world x that); parameter names
+are gathered only when some rank has something to report.
 """
 
 from __future__ import annotations
@@ -114,11 +116,14 @@ def install_first_step_checks(named_params, opt: torch.optim.Optimizer):
 
     def hook(optimizer, args, kwargs):
         handle.remove()
-        held = [n for n, p in named if p.requires_grad]
-        per_rank = _gather((missing_grads(named), held))
-        _raise_unused(per_rank)
         stale = sum(1 for g in optimizer.param_groups for p in g["params"] if p.requires_grad and p.grad is None)
-        per_rank = _gather(stale)
+        # one gather of what is missing (empty lists in a good step); the trainable names, which
+        # tell C1 from C12, only when some rank lacks a gradient (every rank sees the same answer)
+        per_rank = _gather((missing_grads(named), stale))
+        if any(miss for miss, _ in per_rank):
+            held = _gather([n for n, p in named if p.requires_grad])
+            _raise_unused([(miss, h) for (miss, _), h in zip(per_rank, held)])
+        per_rank = [s for _, s in per_rank]
         if any(per_rank):
             raise ValueError(f"the optimizer holds tensors that got no gradient in the first step "
                              f"({dict(enumerate(per_rank))} per rank): stale copies of parameters that wrapping "

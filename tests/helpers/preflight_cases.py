@@ -128,6 +128,8 @@ def run(spec: dict) -> dict:
         return case_frozen_ddp()
     if kind == "ddp_accum_early_only":
         return case_ddp_accum_early_only()
+    if kind == "gathered_bytes":
+        return case_gathered_bytes(spec["plan"])
     raise ValueError(f"unknown scenario kind {kind!r}")
 
 
@@ -274,3 +276,56 @@ def case_ddp_accum_early_only() -> dict:
     for _ in range(2):
         train_step(pm, opt, x, y, accum_steps=2)
     return {"trained": True}
+
+
+class LongNames(nn.Module):
+    """24 layers named as deeply as a Hugging Face model's (``model.layers.N.self_attn.o_proj``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.names = [f"decoder_layer_{i:03d}_self_attention_output_projection" for i in range(24)]
+        for i, n in enumerate(self.names):
+            setattr(self, n, nn.Linear(8 if i == 0 else 16, 4 if i == 23 else 16))
+
+    def forward(self, x):
+        for n in self.names:
+            x = getattr(self, n)(x)
+        return x
+
+
+def case_gathered_bytes(plan_fields: dict) -> dict:
+    """A good run's checks gather no parameter names: 3 steps of a model with 48 long-named
+    parameters (FSDP or DDP, first-step checks and the per-step check on), recording the pickled size
+    of every object `all_gather_object` is given. Then a C1 model (an unused layer), to show the names
+    are still gathered and named when there is something to report."""
+    import pickle
+
+    sizes = []
+    real = dist.all_gather_object
+
+    def counting(out, obj, group=None):
+        sizes.append(len(pickle.dumps(obj)))
+        return real(out, obj, group=group)
+
+    plan = ParallelPlan(**plan_fields).validate(dist.get_world_size())
+    pm = parallelize(LongNames(), plan, build_mesh(plan, CPU), loss_fn=F.cross_entropy, device=CPU)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    dist.all_gather_object = counting
+    try:
+        install_first_step_checks(pm.named_parameters(), opt)
+        x, y = _batch()
+        for _ in range(3):
+            train_step(pm, opt, x, y, accum_steps=1)
+        good = list(sizes)
+        error = None
+        pm1 = parallelize(WithUnused(), plan, build_mesh(plan, CPU), loss_fn=F.cross_entropy, device=CPU)
+        try:
+            train_step(pm1, torch.optim.AdamW(pm1.parameters(), lr=1e-2), x, y, accum_steps=1)
+        except ValueError as e:
+            error = str(e)
+    finally:
+        dist.all_gather_object = real
+    names_bytes = len(pickle.dumps([n for n, _ in pm.named_parameters()]))
+    return {"good_run_sizes": good, "names_bytes": names_bytes, "c1_error": error,
+            "c1_sizes": sizes[len(good):], "params": len(list(pm.named_parameters()))}
