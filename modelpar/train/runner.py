@@ -224,8 +224,10 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
             record.write_json("summary.json", {k: v for k, v in summary.items() if k != "losses"})
             byte_gpt = cfg.model in PRESETS and not (cfg.tokenizer or cfg.token_dtype)    # what sample_text decodes
             if task.kind == "lm" and cfg.sample_bytes > 0 and byte_gpt:
-                summary["sample"] = sample_text(cfg, run_dir / "model.safetensors", cfg.sample_bytes)
-                say("\n--- sample from the trained model (prompt 'def ') ---\n" + summary["sample"] + "\n---")
+                summary["sample"], cut = sample_text(cfg, state, cfg.sample_bytes)
+                say("\n--- sample from the trained model (prompt 'def ') ---\n" + summary["sample"] + "\n---"
+                    + (f"\n{cut}" if cut else ""))
+        del state
         record.close()
         per = "byte" if not (cfg.tokenizer or cfg.token_dtype) else "token"
         unit, rate = (f"nats/{per}", "tokens/s") if task.kind == "lm" else ("nats", "samples/s")
@@ -246,17 +248,37 @@ def _local_numel(p) -> int:
     return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
 
 
-def sample_text(cfg: TrainConfig, weights_path: Path, num_bytes: int, prompt: str = "def ") -> str:
-    """Generate ``num_bytes`` bytes from the saved weights in a fresh single-process model (built on the
-    meta device, the saved tensors assigned: no initialisation, no second copy of the weights; also
-    under ``meta_init``, whose build keeps parameters on meta)."""
-    from safetensors.torch import load_file
+SAMPLE_BUDGET_S = 60.0     # seconds of CPU generation the end-of-run sample may take
 
+
+def sample_text(cfg: TrainConfig, state: dict[str, torch.Tensor], num_bytes: int, prompt: str = "def ",
+                budget_s: float = SAMPLE_BUDGET_S) -> tuple[str, str | None]:
+    """Generate up to ``num_bytes`` bytes from the trained weights ``state`` (the gathered full state
+    dict on the host, as saved to model.safetensors) in a single-process model on this process's CPU,
+    built on the meta device with the tensors assigned (no initialisation and no second copy of the
+    weights; also under ``meta_init``, whose build keeps parameters on meta).
+
+    Each byte costs a forward of the whole model over the context (`GPT.generate` keeps no KV cache),
+    on one CPU process: seconds per byte at 1B parameters and more beyond. So generation stops at the
+    first byte that ends past ``budget_s`` seconds, rather than hold the job for an hour after a
+    large model's training ended.
+
+    Returns:
+        ``(text, None)``, or ``(text so far, one line saying where it stopped and why)``.
+    """
     from modelpar.train.task import build_model_for
 
     model = build_model_for(cfg, device="meta")
-    model.load_state_dict(load_file(str(weights_path)), assign=True)
+    model.load_state_dict(state, assign=True)
     g = torch.Generator().manual_seed(cfg.seed)
     idx = torch.tensor([list(prompt.encode())], dtype=torch.long)
-    out = model.generate(idx, num_bytes, generator=g)[0].tolist()
-    return bytes(out).decode("utf-8", errors="replace")
+    t0, cut = time.perf_counter(), None
+    with torch.no_grad():
+        for i in range(num_bytes):              # one byte per call: the same draws as generate(num_bytes)
+            idx = model.generate(idx, 1, generator=g)
+            spent = time.perf_counter() - t0
+            if spent > budget_s and i + 1 < num_bytes:
+                cut = (f"(sample stopped at {i + 1} of {num_bytes} bytes after {spent:.0f} s of generation on this "
+                       f"process's CPU; --sample-bytes 0 skips it)")
+                break
+    return bytes(idx[0].tolist()).decode("utf-8", errors="replace"), cut
