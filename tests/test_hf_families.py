@@ -1,0 +1,54 @@
+"""Hugging Face families beyond the ones the other modules train (Llama, GPT-2, ViT, ...): Gemma,
+Falcon, GPT-BigCode, Bloom, Mixtral, Qwen2-MoE. One process; what each command decides before launch and
+what `--meta-init` fills in (the multi-rank runs of these families were checked by hand, see the commit
+messages)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.pure_fixtures import requires
+
+pytestmark = requires("transformers")  # checks it is installed without importing it at collection
+
+# tiny configs: 4 query heads, 2 key/value heads where the family has the field, 4 layers
+GEMMA = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 256, "max_position_embeddings": 64,
+         "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+
+
+def _meta_one_process(model: str, model_config: dict):
+    """The model built with ``meta_init`` and materialised on one process, and the same model built as
+    without it."""
+    from modelpar.parallel.compose import parallelize
+    from modelpar.parallel.mesh import MeshInfo
+    from modelpar.plan import ParallelPlan
+    from modelpar.train.config import TrainConfig
+    from modelpar.train.materialise import materialise
+    from modelpar.train.task import build_model_for, lm_loss
+
+    cfg = TrainConfig(model=model, model_config=model_config, meta_init=True, seq_len=16)
+    meta = build_model_for(cfg)
+    assert all(p.is_meta for p in meta.parameters())
+    pm = parallelize(meta, ParallelPlan(), MeshInfo(mesh=None), loss_fn=lm_loss, device=torch.device("cpu"))
+    materialise(pm.modules, cfg, torch.device("cpu"))
+    return meta, build_model_for(TrainConfig(model=model, model_config=model_config, seq_len=16))
+
+
+def test_meta_init_fills_gemma_norms_with_its_own_identity():
+    """Gemma's RMSNorm computes ``x * (1 + w)`` and starts at w = 0; --meta-init filled every norm
+    weight with 1 (each norm doubled its input). Now each norm weight is the model's own constant (0 for
+    Gemma, 1 for Llama's ``x * w``)."""
+    meta, own = _meta_one_process("hf:gemma", GEMMA)
+    norms = {n: p for n, p in meta.named_parameters() if "norm" in n}
+    assert len(norms) == 2 * 4 + 1
+    want = dict(own.named_parameters())
+    for n, p in norms.items():
+        assert torch.count_nonzero(want[n]) == 0, n          # the model's own: zeros
+        assert torch.equal(p, want[n]), n
+    from helpers.hf_tiny import TINY
+
+    meta, _ = _meta_one_process("hf:llama", TINY["llama"][1])
+    llama_norms = [p for n, p in meta.named_parameters() if "norm" in n]
+    assert llama_norms and all(torch.equal(p, torch.ones_like(p)) for p in llama_norms)
