@@ -52,3 +52,25 @@ def test_meta_init_fills_gemma_norms_with_its_own_identity():
     meta, _ = _meta_one_process("hf:llama", TINY["llama"][1])
     llama_norms = [p for n, p in meta.named_parameters() if "norm" in n]
     assert llama_norms and all(torch.equal(p, torch.ones_like(p)) for p in llama_norms)
+
+
+MIXTRAL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64, "num_local_experts": 4,
+           "num_experts_per_tok": 2, "bos_token_id": 0, "eos_token_id": 0}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_moe_profile_counts_the_active_experts(precision):
+    """`plan` / `estimate` / `auto` profile a mixture of experts on meta: in fp32 torch's meta kernel of
+    grouped_mm refused (a traceback: 'Expected inputs of BF16 type'), in bf16 the experts' FLOPs counted 0.
+    A block's forward FLOPs are now its projections, router, attention and its top-k experts' MLPs."""
+    from modelpar.cli.common import profile_for
+
+    prof, _ = profile_for("hf:mixtral", MIXTRAL, 32, precision)
+    t, h, kv, ffn, e, k = 32, 32, 16, 64, 4, 2        # tokens, hidden, k/v width (2 heads of 8), ffn, experts, top-k
+    proj = 2 * t * h * (h + 2 * kv + h)                # q, k, v, o
+    router = 2 * t * h * e
+    experts = t * k * (2 * h * 2 * ffn + 2 * ffn * h)  # gate|up, down of each token's k experts
+    attn = 2 * 2 * t * t * (h // 4) * 4                # q k^T and p v over 4 heads of 8
+    assert prof.blocks[1].fwd_flops == proj + router + experts + attn
+    assert prof.blocks[1].bwd_flops == 2 * prof.blocks[1].fwd_flops
