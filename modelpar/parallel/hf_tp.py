@@ -19,7 +19,9 @@ Two sources of a plan, in this order:
    against ``nn.Linear``), the leading ones reading the same input width and the last one reading
    the first one's output width (an MLP's up / down, an attention's q, k, v / o, a gated MLP's
    gate, up / down), gets the leading ones colwise and the last rowwise. The attention must view its
-   heads as ``(..., -1, head_dim)`` (transformers 5's convention), so local heads follow. A fused query|key|value projection
+   heads as ``(..., -1, head_dim)`` (transformers 5's convention), so local heads follow; a module whose
+   forward views them by its own head count (OPT's ``view(bsz, -1, self.num_heads, head_dim)``) is left
+   replicated (`_views_by_global_heads`). A fused query|key|value projection
    (GPT-2's ``c_attn``: ``out = 3 x`` the next projection's ``in``, on a module with ``split_size``)
    becomes ``conv1d_colwise_qkv``: its columns are permuted so that each TP rank's contiguous shard
    holds the query, key and value columns of its own heads (`qkv_permutation`), and the attention's
@@ -35,6 +37,7 @@ et al. 2022, Sec. 4.2.2.
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 import torch.nn as nn
@@ -163,7 +166,7 @@ def derive_hf_plan(model: nn.Module, *, tp_degree: int | None = None) -> dict[st
             conv = all(_is_conv1d(c) for _, c in projs)
             lin = all(isinstance(c, nn.Linear) for _, c in projs)
             same_in = all(_dims(c)[0] == in_a for _, c in firsts)
-            if not (conv or lin) or not same_in:
+            if not (conv or lin) or not same_in or _views_by_global_heads(parent):
                 continue
             if out_a == in_b:           # (up | q, k, v | gate, up) colwise -> (down | o) rowwise
                 plan.update({base + n: CONV1D_COLWISE if conv else T.COLWISE for n, _ in firsts})
@@ -176,6 +179,23 @@ def derive_hf_plan(model: nn.Module, *, tp_degree: int | None = None) -> dict[st
                          f"(colwise ..., rowwise) group of projections in its blocks to derive one from. Pass your own plan (parallelize(..., tp_plan={{module path: style}}) from Python)")
     plan.update(_vocab_entries(model, tp_degree))
     return plan
+
+
+_GLOBAL_HEADS = re.compile(r"\.(?:view|reshape)\([^)]*self\.(?:num_heads|num_attention_heads|num_key_value_heads|n_head)\b")
+
+
+def _views_by_global_heads(parent: nn.Module) -> bool:
+    """True when ``parent``'s forward views its projections by its own (global) head count, as OPT's
+    attention does (``q.view(bsz, -1, self.num_heads, head_dim)``): split colwise, a rank's
+    ``heads / tp`` heads would fold into the sequence dimension, silently wrong (OPT under tp2: loss
+    4.8e-4 off one process at step 2). Such a group stays replicated."""
+    import inspect
+
+    try:
+        src = inspect.getsource(type(parent).forward)
+    except (OSError, TypeError):
+        return False
+    return bool(_GLOBAL_HEADS.search(src))
 
 
 def _vocab_entries(model: nn.Module, tp_degree: int | None) -> dict[str, str]:
