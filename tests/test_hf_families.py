@@ -133,3 +133,24 @@ def test_derived_tp_plan_leaves_opt_attention_replicated():
                               atol=1e-6)
     vplan = tp_plan_for(vit, tp_degree=2)
     assert vplan["hf.vit.layers.0.attention.q_proj"] == "colwise" and vplan["hf.vit.layers.0.attention.o_proj"] == "rowwise"
+
+
+@pytest.mark.parametrize("family, config", [
+    ("falcon", {"hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4, "vocab_size": 256,
+                "max_position_embeddings": 64, "bos_token_id": 0, "eos_token_id": 0}),
+    ("gpt_bigcode", {"n_embd": 32, "n_layer": 4, "n_head": 4, "vocab_size": 256, "n_positions": 64,
+                     "bos_token_id": 0, "eos_token_id": 0})])
+def test_multi_query_tp_refusal_names_no_mlp_as_key_value(family, config):
+    """Falcon's and GPT-BigCode's multi-query attention (1 key/value head) is one fused projection the
+    derived plan leaves whole; TP 2 is refused (as `estimate` refuses it), but the refusal called their
+    MLP's up projection 'the key/value projections ... split by key/value heads (GQA)'."""
+    from modelpar.models.hf import build_hf
+    from modelpar.parallel.tensor import tp_plan_for, validate_tp_plan
+
+    m = build_hf(f"hf:{family}", config, device="meta")
+    plan = tp_plan_for(m, tp_degree=2)
+    with pytest.raises(ValueError) as e:
+        validate_tp_plan(m, plan, 2)
+    msg = str(e.value)
+    assert "num_key_value_heads=1" in msg and "splits its MLPs only" in msg and "--strategy fsdp, pp or ddp" in msg
+    assert "mlp" not in msg and "GQA" not in msg

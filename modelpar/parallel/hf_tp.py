@@ -299,14 +299,17 @@ def check_hf_tp(model: nn.Module, tp_plan: dict[str, str], tp_degree: int, *, se
     if splits_heads and f.heads is not None:
         hname = "num_attention_heads"
         if f.heads % tp_degree:
+            mods = _head_split_modules(model, tp_plan, f.heads, f.heads)
             raise ValueError(f"tensor parallel degree {tp_degree} does not divide {cname}.{hname}={f.heads}: "
-                             f"the attention projections {_head_split_modules(model, tp_plan, f.heads, f.heads)} "
-                             f"are split by query heads; use a TP degree dividing {math.gcd(f.heads, f.kv_heads or f.heads)}")
+                             + (f"the attention projections {mods} are split by query heads" if mods else
+                                _unsplit_attention(model)) +
+                             f"; use a TP degree dividing {math.gcd(f.heads, f.kv_heads or f.heads)}")
         if f.kv_heads is not None and f.kv_heads % tp_degree:
+            mods = _head_split_modules(model, tp_plan, f.heads, f.kv_heads)
             raise ValueError(f"tensor parallel degree {tp_degree} does not divide {cname}.num_key_value_heads="
-                             f"{f.kv_heads}: the key/value projections "
-                             f"{_head_split_modules(model, tp_plan, f.heads, f.kv_heads)} are split by key/value "
-                             f"heads (GQA); use a TP degree dividing {f.kv_heads}")
+                             f"{f.kv_heads}: " + (f"the key/value projections {mods} are split by key/value "
+                                                   f"heads (GQA)" if mods else _unsplit_attention(model)) +
+                             f"; use a TP degree dividing {f.kv_heads}")
     if T.SEQ_NORM in tp_plan.values() and seq_len is not None and seq_len % tp_degree:
         raise ValueError(f"sequence parallel: tensor parallel degree {tp_degree} does not divide the sequence "
                          f"length seq_len={seq_len}")
@@ -343,9 +346,20 @@ def _head_split_modules(model: nn.Module, tp_plan: dict[str, str], heads: int, s
     attn = [p for p in cols if "attn" in p.rsplit(".", 1)[0].lower() or "attention" in p.rsplit(".", 1)[0].lower()]
     widths = {p: _dims(modules[p])[1] // (3 if tp_plan[p] == CONV1D_COLWISE_QKV else 1) for p in attn}
     q = max(widths.values(), default=0)
-    named = [p for p in attn if widths[p] * heads == q * split_heads] or attn or cols
+    if not attn:
+        return ""
+    named = [p for p in attn if widths[p] * heads == q * split_heads] or attn
     more = " (and the same in every block)" if first and len(blocks) > 1 else ""
     return ", ".join(repr(p) for p in named) + more
+
+
+def _unsplit_attention(model: nn.Module) -> str:
+    """The refusal's reason where the TP plan splits no attention projection (Falcon's and GPT-BigCode's
+    fused multi-query ones): the planner prices tensor parallel by whole heads per rank, so it is refused
+    alike here."""
+    return (f"modelpar's TP plan of {type(model.hf).__name__} splits its MLPs only (not its fused attention), "
+            f"and modelpar plans and checks tensor parallel by whole heads per rank, so it is refused before "
+            f"launch (--strategy fsdp, pp or ddp train this model)")
 
 
 # ---- the fused q|k|v permutation ------------------------------------------------------------------
