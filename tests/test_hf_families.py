@@ -154,3 +154,17 @@ def test_multi_query_tp_refusal_names_no_mlp_as_key_value(family, config):
     msg = str(e.value)
     assert "num_key_value_heads=1" in msg and "splits its MLPs only" in msg and "--strategy fsdp, pp or ddp" in msg
     assert "mlp" not in msg and "GQA" not in msg
+
+
+def test_derived_tp_plan_leaves_xlm_attention_whole_and_refuses_before_launch():
+    """XLM's attention views by ``self.n_heads`` as OPT's does: under tp2 its ranks crashed inside the
+    forward ('The expanded size of the tensor (16) must match the existing size (32)'). Its attention
+    is no longer split, and with its FFNs in another list than its attentions no group is left: one
+    refusal before launch."""
+    from modelpar.models.hf import build_hf
+    from modelpar.parallel.tensor import tp_plan_for
+
+    m = build_hf("hf:xlm", {"emb_dim": 32, "n_layers": 2, "n_heads": 4, "vocab_size": 256}, device="meta")
+    with pytest.raises(ValueError, match=r"XLMWithLMHeadModel declares no TP plan \(_tp_plan\) and modelpar found no "
+                                         r"\(colwise \.\.\., rowwise\) group"):
+        tp_plan_for(m, tp_degree=2)

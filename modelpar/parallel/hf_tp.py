@@ -181,7 +181,7 @@ def derive_hf_plan(model: nn.Module, *, tp_degree: int | None = None) -> dict[st
     return plan
 
 
-_GLOBAL_HEADS = re.compile(r"\.(?:view|reshape)\([^)]*self\.(?:num_heads|num_attention_heads|num_key_value_heads|n_head)\b")
+_GLOBAL_HEADS = re.compile(r"\.(?:view|reshape)\([^)]*self\.(?:num_heads|num_attention_heads|num_key_value_heads|n_heads?)\b")
 
 
 def _views_by_global_heads(parent: nn.Module) -> bool:
