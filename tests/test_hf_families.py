@@ -168,3 +168,17 @@ def test_derived_tp_plan_leaves_xlm_attention_whole_and_refuses_before_launch():
     with pytest.raises(ValueError, match=r"XLMWithLMHeadModel declares no TP plan \(_tp_plan\) and modelpar found no "
                                          r"\(colwise \.\.\., rowwise\) group"):
         tp_plan_for(m, tp_degree=2)
+
+
+def test_derived_tp_plan_takes_no_value_projection_for_an_output_one():
+    """BERT's self-attention holds query, key and value only (its output projection is in another
+    module); the derived plan split query and key colwise and value *rowwise*, and with an untied head
+    tp2 crashed in the ranks ('a and b must have same reduction dim, but got [256, 64] X [32, 32]'). No
+    such group now: BERT has none left, so TP is refused before launch by name."""
+    from modelpar.models.hf import build_hf
+    from modelpar.parallel.tensor import tp_plan_for
+
+    m = build_hf("hf:bert", {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                             "intermediate_size": 64, "vocab_size": 256, "tie_word_embeddings": False}, device="meta")
+    with pytest.raises(ValueError, match=r"BertLMHeadModel declares no TP plan \(_tp_plan\) and modelpar found no"):
+        tp_plan_for(m, tp_degree=2)

@@ -21,7 +21,8 @@ Two sources of a plan, in this order:
    gate, up / down), gets the leading ones colwise and the last rowwise. The attention must view its
    heads as ``(..., -1, head_dim)`` (transformers 5's convention), so local heads follow; a module whose
    forward views them by its own head count (OPT's ``view(bsz, -1, self.num_heads, head_dim)``) is left
-   replicated (`_views_by_global_heads`). A fused query|key|value projection
+   replicated (`_views_by_global_heads`), and three projections of one square shape (BERT's query, key,
+   value, whose output projection sits in another module) are not a group. A fused query|key|value projection
    (GPT-2's ``c_attn``: ``out = 3 x`` the next projection's ``in``, on a module with ``split_size``)
    becomes ``conv1d_colwise_qkv``: its columns are permuted so that each TP rank's contiguous shard
    holds the query, key and value columns of its own heads (`qkv_permutation`), and the attention's
@@ -168,6 +169,8 @@ def derive_hf_plan(model: nn.Module, *, tp_degree: int | None = None) -> dict[st
             same_in = all(_dims(c)[0] == in_a for _, c in firsts)
             if not (conv or lin) or not same_in or _views_by_global_heads(parent):
                 continue
+            if len(projs) == 3 and len({_dims(c) for _, c in projs}) == 1 and in_a == out_a:
+                continue                # BERT's query, key, value: no output projection beside them
             if out_a == in_b:           # (up | q, k, v | gate, up) colwise -> (down | o) rowwise
                 plan.update({base + n: CONV1D_COLWISE if conv else T.COLWISE for n, _ in firsts})
                 plan[base + n2] = CONV1D_ROWWISE if conv else T.ROWWISE
