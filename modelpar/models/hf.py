@@ -232,17 +232,38 @@ class _unpacked_sequences:
     """Context: transformers' check for packed sequences in the position ids (which reads their
     values, impossible on meta, and is skipped on fake tensors, so a mask is built) answers "one
     sequence per sample", which is what modelpar's token batches are; so the model runs as it runs
-    on real tokens (causal attention without a mask tensor)."""
+    on real tokens (causal attention without a mask tensor).
+
+    And the grouped product of a mixture of experts (Mixtral, Qwen2-MoE, ...: transformers'
+    ``integrations.moe._grouped_mm``) runs as `_meta_grouped_mm`: torch's meta kernel of ``grouped_mm``
+    takes bf16 only (an fp32 profile stopped with a traceback) and FLOP counters have no formula for it
+    (the experts' FLOPs counted 0)."""
 
     def __enter__(self):
         import transformers.masking_utils as mu
         self.mu, self.orig = mu, getattr(mu, "find_packed_sequence_indices", None)
         if self.orig is not None:
             mu.find_packed_sequence_indices = lambda position_ids: None
+        try:
+            import transformers.integrations.moe as moe
+        except ImportError:
+            moe = None
+        self.moe, self.orig_mm = moe, getattr(moe, "_grouped_mm", None)
+        if self.orig_mm is not None:
+            moe._grouped_mm = _meta_grouped_mm
 
     def __exit__(self, *exc):
         if self.orig is not None:
             self.mu.find_packed_sequence_indices = self.orig
+        if self.orig_mm is not None:
+            self.moe._grouped_mm = self.orig_mm
+
+
+def _meta_grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor | None = None) -> torch.Tensor:
+    """``input (rows, k) x grouped weight (experts, k, n) -> (rows, n)`` without values: one matmul of the
+    same rows by one expert's ``(k, n)``, so the output, the FLOPs (2 rows k n forward, twice that
+    backward) and the saved input are those of the grouped product, whatever the split ``offs``."""
+    return input.to(weight.dtype) @ weight[0]
 
 
 def build_hf(name: str, overrides: dict | None = None, *, device: str | torch.device = "cpu", seed: int | None = 0,

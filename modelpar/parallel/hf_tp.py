@@ -19,7 +19,10 @@ Two sources of a plan, in this order:
    against ``nn.Linear``), the leading ones reading the same input width and the last one reading
    the first one's output width (an MLP's up / down, an attention's q, k, v / o, a gated MLP's
    gate, up / down), gets the leading ones colwise and the last rowwise. The attention must view its
-   heads as ``(..., -1, head_dim)`` (transformers 5's convention), so local heads follow. A fused query|key|value projection
+   heads as ``(..., -1, head_dim)`` (transformers 5's convention), so local heads follow; a module whose
+   forward views them by its own head count (OPT's ``view(bsz, -1, self.num_heads, head_dim)``) is left
+   replicated (`_views_by_global_heads`), and three projections of one square shape (BERT's query, key,
+   value, whose output projection sits in another module) are not a group. A fused query|key|value projection
    (GPT-2's ``c_attn``: ``out = 3 x`` the next projection's ``in``, on a module with ``split_size``)
    becomes ``conv1d_colwise_qkv``: its columns are permuted so that each TP rank's contiguous shard
    holds the query, key and value columns of its own heads (`qkv_permutation`), and the attention's
@@ -35,6 +38,7 @@ et al. 2022, Sec. 4.2.2.
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 import torch.nn as nn
@@ -163,8 +167,10 @@ def derive_hf_plan(model: nn.Module, *, tp_degree: int | None = None) -> dict[st
             conv = all(_is_conv1d(c) for _, c in projs)
             lin = all(isinstance(c, nn.Linear) for _, c in projs)
             same_in = all(_dims(c)[0] == in_a for _, c in firsts)
-            if not (conv or lin) or not same_in:
+            if not (conv or lin) or not same_in or _views_by_global_heads(parent):
                 continue
+            if len(projs) == 3 and len({_dims(c) for _, c in projs}) == 1 and in_a == out_a:
+                continue                # BERT's query, key, value: no output projection beside them
             if out_a == in_b:           # (up | q, k, v | gate, up) colwise -> (down | o) rowwise
                 plan.update({base + n: CONV1D_COLWISE if conv else T.COLWISE for n, _ in firsts})
                 plan[base + n2] = CONV1D_ROWWISE if conv else T.ROWWISE
@@ -176,6 +182,23 @@ def derive_hf_plan(model: nn.Module, *, tp_degree: int | None = None) -> dict[st
                          f"(colwise ..., rowwise) group of projections in its blocks to derive one from. Pass your own plan (parallelize(..., tp_plan={{module path: style}}) from Python)")
     plan.update(_vocab_entries(model, tp_degree))
     return plan
+
+
+_GLOBAL_HEADS = re.compile(r"\.(?:view|reshape)\([^)]*self\.(?:num_heads|num_attention_heads|num_key_value_heads|n_heads?)\b")
+
+
+def _views_by_global_heads(parent: nn.Module) -> bool:
+    """True when ``parent``'s forward views its projections by its own (global) head count, as OPT's
+    attention does (``q.view(bsz, -1, self.num_heads, head_dim)``): split colwise, a rank's
+    ``heads / tp`` heads would fold into the sequence dimension, silently wrong (OPT under tp2: loss
+    4.8e-4 off one process at step 2). Such a group stays replicated."""
+    import inspect
+
+    try:
+        src = inspect.getsource(type(parent).forward)
+    except (OSError, TypeError):
+        return False
+    return bool(_GLOBAL_HEADS.search(src))
 
 
 def _vocab_entries(model: nn.Module, tp_degree: int | None) -> dict[str, str]:
@@ -279,14 +302,17 @@ def check_hf_tp(model: nn.Module, tp_plan: dict[str, str], tp_degree: int, *, se
     if splits_heads and f.heads is not None:
         hname = "num_attention_heads"
         if f.heads % tp_degree:
+            mods = _head_split_modules(model, tp_plan, f.heads, f.heads)
             raise ValueError(f"tensor parallel degree {tp_degree} does not divide {cname}.{hname}={f.heads}: "
-                             f"the attention projections {_head_split_modules(model, tp_plan, f.heads, f.heads)} "
-                             f"are split by query heads; use a TP degree dividing {math.gcd(f.heads, f.kv_heads or f.heads)}")
+                             + (f"the attention projections {mods} are split by query heads" if mods else
+                                _unsplit_attention(model)) +
+                             f"; use a TP degree dividing {math.gcd(f.heads, f.kv_heads or f.heads)}")
         if f.kv_heads is not None and f.kv_heads % tp_degree:
+            mods = _head_split_modules(model, tp_plan, f.heads, f.kv_heads)
             raise ValueError(f"tensor parallel degree {tp_degree} does not divide {cname}.num_key_value_heads="
-                             f"{f.kv_heads}: the key/value projections "
-                             f"{_head_split_modules(model, tp_plan, f.heads, f.kv_heads)} are split by key/value "
-                             f"heads (GQA); use a TP degree dividing {f.kv_heads}")
+                             f"{f.kv_heads}: " + (f"the key/value projections {mods} are split by key/value "
+                                                   f"heads (GQA)" if mods else _unsplit_attention(model)) +
+                             f"; use a TP degree dividing {f.kv_heads}")
     if T.SEQ_NORM in tp_plan.values() and seq_len is not None and seq_len % tp_degree:
         raise ValueError(f"sequence parallel: tensor parallel degree {tp_degree} does not divide the sequence "
                          f"length seq_len={seq_len}")
@@ -323,9 +349,20 @@ def _head_split_modules(model: nn.Module, tp_plan: dict[str, str], heads: int, s
     attn = [p for p in cols if "attn" in p.rsplit(".", 1)[0].lower() or "attention" in p.rsplit(".", 1)[0].lower()]
     widths = {p: _dims(modules[p])[1] // (3 if tp_plan[p] == CONV1D_COLWISE_QKV else 1) for p in attn}
     q = max(widths.values(), default=0)
-    named = [p for p in attn if widths[p] * heads == q * split_heads] or attn or cols
+    if not attn:
+        return ""
+    named = [p for p in attn if widths[p] * heads == q * split_heads] or attn
     more = " (and the same in every block)" if first and len(blocks) > 1 else ""
     return ", ".join(repr(p) for p in named) + more
+
+
+def _unsplit_attention(model: nn.Module) -> str:
+    """The refusal's reason where the TP plan splits no attention projection (Falcon's and GPT-BigCode's
+    fused multi-query ones): the planner prices tensor parallel by whole heads per rank, so it is refused
+    alike here."""
+    return (f"modelpar's TP plan of {type(model.hf).__name__} splits its MLPs only (not its fused attention), "
+            f"and modelpar plans and checks tensor parallel by whole heads per rank, so it is refused before "
+            f"launch (--strategy fsdp, pp or ddp train this model)")
 
 
 # ---- the fused q|k|v permutation ------------------------------------------------------------------

@@ -14,7 +14,8 @@ stages only (``to_empty``) and fills them:
   name; a tied copy: its tie's first name), one whole parameter at a time on CPU, and this rank's
   slice kept (of the TP-permuted order for GPT-2's fused ``c_attn``). Matrices and embeddings
   ~ N(0, ``initializer_range``) (transformers' default rule; a built-in GPT: its own rule,
-  `modelpar.models.gpt.init_std`), norm weights 1, biases 0. The values are the same under every
+  `modelpar.models.gpt.init_std`), norm weights the constant the model's own initialisation gives
+  them (1; 0 for Gemma's ``x * (1 + w)`` norms, which start as the identity too), biases 0. The values are the same under every
   layout and world size (the slice of the same full tensor), but they are not the values the model's
   own initialisation draws (which consumes one RNG in construction order), so a ``meta_init`` run is
   comparable to another ``meta_init`` run, not to a run without it.
@@ -37,19 +38,41 @@ import torch.nn as nn
 def params_on_meta():
     """Every ``nn.Parameter`` registered inside the block is moved to the meta device as it is
     registered (constructors' own initialisation then runs on meta and costs nothing); buffers stay
-    where they are built."""
+    where they are built. A norm's weight (a vector) stays real until the block ends, so the model's
+    own initialisation sets it; its value is then recorded on the norm (1, or 0 for Gemma's
+    ``x * (1 + w)`` norms: the identity the model starts at) for `materialise`, and it goes to meta too."""
     register = nn.Module.register_parameter
+    norms: list[tuple[nn.Module, str]] = []
 
     def on_meta(self, name, param):
         register(self, name, param)
         if param is not None and param.device.type != "meta":
-            self._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            if _is_norm_owner(self) and param.dim() == 1:
+                norms.append((self, name))
+            else:
+                self._parameters[name] = _to_meta(param)
 
     nn.Module.register_parameter = on_meta
     try:
         yield
     finally:
         nn.Module.register_parameter = register
+        for m, name in norms:
+            p = m._parameters.get(name)
+            if p is None or p.device.type == "meta":
+                continue
+            first = p.detach().reshape(-1)[:1]
+            if p.numel() and bool((p.detach() == first).all()):
+                m.__dict__.setdefault("_modelpar_norm_fill", {})[name] = float(first)
+            m._parameters[name] = _to_meta(p)
+
+
+def _to_meta(param: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+
+
+def _is_norm_owner(m: nn.Module) -> bool:
+    return "norm" in type(m).__name__.lower()
 
 
 def meta_buildable(model: str) -> bool:
@@ -120,8 +143,9 @@ def _owners(model: nn.Module) -> dict[str, nn.Module]:
 def _seeded(name: str, owner: nn.Module, shape, seed: int, std: float) -> torch.Tensor:
     if name.endswith("bias"):
         return torch.zeros(shape)
-    if "norm" in type(owner).__name__.lower():
-        return torch.ones(shape)
+    if _is_norm_owner(owner):       # the model's own constant (1; Gemma's (1 + w) norms: 0), see params_on_meta
+        fill = owner.__dict__.get("_modelpar_norm_fill", {}).get(name.rsplit(".", 1)[-1], 1.0)
+        return torch.full(shape, fill)
     g = torch.Generator().manual_seed(_seed_of(seed, name))
     return torch.randn(shape, generator=g) * std
 
