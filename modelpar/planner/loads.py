@@ -310,6 +310,12 @@ def _block_shapes(bl, t: int, bs: int) -> tuple:
     return tuple(out)
 
 
+def _tp_part(flops: float, whole: float, bs: int, t: int) -> float:
+    """Per sample, one TP rank's FLOPs of ``flops`` (the profiled batch ``bs``), of which the share
+    ``whole`` stays whole on every rank (`BlockProfile.tp_whole_flops`) and the rest splits ``t`` ways."""
+    return flops / bs / t if not whole else flops / bs * ((1 - whole) / t + whole)
+
+
 def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: PlannerCache) -> BlockTerms:
     """Per-block contributions to a `RankLoad` for TP degree ``t`` (memoized in ``cache``, which
     serves one profile, per degree, sequence parallel and activation scale: the search builds ~200
@@ -342,8 +348,9 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: P
         unit_params.append(None if is_end else local)
         numels.append([(k / t if sh else k, mat) for k, mat, sh in bl.param_numels])
         gemms.append(_block_shapes(bl, t, bs))
+        wf, wa = (w / x if x else 0.0 for w, x in zip(bl.tp_whole_flops, (bl.fwd_flops, bl.fwd_attn_flops)))
         ac_info.append((-1 if is_end else (i - 1 if transformer else i), bl.attn_core_saved_bytes / t * scale / bs,
-                        bl.fwd_flops / bs / t, bl.fwd_attn_flops / bs / t))
+                        _tp_part(bl.fwd_flops, wf, bs, t), _tp_part(bl.fwd_attn_flops, wa, bs, t)))
         frac = bl.saved_tp_sharded_bytes / bl.saved_bytes if bl.saved_bytes else 0.0
         tp_div = 1.0 / t if sp else (1 - frac) + frac / t   # share of traffic left per rank
         shr = local / bl.num_params if bl.num_params else 1.0
@@ -353,10 +360,10 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: P
                                    g_div=g_div, shr=shr))
         # in the order of `_SUMS`
         row = (local, local if is_end else 0.0, saved * scale / bs, ac_in * scale / bs,
-               bl.fwd_flops / bs / t, bl.bwd_flops / bs / t,
+               _tp_part(bl.fwd_flops, wf, bs, t), _tp_part(bl.bwd_flops, wf, bs, t),
                bl.fwd_mem_bytes * scale / bs * tp_div, bl.bwd_mem_bytes * scale / bs * tp_div,
                bl.fwd_ops + bl.bwd_ops, bl.fwd_ops, bl.fwd_gemms, bl.bwd_gemms,
-               bl.fwd_attn_flops / bs / t, bl.bwd_attn_flops / bs / t, bl.attn_calls,
+               _tp_part(bl.fwd_attn_flops, wa, bs, t), _tp_part(bl.bwd_attn_flops, wa, bs, t), bl.attn_calls,
                sum(1 for _, mat, sh in bl.param_numels if mat and sh) if t > 1 else 0,
                bl.fwd_gemm_param_bytes * scale * shr, bl.bwd_gemm_param_bytes * scale * shr,
                bl.fwd_gemm_act_bytes * scale / bs * tp_div, bl.bwd_gemm_act_bytes * scale / bs * tp_div,

@@ -43,11 +43,11 @@ from torch.utils.module_tracker import ModuleTracker
 
 from modelpar.plan import CORE_ATTR
 from modelpar.planner.legality import tp_splits
-from modelpar.planner.profile_blocks import _arch_of, _block_params, _tp_styles, default_blocks  # noqa: F401
+from modelpar.planner.profile_blocks import TPSplitScopes, _arch_of, _block_params, _tp_styles, default_blocks  # noqa: F401
 from modelpar.planner.records import GemmShape
-from modelpar.planner.profile_ops import (_FLOP_FORMULAS, _FlashAttention, _hook_partial_grads,  # noqa: F401
-                                          _Lifetimes, _nbytes, _OpCounter, _Outside, count_elementwise_bytes,
-                                          tied_copies)
+from modelpar.planner.profile_lifetimes import _hook_partial_grads, _Lifetimes, _nbytes
+from modelpar.planner.profile_ops import (_FLOP_FORMULAS, _FlashAttention, _OpCounter, _Outside,  # noqa: F401
+                                          count_elementwise_bytes, tied_copies)
 
 __all__ = ["BlockProfile", "ModelProfile", "count_elementwise_bytes", "default_blocks", "profile_model",
            "tied_copies"]
@@ -85,6 +85,10 @@ class BlockProfile:
     fwd_attn_flops: int = 0
     bwd_attn_flops: int = 0
     attn_calls: int = 0
+    # forward FLOPs the derived TP plan leaves whole on every TP rank (`profile_blocks.TPSplitScopes`: a
+    # Linear it does not split, experts, a router): all matmul-class, then fused attention's; the rest
+    # divides by the TP degree, and so does the same share of the backward (`loads._block_terms`)
+    tp_whole_flops: tuple[int, int] = (0, 0)
     # the busiest moments of the block's backward (see `_Lifetimes`), for the profiled batch, one per
     # trade-off between activations and gradients (early: the interior's gradients; later: weight
     # gradients made, activations freed): (live bytes beyond the saved bytes of this and earlier
@@ -175,6 +179,7 @@ class ModelProfile:
         d["blocks"] = tuple(BlockProfile(**{**b, "param_numels": tuple(tuple(x) for x in b.get("param_numels", ())),
                                             "bwd_peaks": tuple(tuple(x) for x in b.get("bwd_peaks", ())),
                                             "tied_numels": tuple(tuple(x) for x in b.get("tied_numels", ())),
+                                            "tp_whole_flops": tuple(b.get("tp_whole_flops", (0, 0))),
                                             "gemm_shapes": tuple(GemmShape(*x) for x in b.get("gemm_shapes", ()))})
                             for b in d["blocks"])
         ac = d.get("autocast")
@@ -408,7 +413,8 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
     # the same set as `pack`'s: under autocast the counter adds each bf16 weight copy to it
     counter = _OpCounter(tracker, names, n, param_keys, frozenset(shapes | {s[::-1] for s in shapes}), gather_keys,
                          lifetimes=life, outside=outside if outside.active else None,
-                         seen=outside.seen if outside.active else None)
+                         seen=outside.seen if outside.active else None,
+                         tp_split=TPSplitScopes(model, styles, type(model).__name__) if styles else None)
     # FlopCounterMode attributes backward FLOPs to modules only if it saw their forward: one counter
     # spans both passes, a nested one the forward alone; backward = all - forward.
     all_fc = FlopCounterMode(display=False, custom_mapping=_FLOP_FORMULAS)
@@ -471,6 +477,7 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
             fwd_gemm_param_bytes=counter.gemm_bytes[i][0], bwd_gemm_param_bytes=counter.gemm_bytes[i][1],
             fwd_gemm_act_bytes=counter.gemm_bytes[i][2], bwd_gemm_act_bytes=counter.gemm_bytes[i][3],
             fwd_attn_flops=counter.attn[i][0], bwd_attn_flops=counter.attn[i][1], attn_calls=counter.attn[i][2],
+            tp_whole_flops=tuple(counter.tp_whole[i]),
             bwd_peaks=tuple((own - cum_saved - saved[i], inn, g // gsize, pend // gsize)
                             for own, inn, g, pend in peaks[i]),
             saved_input_bytes=saved_in[i], attn_core_saved_bytes=core_saved[i], tied_numels=tuple(tied),

@@ -107,3 +107,34 @@ def deepen_profile(p, layers: int):
     rows.append(dataclasses.replace(last, name=f"{stem}.{layers - 1}"))
     return dataclasses.replace(p, blocks=(b[0], *rows, b[-1]), arch={**p.arch, "n_layer": layers},
                                autocast=deepen_profile(p.autocast, layers))
+
+
+class TPSplitScopes:
+    """Where the FLOPs of a profiled op are split by the TP plan of ``styles`` (`_tp_styles`): inside
+    a colwise or rowwise module (its matmuls), or in the own code of a module that holds a colwise
+    and a rowwise module as direct children (between them: the attention core over split heads, the
+    MLP's activation), outside its other parameter-holding children. Everything else a TP rank
+    computes whole: a Linear the plan leaves replicated (OPT's attention, whose forward views by the
+    global head count), a mixture of experts' experts (no plan entry), a router. Names are
+    ``ModuleTracker``'s: the root's class name, then the module path.
+
+    Called with the tracker's active module names, True where the op is split."""
+
+    def __init__(self, model: nn.Module, styles: dict[str, str], root_name: str):
+        def tracked(path: str) -> str:
+            return f"{root_name}.{path}" if path else root_name
+        self.styled = frozenset(tracked(p) for p in styles)
+        mods = dict(model.named_modules())
+        self.core: dict[str, frozenset[str]] = {}
+        for parent in {p.rpartition(".")[0] for p, st in styles.items() if st == "colwise"}:
+            kids = {c for c in styles if c.rpartition(".")[0] == parent}
+            if parent in mods and {"colwise", "rowwise"} <= {styles[c] for c in kids}:
+                holders = (f"{parent}.{n}" if parent else n for n, m in mods[parent].named_children()
+                           if next(m.parameters(), None) is not None)
+                self.core[tracked(parent)] = frozenset(tracked(h) for h in holders)
+
+    def __call__(self, parents: set[str]) -> bool:
+        if not self.styled.isdisjoint(parents):
+            return True
+        core = self.core
+        return any(p in core and parents.isdisjoint(core[p]) for p in parents)

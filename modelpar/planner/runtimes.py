@@ -19,7 +19,8 @@ from modelpar.planner.profile import ModelProfile
 
 def vocab_parallel_profile(profile: ModelProfile) -> ModelProfile:
     """``profile`` with every vocabulary-sized matrix of its first and last block (the token
-    embedding; the output projection) marked TP-sharded. A profile without ``arch`` (not a
+    embedding; the output projection) marked TP-sharded, and their FLOPs split (none left whole:
+    `BlockProfile.tp_whole_flops`, the replicated head's projection). A profile without ``arch`` (not a
     transformer of embed / blocks / head) is returned unchanged.
 
     Raises:
@@ -35,7 +36,7 @@ def vocab_parallel_profile(profile: ModelProfile) -> ModelProfile:
     for i in (0, len(blocks) - 1):
         bl = blocks[i]
         numels = tuple((n, mat, sh or (mat and n == vocab_numel)) for n, mat, sh in bl.param_numels)
-        blocks[i] = dataclasses.replace(bl, param_numels=numels,
+        blocks[i] = dataclasses.replace(bl, param_numels=numels, tp_whole_flops=(0, 0),
                                         tp_sharded_params=sum(n for n, _, sh in numels if sh))
     return dataclasses.replace(profile, blocks=tuple(blocks))
 
