@@ -229,6 +229,14 @@ class ParallelPlan:
                 raise ValueError(f"pp_schedule={self.pp_schedule!r} needs n_microbatches >= the number of "
                                  f"pipeline stages ({self.num_stages}), got n_microbatches="
                                  f"{self.n_microbatches}; use gpipe or more micro-batches")
+            if self.pp_schedule in ("interleaved1f1b", "interleavedzerobubble"):
+                # torch's schedules run max(1, m // pp) rounds of equal size (their __init__ raises)
+                rounds = max(1, self.n_microbatches // self.pp)
+                if self.n_microbatches % rounds:
+                    raise ValueError(f"pp_schedule={self.pp_schedule!r} runs n_microbatches // pp = "
+                                     f"{rounds} rounds of equal size, so n_microbatches must be a multiple "
+                                     f"of {rounds}, got --n-microbatches {self.n_microbatches} with --pp "
+                                     f"{self.pp}; use a multiple of pp (e.g. {rounds * self.pp})")
             if num_blocks is not None and self.num_stages > num_blocks:
                 raise ValueError(f"pp x virtual_stages = {self.pp} x {self.virtual_stages} = "
                                  f"{self.num_stages} pipeline stages but the model has only "
