@@ -22,6 +22,9 @@ SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 MULTI_STAGE_SCHEDULES = ("interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble",
                          "dualpipev")
 PP_SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES
+# schedules that split each backward into an input part (I) and a weight part (W) run later: FSDP must
+# keep block parameters gathered from forward to backward under them (`fsdp_keeps_gathered`)
+SPLIT_BACKWARD_SCHEDULES = ("interleavedzerobubble", "zbvzerobubble", "dualpipev")
 # activation checkpointing (`modelpar.parallel.checkpointing`): "selective" recomputes only each
 # block's attention core (Korthikanti et al. 2022, Sec. 5), "every-k" checkpoints blocks 0, k, 2k, ...
 AC_MODES = ("none", "full", "selective", "every-k")
@@ -229,6 +232,20 @@ class ParallelPlan:
                 raise ValueError(f"pp_schedule={self.pp_schedule!r} needs n_microbatches >= the number of "
                                  f"pipeline stages ({self.num_stages}), got n_microbatches="
                                  f"{self.n_microbatches}; use gpipe or more micro-batches")
+            if self.pp_schedule in ("interleaved1f1b", "interleavedzerobubble"):
+                # torch's schedules run max(1, m // pp) rounds of equal size (their __init__ raises)
+                rounds = max(1, self.n_microbatches // self.pp)
+                if self.n_microbatches % rounds:
+                    raise ValueError(f"pp_schedule={self.pp_schedule!r} runs n_microbatches // pp = "
+                                     f"{rounds} rounds of equal size, so n_microbatches must be a multiple "
+                                     f"of {rounds}, got --n-microbatches {self.n_microbatches} with --pp "
+                                     f"{self.pp}; use a multiple of pp (e.g. {rounds * self.pp})")
+            if self.reshard_after_forward and fsdp_keeps_gathered(self.pp, self.dp_shard, self.pp_schedule):
+                raise ValueError(f"pp_schedule={self.pp_schedule!r} with FSDP (dp_shard={self.dp_shard}) needs "
+                                 f"reshard_after_forward=False (--no-reshard-after-forward): it runs the weight "
+                                 f"part of a micro-batch's backward after later forwards, and FSDP resharding "
+                                 f"after those forwards loses or corrupts the weight gradients (torch 2.13); "
+                                 f"or use pp_schedule 1f1b / interleaved1f1b")
             if num_blocks is not None and self.num_stages > num_blocks:
                 raise ValueError(f"pp x virtual_stages = {self.pp} x {self.virtual_stages} = "
                                  f"{self.num_stages} pipeline stages but the model has only "
@@ -274,6 +291,9 @@ class ParallelPlan:
         for k in ("stage_boundaries", "placement_devices"):
             if d.get(k) is not None:
                 d[k] = tuple(d[k])
+        if "reshard_after_forward" not in d and fsdp_keeps_gathered(d.get("pp", 1), d.get("dp_shard", 1),
+                                                                   d.get("pp_schedule", "1f1b")):
+            d["reshard_after_forward"] = False          # absent: what the schedule needs, as train resolves it
         return cls(**d)
 
 
@@ -325,6 +345,14 @@ def plan_for_strategy(strategy: str, world_size: int, **overrides: Any) -> Paral
             raise ValueError(f"strategy {strategy!r} on {n} ranks sets {k}={deg[k]}, but {ov[k]} was given")
     deg.update(ov)
     return ParallelPlan(**deg)
+
+
+def fsdp_keeps_gathered(pp: int, dp_shard: int, pp_schedule: str) -> bool:
+    """Whether FSDP's blocks must keep their parameters gathered between forward and backward
+    (``reshard_after_forward=False``): FSDP under a pipeline schedule with a split backward
+    (`SPLIT_BACKWARD_SCHEDULES`). Unset, ``--reshard-after-forward`` follows it (`train.resolve`), and
+    the planner's plans do (its memory and time models read the plan's field)."""
+    return pp > 1 and dp_shard > 1 and pp_schedule in SPLIT_BACKWARD_SCHEDULES
 
 
 def strategy_of(plan: ParallelPlan) -> str:

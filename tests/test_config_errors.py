@@ -289,3 +289,56 @@ def test_train_refuses_whole_model_builds_the_host_cannot_hold(tmp_path, monkeyp
     host_memory.check_host_memory(cfg, ParallelPlan(dp_shard=2), model, 2, 16 * n, on_cpu=True)
     with pytest.raises(ValueError, match=r"CPU ranks keep the training state in host memory: .* x 1 data-parallel"):
         host_memory.check_host_memory(cfg, ParallelPlan(dp_shard=2), model, 2, 16 * n - 1, on_cpu=True)
+
+
+@pytest.mark.parametrize("sched", ["interleavedzerobubble", "zbvzerobubble", "dualpipev"])
+def test_split_backward_schedules_under_fsdp_keep_parameters_gathered(sched):
+    """Before: pp2 x fsdp2 with a zero-bubble / DualPipeV schedule trained with FSDP's default
+    reshard_after_forward=True: the weight part (W) of a micro-batch's backward runs after later
+    micro-batches' forwards have resharded the blocks, and the last stage's block got no gradient
+    (zbv, interleaved ZB) or wrong ones (dualpipev: grad norm 2% off at step 0), silently."""
+    from modelpar.cli.train import parse_train_config
+    from modelpar.plan import fsdp_keeps_gathered
+    from modelpar.train.resolve import resolve
+
+    base = ["--model", "gpt-nano", "--model-config", '{"n_layer": 4}', "--nproc", "4", "--pp", "2",
+            "--dp-shard", "2", "--pp-schedule", sched, "--virtual-stages", "2", "--n-microbatches", "4"]
+    cfg, _, _ = parse_train_config(base)                  # unset: what the schedule needs
+    assert resolve(cfg, 4).plan.reshard_after_forward is False
+    cfg, _, _ = parse_train_config(base + ["--reshard-after-forward"])
+    with pytest.raises(ValueError, match=rf"pp_schedule='{sched}' with FSDP \(dp_shard=2\) needs "
+                                         r"reshard_after_forward=False \(--no-reshard-after-forward\)"):
+        preflight(cfg, 4, resolve(cfg, 4))
+    with pytest.raises(ValueError, match="--no-reshard-after-forward"):
+        ParallelPlan(pp=2, dp_shard=2, pp_schedule=sched, virtual_stages=2, n_microbatches=4).validate(4)
+    # a plan file or JSON text without the field: the same default as the flag unset
+    partial = dict(pp=2, dp_shard=2, pp_schedule=sched, virtual_stages=2, n_microbatches=4)
+    assert ParallelPlan.from_dict(partial).validate(4).reshard_after_forward is False
+    with pytest.raises(ValueError, match="--no-reshard-after-forward"):
+        ParallelPlan.from_dict(dict(partial, reshard_after_forward=True)).validate(4)
+    # the schedules that run each backward whole, and data parallelism without sharding, keep the default
+    for other in ("1f1b", "interleaved1f1b"):
+        v = 2 if other == "interleaved1f1b" else 1
+        assert not fsdp_keeps_gathered(2, 2, other)
+        ParallelPlan(pp=2, dp_shard=2, pp_schedule=other, virtual_stages=v, n_microbatches=4).validate(4)
+    ParallelPlan(pp=2, dp_replicate=2, pp_schedule=sched, virtual_stages=2, n_microbatches=4).validate(4)
+    assert fsdp_keeps_gathered(2, 2, sched) and not fsdp_keeps_gathered(1, 2, sched)
+
+
+def test_planner_plans_of_split_backward_schedules_under_fsdp_validate():
+    """The planner's zero-bubble x FSDP plans are the ones the runtime can train (and priced so)."""
+    import torch
+    from modelpar.models import build_gpt
+    from modelpar.planner.hardware import get_hardware
+    from modelpar.planner.profile import profile_model
+    from modelpar.planner.search import search_plans
+
+    model = build_gpt("gpt-nano", seq_len=16, n_layer=4, seed=0)
+    prof = profile_model(model, torch.zeros(2, 16, dtype=torch.long))
+    rep = search_plans(prof, 4, get_hardware("cpu", local_ranks=4), global_batch_size=16)
+    zb = [c.plan for c in rep.ranked if c.plan.pp > 1 and c.plan.dp_shard > 1
+          and c.plan.pp_schedule in ("interleavedzerobubble", "zbvzerobubble")]
+    assert zb
+    for plan in zb:
+        assert plan.reshard_after_forward is False
+        plan.validate(4)

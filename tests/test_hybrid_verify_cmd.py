@@ -58,6 +58,16 @@ def test_bad_model_and_plan_exit_2(capsys):
     assert "not divisible by n_microbatches=3" in capsys.readouterr().err
 
 
+def test_bf16_is_refused_before_launch(capsys):
+    """Before: ``verify --precision bf16`` launched the ranks and compared bf16 compute with one fp32
+    process at fp32 tolerances: FAIL every time (loss 5e-5 relative off at step 1 under fsdp2)."""
+    assert verify_main(["--model", "gpt-nano", "--strategy", "fsdp", "--nproc", "2", "--precision", "bf16"]) == 2
+    err = capsys.readouterr().err
+    assert "--precision bf16: verify compares the layout with one fp32 process" in err and "--precision fp32" in err
+    assert verify_main(["--model", "gpt-nano", "--plan", '{"dp_shard": 2, "precision": "bf16"}']) == 2
+    assert "(precision='bf16')" in capsys.readouterr().err
+
+
 def test_one_process_plan_runs_in_process(capsys):
     assert verify_main(["--model", "mlp-small", "--plan", "{}", "--steps", "2"]) == 0
     assert "PASS" in capsys.readouterr().out

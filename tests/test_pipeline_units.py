@@ -33,6 +33,20 @@ def test_schedules_torch_refuses_for_few_micro_batches_fail_validation():
     ParallelPlan(pp=2, pp_schedule="gpipe", n_microbatches=1).validate(2)
 
 
+def test_interleaved_micro_batches_not_a_multiple_of_the_rounds_fail_validation():
+    # torch's ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble run max(1, m // pp) rounds and
+    # raise at construction, after launch, when m is not a multiple of them (pp 2, m 5: 2 rounds)
+    for sched in ("interleaved1f1b", "interleavedzerobubble"):
+        with pytest.raises(ValueError, match=rf"pp_schedule='{sched}' .* multiple of 2, got --n-microbatches 5 "
+                                             r"with --pp 2"):
+            ParallelPlan(pp=2, pp_schedule=sched, virtual_stages=2, n_microbatches=5).validate(2)
+        with pytest.raises(ValueError, match=r"multiple of 3, got --n-microbatches 10 with --pp 3"):
+            ParallelPlan(pp=3, pp_schedule=sched, virtual_stages=2, n_microbatches=10).validate(3)
+        for m in (1, 2, 3, 4, 6, 8):                # one round (m < 2 pp) or whole rounds: torch accepts
+            ParallelPlan(pp=2, pp_schedule=sched, virtual_stages=2, n_microbatches=m).validate(2)
+    ParallelPlan(pp=2, pp_schedule="loopedbfs", virtual_stages=2, n_microbatches=5).validate(2)
+
+
 def test_stage_indices_round_robin_and_v_shape():
     assert [stage_indices(r, 2, 2, "interleaved1f1b") for r in range(2)] == [[0, 2], [1, 3]]
     assert [stage_indices(r, 2, 4, "loopedbfs") for r in range(2)] == [[0, 2, 4, 6], [1, 3, 5, 7]]

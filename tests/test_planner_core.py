@@ -253,12 +253,14 @@ def test_search_results_identical_to_constructed_plans(monkeypatch):
     # ParallelPlan(...) itself
     import dataclasses as dc
 
+    from modelpar.plan import fsdp_keeps_gathered
     from modelpar.planner import search as S
 
     def constructed(plans, dr, ds, tp, pp, sched, m, v, ac, k, defer, precision, sp):
         return ParallelPlan(dp_replicate=dr, dp_shard=ds, tp=tp, pp=pp, pp_schedule=sched, n_microbatches=m,
                             virtual_stages=v, activation_checkpointing=ac, precision=precision,
-                            sequence_parallel=sp, ac_every=k, defer_grad_sync=defer)
+                            sequence_parallel=sp, ac_every=k, defer_grad_sync=defer,
+                            reshard_after_forward=not fsdp_keeps_gathered(pp, ds, sched))
 
     def dump(rep):
         return json.dumps({"considered": rep.considered, "pruned": sorted(rep.pruned.items()),

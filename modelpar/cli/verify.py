@@ -306,6 +306,12 @@ def _check_before_launch(args, plan, local: int) -> None:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     gradient_accumulation_steps(args.global_batch_size, local, plan.dp)
     plan.validate(plan.world_size, local_batch_size=local)
+    if plan.precision != "fp32":       # the reference is one fp32 process, compared at fp32 tolerances
+        src = f"--plan {args.plan!r} (precision={plan.precision!r})" if args.plan else f"--precision {plan.precision}"
+        raise ValueError(f"{src}: verify compares the layout with one fp32 process at fp32 tolerances (loss 1e-5 "
+                         f"relative), which {plan.precision} compute misses by design; verify the layout in fp32 "
+                         f"(--precision fp32, or precision \"fp32\" in the plan) and train {plan.precision} with "
+                         f"`modelpar train --precision {plan.precision}`")
     model, batch_fn, loss_fn = load_task(args)[:3]
     if check_model(args.model, args.model_config) == "factory":     # a form it cannot run: one line, now
         _check_forward(args.model, model, batch_fn, loss_fn)

@@ -58,7 +58,7 @@ def _ac_class(ld, plan, cache) -> int:
 
 def _form(forms: dict, plan, v: int, r: int, ld, kw: dict):
     """The `memory.MemoryForm` of rank ``r`` under ``plan``'s checkpointing and sync (one per layout)."""
-    fkey = (v, r, plan.activation_checkpointing, plan.ac_every, plan.defer_grad_sync)
+    fkey = (v, r, plan.activation_checkpointing, plan.ac_every, plan.defer_grad_sync, plan.reshard_after_forward)
     form = forms.get(fkey)
     if form is None:
         form = forms[fkey] = memory_form(ld, plan, **kw)
@@ -145,6 +145,7 @@ def plan_memory(plan, reps, b: int, acc: int, flights: dict, kw: dict, budget: f
     evaluated as `_selection` proves enough."""
     v, m, ac, k, defer = (plan.virtual_stages, plan.n_microbatches, plan.activation_checkpointing, plan.ac_every,
                           plan.defer_grad_sync)
+    rf = plan.reshard_after_forward      # per schedule (`plan.fsdp_keeps_gathered`): in every key below
     pp = plan.pp > 1
     ws = flights.get(m)
     if ws is None:
@@ -158,12 +159,10 @@ def plan_memory(plan, reps, b: int, acc: int, flights: dict, kw: dict, budget: f
     extra = []
     pm = m if pp else 1
     for r, ld, w, others in sel:
-        mkey = (v, r, b, acc, m, ac, k, defer, w)
+        mkey = (v, r, b, acc, m, ac, k, defer, w, rf)
         hit = memo.get(mkey)
         if hit is None:
-            form = forms.get((v, r, ac, k, defer))
-            if form is None:
-                form = forms[(v, r, ac, k, defer)] = memory_form(ld, plan, **kw)
+            form = _form(forms, plan, v, r, ld, kw)
             parts = form.parts(b, pm, acc, w if pp else 1.0)
             hit = memo[mkey] = (_parts_total(parts, overhead), parts)
         e_total = hit[0]
@@ -178,7 +177,7 @@ def plan_memory(plan, reps, b: int, acc: int, flights: dict, kw: dict, budget: f
             ok = per_other * (w - others[1][2]) > _MARGIN * e_total
             if ok:
                 lr, lld, lw = others[-1]
-                lkey = (v, lr, b, acc, m, ac, k, defer, lw)
+                lkey = (v, lr, b, acc, m, ac, k, defer, lw, rf)
                 last = memo.get(lkey)
                 if last is None:
                     parts = _form(forms, plan, v, lr, lld, kw).parts(b, pm, acc, lw)
@@ -187,7 +186,7 @@ def plan_memory(plan, reps, b: int, acc: int, flights: dict, kw: dict, budget: f
             if not ok:
                 extra.extend(others[1:])
     for r, ld, w in extra:       # later than their stretch's first rank, not in rank order
-        mkey = (v, r, b, acc, m, ac, k, defer, w)
+        mkey = (v, r, b, acc, m, ac, k, defer, w, rf)
         hit = memo.get(mkey)
         if hit is None:
             parts = _form(forms, plan, v, r, ld, kw).parts(b, pm, acc, w if pp else 1.0)

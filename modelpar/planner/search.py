@@ -20,7 +20,8 @@ import gc
 from collections import Counter
 from dataclasses import dataclass, field
 
-from modelpar.plan import AC_MODES, PP_SCHEDULES, STRATEGY_FAMILIES, ParallelPlan, strategy_of_degrees
+from modelpar.plan import (AC_MODES, PP_SCHEDULES, STRATEGY_FAMILIES, ParallelPlan, fsdp_keeps_gathered,
+                           strategy_of_degrees)
 from modelpar.planner.cost import StepEstimate
 from modelpar.planner.hardware import Hardware
 from modelpar.planner.loads import _has_ends
@@ -194,7 +195,7 @@ def _plan(plans: dict, dr, ds, tp, pp, sched, m, v, ac, k, defer, precision, sp)
             plan = plans[None] = plans[key] = ParallelPlan(
                 dp_replicate=dr, dp_shard=ds, tp=tp, pp=pp, pp_schedule=sched, n_microbatches=m,
                 virtual_stages=v, activation_checkpointing=ac, precision=precision, sequence_parallel=sp,
-                ac_every=k, defer_grad_sync=defer)
+                ac_every=k, defer_grad_sync=defer, reshard_after_forward=not fsdp_keeps_gathered(pp, ds, sched))
         else:
             # the layout's first plan with the fields the search varies replaced: the same fields
             # and values the constructor gives, without the frozen dataclass's __init__ (one

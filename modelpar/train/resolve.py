@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from modelpar.plan import DEGREES, ParallelPlan, plan_for_strategy
+from modelpar.plan import DEGREES, ParallelPlan, fsdp_keeps_gathered, plan_for_strategy
 
 # degrees a shorthand leaves to the user (the inner axis of the two-axis shorthands, or its own axis)
 _OPEN = {"ddp": ("dp_replicate",), "fsdp": ("dp_shard",), "tp": ("tp",), "pp": ("pp",),
@@ -123,6 +123,8 @@ def resolve(cfg, world_size: int, *, measure_if_missing: bool = False) -> Resolv
         plan = plan_for_strategy(strategy, world_size, **degrees, **fields)
     if plan.pp > 1:
         plan = dataclasses.replace(plan, n_microbatches=n_micro or 2 * plan.pp)
+    if "reshard_after_forward" not in fields and fsdp_keeps_gathered(plan.pp, plan.dp_shard, plan.pp_schedule):
+        plan = dataclasses.replace(plan, reshard_after_forward=False)   # unset: what the schedule needs
     return Resolved(plan, 0, f"strategy {strategy}")
 
 

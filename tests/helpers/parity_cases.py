@@ -258,12 +258,17 @@ _case("gpt4-tied-pp2xtp2-zbv", 4, "gpt-tied", dict(_V2, tp=2, pp_schedule="zbvze
 _case("gpt-tied-pp2xfsdp2", 4, "gpt-tied", dict(pp=2, dp_shard=2, n_microbatches=2), clip=0.05)
 _case("gpt-tied-fsdp2xtp2-sp", 4, "gpt-tied", dict(dp_shard=2, tp=2, sequence_parallel=True))
 # a V schedule puts both copies on rank 0 in two stage modules, which FSDP would shard apart: refused
-_case("c13-tied-pp2xfsdp2-zbv", 4, "gpt-tied", dict(_V2, dp_shard=2, pp_schedule="zbvzerobubble"), n_layer=4,
-      check="error")
+_case("c13-tied-pp2xfsdp2-zbv", 4, "gpt-tied", dict(_V2, dp_shard=2, pp_schedule="zbvzerobubble",
+                                                 reshard_after_forward=False), n_layer=4, check="error")
 _case("gpt-hsdp2x2", 4, "gpt", dict(dp_replicate=2, dp_shard=2))
 _case("gpt-pp2xddp2", 4, "gpt", dict(pp=2, dp_replicate=2, n_microbatches=2))
 _case("gpt-pp2xfsdp2", 4, "gpt", dict(pp=2, dp_shard=2, n_microbatches=2))
 _case("gpt-pp2xtp2", 4, "gpt", dict(pp=2, tp=2, n_microbatches=2))
+# split-backward schedules (I and W parts) under FSDP: block parameters stay gathered from forward to
+# backward (reshard_after_forward=False, what `train` resolves unset; resharding lost weight gradients)
+for _s in ("interleavedzerobubble", "zbvzerobubble", "dualpipev"):
+    _case(f"gpt4-pp2xfsdp2-{_s}", 4, "gpt", dict(_V2, dp_shard=2, pp_schedule=_s, reshard_after_forward=False),
+          n_layer=4, clip=0.05)
 _case("gpt4-pp2xfsdp2-interleaved-clip", 4, "gpt", dict(_V2, dp_shard=2, pp_schedule="interleaved1f1b",
                                                         n_microbatches=2), n_layer=4, clip=0.05)
 _case("gpt-ddp2xtp2-clip", 4, "gpt", dict(dp_replicate=2, tp=2), clip=0.05)
