@@ -49,6 +49,12 @@ def test_opt_attention_stays_whole_under_tp():
     # q, k, v, out projections (2 x tokens x h x h each) and the attention core, whole; fc1 / fc2 split
     _split_check(prof, 4 * 2 * TOKENS * h * h + attn, layers)
     assert all(b.tp_whole_flops[1] == b.fwd_attn_flops for b in prof.blocks)
+    # one all-reduce per layer (fc2's), not the two of a layer whose attention splits too; embed and head one each
+    from modelpar.plan import ParallelPlan
+    from modelpar.planner.loads import rank_loads
+
+    assert [b.tp_rowwise for b in prof.blocks if ".layers." in b.name] == [1] * layers
+    assert rank_loads(prof, ParallelPlan(tp=2), act_bytes=4)[0].tp_collectives == layers + 2
 
 
 @requires("transformers")

@@ -367,7 +367,8 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: P
                sum(1 for _, mat, sh in bl.param_numels if mat and sh) if t > 1 else 0,
                bl.fwd_gemm_param_bytes * scale * shr, bl.bwd_gemm_param_bytes * scale * shr,
                bl.fwd_gemm_act_bytes * scale / bs * tp_div, bl.bwd_gemm_act_bytes * scale / bs * tp_div,
-               (2 if (transformer and not is_end) else 1) if t > 1 else 0,
+               (bl.tp_rowwise if bl.tp_rowwise >= 0 and transformer and not is_end
+                else 2 if (transformer and not is_end) else 1) if t > 1 else 0,
                bl.fwd_calls + bl.bwd_calls, bl.fwd_calls)
         pre.append(tuple(a + b for a, b in zip(pre[-1], row)))
 

@@ -89,6 +89,9 @@ class BlockProfile:
     # Linear it does not split, experts, a router): all matmul-class, then fused attention's; the rest
     # divides by the TP degree, and so does the same share of the backward (`loads._block_terms`)
     tp_whole_flops: tuple[int, int] = (0, 0)
+    # rowwise modules of the derived TP plan inside the block (one all-reduce each per forward; -1: not
+    # known, a module-less block or an older profile: two per transformer block, one per embed / head)
+    tp_rowwise: int = -1
     # the busiest moments of the block's backward (see `_Lifetimes`), for the profiled batch, one per
     # trade-off between activations and gradients (early: the interior's gradients; later: weight
     # gradients made, activations freed): (live bytes beyond the saved bytes of this and earlier
@@ -478,6 +481,8 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
             fwd_gemm_act_bytes=counter.gemm_bytes[i][2], bwd_gemm_act_bytes=counter.gemm_bytes[i][3],
             fwd_attn_flops=counter.attn[i][0], bwd_attn_flops=counter.attn[i][1], attn_calls=counter.attn[i][2],
             tp_whole_flops=tuple(counter.tp_whole[i]),
+            tp_rowwise=-1 if mod is None else sum(1 for q, st in styles.items()
+                                                  if st == "rowwise" and q.startswith(fqn[mod] + ".")),
             bwd_peaks=tuple((own - cum_saved - saved[i], inn, g // gsize, pend // gsize)
                             for own, inn, g, pend in peaks[i]),
             saved_input_bytes=saved_in[i], attn_core_saved_bytes=core_saved[i], tied_numels=tuple(tied),
