@@ -93,10 +93,11 @@ class _OpCounter(TorchDispatchMode):
             self.seen(idx)
         if idx is None:
             return out
-        whole = self.tp_split is not None and not self.tracker.is_bw and not self.tp_split(self.tracker.parents)
+        whole = False
         if self.registry is not None and func.overloadpacket in self.registry:
             f = int(self.registry[func.overloadpacket](*args, **(kwargs or {}), out_val=out))
             self.flops[idx][1 if self.tracker.is_bw else 0] += f
+            whole = self.tp_split is not None and not self.tracker.is_bw and not self.tp_split(self.tracker.parents)
             if whole:
                 self.tp_whole[idx][0] += f
         if self.lifetimes is not None and self.tracker.is_bw:
