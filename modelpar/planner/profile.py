@@ -43,7 +43,8 @@ from torch.utils.module_tracker import ModuleTracker
 
 from modelpar.plan import CORE_ATTR
 from modelpar.planner.legality import tp_splits
-from modelpar.planner.profile_blocks import TPSplitScopes, _arch_of, _block_params, _tp_styles, default_blocks  # noqa: F401
+from modelpar.planner.profile_blocks import (TPSplitScopes, _arch_of, _block_params, _tp_styles,  # noqa: F401
+                                             default_blocks)
 from modelpar.planner.records import GemmShape
 from modelpar.planner.profile_lifetimes import _hook_partial_grads, _Lifetimes, _nbytes
 from modelpar.planner.profile_ops import (_FLOP_FORMULAS, _FlashAttention, _OpCounter, _Outside,  # noqa: F401
