@@ -51,7 +51,8 @@ class ParallelPlan:
         tp: tensor-parallel degree (Megatron-style colwise/rowwise split of each block's Linears).
         pp: pipeline-parallel degree (number of ranks along the pipeline).
         pp_schedule: one of ``PP_SCHEDULES``; used only when ``pp > 1``.
-        n_microbatches: pipeline micro-batches per local batch; used only when ``pp > 1``.
+        n_microbatches: pipeline micro-batches per local batch; used only when ``pp > 1`` (the
+            command line refuses ``--n-microbatches`` for a plan without a pipeline).
         virtual_stages: stages per pipeline rank (> 1 for interleaved schedules).
         stage_boundaries: optional first-block index of every stage after the first
             (``len == pp * virtual_stages - 1``); None balances stages automatically.

@@ -227,6 +227,10 @@ def test_estimate_names_the_micro_batch_flag_when_the_batch_does_not_split():
     # a default n_microbatches (2 x pp) the user never set: the flags that fix it are named
     (4, ["--pp", "2", "--dp-shard", "2", "--global-batch-size", "4"],
      r"not divisible by n_microbatches=4 .*set --n-microbatches to a divisor of 2, or raise --global-batch-size"),
+    # pipeline micro-batches without a pipeline: refused as --virtual-stages is (it was ignored, silently)
+    (2, ["--strategy", "fsdp", "--n-microbatches", "4"],
+     r"^--n-microbatches 4 splits a pipeline's local batch, but --strategy fsdp runs no pipeline \(pp=1\)"),
+    (2, ["--dp-shard", "2", "--n-microbatches", "2"], r"^--n-microbatches 2 .* --strategy custom runs no pipeline"),
 ])
 def test_train_names_the_flag_of_a_bad_value_first(world, argv, message):
     """A new user's report: errors named internal fields (``ParallelPlan.pp_schedule='foo'``,

@@ -41,3 +41,18 @@ def test_sgd_tolerance_is_elementwise():
     got.state[k].view(-1)[0] += 1e-3
     rep = compare("sgd", ref, got, optimizer="sgd")
     assert not rep.passed and any(k in f for f in rep.failures)
+
+
+def test_report_header_names_the_batch_terms():
+    """A user could not tell from verify's report how the batch was split (it printed only the plan):
+    the header now says the local batch, the accumulation steps and the pipeline micro-batches."""
+    from modelpar.cli.verify import format_report
+
+    ref = _run()
+    rep = compare("same", ref, ref)
+    head = format_report("mlp", ParallelPlan(dp_shard=2), 2, rep, ref, ref, global_batch=16, local=2).splitlines()[0]
+    assert head.endswith("5 steps; batch 16 = local 2 x dp 2 x 4 accumulation step(s)"), head
+    pp = ParallelPlan(pp=2, n_microbatches=4)
+    head = format_report("mlp", pp, 2, rep, ref, ref, global_batch=16, local=16).splitlines()[0]
+    assert head.endswith("x 1 accumulation step(s), 4 micro-batches of 4"), head
+    assert "batch" not in format_report("mlp", pp, 2, rep, ref, ref).splitlines()[0]

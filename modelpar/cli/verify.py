@@ -227,9 +227,19 @@ def _random_batches(shape, classes: int, gb: int, seed: int):
     return batch_fn
 
 
-def format_report(desc: str, plan, world: int, rep, ref, got, hints: list[str] = ()) -> str:
+def format_report(desc: str, plan, world: int, rep, ref, got, hints: list[str] = (), *,
+                  global_batch: int = 0, local: int = 0) -> str:
+    """The parity table and verdict. ``global_batch`` / ``local``: samples per optimizer step and per
+    forward/backward on one data-parallel rank; when given, the header names them and the accumulation
+    (global / (local x dp)) and pipeline micro-batches they imply."""
+    batch = ""
+    if global_batch and local:
+        batch = (f"; batch {global_batch} = local {local} x dp {plan.dp} x "
+                 f"{global_batch // (local * plan.dp)} accumulation step(s)")
+        if plan.pp > 1:
+            batch += f", {plan.n_microbatches} micro-batches of {local // plan.n_microbatches}"
     lines = [f"modelpar verify: {desc}, plan {plan.describe()} on {world} rank(s) vs 1 process, "
-             f"{len(ref.losses)} steps",
+             f"{len(ref.losses)} steps{batch}",
              f"{'step':>4}  {'loss 1 process':>15}  {'loss plan':>15}  {'rel diff':>9}  {'grad-norm rel diff':>18}"]
     for i, (a, b) in enumerate(zip(ref.losses, got.losses)):
         gn = abs(ref.grad_norms[i] - got.grad_norms[i]) / max(abs(ref.grad_norms[i]), 1e-12)
@@ -285,7 +295,8 @@ def run_rank(args, plan, local: int, probe=None) -> int:
                                    f"returns the same weights")
         from modelpar.parallel.layer_checks import parity_hints
 
-        print(format_report(desc, plan, world, rep, ref, got, parity_hints(model)), flush=True)
+        print(format_report(desc, plan, world, rep, ref, got, parity_hints(model),
+                            global_batch=args.global_batch_size, local=local), flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps({**rep.to_dict(), "plan": plan.to_dict(),
                                                   "ref_losses": ref.losses, "losses": got.losses}, indent=1))

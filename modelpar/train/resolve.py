@@ -123,6 +123,10 @@ def resolve(cfg, world_size: int, *, measure_if_missing: bool = False) -> Resolv
         plan = plan_for_strategy(strategy, world_size, **degrees, **fields)
     if plan.pp > 1:
         plan = dataclasses.replace(plan, n_microbatches=n_micro or 2 * plan.pp)
+    elif n_micro is not None:                   # as --virtual-stages without pp: refused, not ignored
+        raise ValueError(f"--n-microbatches {n_micro} splits a pipeline's local batch, but --strategy {strategy} "
+                         f"runs no pipeline (pp=1): drop it (gradient accumulation follows from "
+                         f"--global-batch-size and --local-batch-size) or add a pipeline (--pp N)")
     if "reshard_after_forward" not in fields and fsdp_keeps_gathered(plan.pp, plan.dp_shard, plan.pp_schedule):
         plan = dataclasses.replace(plan, reshard_after_forward=False)   # unset: what the schedule needs
     return Resolved(plan, 0, f"strategy {strategy}")
