@@ -35,6 +35,12 @@ def threads_per_rank(requested: int = 0) -> int:
     return max(1, (os.cpu_count() or 1) // local)
 
 
+def _tensors_text(peak: int) -> str:
+    """The progress bar's and summary's tensor memory: unmeasured (before the tracked step, or with
+    --no-track-memory on CPU) is said, not printed as 0 B."""
+    return f"{_fmt_bytes(peak)} tensors" if peak else "tensors not measured"
+
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
@@ -186,11 +192,11 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
                 losses.extend(reduce_losses(pm, pending))
                 pending.clear()
                 record.log(step + 1, loss=losses[-1], grad_norm=gnorm.item(), lr=lr_at(step, cfg),
-                           tokens_per_s=tok_s, peak_rss_bytes=peak_rss_bytes(), peak_tensor_bytes=peak_tensor)
+                           tokens_per_s=tok_s, peak_rss_bytes=peak_rss_bytes(), peak_tensor_bytes=peak_tensor or None)
             if progress is not None:
                 if log_now:
                     progress.set_postfix_str(f"loss {losses[-1]:.3f} | val {val_loss:.3f} | {tok_s:,.0f} tok/s | "
-                                             f"mem {_fmt_bytes(peak_tensor)} tensors, "
+                                             f"mem {_tensors_text(peak_tensor)}, "
                                              f"{_fmt_bytes(peak_rss_bytes())} RSS")
                 progress.update(1)
             ckpt.after_step(step + 1)
@@ -215,7 +221,7 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
         summary = {"val_loss_before": val_before, "val_loss_after": val_after, "losses": losses,
                    "train_time_s": train_time, "start_step": ckpt.start_step,
                    "tokens_per_s": tokens_per_step * (cfg.steps - ckpt.start_step) / train_time,
-                   "peak_tensor_bytes": peak_tensor, "peak_rss_bytes": peak_rss_bytes(), "plan": plan.to_dict(),
+                   "peak_tensor_bytes": peak_tensor or None, "peak_rss_bytes": peak_rss_bytes(), "plan": plan.to_dict(),
                    "run_dir": str(run_dir) if run_dir else None, "world_size": world}
         if is_main and run_dir is not None:
             from safetensors.torch import save_file
@@ -233,7 +239,7 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
         unit, rate = (f"nats/{per}", "tokens/s") if task.kind == "lm" else ("nats", "samples/s")
         say(f"wall time {time.time() - t_start:.1f} s (training {train_time:.1f} s) | validation loss "
             f"{val_before:.4f} -> {val_after:.4f} {unit} | {summary['tokens_per_s']:,.0f} {rate} | "
-            f"peak per rank: {_fmt_bytes(peak_tensor)} tensors, {_fmt_bytes(peak_rss_bytes())} RSS")
+            f"peak per rank: {_tensors_text(peak_tensor)}, {_fmt_bytes(peak_rss_bytes())} RSS")
         if run_dir is not None:
             say(f"run record: {run_dir}")
         return summary
