@@ -62,15 +62,19 @@ run_stage() {
     record "$name" "$rc" "$(( $(date +%s) - t0 ))"
 }
 
-summary() {
+summary() {   # returns 1 when a stage failed or timed out (decided here, not in the piped block: a
+              # pipeline's parts run in subshells, whose assignments are lost; it always returned 0)
     local i status all=0
+    for i in "${!CODES[@]}"; do
+        [ "${CODES[$i]}" -eq 0 ] || all=1
+    done
     {
         echo "=== summary (output in $OUT)"
         for i in "${!NAMES[@]}"; do
             case ${CODES[$i]} in
                 0) status=ok ;;
-                124|137) status="TIMED OUT"; all=1 ;;
-                *) status=FAILED; all=1 ;;
+                124|137) status="TIMED OUT" ;;
+                *) status=FAILED ;;
             esac
             printf '%-8s exit %3s  %4s s  %s\n' "${NAMES[$i]}" "${CODES[$i]}" "${SECS[$i]}" "$status"
         done
@@ -159,16 +163,19 @@ if "$PY" -c 'import jsonargparse, docstring_parser' 2>/dev/null; then
     if [ "$DRY" = "1" ]; then
         CLI_GPT=gpt-nano; CLI_HF='{"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
             "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256}'
+        CLI_STEPS="10 10"    # a check of the commands on 2 loaded CPU cores (60 + 40 steps timed out there)
     else
+        CLI_STEPS="60 40"
         CLI_GPT=gpt-100m; CLI_HF='{"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16,
             "num_key_value_heads": 8, "intermediate_size": 2816, "vocab_size": 256}'
     fi
     CLI_RUNS=$(mktemp -d)   # run folders stay out of $OUT (what comes back is capped at 8 files)
+    read -r GPT_STEPS HF_STEPS <<< "$CLI_STEPS"
     run_stage cli "${CLI_TIMEOUT_S:-150}" "$OUT/cli.log" bash -c '
         set -e
-        "$0" -m modelpar train --model "$1" --nproc 1 --steps 60 --eval-every 30 --out-dir "$3"
-        "$0" -m modelpar train --model hf:llama --model-config "$2" --nproc 1 --steps 40 --eval-every 20 \
-            --out-dir "$3"' "$PY" "$CLI_GPT" "$CLI_HF" "$CLI_RUNS"
+        "$0" -m modelpar train --model "$1" --nproc 1 --steps "$4" --eval-every $(( $4 / 2 )) --out-dir "$3"
+        "$0" -m modelpar train --model hf:llama --model-config "$2" --nproc 1 --steps "$5" --eval-every $(( $5 / 2 )) \
+            --out-dir "$3"' "$PY" "$CLI_GPT" "$CLI_HF" "$CLI_RUNS" "$GPT_STEPS" "$HF_STEPS"
 else
     echo "device_check: jsonargparse / docstring_parser do not import: stage cli not run"
 fi

@@ -144,3 +144,19 @@ def test_planner_against_recorded_gpu_runs(path):
     for r in res["rows"]:
         if r["status"].startswith("oom"):
             assert r["predict"]["peak_bytes"] > 80e9
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("codes,expected", [("0 0", 0), ("0 124", 1), ("1 0", 1)])
+def test_device_check_summary_fails_when_a_stage_does(tmp_path, codes, expected):
+    """`device_check.sh`'s exit status is its summary's: before, the failing stages were noted inside a
+    piped block (a subshell), so the script exited 0 with a stage FAILED or TIMED OUT (seen in a dry run
+    whose cli stage timed out)."""
+    text = (ROOT / "benchmarks" / "device_check.sh").read_text()
+    start = text.index("summary() {")
+    func = text[start:text.index("\n}\n", start) + 3]
+    script = (f"OUT={tmp_path}\nNAMES=(env cli)\nCODES=({codes})\nSECS=(1 2)\n{func}\n"
+              "summary > /dev/null\necho rc=$?\n")
+    p = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert p.stdout.strip() == f"rc={expected}", p.stdout + p.stderr
+    assert "exit 124" in (tmp_path / "summary.txt").read_text() or "124" not in codes
