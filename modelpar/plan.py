@@ -195,7 +195,8 @@ class ParallelPlan:
         if self.ac_every != 1 and self.activation_checkpointing != "every-k":
             raise ValueError(f"ParallelPlan.ac_every={self.ac_every} only applies with "
                              f"activation_checkpointing='every-k', got activation_checkpointing="
-                             f"{self.activation_checkpointing!r}")
+                             f"{self.activation_checkpointing!r} (--ac-every {self.ac_every} needs "
+                             f"--activation-checkpointing every-k)")
         if self.defer_grad_sync and (self.dp_shard == 1 or self.pp > 1):
             raise ValueError(f"ParallelPlan.defer_grad_sync=True needs FSDP (dp_shard > 1) without a pipeline "
                              f"(torch.distributed.pipelining reduces gradients at the end of every schedule "

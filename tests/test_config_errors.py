@@ -231,6 +231,12 @@ def test_estimate_names_the_micro_batch_flag_when_the_batch_does_not_split():
     (2, ["--strategy", "fsdp", "--n-microbatches", "4"],
      r"^--n-microbatches 4 splits a pipeline's local batch, but --strategy fsdp runs no pipeline \(pp=1\)"),
     (2, ["--dp-shard", "2", "--n-microbatches", "2"], r"^--n-microbatches 2 .* --strategy custom runs no pipeline"),
+    (2, ["--strategy", "ddp", "--pp-schedule", "gpipe"],
+     r"^--pp-schedule gpipe orders a pipeline's micro-batches, but --strategy ddp runs no pipeline \(pp=1\)"),
+    (2, ["--strategy", "tp", "--no-reshard-after-forward"],
+     r"^--no-reshard-after-forward sets what FSDP does .* --strategy tp shards no parameters \(dp_shard=1\)"),
+    (2, ["--strategy", "ddp", "--activation-checkpointing", "full", "--ac-every", "2"],
+     r"\(--ac-every 2 needs --activation-checkpointing every-k\)$"),
 ])
 def test_train_names_the_flag_of_a_bad_value_first(world, argv, message):
     """A new user's report: errors named internal fields (``ParallelPlan.pp_schedule='foo'``,

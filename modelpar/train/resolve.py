@@ -123,13 +123,31 @@ def resolve(cfg, world_size: int, *, measure_if_missing: bool = False) -> Resolv
         plan = plan_for_strategy(strategy, world_size, **degrees, **fields)
     if plan.pp > 1:
         plan = dataclasses.replace(plan, n_microbatches=n_micro or 2 * plan.pp)
-    elif n_micro is not None:                   # as --virtual-stages without pp: refused, not ignored
-        raise ValueError(f"--n-microbatches {n_micro} splits a pipeline's local batch, but --strategy {strategy} "
-                         f"runs no pipeline (pp=1): drop it (gradient accumulation follows from "
-                         f"--global-batch-size and --local-batch-size) or add a pipeline (--pp N)")
+    else:
+        _check_pipeline_fields(strategy, n_micro, fields.get("pp_schedule"))
+    if "reshard_after_forward" in fields and plan.dp_shard == 1:
+        flag = "--reshard-after-forward" if fields["reshard_after_forward"] else "--no-reshard-after-forward"
+        raise ValueError(f"{flag} sets what FSDP does after a forward, but --strategy {strategy} shards no "
+                         f"parameters (dp_shard=1): drop it, or shard (--dp-shard N)")
     if "reshard_after_forward" not in fields and fsdp_keeps_gathered(plan.pp, plan.dp_shard, plan.pp_schedule):
         plan = dataclasses.replace(plan, reshard_after_forward=False)   # unset: what the schedule needs
     return Resolved(plan, 0, f"strategy {strategy}")
+
+
+def _check_pipeline_fields(strategy: str, n_micro, schedule) -> None:
+    """Pipeline options given to a plan without a pipeline are refused, as ``--virtual-stages`` is,
+    not ignored.
+
+    Raises:
+        ValueError: ``--n-microbatches`` or ``--pp-schedule`` given, naming the flag and the strategy.
+    """
+    if n_micro is not None:
+        raise ValueError(f"--n-microbatches {n_micro} splits a pipeline's local batch, but --strategy {strategy} "
+                         f"runs no pipeline (pp=1): drop it (gradient accumulation follows from "
+                         f"--global-batch-size and --local-batch-size) or add a pipeline (--pp N)")
+    if schedule is not None:
+        raise ValueError(f"--pp-schedule {schedule} orders a pipeline's micro-batches, but --strategy {strategy} "
+                         f"runs no pipeline (pp=1): drop it or add a pipeline (--pp N)")
 
 
 def with_run_precision(cfg):
