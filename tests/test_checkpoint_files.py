@@ -281,3 +281,64 @@ def test_resume_keeps_this_layouts_optimizer_implementation(tmp_path):
     assert g["lr"] == 1e-3                          # the checkpoint's hyper-parameters
     p, p2 = next(m.parameters()), next(m2.parameters())
     assert torch.equal(opt2.state[p2]["exp_avg"], opt.state[p]["exp_avg"])
+
+
+def _llama_config(path: Path, heads: int, kv_heads: int) -> None:
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+                                "num_hidden_layers": 1, "num_attention_heads": heads,
+                                "num_key_value_heads": kv_heads, "vocab_size": 256,
+                                "max_position_embeddings": 64}))
+
+
+def test_resume_refuses_an_edited_hf_config(tmp_path):
+    """A Hugging Face model named by a config.json edited since the checkpoint, to fewer heads of twice
+    the width (every parameter keeps its shape), was loaded silently and trained on as another model;
+    now refused before launch (and by every rank, the same function), naming the fields. A changed
+    --dropout (no model field) still resumes."""
+    pytest.importorskip("transformers")
+    from modelpar.train.checkpoint.resume import check_checkpoints_before_launch
+    from modelpar.train.config import TrainConfig
+    from modelpar.train.task import model_spec
+
+    conf = tmp_path / "config.json"
+    _llama_config(conf, heads=4, kv_heads=2)
+    cfg = TrainConfig(model=str(conf), seq_len=16, global_batch_size=4, steps=4, data="text",
+                      resume=str(tmp_path / "ck"), ckpt_dir=str(tmp_path / "ck"))
+    Checkpointer(tmp_path / "ck").save(checkpoint_module([torch.nn.Linear(2, 2)]), None, 2,
+                                       meta={"train_config": cfg.to_dict(), "model_spec": model_spec(cfg)})
+    check_checkpoints_before_launch(cfg)                                         # the same model
+    check_checkpoints_before_launch(TrainConfig(**{**cfg.to_dict(), "dropout": 0.1}))
+    _llama_config(conf, heads=2, kv_heads=1)
+    with pytest.raises(CheckpointError, match=r"hf_config\.num_attention_heads: checkpoint 4 vs now 2") as e:
+        check_checkpoints_before_launch(cfg)
+    assert "hf_config.num_key_value_heads: checkpoint 2 vs now 1" in str(e.value)
+
+
+def test_resume_keeps_this_runs_optimizer_settings(saved):
+    """Loading the optimizer state put the checkpoint's param-group settings back, so a resume with
+    another --weight-decay silently kept the old one; now this run's settings apply (the moments are
+    the checkpoint's) and a note names every changed setting, the lr schedule's included."""
+    from types import SimpleNamespace
+
+    from modelpar.plan import ParallelPlan
+    from modelpar.train.checkpoint import TrainCheckpoints
+    from modelpar.train.config import TrainConfig
+
+    ck, m, opt = saved
+    meta = json.loads((ck / "step-00000006" / "modelpar.json").read_text())
+    meta["lr_schedule"] = {"lr": 0.01, "min_lr": 0.001, "warmup_steps": 2, "steps": 8}
+    (ck / "step-00000006" / "modelpar.json").write_text(json.dumps(meta))
+    m2 = build_gpt("gpt-nano", seq_len=16, seed=1)
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-2, weight_decay=0.0, betas=(0.8, 0.9))
+    cfg = TrainConfig(model="gpt-nano", seq_len=16, global_batch_size=4, steps=12, lr=0.01, min_lr=0.001,
+                      warmup_steps=2, resume=str(ck), ckpt_dir=str(ck))
+    pm = SimpleNamespace(modules=[m2], ties=[], plan=ParallelPlan(), mesh=MeshInfo(mesh=None))
+    said = []
+    TrainCheckpoints(cfg, pm, opt2, say=said.append)
+    g = opt2.param_groups[0]
+    assert g["weight_decay"] == 0.0 and tuple(g["betas"]) == (0.8, 0.9), g
+    p, p2 = next(m.parameters()), next(m2.parameters())
+    assert torch.equal(opt2.state[p2]["exp_avg"], opt.state[p]["exp_avg"])
+    note = [s for s in said if "settings differ" in s]
+    assert len(note) == 1 and "weight_decay 0.01 -> 0.0" in note[0] and "steps 8 -> 12" in note[0], said
+    assert "betas" in note[0] and "lr " not in note[0].split("on: ")[1].replace("min_lr", ""), note

@@ -6,6 +6,7 @@ loading a rank's state: `modelpar.train.checkpoint.state`; the files: `modelpar.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -18,6 +19,13 @@ from modelpar.train.checkpoint.storage import (CheckpointError, _rank, _world, l
 # the run config fields that fix the model and the sample order: a resume refuses to change them
 _MUST_MATCH = ("model", "model_config", "seed", "global_batch_size", "seq_len", "optimizer", "data", "tokenizer",
                "token_dtype")
+
+
+def _hyper_parameters(opt) -> list[dict] | None:
+    """Every param group's settings but its parameters (None without an optimizer)."""
+    if opt is None:
+        return None
+    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
 
 
 def resume_source(cfg, ckpt_dir: Path) -> Path | None:
@@ -43,10 +51,43 @@ def _refuse_a_used_dir(ckpt_dir: Path) -> None:
                          f"(nothing was overwritten)")
 
 
+# fields of a Hugging Face config that do not change the model a checkpoint fits
+_HF_CONFIG_IGNORED = ("transformers_version", "_name_or_path")
+
+
+def _hf_config_diffs(meta: dict, cfg) -> list[str]:
+    """The fields (``hf_config.<field>: checkpoint X vs now Y``) in which the Hugging Face config this
+    run builds differs from the one the checkpoint recorded (`modelpar.train.task.model_spec`): the
+    same ``--model`` can name another model, a ``config.json`` or pretrained folder edited since, whose
+    parameters may even keep their shapes (heads against head width). Dropout probabilities
+    (``--dropout``, not part of the model's parameters) and fields only one side has (another
+    transformers version's defaults) are not compared."""
+    from modelpar.models.hf import _DROPOUT_SUFFIXES
+
+    saved = (meta.get("model_spec") or {}).get("hf_config")
+    if not saved:
+        return []
+    from modelpar.train.task import model_spec
+
+    now = model_spec(cfg).get("hf_config")
+    if not now:
+        return []                     # not a Hugging Face model now: `model` differs, named already
+    now = json.loads(json.dumps(now, sort_keys=True, default=str))     # as the checkpoint holds it
+
+    def compared(k: str) -> bool:
+        v = saved[k]
+        return k not in _HF_CONFIG_IGNORED and not (isinstance(v, (int, float)) and k.endswith(_DROPOUT_SUFFIXES))
+
+    return [f"hf_config.{k}: checkpoint {saved[k]!r} vs now {now[k]!r}"
+            for k in sorted(set(saved) & set(now)) if compared(k) and saved[k] != now[k]]
+
+
 def _refuse_another_run(meta: dict, cfg) -> None:
     saved_cfg = meta.get("train_config", {})
     diffs = [f"{k}: checkpoint {saved_cfg[k]!r} vs now {getattr(cfg, k)!r}" for k in _MUST_MATCH
              if k in saved_cfg and saved_cfg[k] != getattr(cfg, k)]
+    if not any(d.startswith(("model:", "model_config:")) for d in diffs):
+        diffs += _hf_config_diffs(meta, cfg)
     if diffs:
         raise CheckpointError(f"checkpoint {meta['path']!r} was written by a run that differs in what "
                               f"fixes the model and the sample order: {'; '.join(diffs)}")
@@ -88,7 +129,8 @@ class TrainCheckpoints:
 
     Raises:
         CheckpointError: the checkpoint to resume cannot be used (see `load_checkpoint`), or its run
-            differs in a field of ``_MUST_MATCH`` (the differing fields named).
+            differs in a field of ``_MUST_MATCH`` or, for a Hugging Face model, of its config
+            (`_hf_config_diffs`) (the differing fields named).
         ValueError: a fresh run's ``ckpt_dir`` holds checkpoints; the checkpoint is past ``cfg.steps``.
     """
 
@@ -119,6 +161,7 @@ class TrainCheckpoints:
             meta = box[0]
         _refuse_another_run(meta, cfg)
         same_layout = meta.get("plan") == pm.plan.to_dict() and meta.get("world_size") == _world()
+        mine = _hyper_parameters(self.opt)
         meta = load_checkpoint(self.holder, self.opt, meta["path"], restore_rng=same_layout)
         self.start_step = self.loaded_step = int(meta["step"])
         if self.start_step > cfg.steps:
@@ -126,10 +169,33 @@ class TrainCheckpoints:
         old = f"{meta.get('plan_description', '?')} on {meta.get('world_size')} rank(s)"
         new = f"{pm.plan.describe()} on {_world()} rank(s)"
         self.say(f"  resumed from {meta['path']} at step {self.start_step} (saved under {old}; now {new})")
+        self._keep_this_runs_settings(mine, meta)
         if not same_layout:
             torch.manual_seed((cfg.seed * 1_000_003 + self.start_step * 7919 + _rank()) % (2**63 - 1))
             if cfg.dropout > 0:
                 self.say("  note: new layout, so per-rank dropout RNG streams were reseeded from (seed, step, rank)")
+
+    def _keep_this_runs_settings(self, mine: list[dict] | None, meta: dict) -> None:
+        """The optimizer's hyper-parameters are this run's (``--weight-decay``, the optimizer's own
+        defaults; the lr is set every step from this run's schedule), its state (moments, step counts)
+        the checkpoint's: loading the state put the saved groups' values back, which would silently
+        override a changed ``--weight-decay``. Says which settings changed, the learning-rate schedule's
+        included."""
+        if mine is None:
+            return
+        changed = {}
+        for g, kept in zip(self.opt.param_groups, mine):
+            for k, v in kept.items():
+                if k != "lr" and g.get(k) != v:
+                    changed.setdefault(k, (g.get(k), v))
+            g.update(kept)
+        saved = meta.get("lr_schedule") or {}
+        for k, v in saved.items():
+            if getattr(self.cfg, k, v) != v:
+                changed[k] = (v, getattr(self.cfg, k))
+        if changed:
+            self.say("  note: this run's training settings differ from the checkpoint's run, and apply from step "
+                     f"{self.start_step} on: " + "; ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items())))
 
     def after_step(self, steps_done: int) -> None:
         """Collective. Save if ``steps_done`` is a multiple of ckpt_every (0 included) or the last step."""
