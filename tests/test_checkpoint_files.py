@@ -342,3 +342,60 @@ def test_resume_keeps_this_runs_optimizer_settings(saved):
     note = [s for s in said if "settings differ" in s]
     assert len(note) == 1 and "weight_decay 0.01 -> 0.0" in note[0] and "steps 8 -> 12" in note[0], said
     assert "betas" in note[0] and "lr " not in note[0].split("on: ")[1].replace("min_lr", ""), note
+
+
+_FACTORY = """import torch
+import torch.nn as nn
+
+
+class LM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(256, {width})
+        self.head = nn.Linear({width}, 256, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, ids):
+        return self.head(self.tok(ids))
+
+
+def lm():
+    torch.manual_seed(0)
+    return {{"model": LM(), "task": "lm", "vocab_size": 256, "max_positions": 16}}
+"""
+
+
+def test_resume_of_another_model_under_the_same_name_is_refused_before_launch(tmp_path, fixture_ckpt):
+    """A factory file edited since the save keeps its --model, so only the parameters tell: their shapes
+    were compared by every rank after launch (the run folder made, the message once per rank); now once,
+    before launch. A tied model that matches passes (a tie named once, under the name the checkpoint
+    holds)."""
+    from modelpar.cli.train import main as train_main
+    from modelpar.train.checkpoint.resume import check_checkpoints_before_launch
+    from modelpar.train.config import TrainConfig
+
+    src = tmp_path / "mylm.py"
+    src.write_text(_FACTORY.format(width=16))
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("mylm_saved", src)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    model = mod.lm()["model"]
+    argv = ["--model", f"{src}:lm", "--strategy", "single", "--seq-len", "16", "--global-batch-size", "4",
+            "--steps", "4", "--ckpt-dir", str(tmp_path / "ck"), "--resume", "auto", "--out-dir", str(tmp_path / "runs")]
+    opt = torch.optim.AdamW(model.parameters())
+    Checkpointer(tmp_path / "ck").save(checkpoint_module([model]), opt, 2, meta={"model": f"{src}:lm"})
+    src.write_text(_FACTORY.format(width=24))
+    with pytest.raises(CheckpointError, match=r"written for another model: 1 shape\(s\) differ \(tok\.weight: "
+                                              r"checkpoint \[256, 16\] vs model \[256, 24\]\)"):
+        train_main(argv)
+    assert not (tmp_path / "runs").exists()
+    check_checkpoints_before_launch(TrainConfig(model=f"{src}:lm", resume="auto", ckpt_dir=str(tmp_path / "ck")),
+                                    model)                         # the saved model, its tie included
+    ck, _ = fixture_ckpt                                           # tied under the head's name in a pipeline
+    cfg = TrainConfig(model="gpt-nano", model_config=dict(FIXTURE_MODEL), seq_len=16, global_batch_size=4, steps=4,
+                      data="fixture-text", resume=str(ck), ckpt_dir=str(ck))
+    check_checkpoints_before_launch(cfg, _fresh_fixture_model()[0])
+    with pytest.raises(CheckpointError, match=r"1 parameter\(s\) of the model are not in it"):
+        check_checkpoints_before_launch(cfg, build_gpt("gpt-nano", seq_len=16, seed=7,
+                                                       **{**FIXTURE_MODEL, "tie_embeddings": False}))

@@ -208,18 +208,20 @@ def main(argv: list[str]) -> int:
         # only train --strategy auto calibrates by itself (rules and the rest: the uncalibrated estimate)
         resolved = resolve(cfg, world, measure_if_missing=cfg.strategy.lower() == "auto")
         plan, batches = preflight(cfg, world, resolved)
+        from modelpar.train.task import build_task
+
+        meta_model = build_task(cfg, device="meta", load_data=False).model
         if ns.nnodes == 1:                      # the ranks' builds and CPU training state on this host
             import torch
 
             from modelpar.train.host_memory import check_host_memory, host_memory_available
-            from modelpar.train.task import build_task
 
             on_cpu = (all(str(d).startswith("cpu") for d in plan.placement_devices) if plan.is_placement
                       else not torch.cuda.is_available())
-            check_host_memory(cfg, plan, build_task(cfg, device="meta", load_data=False).model, world,
-                              host_memory_available(), on_cpu=on_cpu)
-    from modelpar.train.checkpoint.resume import check_checkpoints_before_launch
-    check_checkpoints_before_launch(cfg)        # as every rank would refuse them, once, before launch
+            check_host_memory(cfg, plan, meta_model, world, host_memory_available(), on_cpu=on_cpu)
+        from modelpar.train.checkpoint.resume import check_checkpoints_before_launch
+        check_checkpoints_before_launch(cfg, meta_model)    # as every rank would refuse them, once, now
+        del meta_model
     note = long_sequence_note(cfg)
     if note:
         print(f"modelpar train: note: {note}", flush=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from modelpar.train.checkpoint.state import Checkpointer, checkpoint_module, load_checkpoint
+from modelpar.train.checkpoint.state import Checkpointer, check_same_model, checkpoint_module, load_checkpoint
 from modelpar.train.checkpoint.storage import (CheckpointError, _rank, _world, latest_checkpoint, list_checkpoints,
                                                read_checkpoint_meta, resolve_checkpoint)
 
@@ -93,11 +93,22 @@ def _refuse_another_run(meta: dict, cfg) -> None:
                               f"fixes the model and the sample order: {'; '.join(diffs)}")
 
 
-def check_checkpoints_before_launch(cfg) -> None:
+def _whole_model_shapes(model, saved: dict) -> dict[str, list[int]]:
+    """``{name: shape}`` of ``model``'s parameters as a checkpoint names them: a parameter held under
+    several names (a tie) once, under a name the checkpoint holds if it holds one."""
+    groups: dict[int, tuple[list[int], list[str]]] = {}
+    for n, prm in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(prm), (list(prm.shape), []))[1].append(n)
+    return {next((n for n in names if n in saved), names[0]): shape for shape, names in groups.values()}
+
+
+def check_checkpoints_before_launch(cfg, model=None) -> None:
     """What `TrainCheckpoints` refuses on every rank, checked once before any process starts (one
     JSON read): a fresh run (checkpointing on, no --resume) into a ``ckpt_dir`` that holds checkpoints,
     a checkpoint to resume that is not one or whose run differs in what fixes the model and the sample
-    order (`_MUST_MATCH`), or one past ``cfg.steps``.
+    order (`_MUST_MATCH`), or one past ``cfg.steps``; with ``model`` (the whole model, on the meta
+    device is enough), also one whose parameters (names, global shapes) are not the model's, as
+    `load_checkpoint` would refuse it (a factory file edited since the save keeps its ``--model``).
 
     Raises:
         CheckpointError, ValueError: as `TrainCheckpoints` does, with its messages.
@@ -110,6 +121,8 @@ def check_checkpoints_before_launch(cfg) -> None:
         return
     meta = read_checkpoint_meta(source)
     _refuse_another_run(meta, cfg)
+    if model is not None and meta.get("params"):
+        check_same_model(meta["path"], meta["params"], _whole_model_shapes(model, meta["params"]))
     if int(meta["step"]) > cfg.steps:
         raise ValueError(f"checkpoint {meta['path']!r} is at step {meta['step']}, past steps={cfg.steps}")
 
