@@ -399,3 +399,36 @@ def test_resume_of_another_model_under_the_same_name_is_refused_before_launch(tm
     with pytest.raises(CheckpointError, match=r"1 parameter\(s\) of the model are not in it"):
         check_checkpoints_before_launch(cfg, build_gpt("gpt-nano", seq_len=16, seed=7,
                                                        **{**FIXTURE_MODEL, "tie_embeddings": False}))
+
+
+def test_resume_into_a_folder_of_another_runs_checkpoints_is_refused(fixture_ckpt, tmp_path):
+    """A resume from a checkpoint elsewhere, saving into a --ckpt-dir that held another run's
+    checkpoints, pruned them (keep_last) and mixed its own in, silently; now refused before launch and
+    by every rank (`TrainCheckpoints`), naming the folder's run's differing fields. The same run's
+    folder, or no saving, is fine."""
+    from types import SimpleNamespace
+
+    from modelpar.plan import ParallelPlan
+    from modelpar.train.checkpoint import TrainCheckpoints
+    from modelpar.train.checkpoint.resume import check_checkpoints_before_launch
+    from modelpar.train.config import TrainConfig
+
+    ck, _ = fixture_ckpt
+    other = tmp_path / "other"
+    cfg = TrainConfig(model="gpt-nano", model_config=dict(FIXTURE_MODEL), seq_len=16, global_batch_size=4, steps=4,
+                      data="fixture-text", resume=str(ck), ckpt_dir=str(other), ckpt_every=1, keep_last=1)
+    Checkpointer(other).save(checkpoint_module([torch.nn.Linear(2, 2)]), None, 3,
+                             meta={"train_config": {**cfg.to_dict(), "seed": 1}})
+    msg = (r"ckpt_dir '.*other' holds checkpoints of another run \(step-00000003: seed: checkpoint 1 vs now 0\); "
+           r".*pass another --ckpt-dir")
+    with pytest.raises(CheckpointError, match=msg):
+        check_checkpoints_before_launch(cfg)
+    pm = SimpleNamespace(modules=[_fresh_fixture_model()[0]], ties=FIXTURE_TIE, plan=ParallelPlan(),
+                         mesh=MeshInfo(mesh=None))
+    with pytest.raises(CheckpointError, match=msg):
+        TrainCheckpoints(cfg, pm, None)
+    assert [s for s, _ in list_checkpoints(other)] == [3]
+    check_checkpoints_before_launch(TrainConfig(**{**cfg.to_dict(), "ckpt_every": 0}))      # nothing saved
+    Checkpointer(other).save(checkpoint_module([torch.nn.Linear(2, 2)]), None, 5,
+                             meta={"train_config": cfg.to_dict()})                            # this run's
+    check_checkpoints_before_launch(cfg)

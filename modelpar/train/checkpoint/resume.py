@@ -82,12 +82,34 @@ def _hf_config_diffs(meta: dict, cfg) -> list[str]:
             for k in sorted(set(saved) & set(now)) if compared(k) and saved[k] != now[k]]
 
 
-def _refuse_another_run(meta: dict, cfg) -> None:
+def _run_diffs(meta: dict, cfg) -> list[str]:
+    """``field: checkpoint X vs now Y`` of every field that fixes the model and the sample order."""
     saved_cfg = meta.get("train_config", {})
     diffs = [f"{k}: checkpoint {saved_cfg[k]!r} vs now {getattr(cfg, k)!r}" for k in _MUST_MATCH
              if k in saved_cfg and saved_cfg[k] != getattr(cfg, k)]
     if not any(d.startswith(("model:", "model_config:")) for d in diffs):
         diffs += _hf_config_diffs(meta, cfg)
+    return diffs
+
+
+def _refuse_another_runs_dir(cfg, ckpt_dir: Path, source: Path) -> None:
+    """A resume with checkpointing on into a ``ckpt_dir`` other than the checkpoint's own folder: its
+    saves would mix with the checkpoints there and keep-last would delete them, so (as a fresh run
+    refuses a used folder) they must be this run's (the latest one's run compared, `_run_diffs`)."""
+    if cfg.ckpt_every <= 0 or source.parent.resolve() == ckpt_dir.resolve():
+        return
+    latest = latest_checkpoint(ckpt_dir)
+    if latest is None:
+        return
+    diffs = _run_diffs(read_checkpoint_meta(latest), cfg)
+    if diffs:
+        raise CheckpointError(f"ckpt_dir {str(ckpt_dir)!r} holds checkpoints of another run ({latest.name}: "
+                              f"{'; '.join(diffs)}); this run's saves would mix with them and keep_last would "
+                              f"delete them: pass another --ckpt-dir (nothing was overwritten)")
+
+
+def _refuse_another_run(meta: dict, cfg) -> None:
+    diffs = _run_diffs(meta, cfg)
     if diffs:
         raise CheckpointError(f"checkpoint {meta['path']!r} was written by a run that differs in what "
                               f"fixes the model and the sample order: {'; '.join(diffs)}")
@@ -105,6 +127,7 @@ def _whole_model_shapes(model, saved: dict) -> dict[str, list[int]]:
 def check_checkpoints_before_launch(cfg, model=None) -> None:
     """What `TrainCheckpoints` refuses on every rank, checked once before any process starts (one
     JSON read): a fresh run (checkpointing on, no --resume) into a ``ckpt_dir`` that holds checkpoints,
+    a resume into another folder than the checkpoint's that holds another run's (`_refuse_another_runs_dir`),
     a checkpoint to resume that is not one or whose run differs in what fixes the model and the sample
     order (`_MUST_MATCH`), or one past ``cfg.steps``; with ``model`` (the whole model, on the meta
     device is enough), also one whose parameters (names, global shapes) are not the model's, as
@@ -121,6 +144,7 @@ def check_checkpoints_before_launch(cfg, model=None) -> None:
         return
     meta = read_checkpoint_meta(source)
     _refuse_another_run(meta, cfg)
+    _refuse_another_runs_dir(cfg, ckpt_dir, Path(meta["path"]))
     if model is not None and meta.get("params"):
         check_same_model(meta["path"], meta["params"], _whole_model_shapes(model, meta["params"]))
     if int(meta["step"]) > cfg.steps:
@@ -138,12 +162,14 @@ class TrainCheckpoints:
 
     Saves go to ``cfg.ckpt_dir`` (default ``OUT_DIR/checkpoints``) every ``cfg.ckpt_every`` steps, at
     step 0 and at the last step, keeping the newest ``cfg.keep_last``. A fresh run refuses a
-    ``ckpt_dir`` that already holds checkpoints, so it cannot prune another run's work.
+    ``ckpt_dir`` that already holds checkpoints, and a resume one that holds another run's (where it is
+    not the checkpoint's own folder), so neither can prune another run's work.
 
     Raises:
         CheckpointError: the checkpoint to resume cannot be used (see `load_checkpoint`), or its run
             differs in a field of ``_MUST_MATCH`` or, for a Hugging Face model, of its config
-            (`_hf_config_diffs`) (the differing fields named).
+            (`_hf_config_diffs`) (the differing fields named), or ``ckpt_dir`` is not the
+            checkpoint's folder and holds another run's (`_refuse_another_runs_dir`).
         ValueError: a fresh run's ``ckpt_dir`` holds checkpoints; the checkpoint is past ``cfg.steps``.
     """
 
@@ -173,6 +199,7 @@ class TrainCheckpoints:
             dist.broadcast_object_list(box, src=0)
             meta = box[0]
         _refuse_another_run(meta, cfg)
+        _refuse_another_runs_dir(cfg, self.ckpt_dir, Path(meta["path"]))
         same_layout = meta.get("plan") == pm.plan.to_dict() and meta.get("world_size") == _world()
         mine = _hyper_parameters(self.opt)
         meta = load_checkpoint(self.holder, self.opt, meta["path"], restore_rng=same_layout)
