@@ -432,3 +432,31 @@ def test_resume_into_a_folder_of_another_runs_checkpoints_is_refused(fixture_ckp
     Checkpointer(other).save(checkpoint_module([torch.nn.Linear(2, 2)]), None, 5,
                              meta={"train_config": cfg.to_dict()})                            # this run's
     check_checkpoints_before_launch(cfg)
+
+
+def test_export_auto_of_a_hf_model_to_a_safetensors_name_writes_that_file(tmp_path, capsys):
+    """`modelpar export CKPT --out model.safetensors` (the README's line) of a Hugging Face model wrote a
+    transformers *folder* named model.safetensors; now --out ending in .safetensors asks for the one
+    file (its names load strictly into the model, the tie's both names present); other names still
+    get the folder."""
+    from safetensors.torch import load_file
+
+    from helpers.hf_tiny import TINY, build
+    from modelpar.cli.export import main as export_main
+    from modelpar.train.config import TrainConfig
+    from modelpar.train.task import model_spec
+
+    m = build("gpt2")
+    spec, overrides = TINY["gpt2"]
+    tie = [["hf.transformer.wte.weight", "hf.lm_head.weight"]]
+    meta = {"model": spec, "model_spec": model_spec(TrainConfig(model=spec, model_config=overrides)),
+            "tied_parameters": tie}
+    Checkpointer(tmp_path / "ck").save(checkpoint_module([m], [tuple(tie[0])]), None, 1, meta=meta)
+    assert export_main([str(tmp_path / "ck"), "--out", str(tmp_path / "model.safetensors")]) == 0
+    assert (tmp_path / "model.safetensors").is_file(), "a folder was written"
+    fresh = build("gpt2", seed=1)
+    fresh.load_state_dict(load_file(str(tmp_path / "model.safetensors")))        # strict
+    assert torch.equal(fresh.hf.lm_head.weight, m.hf.lm_head.weight)
+    assert fresh.hf.lm_head.weight is fresh.hf.transformer.wte.weight
+    assert export_main([str(tmp_path / "ck"), "--out", str(tmp_path / "my-gpt2")]) == 0
+    assert (tmp_path / "my-gpt2" / "config.json").is_file()
