@@ -460,3 +460,27 @@ def test_export_auto_of_a_hf_model_to_a_safetensors_name_writes_that_file(tmp_pa
     assert fresh.hf.lm_head.weight is fresh.hf.transformer.wte.weight
     assert export_main([str(tmp_path / "ck"), "--out", str(tmp_path / "my-gpt2")]) == 0
     assert (tmp_path / "my-gpt2" / "config.json").is_file()
+
+
+def test_resume_compares_the_sequence_length_meant(fixture_ckpt):
+    """--seq-len 0 means the model's own length: a run saved with 0 and resumed with that length given
+    (the same samples) was refused as 'seq_len: checkpoint 0 vs now 64'; now accepted, and a real change
+    is named with what 0 meant."""
+    from modelpar.train.checkpoint.resume import check_checkpoints_before_launch
+    from modelpar.train.config import TrainConfig
+
+    ck, _ = fixture_ckpt
+    meta_file = ck / "step-00000002" / "modelpar.json"
+    meta = json.loads(meta_file.read_text())
+    meta["train_config"]["seq_len"] = 0                          # gpt-nano's own: 64
+    meta_file.write_text(json.dumps(meta))
+    cfg = TrainConfig(model="gpt-nano", model_config=dict(FIXTURE_MODEL), seq_len=64, global_batch_size=4, steps=4,
+                      data="fixture-text", resume=str(ck), ckpt_dir=str(ck))
+    check_checkpoints_before_launch(cfg)
+    check_checkpoints_before_launch(TrainConfig(**{**cfg.to_dict(), "seq_len": 0}))
+    with pytest.raises(CheckpointError, match=r"seq_len: checkpoint 0 \(= 64\) vs now 32$"):
+        check_checkpoints_before_launch(TrainConfig(**{**cfg.to_dict(), "seq_len": 32}))
+    meta["train_config"]["seq_len"] = 16
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"seq_len: checkpoint 16 vs now 0 \(= 64\)$"):
+        check_checkpoints_before_launch(TrainConfig(**{**cfg.to_dict(), "seq_len": 0}))

@@ -82,11 +82,34 @@ def _hf_config_diffs(meta: dict, cfg) -> list[str]:
             for k in sorted(set(saved) & set(now)) if compared(k) and saved[k] != now[k]]
 
 
+def _seq_len_meant(cfg, seq_len: int) -> str:
+    """``seq_len`` as said, and, for 0 (the model's own), the length it means (`task.lm_shape`)."""
+    if seq_len:
+        return repr(seq_len)
+    import dataclasses
+
+    from modelpar.train.task import lm_shape
+
+    shape = lm_shape(dataclasses.replace(cfg, seq_len=0))
+    return f"0 (= {shape.seq_len})" if shape is not None else "0"
+
+
+def _same_seq_len(saved: int, cfg) -> bool:
+    """The same sample length, 0 (the model's own: the same model, `model` and `model_config` being
+    compared too) resolved where only one side gave a length."""
+    if saved == cfg.seq_len or saved and cfg.seq_len:
+        return saved == cfg.seq_len
+    return _seq_len_meant(cfg, 0) == f"0 (= {saved or cfg.seq_len})"
+
+
 def _run_diffs(meta: dict, cfg) -> list[str]:
     """``field: checkpoint X vs now Y`` of every field that fixes the model and the sample order."""
     saved_cfg = meta.get("train_config", {})
     diffs = [f"{k}: checkpoint {saved_cfg[k]!r} vs now {getattr(cfg, k)!r}" for k in _MUST_MATCH
-             if k in saved_cfg and saved_cfg[k] != getattr(cfg, k)]
+             if k in saved_cfg and k != "seq_len" and saved_cfg[k] != getattr(cfg, k)]
+    if "seq_len" in saved_cfg and not _same_seq_len(saved_cfg["seq_len"], cfg):
+        diffs.append(f"seq_len: checkpoint {_seq_len_meant(cfg, saved_cfg['seq_len'])} vs now "
+                     f"{_seq_len_meant(cfg, cfg.seq_len)}")
     if not any(d.startswith(("model:", "model_config:")) for d in diffs):
         diffs += _hf_config_diffs(meta, cfg)
     return diffs
