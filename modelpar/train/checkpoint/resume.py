@@ -52,7 +52,7 @@ def _refuse_a_used_dir(ckpt_dir: Path) -> None:
 
 
 # fields of a Hugging Face config that do not change the model a checkpoint fits
-_HF_CONFIG_IGNORED = ("transformers_version", "_name_or_path")
+_HF_CONFIG_IGNORED = ("_name_or_path",)
 
 
 def _hf_config_diffs(meta: dict, cfg) -> list[str]:
@@ -60,8 +60,10 @@ def _hf_config_diffs(meta: dict, cfg) -> list[str]:
     run builds differs from the one the checkpoint recorded (`modelpar.train.task.model_spec`): the
     same ``--model`` can name another model, a ``config.json`` or pretrained folder edited since, whose
     parameters may even keep their shapes (heads against head width). Dropout probabilities
-    (``--dropout``, not part of the model's parameters) and fields only one side has (another
-    transformers version's defaults) are not compared."""
+    (``--dropout``, not part of the model's parameters) are not compared, nor is anything when the
+    checkpoint was written under another transformers version (which may spell or default fields
+    otherwise, and whose config could then not be matched by any flag): there only the parameters'
+    names and shapes are checked (`check_same_model`)."""
     from modelpar.models.hf import _DROPOUT_SUFFIXES
 
     saved = (meta.get("model_spec") or {}).get("hf_config")
@@ -72,6 +74,8 @@ def _hf_config_diffs(meta: dict, cfg) -> list[str]:
     now = model_spec(cfg).get("hf_config")
     if not now:
         return []                     # not a Hugging Face model now: `model` differs, named already
+    if saved.get("transformers_version") != now.get("transformers_version"):
+        return []
     now = json.loads(json.dumps(now, sort_keys=True, default=str))     # as the checkpoint holds it
 
     def compared(k: str) -> bool:
