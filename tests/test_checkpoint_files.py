@@ -489,3 +489,21 @@ def test_resume_compares_the_sequence_length_meant(fixture_ckpt):
     meta_file.write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match=r"seq_len: checkpoint 16 vs now 0 \(= 64\)$"):
         check_checkpoints_before_launch(TrainConfig(**{**cfg.to_dict(), "seq_len": 0}))
+
+
+def test_resume_auto_without_a_checkpoint_says_it_starts_fresh(tmp_path):
+    """--resume auto in a folder without a complete checkpoint (a first attempt, or a mistyped
+    --ckpt-dir) started at step 0 without a word; now one line names the folder."""
+    from types import SimpleNamespace
+
+    from modelpar.plan import ParallelPlan
+    from modelpar.train.checkpoint import TrainCheckpoints
+    from modelpar.train.config import TrainConfig
+
+    m = build_gpt("gpt-nano", seq_len=16)
+    pm = SimpleNamespace(modules=[m], ties=[], plan=ParallelPlan(), mesh=MeshInfo(mesh=None))
+    said = []
+    tc = TrainCheckpoints(TrainConfig(model="gpt-nano", resume="auto", ckpt_dir=str(tmp_path / "ck-typo")), pm,
+                          torch.optim.AdamW(m.parameters()), say=said.append)
+    assert tc.start_step == 0
+    assert said == [f"  --resume auto: no complete checkpoint in {tmp_path / 'ck-typo'}, so starting at step 0"]

@@ -213,8 +213,11 @@ class TrainCheckpoints:
         source = resume_source(cfg, self.ckpt_dir)
         if source is not None:
             self._resume(source)
-        elif self.every > 0:
-            _refuse_a_used_dir(self.ckpt_dir)
+        else:
+            if cfg.resume == "auto":     # the first attempt, or a --ckpt-dir that is not the run's: say which
+                self.say(f"  --resume auto: no complete checkpoint in {self.ckpt_dir}, so starting at step 0")
+            if self.every > 0:
+                _refuse_a_used_dir(self.ckpt_dir)
         if self.every > 0:
             self.saver = Checkpointer(self.ckpt_dir, keep_last=cfg.keep_last, async_save=cfg.async_ckpt)
 
