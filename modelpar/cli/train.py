@@ -238,9 +238,8 @@ def main(argv: list[str]) -> int:
     if ns.nnodes > 1:
         print(multinode_commands(target, nnodes=ns.nnodes, nproc_per_node=world // ns.nnodes))
         return 0
-    if world == 1:
-        train(cfg, run_dir=run_dir, resolved=resolved)
-        return 0
+    if world == 1:                              # a stop request ends it as it ends a rank: 128 + the signal
+        return _train_or_stop(train, cfg, run_dir=run_dir, resolved=resolved)
     code, msg = run_command(target, world).report("modelpar train")
     if msg:                                     # a rank's error is printed above; this names the first
         print(msg, file=sys.stderr)
