@@ -507,3 +507,30 @@ def test_resume_auto_without_a_checkpoint_says_it_starts_fresh(tmp_path):
                           torch.optim.AdamW(m.parameters()), say=said.append)
     assert tc.start_step == 0
     assert said == [f"  --resume auto: no complete checkpoint in {tmp_path / 'ck-typo'}, so starting at step 0"]
+
+
+def test_resume_notes_data_that_changed_since_the_checkpoint(tmp_path):
+    """The same --data path holding other bytes (a text file appended to, a token file rewritten) gave
+    other samples from the resumed step on without a word; a checkpoint now records the data's
+    fingerprint and a resume names what changed (the path itself is `data`, compared as before)."""
+    from types import SimpleNamespace
+
+    from modelpar.plan import ParallelPlan
+    from modelpar.train.checkpoint import TrainCheckpoints
+    from modelpar.train.config import TrainConfig
+
+    m = build_gpt("gpt-nano", seq_len=16)
+    pm = SimpleNamespace(modules=[m], ties=[], plan=ParallelPlan(), mesh=MeshInfo(mesh=None))
+    info = {"source": "a.txt", "num_files": 1, "num_bytes": 100, "files_sha256": "ab", "description": "d"}
+    cfg = TrainConfig(model="gpt-nano", seq_len=16, steps=4, ckpt_every=2, ckpt_dir=str(tmp_path / "ck"))
+    tc = TrainCheckpoints(cfg, pm, torch.optim.AdamW(m.parameters()), say=lambda *a: None, data_info=info)
+    tc.after_step(2)
+    tc.close()
+    assert read_checkpoint_meta(step_dir(tmp_path / "ck", 2))["data_info"] == info
+    resume = TrainConfig(**{**cfg.to_dict(), "resume": "auto"})
+    for now, expected in (({**info, "description": "other words", "source": "b.txt"}, []),
+                          ({**info, "num_bytes": 120}, ["num_bytes 100 -> 120"])):
+        said = []
+        TrainCheckpoints(resume, pm, torch.optim.AdamW(m.parameters()), say=said.append, data_info=now)
+        notes = [s for s in said if "the data differs" in s]
+        assert [s.split("(")[1].split(")")[0] for s in notes] == expected, said

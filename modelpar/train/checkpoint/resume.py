@@ -51,6 +51,9 @@ def _refuse_a_used_dir(ckpt_dir: Path) -> None:
                          f"(nothing was overwritten)")
 
 
+# what identifies the data behind --data (`modelpar.train.tokens`: text and token files)
+_DATA_FINGERPRINT = ("num_files", "num_bytes", "files_sha256", "train_tokens", "val_tokens", "sha256")
+
 # fields of a Hugging Face config that do not change the model a checkpoint fits
 _HF_CONFIG_IGNORED = ("_name_or_path",)
 
@@ -200,8 +203,9 @@ class TrainCheckpoints:
         ValueError: a fresh run's ``ckpt_dir`` holds checkpoints; the checkpoint is past ``cfg.steps``.
     """
 
-    def __init__(self, cfg, pm, opt, *, say=print):
+    def __init__(self, cfg, pm, opt, *, say=print, data_info: dict | None = None):
         self.cfg, self.pm, self.opt, self.say = cfg, pm, opt, say
+        self.data_info = data_info       # what the data is (`modelpar.train.tokens`): recorded, compared on resume
         self.every = cfg.ckpt_every
         self.ckpt_dir = Path(cfg.ckpt_dir or Path(cfg.out_dir) / "checkpoints")
         self.start_step = 0
@@ -240,6 +244,7 @@ class TrainCheckpoints:
         new = f"{pm.plan.describe()} on {_world()} rank(s)"
         self.say(f"  resumed from {meta['path']} at step {self.start_step} (saved under {old}; now {new})")
         self._keep_this_runs_settings(mine, meta)
+        self._note_other_data(meta.get("data_info"))
         if not same_layout:
             torch.manual_seed((cfg.seed * 1_000_003 + self.start_step * 7919 + _rank()) % (2**63 - 1))
             if cfg.dropout > 0:
@@ -266,6 +271,18 @@ class TrainCheckpoints:
         if changed:
             self.say("  note: this run's training settings differ from the checkpoint's run, and apply from step "
                      f"{self.start_step} on: " + "; ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items())))
+
+    def _note_other_data(self, saved: dict | None) -> None:
+        """Say so when the data's fingerprint (sizes, hashes: `_DATA_FINGERPRINT`) differs from the
+        checkpoint's run's: ``--data`` names the same path, but the samples of the steps to come are
+        drawn by (seed, step) from what it holds now, not from what the saved run read."""
+        if not saved or not self.data_info:
+            return
+        changed = [f"{k} {saved[k]!r} -> {self.data_info[k]!r}" for k in _DATA_FINGERPRINT
+                   if k in saved and k in self.data_info and saved[k] != self.data_info[k]]
+        if changed:
+            self.say(f"  note: the data differs from the checkpoint's run's ({'; '.join(changed)}): the samples "
+                     f"from step {self.start_step} on are drawn from it, not those the saved run would have read")
 
     def after_step(self, steps_done: int) -> None:
         """Collective. Save if ``steps_done`` is a multiple of ckpt_every (0 included) or the last step."""
@@ -298,6 +315,8 @@ class TrainCheckpoints:
 
             self.spec = model_spec(cfg)
         meta["model_spec"] = self.spec
+        if self.data_info:
+            meta["data_info"] = self.data_info
         gpt_cfg = getattr(self._full_model_cfg(), "__dict__", None)
         if gpt_cfg:
             meta["model_config"] = {k: v for k, v in gpt_cfg.items() if isinstance(v, (int, float, str, bool))}
