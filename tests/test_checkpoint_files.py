@@ -534,3 +534,21 @@ def test_resume_notes_data_that_changed_since_the_checkpoint(tmp_path):
         TrainCheckpoints(resume, pm, torch.optim.AdamW(m.parameters()), say=said.append, data_info=now)
         notes = [s for s in said if "the data differs" in s]
         assert [s.split("(")[1].split(")")[0] for s in notes] == expected, said
+
+
+def test_checkpoint_refusal_comes_before_the_planner(fixture_ckpt, tmp_path, monkeypatch):
+    """--strategy auto on an uncalibrated machine measures it first (~2 min): a resume of another run's
+    checkpoint was refused only after that; now before the planner runs."""
+    import modelpar.train.resolve as resolve_mod
+    from modelpar.cli.train import main as train_main
+
+    def planner(*a, **k):
+        raise AssertionError("the planner ran before the checkpoint was checked")
+
+    monkeypatch.setattr(resolve_mod, "resolve", planner)
+    ck, _ = fixture_ckpt
+    argv = ["--model", "gpt-nano", "--model-config", json.dumps(FIXTURE_MODEL), "--seq-len", "16",
+            "--global-batch-size", "4", "--steps", "4", "--data", "fixture-text", "--seed", "1", "--resume", str(ck),
+            "--out-dir", str(tmp_path / "runs")]
+    with pytest.raises(CheckpointError, match=r"seed: checkpoint 0 vs now 1"):
+        train_main(argv)

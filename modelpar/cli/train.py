@@ -205,12 +205,14 @@ def main(argv: list[str]) -> int:
     from modelpar.models.spec import one_factory_build
     with one_factory_build():                   # a factory model: built once for these checks, then dropped
         check_factory_forward(cfg)              # a factory model of a form train cannot run: one line, now
-        # only train --strategy auto calibrates by itself (rules and the rest: the uncalibrated estimate)
-        resolved = resolve(cfg, world, measure_if_missing=cfg.strategy.lower() == "auto")
-        plan, batches = preflight(cfg, world, resolved)
+        from modelpar.train.checkpoint.resume import check_checkpoints_before_launch
         from modelpar.train.task import build_task
 
         meta_model = build_task(cfg, device="meta", load_data=False).model
+        check_checkpoints_before_launch(cfg, meta_model)    # as every rank would refuse them: once, before
+        # only train --strategy auto calibrates by itself (rules and the rest: the uncalibrated estimate)
+        resolved = resolve(cfg, world, measure_if_missing=cfg.strategy.lower() == "auto")   # (minutes)
+        plan, batches = preflight(cfg, world, resolved)
         if ns.nnodes == 1:                      # the ranks' builds and CPU training state on this host
             import torch
 
@@ -219,8 +221,6 @@ def main(argv: list[str]) -> int:
             on_cpu = (all(str(d).startswith("cpu") for d in plan.placement_devices) if plan.is_placement
                       else not torch.cuda.is_available())
             check_host_memory(cfg, plan, meta_model, world, host_memory_available(), on_cpu=on_cpu)
-        from modelpar.train.checkpoint.resume import check_checkpoints_before_launch
-        check_checkpoints_before_launch(cfg, meta_model)    # as every rank would refuse them, once, now
         del meta_model
     note = long_sequence_note(cfg)
     if note:
