@@ -552,3 +552,25 @@ def test_checkpoint_refusal_comes_before_the_planner(fixture_ckpt, tmp_path, mon
             "--out-dir", str(tmp_path / "runs")]
     with pytest.raises(CheckpointError, match=r"seed: checkpoint 0 vs now 1"):
         train_main(argv)
+
+
+def test_a_save_cut_off_before_its_rename_is_kept(tmp_path):
+    """A save killed after its marker but before the folder's rename left a complete ``.tmp-step-*``,
+    which the next writer deleted (the checkpoint lost), and the ``.old-*`` copy of a replaced one was
+    never removed; now the complete one is renamed into place, the incomplete and old ones removed."""
+    import shutil
+
+    from modelpar.train.checkpoint.storage import CheckpointWriter
+
+    m, opt = _trained(steps=1)
+    ck, other = tmp_path / "ck", tmp_path / "other"
+    Checkpointer(ck).save(checkpoint_module([m]), opt, 2)
+    for s in (4, 6):
+        Checkpointer(other).save(checkpoint_module([m]), opt, s)
+        shutil.move(str(step_dir(other, s)), str(ck / f".tmp-step-{s:08d}"))
+    (ck / ".tmp-step-00000006" / "COMPLETE").unlink()              # cut off while writing
+    shutil.copytree(step_dir(ck, 2), ck / ".old-step-00000002-123")
+    CheckpointWriter(ck)
+    assert [s for s, _ in list_checkpoints(ck)] == [2, 4]
+    assert read_checkpoint_meta(step_dir(ck, 4))["step"] == 4
+    assert sorted(p.name for p in ck.iterdir()) == ["step-00000002", "step-00000004"]
