@@ -281,3 +281,296 @@ def test_resume_keeps_this_layouts_optimizer_implementation(tmp_path):
     assert g["lr"] == 1e-3                          # the checkpoint's hyper-parameters
     p, p2 = next(m.parameters()), next(m2.parameters())
     assert torch.equal(opt2.state[p2]["exp_avg"], opt.state[p]["exp_avg"])
+
+
+def _llama_config(path: Path, heads: int, kv_heads: int) -> None:
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+                                "num_hidden_layers": 1, "num_attention_heads": heads,
+                                "num_key_value_heads": kv_heads, "vocab_size": 256,
+                                "max_position_embeddings": 64}))
+
+
+def test_resume_refuses_an_edited_hf_config(tmp_path):
+    """A Hugging Face model named by a config.json edited since the checkpoint, to fewer heads of twice
+    the width (every parameter keeps its shape), was loaded silently and trained on as another model;
+    now refused before launch (and by every rank, the same function), naming the fields. A changed
+    --dropout (no model field) still resumes."""
+    pytest.importorskip("transformers")
+    from modelpar.train.checkpoint.resume import check_checkpoints_before_launch
+    from modelpar.train.config import TrainConfig
+    from modelpar.train.task import model_spec
+
+    conf = tmp_path / "config.json"
+    _llama_config(conf, heads=4, kv_heads=2)
+    cfg = TrainConfig(model=str(conf), seq_len=16, global_batch_size=4, steps=4, data="text",
+                      resume=str(tmp_path / "ck"), ckpt_dir=str(tmp_path / "ck"))
+    Checkpointer(tmp_path / "ck").save(checkpoint_module([torch.nn.Linear(2, 2)]), None, 2,
+                                       meta={"train_config": cfg.to_dict(), "model_spec": model_spec(cfg)})
+    check_checkpoints_before_launch(cfg)                                         # the same model
+    check_checkpoints_before_launch(TrainConfig(**{**cfg.to_dict(), "dropout": 0.1}))
+    _llama_config(conf, heads=2, kv_heads=1)
+    with pytest.raises(CheckpointError, match=r"hf_config\.num_attention_heads: checkpoint 4 vs now 2") as e:
+        check_checkpoints_before_launch(cfg)
+    assert "hf_config.num_key_value_heads: checkpoint 2 vs now 1" in str(e.value)
+    meta_file = tmp_path / "ck" / "step-00000002" / "modelpar.json"      # another transformers version wrote
+    meta = json.loads(meta_file.read_text())                             # it: fields may be spelt otherwise,
+    meta["model_spec"]["hf_config"]["transformers_version"] = "4.0.0"   # so only the parameters are checked
+    meta_file.write_text(json.dumps(meta))
+    check_checkpoints_before_launch(cfg)
+
+
+def test_resume_keeps_this_runs_optimizer_settings(saved):
+    """Loading the optimizer state put the checkpoint's param-group settings back, so a resume with
+    another --weight-decay silently kept the old one; now this run's settings apply (the moments are
+    the checkpoint's) and a note names every changed setting, the lr schedule's included."""
+    from types import SimpleNamespace
+
+    from modelpar.plan import ParallelPlan
+    from modelpar.train.checkpoint import TrainCheckpoints
+    from modelpar.train.config import TrainConfig
+
+    ck, m, opt = saved
+    meta = json.loads((ck / "step-00000006" / "modelpar.json").read_text())
+    meta["lr_schedule"] = {"lr": 0.01, "min_lr": 0.001, "warmup_steps": 2, "steps": 8}
+    (ck / "step-00000006" / "modelpar.json").write_text(json.dumps(meta))
+    m2 = build_gpt("gpt-nano", seq_len=16, seed=1)
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-2, weight_decay=0.0, betas=(0.8, 0.9))
+    cfg = TrainConfig(model="gpt-nano", seq_len=16, global_batch_size=4, steps=12, lr=0.01, min_lr=0.001,
+                      warmup_steps=2, resume=str(ck), ckpt_dir=str(ck))
+    pm = SimpleNamespace(modules=[m2], ties=[], plan=ParallelPlan(), mesh=MeshInfo(mesh=None))
+    said = []
+    TrainCheckpoints(cfg, pm, opt2, say=said.append)
+    g = opt2.param_groups[0]
+    assert g["weight_decay"] == 0.0 and tuple(g["betas"]) == (0.8, 0.9), g
+    p, p2 = next(m.parameters()), next(m2.parameters())
+    assert torch.equal(opt2.state[p2]["exp_avg"], opt.state[p]["exp_avg"])
+    note = [s for s in said if "settings differ" in s]
+    assert len(note) == 1 and "weight_decay 0.01 -> 0.0" in note[0] and "steps 8 -> 12" in note[0], said
+    assert "betas" in note[0] and "lr " not in note[0].split("on: ")[1].replace("min_lr", ""), note
+
+
+_FACTORY = """import torch
+import torch.nn as nn
+
+
+class LM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(256, {width})
+        self.head = nn.Linear({width}, 256, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, ids):
+        return self.head(self.tok(ids))
+
+
+def lm():
+    torch.manual_seed(0)
+    return {{"model": LM(), "task": "lm", "vocab_size": 256, "max_positions": 16}}
+"""
+
+
+def test_resume_of_another_model_under_the_same_name_is_refused_before_launch(tmp_path, fixture_ckpt):
+    """A factory file edited since the save keeps its --model, so only the parameters tell: their shapes
+    were compared by every rank after launch (the run folder made, the message once per rank); now once,
+    before launch. A tied model that matches passes (a tie named once, under the name the checkpoint
+    holds)."""
+    from modelpar.cli.train import main as train_main
+    from modelpar.train.checkpoint.resume import check_checkpoints_before_launch
+    from modelpar.train.config import TrainConfig
+
+    src = tmp_path / "mylm.py"
+    src.write_text(_FACTORY.format(width=16))
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("mylm_saved", src)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    model = mod.lm()["model"]
+    argv = ["--model", f"{src}:lm", "--strategy", "single", "--seq-len", "16", "--global-batch-size", "4",
+            "--steps", "4", "--ckpt-dir", str(tmp_path / "ck"), "--resume", "auto", "--out-dir", str(tmp_path / "runs")]
+    opt = torch.optim.AdamW(model.parameters())
+    Checkpointer(tmp_path / "ck").save(checkpoint_module([model]), opt, 2, meta={"model": f"{src}:lm"})
+    src.write_text(_FACTORY.format(width=24))
+    with pytest.raises(CheckpointError, match=r"written for another model: 1 shape\(s\) differ \(tok\.weight: "
+                                              r"checkpoint \[256, 16\] vs model \[256, 24\]\)"):
+        train_main(argv)
+    assert not (tmp_path / "runs").exists()
+    check_checkpoints_before_launch(TrainConfig(model=f"{src}:lm", resume="auto", ckpt_dir=str(tmp_path / "ck")),
+                                    model)                         # the saved model, its tie included
+    ck, _ = fixture_ckpt                                           # tied under the head's name in a pipeline
+    cfg = TrainConfig(model="gpt-nano", model_config=dict(FIXTURE_MODEL), seq_len=16, global_batch_size=4, steps=4,
+                      data="fixture-text", resume=str(ck), ckpt_dir=str(ck))
+    check_checkpoints_before_launch(cfg, _fresh_fixture_model()[0])
+    with pytest.raises(CheckpointError, match=r"1 parameter\(s\) of the model are not in it"):
+        check_checkpoints_before_launch(cfg, build_gpt("gpt-nano", seq_len=16, seed=7,
+                                                       **{**FIXTURE_MODEL, "tie_embeddings": False}))
+
+
+def test_resume_into_a_folder_of_another_runs_checkpoints_is_refused(fixture_ckpt, tmp_path):
+    """A resume from a checkpoint elsewhere, saving into a --ckpt-dir that held another run's
+    checkpoints, pruned them (keep_last) and mixed its own in, silently; now refused before launch and
+    by every rank (`TrainCheckpoints`), naming the folder's run's differing fields. The same run's
+    folder, or no saving, is fine."""
+    from types import SimpleNamespace
+
+    from modelpar.plan import ParallelPlan
+    from modelpar.train.checkpoint import TrainCheckpoints
+    from modelpar.train.checkpoint.resume import check_checkpoints_before_launch
+    from modelpar.train.config import TrainConfig
+
+    ck, _ = fixture_ckpt
+    other = tmp_path / "other"
+    cfg = TrainConfig(model="gpt-nano", model_config=dict(FIXTURE_MODEL), seq_len=16, global_batch_size=4, steps=4,
+                      data="fixture-text", resume=str(ck), ckpt_dir=str(other), ckpt_every=1, keep_last=1)
+    Checkpointer(other).save(checkpoint_module([torch.nn.Linear(2, 2)]), None, 3,
+                             meta={"train_config": {**cfg.to_dict(), "seed": 1}})
+    msg = (r"ckpt_dir '.*other' holds checkpoints of another run \(step-00000003: seed: checkpoint 1 vs now 0\); "
+           r".*pass another --ckpt-dir")
+    with pytest.raises(CheckpointError, match=msg):
+        check_checkpoints_before_launch(cfg)
+    pm = SimpleNamespace(modules=[_fresh_fixture_model()[0]], ties=FIXTURE_TIE, plan=ParallelPlan(),
+                         mesh=MeshInfo(mesh=None))
+    with pytest.raises(CheckpointError, match=msg):
+        TrainCheckpoints(cfg, pm, None)
+    assert [s for s, _ in list_checkpoints(other)] == [3]
+    check_checkpoints_before_launch(TrainConfig(**{**cfg.to_dict(), "ckpt_every": 0}))      # nothing saved
+    Checkpointer(other).save(checkpoint_module([torch.nn.Linear(2, 2)]), None, 5,
+                             meta={"train_config": cfg.to_dict()})                            # this run's
+    check_checkpoints_before_launch(cfg)
+
+
+def test_export_auto_of_a_hf_model_to_a_safetensors_name_writes_that_file(tmp_path, capsys):
+    """`modelpar export CKPT --out model.safetensors` (the README's line) of a Hugging Face model wrote a
+    transformers *folder* named model.safetensors; now --out ending in .safetensors asks for the one
+    file (its names load strictly into the model, the tie's both names present); other names still
+    get the folder."""
+    from safetensors.torch import load_file
+
+    from helpers.hf_tiny import TINY, build
+    from modelpar.cli.export import main as export_main
+    from modelpar.train.config import TrainConfig
+    from modelpar.train.task import model_spec
+
+    m = build("gpt2")
+    spec, overrides = TINY["gpt2"]
+    tie = [["hf.transformer.wte.weight", "hf.lm_head.weight"]]
+    meta = {"model": spec, "model_spec": model_spec(TrainConfig(model=spec, model_config=overrides)),
+            "tied_parameters": tie}
+    Checkpointer(tmp_path / "ck").save(checkpoint_module([m], [tuple(tie[0])]), None, 1, meta=meta)
+    assert export_main([str(tmp_path / "ck"), "--out", str(tmp_path / "model.safetensors")]) == 0
+    assert (tmp_path / "model.safetensors").is_file(), "a folder was written"
+    fresh = build("gpt2", seed=1)
+    fresh.load_state_dict(load_file(str(tmp_path / "model.safetensors")))        # strict
+    assert torch.equal(fresh.hf.lm_head.weight, m.hf.lm_head.weight)
+    assert fresh.hf.lm_head.weight is fresh.hf.transformer.wte.weight
+    assert export_main([str(tmp_path / "ck"), "--out", str(tmp_path / "my-gpt2")]) == 0
+    assert (tmp_path / "my-gpt2" / "config.json").is_file()
+
+
+def test_resume_compares_the_sequence_length_meant(fixture_ckpt):
+    """--seq-len 0 means the model's own length: a run saved with 0 and resumed with that length given
+    (the same samples) was refused as 'seq_len: checkpoint 0 vs now 64'; now accepted, and a real change
+    is named with what 0 meant."""
+    from modelpar.train.checkpoint.resume import check_checkpoints_before_launch
+    from modelpar.train.config import TrainConfig
+
+    ck, _ = fixture_ckpt
+    meta_file = ck / "step-00000002" / "modelpar.json"
+    meta = json.loads(meta_file.read_text())
+    meta["train_config"]["seq_len"] = 0                          # gpt-nano's own: 64
+    meta_file.write_text(json.dumps(meta))
+    cfg = TrainConfig(model="gpt-nano", model_config=dict(FIXTURE_MODEL), seq_len=64, global_batch_size=4, steps=4,
+                      data="fixture-text", resume=str(ck), ckpt_dir=str(ck))
+    check_checkpoints_before_launch(cfg)
+    check_checkpoints_before_launch(TrainConfig(**{**cfg.to_dict(), "seq_len": 0}))
+    with pytest.raises(CheckpointError, match=r"seq_len: checkpoint 0 \(= 64\) vs now 32$"):
+        check_checkpoints_before_launch(TrainConfig(**{**cfg.to_dict(), "seq_len": 32}))
+    meta["train_config"]["seq_len"] = 16
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"seq_len: checkpoint 16 vs now 0 \(= 64\)$"):
+        check_checkpoints_before_launch(TrainConfig(**{**cfg.to_dict(), "seq_len": 0}))
+
+
+def test_resume_auto_without_a_checkpoint_says_it_starts_fresh(tmp_path):
+    """--resume auto in a folder without a complete checkpoint (a first attempt, or a mistyped
+    --ckpt-dir) started at step 0 without a word; now one line names the folder."""
+    from types import SimpleNamespace
+
+    from modelpar.plan import ParallelPlan
+    from modelpar.train.checkpoint import TrainCheckpoints
+    from modelpar.train.config import TrainConfig
+
+    m = build_gpt("gpt-nano", seq_len=16)
+    pm = SimpleNamespace(modules=[m], ties=[], plan=ParallelPlan(), mesh=MeshInfo(mesh=None))
+    said = []
+    tc = TrainCheckpoints(TrainConfig(model="gpt-nano", resume="auto", ckpt_dir=str(tmp_path / "ck-typo")), pm,
+                          torch.optim.AdamW(m.parameters()), say=said.append)
+    assert tc.start_step == 0
+    assert said == [f"  --resume auto: no complete checkpoint in {tmp_path / 'ck-typo'}, so starting at step 0"]
+
+
+def test_resume_notes_data_that_changed_since_the_checkpoint(tmp_path):
+    """The same --data path holding other bytes (a text file appended to, a token file rewritten) gave
+    other samples from the resumed step on without a word; a checkpoint now records the data's
+    fingerprint and a resume names what changed (the path itself is `data`, compared as before)."""
+    from types import SimpleNamespace
+
+    from modelpar.plan import ParallelPlan
+    from modelpar.train.checkpoint import TrainCheckpoints
+    from modelpar.train.config import TrainConfig
+
+    m = build_gpt("gpt-nano", seq_len=16)
+    pm = SimpleNamespace(modules=[m], ties=[], plan=ParallelPlan(), mesh=MeshInfo(mesh=None))
+    info = {"source": "a.txt", "num_files": 1, "num_bytes": 100, "files_sha256": "ab", "description": "d"}
+    cfg = TrainConfig(model="gpt-nano", seq_len=16, steps=4, ckpt_every=2, ckpt_dir=str(tmp_path / "ck"))
+    tc = TrainCheckpoints(cfg, pm, torch.optim.AdamW(m.parameters()), say=lambda *a: None, data_info=info)
+    tc.after_step(2)
+    tc.close()
+    assert read_checkpoint_meta(step_dir(tmp_path / "ck", 2))["data_info"] == info
+    resume = TrainConfig(**{**cfg.to_dict(), "resume": "auto"})
+    for now, expected in (({**info, "description": "other words", "source": "b.txt"}, []),
+                          ({**info, "num_bytes": 120}, ["num_bytes 100 -> 120"])):
+        said = []
+        TrainCheckpoints(resume, pm, torch.optim.AdamW(m.parameters()), say=said.append, data_info=now)
+        notes = [s for s in said if "the data differs" in s]
+        assert [s.split("(")[1].split(")")[0] for s in notes] == expected, said
+
+
+def test_checkpoint_refusal_comes_before_the_planner(fixture_ckpt, tmp_path, monkeypatch):
+    """--strategy auto on an uncalibrated machine measures it first (~2 min): a resume of another run's
+    checkpoint was refused only after that; now before the planner runs."""
+    import modelpar.train.resolve as resolve_mod
+    from modelpar.cli.train import main as train_main
+
+    def planner(*a, **k):
+        raise AssertionError("the planner ran before the checkpoint was checked")
+
+    monkeypatch.setattr(resolve_mod, "resolve", planner)
+    ck, _ = fixture_ckpt
+    argv = ["--model", "gpt-nano", "--model-config", json.dumps(FIXTURE_MODEL), "--seq-len", "16",
+            "--global-batch-size", "4", "--steps", "4", "--data", "fixture-text", "--seed", "1", "--resume", str(ck),
+            "--out-dir", str(tmp_path / "runs")]
+    with pytest.raises(CheckpointError, match=r"seed: checkpoint 0 vs now 1"):
+        train_main(argv)
+
+
+def test_a_save_cut_off_before_its_rename_is_kept(tmp_path):
+    """A save killed after its marker but before the folder's rename left a complete ``.tmp-step-*``,
+    which the next writer deleted (the checkpoint lost), and the ``.old-*`` copy of a replaced one was
+    never removed; now the complete one is renamed into place, the incomplete and old ones removed."""
+    import shutil
+
+    from modelpar.train.checkpoint.storage import CheckpointWriter
+
+    m, opt = _trained(steps=1)
+    ck, other = tmp_path / "ck", tmp_path / "other"
+    Checkpointer(ck).save(checkpoint_module([m]), opt, 2)
+    for s in (4, 6):
+        Checkpointer(other).save(checkpoint_module([m]), opt, s)
+        shutil.move(str(step_dir(other, s)), str(ck / f".tmp-step-{s:08d}"))
+    (ck / ".tmp-step-00000006" / "COMPLETE").unlink()              # cut off while writing
+    shutil.copytree(step_dir(ck, 2), ck / ".old-step-00000002-123")
+    CheckpointWriter(ck)
+    assert [s for s, _ in list_checkpoints(ck)] == [2, 4]
+    assert read_checkpoint_meta(step_dir(ck, 4))["step"] == 4
+    assert sorted(p.name for p in ck.iterdir()) == ["step-00000002", "step-00000004"]

@@ -143,3 +143,35 @@ def test_heartbeat_read_costs_two_store_requests_at_any_world_size():
     finally:
         for hb in beats:
             hb.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_sigterm_on_one_process_saves_and_exits_like_a_rank(tmp_path):
+    """`modelpar train --strategy single` (no launch: the run is this process) preempted by SIGTERM: it
+    saved the checkpoint after its step, then ended in a traceback of `RunStopped` with exit code 1 (a
+    scheduler reads a failure); now exit 128 + 15 and no traceback, as a launched rank, and ``--resume
+    auto`` continues from that step."""
+    import signal
+    import sys
+
+    from modelpar.train.checkpoint.storage import list_checkpoints
+
+    out, ck = tmp_path / "out", tmp_path / "ck"
+    argv = [sys.executable, "-m", "modelpar", "train", *TINY[:-4], "--strategy", "single", "--data", data_dir(),
+            "--ckpt-every", "100000", "--ckpt-dir", str(ck), "--out-dir", str(out)]
+    e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    p = subprocess.Popen([*argv, "--steps", "100000"], env=e, cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    t0 = time.time()
+    while not any(sum(1 for _ in m.open()) > 3 for m in out.glob("*/metrics.jsonl")):
+        assert time.time() - t0 < 120 and p.poll() is None, "training did not start"
+        time.sleep(0.1)
+    p.send_signal(signal.SIGTERM)
+    text, _ = p.communicate(timeout=90)
+    assert p.returncode == 128 + signal.SIGTERM and "Traceback" not in text, text[-2000:]
+    assert "stopped by SIGTERM after step" in text
+    (step, _), = [c for c in list_checkpoints(ck) if c[0] > 0]
+    r = subprocess.run([*argv, "--steps", str(step + 2), "--resume", "auto"], env=e, cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and f"at step {step}" in r.stdout, (r.stdout + r.stderr)[-2000:]

@@ -24,7 +24,8 @@ def build_parser():
     p.add_argument("checkpoint", help="a checkpoint folder (step-NNNNNNNN) or a folder of them (the latest)")
     p.add_argument("--out", default="", help="output file or folder (default: next to the checkpoint, "
                    "CHECKPOINT.safetensors or CHECKPOINT-hf/)")
-    p.add_argument("--format", default="auto", help="auto (hf for a Hugging Face model, else safetensors), "
+    p.add_argument("--format", default="auto", help="auto (hf for a Hugging Face model unless --out ends in .safetensors, "
+                   "else safetensors), "
                    "safetensors (one file, modelpar's parameter names) or hf (a transformers folder)")
     return p
 
@@ -42,8 +43,9 @@ def main(argv: list[str]) -> int:
     try:
         src = resolve_checkpoint(a.checkpoint)
         fmt = a.format
-        if fmt == "auto":
-            fmt = "hf" if checkpoint_model_spec(read_checkpoint_meta(src)).get("kind") == "hf" else "safetensors"
+        if fmt == "auto":           # an --out that names a .safetensors file asks for the file, any model
+            hf = checkpoint_model_spec(read_checkpoint_meta(src)).get("kind") == "hf"
+            fmt = "hf" if hf and not a.out.endswith(".safetensors") else "safetensors"
         if fmt == "hf":
             out = Path(a.out) if a.out else src.parent / f"{src.name}-hf"
             out, sd = export_hf_folder(src, out)

@@ -205,21 +205,23 @@ def main(argv: list[str]) -> int:
     from modelpar.models.spec import one_factory_build
     with one_factory_build():                   # a factory model: built once for these checks, then dropped
         check_factory_forward(cfg)              # a factory model of a form train cannot run: one line, now
+        from modelpar.train.checkpoint.resume import check_checkpoints_before_launch
+        from modelpar.train.task import build_task
+
+        meta_model = build_task(cfg, device="meta", load_data=False).model
+        check_checkpoints_before_launch(cfg, meta_model)    # as every rank would refuse them: once, before
         # only train --strategy auto calibrates by itself (rules and the rest: the uncalibrated estimate)
-        resolved = resolve(cfg, world, measure_if_missing=cfg.strategy.lower() == "auto")
+        resolved = resolve(cfg, world, measure_if_missing=cfg.strategy.lower() == "auto")   # (minutes)
         plan, batches = preflight(cfg, world, resolved)
         if ns.nnodes == 1:                      # the ranks' builds and CPU training state on this host
             import torch
 
             from modelpar.train.host_memory import check_host_memory, host_memory_available
-            from modelpar.train.task import build_task
 
             on_cpu = (all(str(d).startswith("cpu") for d in plan.placement_devices) if plan.is_placement
                       else not torch.cuda.is_available())
-            check_host_memory(cfg, plan, build_task(cfg, device="meta", load_data=False).model, world,
-                              host_memory_available(), on_cpu=on_cpu)
-    from modelpar.train.checkpoint.resume import check_checkpoints_before_launch
-    check_checkpoints_before_launch(cfg)        # as every rank would refuse them, once, before launch
+            check_host_memory(cfg, plan, meta_model, world, host_memory_available(), on_cpu=on_cpu)
+        del meta_model
     note = long_sequence_note(cfg)
     if note:
         print(f"modelpar train: note: {note}", flush=True)
@@ -236,9 +238,8 @@ def main(argv: list[str]) -> int:
     if ns.nnodes > 1:
         print(multinode_commands(target, nnodes=ns.nnodes, nproc_per_node=world // ns.nnodes))
         return 0
-    if world == 1:
-        train(cfg, run_dir=run_dir, resolved=resolved)
-        return 0
+    if world == 1:                              # a stop request ends it as it ends a rank: 128 + the signal
+        return _train_or_stop(train, cfg, run_dir=run_dir, resolved=resolved)
     code, msg = run_command(target, world).report("modelpar train")
     if msg:                                     # a rank's error is printed above; this names the first
         print(msg, file=sys.stderr)

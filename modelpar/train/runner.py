@@ -134,7 +134,8 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
         if note:
             say(note)
         opt = build_optimizer(pm, cfg)
-        ckpt = TrainCheckpoints(cfg, pm, opt, say=say)    # loads the checkpoint cfg.resume names, on any layout
+        ckpt = TrainCheckpoints(cfg, pm, opt, say=say,    # loads the checkpoint cfg.resume names, on any layout
+                                data_info=task.data_info if task.kind == "lm" else None)
         check_same_steps(cfg.steps - ckpt.start_step)     # preflight checks: C2, C9; C1/C8 at the first step
         check_optimizer_params(pm.named_parameters(), opt)
         install_first_step_checks(list(pm.named_parameters()), opt)

@@ -16,7 +16,8 @@ A checkpoint is one folder ``CKPT_DIR/step-NNNNNNNN`` (the state after N optimiz
 
 Saving is atomic (`CheckpointWriter`): every file is written into ``CKPT_DIR/.tmp-step-NNNNNNNN``,
 and rank 0 writes the metadata, then the marker, then renames the folder. A crash mid-save leaves
-only a ``.tmp-*`` folder, which is never loaded and is removed by the next writer. ``keep_last``
+only a ``.tmp-*`` folder, which is never loaded and is removed by the next writer (one that holds the
+marker, cut off only before its rename, is renamed into place by it instead). ``keep_last``
 prunes older complete checkpoints after a successful save (marker first, so a half-removed folder is
 never complete). With ``async_save`` the files are written by `dcp.async_save` on a separate gloo
 process group while training goes on; rank 0 finishes (metadata, marker, rename, prune) when the
@@ -192,9 +193,22 @@ class CheckpointWriter:
             self._group = dist.new_group(backend="gloo")   # DCP's own collectives, off the training group
         if _rank() == 0:
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-            for stale in self.ckpt_dir.glob(".tmp-" + PREFIX + "*"):   # interrupted saves: never complete
-                shutil.rmtree(stale, ignore_errors=True)
+            self._finish_interrupted()
         _barrier()
+
+    def _finish_interrupted(self) -> None:
+        """Rank 0, before any save: a ``.tmp-*`` folder without the marker (a save interrupted while
+        writing) is removed; one with it (every file, the metadata and the marker were written; only the
+        rename was cut off) becomes its ``step-*`` folder unless that exists; the ``.old-*`` copy of a
+        replaced checkpoint is removed."""
+        for tmp in sorted(self.ckpt_dir.glob(".tmp-" + PREFIX + "*")):
+            final = self.ckpt_dir / tmp.name[len(".tmp-"):]
+            if (tmp / MARKER).exists() and (tmp / META_FILE).exists() and not final.exists():
+                tmp.rename(final)
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
+        for old in self.ckpt_dir.glob(".old-" + PREFIX + "*"):
+            shutil.rmtree(old, ignore_errors=True)
 
     def write(self, state: dict, step: int, info: dict) -> Path:
         """Write ``state`` (a DCP state dict, tensors under their saved names) as the checkpoint of
