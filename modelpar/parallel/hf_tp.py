@@ -12,7 +12,9 @@ Two sources of a plan, in this order:
    embedding and the colwise head whose logits stay vocab-sharded (loss parallel, as the built-in
    GPT), when the vocabulary divides the TP degree; otherwise both stay replicated.
    ``colwise_gather_output`` elsewhere (Phi-3's fused ``gate_up_proj``) gathers its output, and
-   ``rowwise_split_input`` slices a replicated input.
+   ``rowwise_split_input`` slices a replicated input. ``replicated_with_grad_allreduce`` (Qwen3's per-head
+   ``q_norm`` / ``k_norm`` between the colwise and rowwise projections) keeps the parameters replicated and
+   sums their per-rank partial gradients over the TP ranks (`hf_styles.ReplicatedGradSum`).
 2. **A derived plan** (`derive_hf_plan`) for models without one (GPT-2, ViT): in every repeated block
    (`modelpar.parallel.parts.find_blocks`), a module whose direct children are projections (all
    ``nn.Linear`` or all transformers ``Conv1D``, whose weight is stored ``(in, out)``, transposed
@@ -56,7 +58,7 @@ HF_STYLES = {
     "embedding_rowwise": T.ROWWISE_VOCAB,
     "sequence_parallel": T.SEQ_NORM,
     "replicate": None,
-    "replicated_with_grad_allreduce": None,       # replicated parameters: DTensor / DDP reduce them anyway
+    "replicated_with_grad_allreduce": "replicated_grad_sum",   # see REPLICATED_GRAD_SUM
 }
 # derived-plan styles for transformers' Conv1D (weight (in, out))
 CONV1D_COLWISE, CONV1D_ROWWISE, CONV1D_ROWWISE_SEQ = "conv1d_colwise", "conv1d_rowwise", "conv1d_rowwise_seq"
@@ -65,8 +67,11 @@ COLWISE_GATHER = "colwise_gather"              # nn.Linear colwise, output all-g
 ROWWISE_SPLIT = "rowwise_split"                # nn.Linear rowwise from a replicated input (sliced locally)
 SHARD_SEQ_INPUT = "shard_seq_input"            # a block's hidden states: replicated -> sequence shards
 GATHER_SEQ_HIDDEN = "gather_seq_hidden"        # attention / MLP input (positional or hidden_states=): gathered
+# a module between a colwise and a rowwise projection that holds replicated parameters but sees only this
+# rank's heads (Qwen3's per-head q_norm / k_norm): its parameter gradients are partial, summed over the TP ranks
+REPLICATED_GRAD_SUM = "replicated_grad_sum"
 STYLES = (CONV1D_COLWISE, CONV1D_ROWWISE, CONV1D_ROWWISE_SEQ, CONV1D_COLWISE_QKV, SHARD_SEQ_INPUT,
-          GATHER_SEQ_HIDDEN, COLWISE_GATHER, ROWWISE_SPLIT)
+          GATHER_SEQ_HIDDEN, COLWISE_GATHER, ROWWISE_SPLIT, REPLICATED_GRAD_SUM)
 CONV1D_STYLES = {CONV1D_COLWISE: "nf", CONV1D_COLWISE_QKV: "nf", CONV1D_ROWWISE: "nx", CONV1D_ROWWISE_SEQ: "nx"}
 # model families whose blocks modelpar can put on sequence shards (norms inside the blocks, hidden states
 # passed positionally or as hidden_states=)
