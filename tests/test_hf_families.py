@@ -225,3 +225,21 @@ def test_qwen3_tp_verify_passes(tmp_path):
                        cwd=tmp_path)
     out = r.stdout + r.stderr
     assert r.returncode == 0 and out.rstrip().endswith("PASS"), out[-3000:]
+
+
+def test_derived_tp_plan_leaves_gpt_neo_attention_whole():
+    """GPT-Neo's attention hands its global head count to a helper that views by it
+    (``self._split_heads(query, self.num_heads, self.head_dim)``), which the view / reshape rule missed:
+    tp2 split q, k, v and every rank crashed in the forward ("shape '[4, 32, 4, 16]' is invalid for input
+    of size 4096"). The attention now stays whole and the MLP splits."""
+    from modelpar.models.hf import build_hf
+    from modelpar.parallel.tensor import tp_plan_for
+
+    m = build_hf("hf:gpt_neo", {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "max_position_embeddings": 64,
+                                "attention_types": [[["global", "local"], 1]], "window_size": 16, "vocab_size": 256,
+                                "bos_token_id": 0, "eos_token_id": 0}, device="meta")
+    plan = tp_plan_for(m, tp_degree=2)
+    assert not [p for p in plan if ".attn." in p], plan
+    for i in range(2):
+        assert plan[f"hf.transformer.h.{i}.mlp.c_fc"] == "colwise"
+        assert plan[f"hf.transformer.h.{i}.mlp.c_proj"] == "rowwise"

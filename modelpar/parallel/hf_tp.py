@@ -189,14 +189,18 @@ def derive_hf_plan(model: nn.Module, *, tp_degree: int | None = None) -> dict[st
     return plan
 
 
-_GLOBAL_HEADS = re.compile(r"\.(?:view|reshape)\([^)]*self\.(?:num_heads|num_attention_heads|num_key_value_heads|n_heads?)\b")
+_HEAD_ATTRS = r"self\.(?:num_heads|num_attention_heads|num_key_value_heads|n_heads?)\b"
+# a view / reshape by the head count (OPT, Bloom), or the head count handed to a helper that views by it
+# (GPT-Neo's ``self._split_heads(query, self.num_heads, self.head_dim)``)
+_GLOBAL_HEADS = re.compile(rf"\.(?:view|reshape)\([^)]*{_HEAD_ATTRS}|[(,]\s*{_HEAD_ATTRS}")
 
 
 def _views_by_global_heads(parent: nn.Module) -> bool:
     """True when ``parent``'s forward views its projections by its own (global) head count, as OPT's
     attention does (``q.view(bsz, -1, self.num_heads, head_dim)``): split colwise, a rank's
     ``heads / tp`` heads would fold into the sequence dimension, silently wrong (OPT under tp2: loss
-    4.8e-4 off one process at step 2). Such a group stays replicated."""
+    4.8e-4 off one process at step 2), or hands that count to a helper that does (GPT-Neo's
+    ``_split_heads(q, self.num_heads, head_dim)``: tp2 crashed in the ranks). Such a group stays replicated."""
     import inspect
 
     try:
