@@ -241,6 +241,9 @@ def hf_tp_plan(model: nn.Module, *, sequence_parallel: bool = False, tp_degree: 
     """
     declared = declared_plan(model)
     plan = translate_hf_plan(model, declared, tp_degree=tp_degree) if declared else derive_hf_plan(model, tp_degree=tp_degree)
+    from modelpar.parallel.hf_tp_region import guard_split_regions
+
+    plan = guard_split_regions(model, plan)     # parameters between the colwise and rowwise projections
     if loss_parallel is False:
         plan = {p: s for p, s in plan.items() if s not in (T.COLWISE_VOCAB, T.ROWWISE_VOCAB)}
     if sequence_parallel:
