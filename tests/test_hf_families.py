@@ -271,3 +271,48 @@ def test_tp_per_head_norms_the_plan_does_not_name():
     assert cohere["hf.model.layers.1.mlp.down_proj"] == "rowwise"
     full = tp_plan_for(build_hf("hf:cohere", SMALL, device="meta"), tp_degree=2)
     assert full[a + "q_proj"] == "colwise" and full[a + "o_proj"] == "rowwise"
+
+
+def test_find_blocks_skips_a_list_repeated_inside_every_block():
+    """StableLM with ``qk_layernorm`` holds one LayerNorm per head in a ModuleList inside every layer's
+    attention: with 4 heads over 2 layers the longest-run rule picked layer 0's query norms as "the
+    blocks" (pipelines, FSDP units and the TP plan cut the model there; tp2 refused: 'found no (colwise
+    ..., rowwise) group'). A list at the same place in every block of another run is part of the blocks."""
+    import torch.nn as nn
+
+    from modelpar.models.hf import build_hf
+    from modelpar.parallel.parts import find_blocks
+
+    m = build_hf("hf:stablelm", {**SMALL, "qk_layernorm": True}, device="meta")
+    path, blocks = find_blocks(m)
+    assert path == "hf.model.layers" and len(blocks) == 2
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.heads = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    class Net(nn.Module):
+        def __init__(self, n_blocks):
+            super().__init__()
+            self.layers = nn.ModuleList(Block() for _ in range(n_blocks))
+            self.stages = nn.Sequential(*[nn.Linear(4, 4) for _ in range(5)])
+
+    assert find_blocks(Net(2))[0] == "stages"       # the longest run outside the blocks still wins
+    net = Net(2)
+    del net.stages
+    assert find_blocks(net)[0] == "layers"
+    net.layers[1].heads.append(nn.Linear(4, 4))     # not the same list in every block: the rule as before
+    assert find_blocks(net)[0] == "layers.1.heads"
+
+
+def test_image_types_with_several_classifier_classes_build():
+    """DeiT and LeViT map to two image classifiers (the plain one and ``...WithTeacher``), chosen by
+    ``config.architectures``, which a config built from its type lacks: every command crashed with
+    "TypeError: 'NoneType' object is not iterable" in transformers' auto class. The plain one is built."""
+    from modelpar.models.hf import build_hf
+
+    m = build_hf("hf:deit", {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                             "intermediate_size": 64, "image_size": 16, "patch_size": 4, "num_labels": 5},
+                 device="meta")
+    assert type(m.hf).__name__ == "DeiTForImageClassification"
