@@ -286,11 +286,25 @@ def build_hf(name: str, overrides: dict | None = None, *, device: str | torch.de
             raise ValueError(f"--model {name!r}: loading weights needs a local pretrained folder")
         hf = auto.from_pretrained(name, config=cfg, local_files_only=True, trust_remote_code=False)
         return HFModel(hf.to(device), task)
+    _pick_architecture(cfg, task)
     if seed is not None:
         torch.manual_seed(seed)
     with torch.device(device):
         hf = auto.from_config(cfg)
     return HFModel(hf, task)
+
+
+def _pick_architecture(cfg, task: str) -> None:
+    """A type transformers maps to several classes of the task (DeiT, LeViT: the classifier and the one
+    ``WithTeacher``) is resolved by ``config.architectures``; a config built from its type has none, and
+    ``from_config`` raised ``TypeError: 'NoneType' object is not iterable``. The first class (the plain
+    one) is named in the config then."""
+    from transformers.models.auto import modeling_auto as ma
+
+    names = (ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if task == "lm" else ma.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES)
+    cls = names.get(cfg.model_type)
+    if isinstance(cls, (tuple, list)) and not getattr(cfg, "architectures", None):
+        cfg.architectures = [cls[0]]
 
 
 def example_input(model: HFModel, batch: int, seq_len: int = 0, device="cpu") -> torch.Tensor:
