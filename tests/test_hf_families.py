@@ -372,3 +372,17 @@ def test_image_classifier_without_image_size():
         load_config("hf:resnet", cfg)
     f = facts(build_hf("hf:resnet", {**cfg, "image_size": 32}, device="meta").hf.config)
     assert (f.image_size, f.hidden, f.layers, f.num_labels) == (32, 16, 2, 3)
+
+
+def test_planner_prices_no_pipeline_for_a_forward_no_stage_runs():
+    """`plan --model hf:swin` ranked pp2 first and `--strategy auto` picked it, which train then refused
+    before launch (the stage cut fails, see above). A Hugging Face model's profile now carries the cut's
+    refusal, as a factory model's does, so no pipeline is priced; Llama's cut still is."""
+    from helpers.hf_tiny import TINY
+
+    from modelpar.cli.common import profile_for
+
+    prof, _ = profile_for("hf:swin", SWIN, 0, "fp32")
+    assert "its forward fails as pipeline stage" in prof.pipeline_refusal
+    prof, _ = profile_for(*TINY["llama"], 16, "fp32")
+    assert prof.pipeline_refusal == ""
