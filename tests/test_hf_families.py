@@ -386,3 +386,26 @@ def test_planner_prices_no_pipeline_for_a_forward_no_stage_runs():
     assert "its forward fails as pipeline stage" in prof.pipeline_refusal
     prof, _ = profile_for(*TINY["llama"], 16, "fp32")
     assert prof.pipeline_refusal == ""
+
+
+@pytest.mark.timeout(120)
+def test_train_refuses_a_swin_pipeline_before_launch_and_auto_picks_none(tmp_path, capsys):
+    """`modelpar train --strategy pp` of Swin launched both ranks, which then failed alike after the run
+    folder existed (the cut was checked before launch for factory models only); `--strategy auto` picked
+    pp2 (its profile carried no pipeline refusal). Now a Hugging Face model's cut is made on the meta
+    device before launch, and `auto` prices no pipeline for it. (In this process: the pure tier's guard
+    fails the test if any rank starts.)"""
+    import json
+
+    from modelpar.cli import main
+    from modelpar.train.auto import choose
+    from modelpar.train.config import TrainConfig
+
+    rc = main(["train", "--model", "hf:swin", "--model-config", json.dumps(SWIN), "--strategy", "pp", "--nproc", "2",
+               "--steps", "1", "--global-batch-size", "4", "--eval-samples", "4", "--out-dir", str(tmp_path / "runs")])
+    err = capsys.readouterr().err
+    assert rc == 2, err[-2000:]
+    assert "SwinForImageClassification: its forward fails as pipeline stage 1" in err
+    assert not (tmp_path / "runs").exists()
+    cfg = TrainConfig(model="hf:swin", model_config=SWIN, global_batch_size=8, hardware="H100-80GB-SXM")
+    assert choose(cfg, 2, measure_if_missing=False).plan.pp == 1
