@@ -74,3 +74,22 @@ def test_train_batchnorm_warning_reaches_the_user_case_c15(tmp_path):
     assert r.returncode == 0, out[-3000:]
     assert out.count("ParallelLayoutWarning") == 1, out[-3000:]       # once: rank 0 only
     assert "1 BatchNorm layer(s)" in out and "--sync-batchnorm" in out, out[-3000:]
+
+
+def test_peak_memory_tracker_takes_frozen_parameters():
+    """`modelpar train` of a model with frozen parameters (LoRA-style: base weights with
+    ``requires_grad=False``) crashed in its first step on the CPU: torch's MemTracker (``--track-memory``,
+    the default) registers a gradient hook on every parameter ('cannot register a hook on a tensor that
+    doesn't require gradient'). The tracker now skips their hooks and still counts their bytes."""
+    import torch
+    import torch.nn as nn
+
+    from modelpar.train.metrics import PeakTensorMemory
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    m[0].weight.requires_grad_(False)
+    with PeakTensorMemory(torch.device("cpu")) as mem:
+        m(torch.randn(4, 64)).sum().backward()
+    assert m[0].weight.grad is None and m[2].weight.grad is not None
+    assert mem.peak >= 64 * 64 * 4            # the frozen weight's bytes at least
