@@ -409,3 +409,15 @@ def test_train_refuses_a_swin_pipeline_before_launch_and_auto_picks_none(tmp_pat
     assert not (tmp_path / "runs").exists()
     cfg = TrainConfig(model="hf:swin", model_config=SWIN, global_batch_size=8, hardware="H100-80GB-SXM")
     assert choose(cfg, 2, measure_if_missing=False).plan.pp == 1
+
+
+def test_a_config_transformers_cannot_build_is_one_line():
+    """ConvNeXt with ``depths`` of 2 stages and the default ``num_stages`` 4 raised an IndexError from
+    inside transformers, a traceback in every command; now one ValueError naming the type and the error."""
+    from modelpar.models.hf import build_hf
+
+    with pytest.raises(ValueError, match=r"--model 'hf:convnext': transformers could not build "
+                                         r"AutoModelForImageClassification of model type 'convnext' from this "
+                                         r"config \(IndexError: list index out of range\); check --model-config"):
+        build_hf("hf:convnext", {"hidden_sizes": [8, 16], "depths": [2, 2], "num_labels": 5, "image_size": 32},
+                 device="meta")

@@ -297,7 +297,8 @@ def build_hf(name: str, overrides: dict | None = None, *, device: str | torch.de
     loaded (``local_files_only``).
 
     Raises:
-        ValueError: see `load_config` and `task_of`.
+        ValueError: see `load_config` and `task_of`; a config transformers cannot build its model from
+            (the model type, the error and the --model-config to check named).
     """
     transformers = require_transformers()
     cfg = load_config(name, overrides, dropout=dropout)
@@ -311,8 +312,15 @@ def build_hf(name: str, overrides: dict | None = None, *, device: str | torch.de
     _pick_architecture(cfg, task)
     if seed is not None:
         torch.manual_seed(seed)
-    with torch.device(device):
-        hf = auto.from_config(cfg)
+    try:
+        with torch.device(device):
+            hf = auto.from_config(cfg)
+    except (IndexError, KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
+        # an inconsistent config (ConvNeXt's depths of 2 stages with num_stages 4: IndexError deep in its
+        # __init__) is the user's --model-config, said in one line before launch, not a traceback
+        raise ValueError(f"--model {name!r}: transformers could not build {auto.__name__} of model type "
+                         f"{cfg.model_type!r} from this config ({type(e).__name__}: {e}); check --model-config "
+                         f"(fields that must agree, e.g. per-layer or per-stage lists and their counts)") from e
     return HFModel(hf, task)
 
 
