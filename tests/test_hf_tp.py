@@ -121,7 +121,7 @@ def test_tp_refusals_for_families_without_a_plan_or_sequence_parallel():
     from modelpar.models.hf import build_hf
 
     resnet = build_hf("hf:resnet", {"hidden_sizes": [8, 16], "depths": [2, 2], "embedding_size": 8,
-                                    "num_labels": 5}, device="meta")
+                                    "num_labels": 5, "image_size": 32}, device="meta")
     with pytest.raises(ValueError, match=r"ResNetForImageClassification declares no TP plan \(_tp_plan\) and "
                                          r"modelpar found no \(colwise \.\.\., rowwise\) group"):
         tp_plan_for(resnet, tp_degree=2)

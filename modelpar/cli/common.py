@@ -123,6 +123,9 @@ def _hf_profile(model: str, model_config: dict, seq_len: int, dtype, blocks: str
     from modelpar.parallel.tp_factory import with_tp_refusal
 
     prof = with_tp_refusal(prof, m, x)            # a family without a TP plan (ResNet): tp pruned
+    from modelpar.parallel.cut import with_pipeline_refusal
+
+    prof = with_pipeline_refusal(prof, m, x, blocks)  # a forward no stage runs (Swin): pp pruned, as train refuses it
     what = f"seq {seq}" if f.task == "lm" else f"image {f.image_size}"
     return prof, f"{model} ({type(m.hf).__name__}, {what})"
 

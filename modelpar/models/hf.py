@@ -22,7 +22,9 @@ transformers is an optional extra: ``pip install 'modelpar[hf]'``; `require_tran
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +32,11 @@ import torch.nn as nn
 
 HF_PREFIX = "hf:"
 INSTALL_HINT = "Hugging Face models need transformers: pip install 'modelpar[hf]' (transformers>=5,<6)"
-# config fields that are dropout probabilities in the transformers model families modelpar tests
-_DROPOUT_SUFFIXES = ("dropout", "_pdrop", "dropout_prob", "dropout_rate")
+# config fields that are random-drop probabilities: dropout (``*dropout``, ``*_pdrop``, ``*dropout_prob``,
+# ``*dropout_rate``), stochastic depth (Swin's, BEiT's ``drop_path_rate``), drop rates (``attn_drop_rate``,
+# ``drop_connect_rate``) and layer drop (``layerdrop``): any float field whose name holds "drop"
+# (Swin's default drop_path_rate 0.1 made `verify --strategy ddp` FAIL, 1e-3 at step 2)
+_DROP_FIELD = re.compile(r"drop(?!.*value)", re.IGNORECASE)
 
 
 def require_transformers():
@@ -110,6 +115,10 @@ def load_config(name: str, overrides: dict | None = None, *, dropout: float | No
         base = {k: v for k, v in raw.items() if not k.startswith("_")}
     default = transformers.AutoConfig.for_model(mtype)
     valid = set(default.to_dict()) | set(getattr(default, "attribute_map", {}))
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES as images
+
+    if mtype in images:         # the side of the synthetic images, for a classifier whose config lacks it
+        valid.add("image_size")
     bad = sorted(k for k in overrides if k not in valid and not hasattr(default, k))
     if bad:
         raise ValueError(f"--model-config has fields {bad} that {type(default).__name__} does not have; "
@@ -118,9 +127,13 @@ def load_config(name: str, overrides: dict | None = None, *, dropout: float | No
     # hidden_size / num_attention_heads) follow them
     cfg = transformers.AutoConfig.for_model(mtype, **{**base, **overrides})
     _causal_self_attention(cfg, {**base, **overrides}, name)
+    if mtype in images and mtype not in _causal_names() and getattr(cfg, "image_size", None) is None:
+        raise ValueError(f"--model {name!r}: {type(cfg).__name__} has no image_size (a convolutional classifier "
+                         f"takes any); modelpar trains and checks image classifiers on synthetic square images "
+                         f"of the config's image_size: give it in --model-config, e.g. '{{\"image_size\": 32}}'")
     if dropout is not None:
         for k, v in cfg.to_dict().items():
-            if isinstance(v, float) and k.endswith(_DROPOUT_SUFFIXES):
+            if isinstance(v, float) and _DROP_FIELD.search(k):
                 setattr(cfg, k, dropout)
     return cfg
 
@@ -183,15 +196,24 @@ def default_seq_len(max_positions: int | None) -> int:
     return min(max_positions or DEFAULT_SEQ_LEN, DEFAULT_SEQ_LEN)
 
 
+def _last(v):
+    return v[-1] if isinstance(v, (list, tuple)) and v else None
+
+
 def facts(cfg) -> HFFacts:
-    """`HFFacts` of a transformers config."""
+    """`HFFacts` of a transformers config. A convolutional classifier (ResNet, ConvNeXt: ``hidden_sizes``
+    and ``depths`` per stage, no ``hidden_size``) gets its last stage's width and its blocks in all;
+    a config with one head count per stage (Swin) gets their greatest common divisor (a TP degree must
+    divide every stage's)."""
     task = task_of(cfg)
     heads = _cfg_get(cfg, "num_attention_heads", "n_head")
+    if isinstance(heads, (list, tuple)):        # Swin: one count per stage; every stage must split alike
+        heads = math.gcd(*heads) if heads else None
     image = _cfg_get(cfg, "image_size")
     return HFFacts(
         model_type=cfg.model_type, task=task,
-        hidden=int(_cfg_get(cfg, "hidden_size", "n_embd", "d_model")),
-        layers=int(_cfg_get(cfg, "num_hidden_layers", "n_layer")),
+        hidden=int(_cfg_get(cfg, "hidden_size", "n_embd", "d_model") or _last(_cfg_get(cfg, "hidden_sizes")) or 0),
+        layers=int(_cfg_get(cfg, "num_hidden_layers", "n_layer") or sum(_cfg_get(cfg, "depths") or [0])),
         heads=heads, kv_heads=_cfg_get(cfg, "num_key_value_heads") or heads,
         vocab=_cfg_get(cfg, "vocab_size") if task == "lm" else None,
         max_positions=_cfg_get(cfg, "max_position_embeddings", "n_positions") if task == "lm" else None,
@@ -275,7 +297,8 @@ def build_hf(name: str, overrides: dict | None = None, *, device: str | torch.de
     loaded (``local_files_only``).
 
     Raises:
-        ValueError: see `load_config` and `task_of`.
+        ValueError: see `load_config` and `task_of`; a config transformers cannot build its model from
+            (the model type, the error and the --model-config to check named).
     """
     transformers = require_transformers()
     cfg = load_config(name, overrides, dropout=dropout)
@@ -286,11 +309,38 @@ def build_hf(name: str, overrides: dict | None = None, *, device: str | torch.de
             raise ValueError(f"--model {name!r}: loading weights needs a local pretrained folder")
         hf = auto.from_pretrained(name, config=cfg, local_files_only=True, trust_remote_code=False)
         return HFModel(hf.to(device), task)
+    _pick_architecture(cfg, task)
     if seed is not None:
         torch.manual_seed(seed)
-    with torch.device(device):
-        hf = auto.from_config(cfg)
+    try:
+        with torch.device(device):
+            hf = auto.from_config(cfg)
+    except (IndexError, KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
+        # an inconsistent config (ConvNeXt's depths of 2 stages with num_stages 4: IndexError deep in its
+        # __init__) is the user's --model-config, said in one line before launch, not a traceback
+        raise ValueError(f"--model {name!r}: transformers could not build {auto.__name__} of model type "
+                         f"{cfg.model_type!r} from this config ({type(e).__name__}: {e}); check --model-config "
+                         f"(fields that must agree, e.g. per-layer or per-stage lists and their counts)") from e
     return HFModel(hf, task)
+
+
+def _causal_names():
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def _pick_architecture(cfg, task: str) -> None:
+    """A type transformers maps to several classes of the task (DeiT, LeViT: the classifier and the one
+    ``WithTeacher``) is resolved by ``config.architectures``; a config built from its type has none, and
+    ``from_config`` raised ``TypeError: 'NoneType' object is not iterable``. The first class (the plain
+    one) is named in the config then."""
+    from transformers.models.auto import modeling_auto as ma
+
+    names = (ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if task == "lm" else ma.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES)
+    cls = names.get(cfg.model_type)
+    if isinstance(cls, (tuple, list)) and not getattr(cfg, "architectures", None):
+        cfg.architectures = [cls[0]]
 
 
 def example_input(model: HFModel, batch: int, seq_len: int = 0, device="cpu") -> torch.Tensor:

@@ -8,7 +8,8 @@ import torch.nn as nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from modelpar.parallel.hf_tp import (COLWISE_GATHER, CONV1D_COLWISE, CONV1D_COLWISE_QKV, CONV1D_ROWWISE,
-                                     CONV1D_ROWWISE_SEQ, GATHER_SEQ_HIDDEN, ROWWISE_SPLIT, SHARD_SEQ_INPUT)
+                                     CONV1D_ROWWISE_SEQ, GATHER_SEQ_HIDDEN, REPLICATED_GRAD_SUM, ROWWISE_SPLIT,
+                                     SHARD_SEQ_INPUT)
 
 
 def make_hf_style(style: str):
@@ -33,6 +34,8 @@ def make_hf_style(style: str):
         return HiddenInput(Replicate(), Shard(1))
     if style == GATHER_SEQ_HIDDEN:
         return HiddenInput(Shard(1), Replicate())
+    if style == REPLICATED_GRAD_SUM:
+        return ReplicatedGradSum()
     raise ValueError(f"TP style {style!r} is not a Hugging Face style")
 
 
@@ -74,6 +77,48 @@ class Conv1DParallel(ParallelStyle):
             return out.to_local()
 
         return distribute_module(module, device_mesh, partition, input_fn, output_fn)
+
+
+class ReplicatedGradSum(ParallelStyle):
+    """A module whose parameters are replicated over the TP ranks but whose input is this rank's part of
+    the activations (Qwen3's per-head ``q_norm`` / ``k_norm`` between the colwise q / k and the rowwise o
+    projections: ``(batch, seq, local heads, head_dim)``), so each rank's parameter gradient covers its
+    own heads only and the whole gradient is their sum.
+
+    The parameters become Replicate DTensors and the input a DTensor sharded on dim 0 (any dimension the
+    module does not reduce over would do: DTensor then computes the parameter gradient as a partial sum),
+    the output is handed back local; a hook after accumulation all-reduces the gradient into the
+    parameter's Replicate layout (under FSDP, FSDP's own reduction does it). No communication in forward.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh):
+        from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+
+        def partition(_name, mod, mesh):
+            for n, p in list(mod.named_parameters(recurse=False)):
+                q = nn.Parameter(DTensor.from_local(p.data, mesh, [Replicate()], run_check=False),
+                                 requires_grad=p.requires_grad)
+                mod.register_parameter(n, q)
+                if q.requires_grad:
+                    q.register_post_accumulate_grad_hook(_grad_like_param)
+
+        def input_fn(_mod, inputs, mesh):
+            x = inputs[0]
+            if torch.is_tensor(x) and not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, [Shard(0)], run_check=False)
+            return (x, *inputs[1:])
+
+        def output_fn(_mod, out, _mesh):
+            return out.to_local() if isinstance(out, DTensor) else out
+
+        return distribute_module(module, device_mesh, partition, input_fn, output_fn)
+
+
+def _grad_like_param(p) -> None:
+    """A partial (per-rank) gradient of a replicated parameter summed into the parameter's layout."""
+    g = p.grad
+    if hasattr(g, "placements") and tuple(g.placements) != tuple(p.placements):
+        p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
 class HiddenInput(ParallelStyle):

@@ -12,7 +12,9 @@ Two sources of a plan, in this order:
    embedding and the colwise head whose logits stay vocab-sharded (loss parallel, as the built-in
    GPT), when the vocabulary divides the TP degree; otherwise both stay replicated.
    ``colwise_gather_output`` elsewhere (Phi-3's fused ``gate_up_proj``) gathers its output, and
-   ``rowwise_split_input`` slices a replicated input.
+   ``rowwise_split_input`` slices a replicated input. ``replicated_with_grad_allreduce`` (Qwen3's per-head
+   ``q_norm`` / ``k_norm`` between the colwise and rowwise projections) keeps the parameters replicated and
+   sums their per-rank partial gradients over the TP ranks (`hf_styles.ReplicatedGradSum`).
 2. **A derived plan** (`derive_hf_plan`) for models without one (GPT-2, ViT): in every repeated block
    (`modelpar.parallel.parts.find_blocks`), a module whose direct children are projections (all
    ``nn.Linear`` or all transformers ``Conv1D``, whose weight is stored ``(in, out)``, transposed
@@ -56,7 +58,7 @@ HF_STYLES = {
     "embedding_rowwise": T.ROWWISE_VOCAB,
     "sequence_parallel": T.SEQ_NORM,
     "replicate": None,
-    "replicated_with_grad_allreduce": None,       # replicated parameters: DTensor / DDP reduce them anyway
+    "replicated_with_grad_allreduce": "replicated_grad_sum",   # see REPLICATED_GRAD_SUM
 }
 # derived-plan styles for transformers' Conv1D (weight (in, out))
 CONV1D_COLWISE, CONV1D_ROWWISE, CONV1D_ROWWISE_SEQ = "conv1d_colwise", "conv1d_rowwise", "conv1d_rowwise_seq"
@@ -65,8 +67,11 @@ COLWISE_GATHER = "colwise_gather"              # nn.Linear colwise, output all-g
 ROWWISE_SPLIT = "rowwise_split"                # nn.Linear rowwise from a replicated input (sliced locally)
 SHARD_SEQ_INPUT = "shard_seq_input"            # a block's hidden states: replicated -> sequence shards
 GATHER_SEQ_HIDDEN = "gather_seq_hidden"        # attention / MLP input (positional or hidden_states=): gathered
+# a module between a colwise and a rowwise projection that holds replicated parameters but sees only this
+# rank's heads (Qwen3's per-head q_norm / k_norm): its parameter gradients are partial, summed over the TP ranks
+REPLICATED_GRAD_SUM = "replicated_grad_sum"
 STYLES = (CONV1D_COLWISE, CONV1D_ROWWISE, CONV1D_ROWWISE_SEQ, CONV1D_COLWISE_QKV, SHARD_SEQ_INPUT,
-          GATHER_SEQ_HIDDEN, COLWISE_GATHER, ROWWISE_SPLIT)
+          GATHER_SEQ_HIDDEN, COLWISE_GATHER, ROWWISE_SPLIT, REPLICATED_GRAD_SUM)
 CONV1D_STYLES = {CONV1D_COLWISE: "nf", CONV1D_COLWISE_QKV: "nf", CONV1D_ROWWISE: "nx", CONV1D_ROWWISE_SEQ: "nx"}
 # model families whose blocks modelpar can put on sequence shards (norms inside the blocks, hidden states
 # passed positionally or as hidden_states=)
@@ -184,14 +189,18 @@ def derive_hf_plan(model: nn.Module, *, tp_degree: int | None = None) -> dict[st
     return plan
 
 
-_GLOBAL_HEADS = re.compile(r"\.(?:view|reshape)\([^)]*self\.(?:num_heads|num_attention_heads|num_key_value_heads|n_heads?)\b")
+_HEAD_ATTRS = r"self\.(?:num_heads|num_attention_heads|num_key_value_heads|n_heads?)\b"
+# a view / reshape by the head count (OPT, Bloom), or the head count handed to a helper that views by it
+# (GPT-Neo's ``self._split_heads(query, self.num_heads, self.head_dim)``)
+_GLOBAL_HEADS = re.compile(rf"\.(?:view|reshape)\([^)]*{_HEAD_ATTRS}|[(,]\s*{_HEAD_ATTRS}")
 
 
 def _views_by_global_heads(parent: nn.Module) -> bool:
     """True when ``parent``'s forward views its projections by its own (global) head count, as OPT's
     attention does (``q.view(bsz, -1, self.num_heads, head_dim)``): split colwise, a rank's
     ``heads / tp`` heads would fold into the sequence dimension, silently wrong (OPT under tp2: loss
-    4.8e-4 off one process at step 2). Such a group stays replicated."""
+    4.8e-4 off one process at step 2), or hands that count to a helper that does (GPT-Neo's
+    ``_split_heads(q, self.num_heads, head_dim)``: tp2 crashed in the ranks). Such a group stays replicated."""
     import inspect
 
     try:
@@ -232,6 +241,9 @@ def hf_tp_plan(model: nn.Module, *, sequence_parallel: bool = False, tp_degree: 
     """
     declared = declared_plan(model)
     plan = translate_hf_plan(model, declared, tp_degree=tp_degree) if declared else derive_hf_plan(model, tp_degree=tp_degree)
+    from modelpar.parallel.hf_tp_region import guard_split_regions
+
+    plan = guard_split_regions(model, plan)     # parameters between the colwise and rowwise projections
     if loss_parallel is False:
         plan = {p: s for p, s in plan.items() if s not in (T.COLWISE_VOCAB, T.ROWWISE_VOCAB)}
     if sequence_parallel:

@@ -162,7 +162,7 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, list[
                              f"{type(model).__name__}; its containers: {containers[:10]}")
         pre = f"{blocks}." if blocks else ""
         return blocks, [(pre + n, m) for n, m in c.named_children()]
-    best = None                                           # (length, -depth, order, path, run)
+    runs = []                                             # (length, -depth, order), path, run
     for order, (path, c) in enumerate(named.items()):
         if not isinstance(c, (nn.ModuleList, nn.Sequential)):
             continue
@@ -173,10 +173,10 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, list[
             while j + 1 < len(kids) and type(kids[j + 1][1]) is type(kids[i][1]):
                 j += 1
             run = kids[i:j + 1]
-            key = (len(run), -path.count(".") - bool(path), -order)
-            if len(run) >= 2 and (best is None or key > best[0]):
-                best = (key, path, run)
+            if len(run) >= 2:
+                runs.append(((len(run), -path.count(".") - bool(path), -order), path, run))
             i = j + 1
+    best = max((r for r in runs if not _inside_every_block(r[1], runs, named)), key=lambda r: r[0], default=None)
     if best is None:
         raise ValueError(f"cannot find the blocks of {type(model).__name__}: no nn.ModuleList or nn.Sequential "
                          f"in it holds two or more modules of one class. Pipelines, layer placement, activation "
@@ -186,6 +186,23 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, list[
     _, path, run = best
     pre = f"{path}." if path else ""
     return path, [(pre + n, m) for n, m in run]
+
+
+def _inside_every_block(path: str, runs: list, named: dict) -> bool:
+    """True when container ``path`` sits at the same place inside every block of another run, with as
+    many children in each (StableLM's per-head ``self_attn.q_layernorm.norms`` in every decoder layer):
+    it is part of the blocks' structure, not the blocks, even when longer (4 heads over 2 layers picked
+    the norms: pipelines, FSDP units and TP derivation then cut the model at one layer's norms)."""
+    n = len(named[path])
+    for _, outer, run in runs:
+        pre = f"{outer}." if outer else ""
+        for name, _ in run:
+            if path.startswith(f"{pre}{name}."):
+                rel = path[len(pre + name) + 1:]
+                if all(isinstance(named.get(f"{pre}{b}.{rel}"), (nn.ModuleList, nn.Sequential))
+                       and len(named[f"{pre}{b}.{rel}"]) == n for b, _ in run):
+                    return True
+    return False
 
 
 class eval_mode:

@@ -404,20 +404,19 @@ def check_chain(parts: ModelParts, ranges: list[tuple[int, int]], example) -> li
     real weights (a small config under ``modelpar verify``), not here.
 
     Raises:
-        ValueError: a stage's output is not a tensor, or the chained output differs from the model's
-            (largest difference named): the model's forward does something a stage cut cannot keep.
+        ValueError: a stage's output is not a tensor, a stage's forward fails (`stage_errors.run_stage`), or
+            the chained output differs from the model's (largest difference named): the model's forward
+            does something a stage cut cannot keep.
     """
-    model = parts.root
-    n = len(ranges)
+    from modelpar.parallel.stage_errors import run_stage
+
+    model, n = parts.root, len(ranges)
     with eval_mode([model]):
         ref = model(example)
         x = example
         for i, (a, b) in enumerate(ranges):
             st = build_stage(parts, a, b, index=i, is_first=i == 0, is_last=i == n - 1)
-            try:
-                x = st(x)
-            finally:
-                release(st)
+            x = run_stage(st, x, i, [p for p, _ in parts.blocks[a:b]], model)     # released after
     if not isinstance(ref, torch.Tensor) or not isinstance(x, torch.Tensor) or ref.shape != x.shape:
         raise ValueError(f"{type(model).__name__}: the pipeline stages chained give "
                          f"{_tensor_meta(x) or type(x).__name__}, the whole forward {_tensor_meta(ref) or type(ref).__name__}")

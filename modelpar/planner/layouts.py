@@ -14,7 +14,7 @@ from modelpar.plan import ParallelPlan, autocasts
 from modelpar.planner.comms import _coll
 from modelpar.planner.cost import _finish, step_form, tp_bytes_per_sample
 from modelpar.planner.grid import plan_memory as _plan_memory
-from modelpar.planner.legality import split_violations, tp_violations
+from modelpar.planner.legality import split_violations, tie_refusal, tp_violations
 from modelpar.planner.memory import Batch, rank_loads
 
 
@@ -133,6 +133,9 @@ def layouts(S: Search, factorizations):
         for sched, v in scheds:
             if pp * v > num_layers:
                 pruned["more pipeline stages than layers"] += n_inner
+                continue
+            if tie_refusal(profile, pp, sched, dr * ds):
+                pruned["a tie the V schedule's stages would split"] += n_inner
                 continue
             key = (tp, pp, v, ac)
             cached = S.load_cache.get(key)

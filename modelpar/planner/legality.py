@@ -83,10 +83,27 @@ def selective_refusal(profile) -> str:
             f"{CORE_ATTR} = True, as modelpar's GPT's AttentionCore does); use full or every-k")
 
 
+V_SCHEDULES = ("zbvzerobubble", "dualpipev")     # stage s and stage 2 pp - 1 - s on one rank
+
+
+def tie_refusal(profile, pp: int, sched: str, dp: int) -> str:
+    """Why ``train`` refuses this layout for a model whose input and output parts share a tensor (a tied
+    embedding and head: the last block's ``tied_numels`` name block 0), or "": under a V-shaped schedule
+    (`V_SCHEDULES`) rank 0 holds the first and the last stage, and with data parallelism (``dp`` > 1:
+    FSDP2 units per stage) the two copies would sit in two units there (`modelpar.parallel.ties.check_ties`).
+    `plan` ranked such a layout first for a tied model on 4 ranks and ``--strategy auto`` picked it."""
+    if pp < 2 or dp < 2 or sched not in V_SCHEDULES or not profile.blocks:
+        return ""
+    if any(owner == 0 for owner, *_ in profile.blocks[-1].tied_numels):
+        return (f"a tied input embedding and output head would sit in two data-parallel units on pipeline rank 0 "
+                f"({sched} puts the first and the last stage there)")
+    return ""
+
+
 def check_model_takes(profile, plan) -> None:
     """What ``train`` refuses of the profiled model under ``plan`` before launch (`plan --plan FILE` and
     `estimate` of one layout price nothing it would refuse): a pipeline its forward cannot be cut into
-    (``profile.pipeline_refusal``), no TP plan it runs (``tp_refusal``), selective checkpointing without
+    (``profile.pipeline_refusal``), a tie a V schedule's stages would split (`tie_refusal`), no TP plan it runs (``tp_refusal``), selective checkpointing without
     attention cores (`selective_refusal`), a TP degree that does not divide heads / widths / the
     vocabulary (`check_tp_degree`) or a split width of its TP plan (`split_violations`, case C7).
 
@@ -95,6 +112,9 @@ def check_model_takes(profile, plan) -> None:
     """
     if plan.pp > 1 and profile.pipeline_refusal:
         raise ValueError(f"{plan.describe()}: {profile.pipeline_refusal}")
+    why = tie_refusal(profile, plan.pp, plan.pp_schedule, plan.dp_replicate * plan.dp_shard)
+    if why:
+        raise ValueError(f"{plan.describe()}: {why}; use another schedule or no data parallelism")
     if plan.tp > 1 and profile.tp_refusal:
         raise ValueError(f"{plan.describe()}: {profile.tp_refusal}")
     if plan.activation_checkpointing == "selective" and selective_refusal(profile):

@@ -154,6 +154,9 @@ def _choose(cfg, world_size: int, *, strategy: str = "auto", measure_if_missing:
         from modelpar.parallel.tp_factory import with_tp_refusal
 
         prof = with_tp_refusal(prof, task.model, example_input(task, 1))
+        from modelpar.parallel.cut import with_pipeline_refusal     # no pipeline train would refuse (Swin)
+
+        prof = with_pipeline_refusal(prof, task.model, example_input(task, 1).to("meta"), cfg.blocks or "")
     hw = hardware_for(cfg, world_size, measure_if_missing=measure_if_missing)
     if strategy == "rules":
         from modelpar.train.resolve import given_fields, with_checkpointing_given

@@ -108,7 +108,7 @@ def _preflight(cfg: TrainConfig, world_size: int, resolved) -> tuple[ParallelPla
     if plan.activation_checkpointing != "none":     # e.g. selective on blocks without an attention core
         from modelpar.parallel.checkpointing import check_ac
         check_ac(parts.blocks, plan.activation_checkpointing, plan.ac_every)
-    if plan.pp > 1 and model_kind(cfg.model) == "factory":
+    if plan.pp > 1 and model_kind(cfg.model) in ("factory", "hf"):
         _cut_real_weights(cfg, plan, batches.micro_batch_size)
     tp_plan = (default_tp_plan(task.model, sequence_parallel=plan.sequence_parallel, tp_degree=plan.tp)[0]
                if plan.tp > 1 else None)
@@ -156,7 +156,9 @@ def _cut_real_weights(cfg: TrainConfig, plan: ParallelPlan, micro_batch_size: in
     weights (``preflight``'s one build, `modelpar.models.spec.one_factory_build`; its model on the meta
     device compares shapes only): a forward whose glue a stage cut cannot keep (a residual added around
     each block in the model's own forward) is refused before launch, as ``modelpar verify`` refuses it,
-    not on the ranks after the run folder exists.
+    not on the ranks after the run folder exists. A Hugging Face model is cut on the meta device (shapes
+    only: its family's values are `modelpar verify`'s to check), so a forward no stage can run (Swin's
+    embeddings hand a tuple on) is refused here too, not by every rank after launch.
 
     Raises:
         ValueError: the parts or the chained stages do not reproduce the model (naming the difference).
@@ -164,9 +166,10 @@ def _cut_real_weights(cfg: TrainConfig, plan: ParallelPlan, micro_batch_size: in
     from modelpar.parallel.cut import cut_pipeline
     from modelpar.train.task import example_input
 
-    real = build_task(cfg, device="cpu", load_data=False)
+    dev = "cpu" if model_kind(cfg.model) == "factory" else "meta"
+    real = build_task(cfg, device=dev, load_data=False)
     split_points = split_points_of(cfg.split_points)
-    ex = example_input(real, micro_batch_size)
+    ex = example_input(real, micro_batch_size).to(dev)
     with torch.no_grad():             # the parts as `parallelize` finds them: with the example micro-batch
         parts = get_model_parts(real.model, split_points, blocks=cfg.blocks or None, example_input=ex)
         cut_pipeline(real.model, parts, plan, ex, split_points)

@@ -31,9 +31,7 @@ class PeakTensorMemory:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
-            from torch.distributed._tools.mem_tracker import MemTracker
-
-            self._mt = MemTracker()
+            self._mt = _frozen_safe_tracker()
             self._mt.__enter__()
         return self
 
@@ -47,6 +45,29 @@ class PeakTensorMemory:
             peaks = self._mt.get_tracker_snapshot("peak")
             self.peak = sum(v.get("Total", 0) for v in peaks.values()) if peaks else 0
         return False
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def _frozen_safe_tracker():
+    """torch's MemTracker, minus its gradient hooks on parameters that take no gradient: it registers one
+    on every parameter of each module it enters, and a frozen one (``requires_grad=False``: a LoRA-style
+    model's base weights) raised 'cannot register a hook on a tensor that doesn't require gradient' in
+    the first step of every `modelpar train` on the CPU (``--track-memory``, the default). The frozen
+    parameters' bytes are still counted (they are parameters, not gradients)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class FrozenSafeMemTracker(MemTracker):
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            for q in module.parameters():
+                if not q.requires_grad and self._param_to_grad_hook_handles.get(q, None) is None:
+                    self._param_to_grad_hook_handles[q] = (_NoHook(), _NoHook())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    return FrozenSafeMemTracker()
 
 
 class RunRecord:
