@@ -39,6 +39,12 @@ INSTALL_HINT = "Hugging Face models need transformers: pip install 'modelpar[hf]
 _DROP_FIELD = re.compile(r"drop(?!.*value)", re.IGNORECASE)
 
 
+def is_drop_field(name: str, value) -> bool:
+    """Whether config field ``name`` holding ``value`` is a random-drop probability (`_DROP_FIELD`): set
+    by ``--dropout``, and not part of the model a checkpoint fits."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and bool(_DROP_FIELD.search(name))
+
+
 def require_transformers():
     """The transformers module. Raises ValueError with the install line when it is missing."""
     try:
@@ -133,7 +139,7 @@ def load_config(name: str, overrides: dict | None = None, *, dropout: float | No
                          f"of the config's image_size: give it in --model-config, e.g. '{{\"image_size\": 32}}'")
     if dropout is not None:
         for k, v in cfg.to_dict().items():
-            if isinstance(v, float) and _DROP_FIELD.search(k):
+            if isinstance(v, float) and is_drop_field(k, v):
                 setattr(cfg, k, dropout)
     return cfg
 

@@ -67,7 +67,7 @@ def _hf_config_diffs(meta: dict, cfg) -> list[str]:
     checkpoint was written under another transformers version (which may spell or default fields
     otherwise, and whose config could then not be matched by any flag): there only the parameters'
     names and shapes are checked (`check_same_model`)."""
-    from modelpar.models.hf import _DROPOUT_SUFFIXES
+    from modelpar.models.hf import is_drop_field
 
     saved = (meta.get("model_spec") or {}).get("hf_config")
     if not saved:
@@ -83,7 +83,7 @@ def _hf_config_diffs(meta: dict, cfg) -> list[str]:
 
     def compared(k: str) -> bool:
         v = saved[k]
-        return k not in _HF_CONFIG_IGNORED and not (isinstance(v, (int, float)) and k.endswith(_DROPOUT_SUFFIXES))
+        return k not in _HF_CONFIG_IGNORED and not is_drop_field(k, v)
 
     return [f"hf_config.{k}: checkpoint {saved[k]!r} vs now {now[k]!r}"
             for k in sorted(set(saved) & set(now)) if compared(k) and saved[k] != now[k]]
