@@ -421,3 +421,21 @@ def test_a_config_transformers_cannot_build_is_one_line():
                                          r"config \(IndexError: list index out of range\); check --model-config"):
         build_hf("hf:convnext", {"hidden_sizes": [8, 16], "depths": [2, 2], "num_labels": 5, "image_size": 32},
                  device="meta")
+
+
+def test_a_config_whose_forward_fails_is_one_line_in_plan_and_estimate():
+    """A DeepSeek-V3 config transformers builds but whose router cannot run (n_group 8 > 4 routed experts:
+    a view of 0 experts per group) printed a 40-frame traceback from `estimate` and `plan`; now one line
+    naming the model, the error and --model-config (`train --strategy auto` already said so)."""
+    from modelpar.cli.estimate import main
+
+    cfg = ('{"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, '
+           '"intermediate_size": 128, "moe_intermediate_size": 64, "vocab_size": 256, "q_lora_rank": 32, '
+           '"kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, '
+           '"n_routed_experts": 4, "num_experts_per_tok": 2, "first_k_dense_replace": 1, "n_group": 8}')
+    with pytest.raises(ValueError, match=r"^--model hf:deepseek_v3: profiling its forward .* failed \(RuntimeError: "
+                                         r"shape '\[-1, 8, 0\]' .*check --model-config$"):
+        main(["--model", "hf:deepseek_v3", "--model-config", cfg, "--nproc", "2", "--strategy", "fsdp",
+              "--seq-len", "32"])
+    main(["--model", "hf:deepseek_v3", "--model-config", cfg.replace('"n_group": 8', '"n_group": 2, "topk_group": 1'),
+          "--nproc", "2", "--strategy", "fsdp", "--seq-len", "32"])

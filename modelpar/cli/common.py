@@ -117,7 +117,17 @@ def _hf_profile(model: str, model_config: dict, seq_len: int, dtype, blocks: str
             over["layer_types"] = list(cfg.layer_types)[:HF_PROFILE_LAYERS]
     m = build_hf(model, over, device="meta", seed=None)
     x = example_input(m, 1, seq, device="meta")
-    prof = profile_model(m, x, dtype=dtype, blocks=default_blocks(m, blocks or None), autocast=dtype == torch.bfloat16)
+    try:
+        prof = profile_model(m, x, dtype=dtype, blocks=default_blocks(m, blocks or None),
+                             autocast=dtype == torch.bfloat16)
+    except Exception as e:      # noqa: BLE001 - a config transformers builds but its forward refuses: one line
+        if isinstance(e, ValueError):
+            raise
+        msg = " ".join(str(e).split())[:240]
+        raise ValueError(f"--model {model}: profiling its forward on a batch of (1, {seq or 'image'}) on the meta "
+                         f"device failed ({type(e).__name__}: {msg}); a config transformers builds can still be one "
+                         f"its forward refuses (e.g. DeepSeek-V3's n_group must divide n_routed_experts): check "
+                         f"--model-config") from e
     if short:
         prof = deepen_profile(prof, layers)
     from modelpar.parallel.tp_factory import with_tp_refusal
