@@ -95,52 +95,21 @@ def test_peak_memory_tracker_takes_frozen_parameters():
     assert mem.peak >= 64 * 64 * 4            # the frozen weight's bytes at least
 
 
-_TIED = '''
-import torch, torch.nn as nn
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.f = nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 32))
-
-    def forward(self, h):
-        return h + self.f(h)
-
-class Tied(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(256, 32)
-        self.blocks = nn.ModuleList(Block() for _ in range(4))
-        self.head = nn.Linear(32, 256, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, ids):
-        h = self.emb(ids)
-        for b in self.blocks:
-            h = b(h)
-        return self.head(h)
-
-def lm():
-    torch.manual_seed(0)
-    return {"model": Tied(), "task": "lm", "vocab_size": 256, "max_positions": 32}
-'''
 
 
 @pytest.mark.timeout(120)
-def test_planner_ranks_no_v_schedule_that_splits_a_tie(tmp_path, monkeypatch, capsys):
+def test_planner_ranks_no_v_schedule_that_splits_a_tie(capsys):
     """A factory LM whose head is its embedding: on 4 ranks `plan` ranked pp2(zbvzerobubble, v=2) x ddp2
     first and `--strategy auto` picked it, which train refuses (rank 0 holds the first and the last
     stage, the tie's two copies in two data-parallel units). Such layouts are now pruned, and `estimate`
     of one refuses it with the reason."""
     from modelpar.cli import main
 
-    (tmp_path / "tied_models.py").write_text(_TIED)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    assert main(["plan", "--model", "tied_models:lm", "--nproc", "4", "--global-batch-size", "8", "--top", "50"]) == 0
+    assert main(["plan", "--model", "helpers.lm_factory:lm_tied", "--nproc", "4", "--global-batch-size", "8", "--top", "50"]) == 0
     out = capsys.readouterr().out
     rows = [ln for ln in out.splitlines() if ln.strip()[:1].isdigit() and " x " in ln]
     assert rows and not [ln for ln in rows if ("zbvzerobubble" in ln or "dualpipev" in ln) and "ddp" in ln], out[-3000:]
-    rc = main(["estimate", "--model", "tied_models:lm", "--nproc", "4", "--global-batch-size", "8", "--pp", "2",
+    rc = main(["estimate", "--model", "helpers.lm_factory:lm_tied", "--nproc", "4", "--global-batch-size", "8", "--pp", "2",
                "--dp-replicate", "2", "--pp-schedule", "zbvzerobubble", "--virtual-stages", "2"])
     err = capsys.readouterr().err
     assert rc == 2 and "a tied input embedding and output head would sit in two data-parallel units" in err, err[-2000:]

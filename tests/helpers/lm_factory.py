@@ -88,6 +88,14 @@ def lm_pipelined():
     return {"model": PipelinedLM(), "task": "lm", "vocab_size": 256, "max_positions": 32}
 
 
+def lm_tied():
+    """`PipelinedLM` of 4 layers whose output head is its token embedding (one tensor)."""
+    torch.manual_seed(0)
+    m = PipelinedLM(layers=4)
+    m.head.weight = m.tok.weight
+    return {"model": m, "task": "lm", "vocab_size": 256, "max_positions": 32}
+
+
 def lm_unseeded():
     """A factory that does not seed itself, as each rank of a launch sees it: another RNG state on every
     rank (here made so on purpose), so every rank builds other initial weights."""
