@@ -1,4 +1,4 @@
-"""``modelpar bench``: measure strategies on built-in models, write tables (Markdown, CSV) and charts.
+"""``modelpar bench``: measure strategies on built-in, Hugging Face or your own models; tables and charts.
 
 Every row is its own launch (`modelpar.launch.run_workers`); its result is appended to ``bench.csv``
 at once, so an interrupted bench keeps the rows already measured (``--resume`` continues in the same
