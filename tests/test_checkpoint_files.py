@@ -574,3 +574,44 @@ def test_a_save_cut_off_before_its_rename_is_kept(tmp_path):
     assert [s for s, _ in list_checkpoints(ck)] == [2, 4]
     assert read_checkpoint_meta(step_dir(ck, 4))["step"] == 4
     assert sorted(p.name for p in ck.iterdir()) == ["step-00000002", "step-00000004"]
+
+
+def test_resume_names_a_file_from_another_directory(tmp_path, monkeypatch):
+    """A user's report: a run started with ``--data data.txt`` in its folder, resumed from another
+    working directory with ``--data ../run/data.txt`` (or the absolute path), was refused ("data:
+    checkpoint 'data.txt' vs now '../run/data.txt'"): the fields naming files were compared as
+    written. A checkpoint now records the file each names (`resume._where`) and a resume compares that;
+    another file is still refused, and a checkpoint without the record compares as written."""
+    from types import SimpleNamespace
+
+    from modelpar.plan import ParallelPlan
+    from modelpar.train.checkpoint import TrainCheckpoints
+    from modelpar.train.checkpoint.resume import _run_diffs, check_checkpoints_before_launch
+    from modelpar.train.config import TrainConfig
+
+    run, other = tmp_path / "run", tmp_path / "elsewhere"
+    run.mkdir(), other.mkdir()
+    for name in ("data.txt", "more.txt"):
+        (run / name).write_text("some text to train on\n" * 20)
+    monkeypatch.chdir(run)
+    m = build_gpt("gpt-nano", seq_len=16)
+    pm = SimpleNamespace(modules=[m], ties=[], plan=ParallelPlan(), mesh=MeshInfo(mesh=None))
+    cfg = TrainConfig(model="gpt-nano", seq_len=16, steps=4, ckpt_every=2, ckpt_dir=str(tmp_path / "ck"),
+                      data="data.txt")
+    tc = TrainCheckpoints(cfg, pm, torch.optim.AdamW(m.parameters()), say=lambda *a: None)
+    tc.after_step(2)
+    tc.close()
+    meta = read_checkpoint_meta(step_dir(tmp_path / "ck", 2))
+    assert meta["paths"] == {"data": str((run / "data.txt").resolve())}        # gpt-nano names no file
+    monkeypatch.chdir(other)
+    for data in ("../run/data.txt", str(run / "data.txt")):
+        resume = TrainConfig(**{**cfg.to_dict(), "resume": "auto", "data": data})
+        assert _run_diffs(meta, resume) == []
+        check_checkpoints_before_launch(resume)
+    moved = TrainConfig(**{**cfg.to_dict(), "resume": "auto", "data": "../run/more.txt"})
+    assert _run_diffs(meta, moved) == ["data: checkpoint 'data.txt' vs now '../run/more.txt'"]
+    with pytest.raises(CheckpointError, match=r"sample order: data: checkpoint 'data.txt' vs now '../run/more.txt'"):
+        check_checkpoints_before_launch(moved)
+    older = {k: v for k, v in meta.items() if k != "paths"}
+    assert _run_diffs(older, TrainConfig(**{**cfg.to_dict(), "data": "../run/data.txt"})) == [
+        "data: checkpoint 'data.txt' vs now '../run/data.txt'"]

@@ -19,6 +19,8 @@ from modelpar.train.checkpoint.storage import (CheckpointError, _rank, _world, l
 # the run config fields that fix the model and the sample order: a resume refuses to change them
 _MUST_MATCH = ("model", "model_config", "seed", "global_batch_size", "seq_len", "optimizer", "data", "tokenizer",
                "token_dtype")
+# those that name files: the same file named another way (relative to another working directory) matches
+_PATH_FIELDS = ("model", "data", "tokenizer")
 
 
 def _hyper_parameters(opt) -> list[dict] | None:
@@ -109,11 +111,34 @@ def _same_seq_len(saved: int, cfg) -> bool:
     return _seq_len_meant(cfg, 0) == f"0 (= {saved or cfg.seq_len})"
 
 
+def _where(value) -> str | None:
+    """The absolute path a file field (`_PATH_FIELDS`: ``--data``, ``--tokenizer``, ``--model``'s
+    ``hf:FOLDER``, ``config.json`` or ``file.py:factory``) names on this host, None where it names no
+    file or folder here (a built-in model or dataset name, an empty field)."""
+    if not isinstance(value, str) or not value:
+        return None
+    prefix, path, suffix = "", value, ""
+    if value.startswith("hf:"):
+        prefix, path = "hf:", value[3:]
+    elif ":" in value and value.rsplit(":", 1)[0].endswith(".py"):
+        path, fn = value.rsplit(":", 1)
+        suffix = ":" + fn
+    p = Path(path).expanduser()
+    return f"{prefix}{p.resolve()}{suffix}" if path and p.exists() else None
+
+
+def _same_field(k: str, saved, now, saved_paths: dict) -> bool:
+    """Whether field ``k`` holds the same value: as written, or (a file field) naming the file the saved
+    run named, written from another working directory or with ``~`` (``saved_paths``: the saved run's
+    `_where` of each file field, recorded from this commit on)."""
+    return saved == now or (k in _PATH_FIELDS and k in saved_paths and _where(now) == saved_paths[k])
+
+
 def _run_diffs(meta: dict, cfg) -> list[str]:
     """``field: checkpoint X vs now Y`` of every field that fixes the model and the sample order."""
-    saved_cfg = meta.get("train_config", {})
+    saved_cfg, paths = meta.get("train_config", {}), meta.get("paths") or {}
     diffs = [f"{k}: checkpoint {saved_cfg[k]!r} vs now {getattr(cfg, k)!r}" for k in _MUST_MATCH
-             if k in saved_cfg and k != "seq_len" and saved_cfg[k] != getattr(cfg, k)]
+             if k in saved_cfg and k != "seq_len" and not _same_field(k, saved_cfg[k], getattr(cfg, k), paths)]
     if "seq_len" in saved_cfg and not _same_seq_len(saved_cfg["seq_len"], cfg):
         diffs.append(f"seq_len: checkpoint {_seq_len_meant(cfg, saved_cfg['seq_len'])} vs now "
                      f"{_seq_len_meant(cfg, cfg.seq_len)}")
@@ -309,7 +334,8 @@ class TrainCheckpoints:
                 "data_position": {"seed": cfg.seed, "next_step": steps_done,
                                   "global_batch_size": cfg.global_batch_size},
                 "lr_schedule": {k: getattr(cfg, k) for k in ("lr", "min_lr", "warmup_steps", "steps")},
-                "tied_parameters": [list(t) for t in getattr(self.pm, "ties", [])]}
+                "tied_parameters": [list(t) for t in getattr(self.pm, "ties", [])],
+                "paths": {k: w for k in _PATH_FIELDS if (w := _where(getattr(cfg, k))) is not None}}
         if self.spec is None:
             from modelpar.train.task import model_spec
 
