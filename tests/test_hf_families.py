@@ -227,6 +227,57 @@ def test_qwen3_tp_verify_passes(tmp_path):
     assert r.returncode == 0 and out.rstrip().endswith("PASS"), out[-3000:]
 
 
+DEEPSEEK_V3 = {"hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
+               "intermediate_size": 128, "moe_intermediate_size": 64, "vocab_size": 256, "q_lora_rank": 32,
+               "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+               "n_routed_experts": 4, "num_experts_per_tok": 2, "first_k_dense_replace": 1, "n_group": 2,
+               "topk_group": 1}
+
+
+def test_deepseek_v3_mla_attention_splits_over_tp():
+    """DeepSeek-V3's plan gives ``kv_a_proj_with_mqa`` transformers' ``mla_kv_a_proj`` style, which modelpar
+    refused, so TP refused the family; and its MLA attention holds ``q_a_layernorm`` / ``kv_a_layernorm``,
+    which kept the attention whole. Now the projection keeps its weights replicated and sums the gradient of
+    its rotary key part over the TP ranks, the two norms (on the colwise projections' replicated inputs) stay
+    as they are, and q_b / kv_b / o split. Where a norm's width is also the head width (which side of the
+    split it is on is then not known), the attention stays whole."""
+    from modelpar.models.hf import build_hf
+    from modelpar.parallel.hf_styles import MlaRopeGradSum, make_hf_style
+    from modelpar.parallel.tensor import tp_plan_for, validate_tp_plan
+
+    m = build_hf("hf:deepseek_v3", DEEPSEEK_V3, device="meta")
+    plan = tp_plan_for(m, tp_degree=2)
+    for i in range(3):
+        a = f"hf.model.layers.{i}.self_attn."
+        assert [plan.get(a + n) for n in ("q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")] == [
+            "colwise", "mla_rope_grad_sum", "colwise", "rowwise"], i
+        assert a + "q_a_layernorm" not in plan and a + "kv_a_layernorm" not in plan and a + "q_a_proj" not in plan
+    validate_tp_plan(m, plan, 2)
+    assert isinstance(make_hf_style("mla_rope_grad_sum"), MlaRopeGradSum)
+    ambiguous = build_hf("hf:deepseek_v3", {**DEEPSEEK_V3, "kv_lora_rank": 8}, device="meta")   # = head_dim
+    assert not [p for p in tp_plan_for(ambiguous, tp_degree=2) if ".self_attn." in p]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_deepseek_v3_tp_verify_passes(tmp_path):
+    """`modelpar verify --strategy tp` of a tiny DeepSeek-V3 (MLA attention, a dense and two MoE layers) on 2
+    ranks against one process, with SGD, whose elementwise tolerance is 1e-5 relative (AdamW turns the
+    rounding of near-zero embedding gradients into lr-sized steps: 1.07x its tolerance on one element here).
+    Without the rotary key's gradient sum the logged gradient norm is 3.1e-5 off at step 0 (FAIL)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    r = subprocess.run([sys.executable, "-m", "modelpar", "verify", "--model", "hf:deepseek_v3", "--model-config",
+                        json.dumps(DEEPSEEK_V3), "--strategy", "tp", "--nproc", "2", "--steps", "3", "--seq-len", "32",
+                        "--optimizer", "sgd"], capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and out.rstrip().endswith("PASS"), out[-3000:]
+
+
 def test_derived_tp_plan_leaves_gpt_neo_attention_whole():
     """GPT-Neo's attention hands its global head count to a helper that views by it
     (``self._split_heads(query, self.num_heads, self.head_dim)``), which the view / reshape rule missed:

@@ -8,8 +8,8 @@ import torch.nn as nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from modelpar.parallel.hf_tp import (COLWISE_GATHER, CONV1D_COLWISE, CONV1D_COLWISE_QKV, CONV1D_ROWWISE,
-                                     CONV1D_ROWWISE_SEQ, GATHER_SEQ_HIDDEN, REPLICATED_GRAD_SUM, ROWWISE_SPLIT,
-                                     SHARD_SEQ_INPUT)
+                                     CONV1D_ROWWISE_SEQ, GATHER_SEQ_HIDDEN, MLA_ROPE_GRAD_SUM, REPLICATED_GRAD_SUM,
+                                     ROWWISE_SPLIT, SHARD_SEQ_INPUT)
 
 
 def make_hf_style(style: str):
@@ -36,6 +36,8 @@ def make_hf_style(style: str):
         return HiddenInput(Shard(1), Replicate())
     if style == REPLICATED_GRAD_SUM:
         return ReplicatedGradSum()
+    if style == MLA_ROPE_GRAD_SUM:
+        return MlaRopeGradSum()
     raise ValueError(f"TP style {style!r} is not a Hugging Face style")
 
 
@@ -112,6 +114,40 @@ class ReplicatedGradSum(ParallelStyle):
             return out.to_local() if isinstance(out, DTensor) else out
 
         return distribute_module(module, device_mesh, partition, input_fn, output_fn)
+
+
+class MlaRopeGradSum(ParallelStyle):
+    """Multi-head latent attention's ``kv_a_proj_with_mqa`` (DeepSeek-V2, Sec. 2.1.3; DeepSeek-V3), left
+    replicated: output ``(batch, seq, kv_lora_rank + r)`` with ``r`` = ``qk_rope_head_dim`` (the module's
+    ``mla_rope_dim``, set by `hf_tp.prepare_modules`). Its first ``kv_lora_rank`` features go through a norm
+    into the colwise ``kv_b_proj``, whose backward sums their gradient over the TP ranks; the last ``r``
+    are the rotary key every head shares and reach this rank's heads only, so their gradient is partial
+    and is summed here: an identity in forward whose backward all-reduces (Megatron-LM's ``f``, Shoeybi et
+    al. 2019, Sec. 3), as DTensor's Replicate -> local with a Partial gradient. The parameters stay plain
+    tensors with whole gradients on every rank (transformers' ``mla_kv_a_proj`` style).
+
+    Raises:
+        ValueError: (at apply) the module has no ``mla_rope_dim``, or it is not below the output width.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh):
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        r = getattr(module, "mla_rope_dim", None)
+        width = getattr(module, "out_features", None)
+        if not isinstance(r, int) or width is None or not 0 < r < width:
+            raise ValueError(f"mla_rope_grad_sum needs an nn.Linear wider than its rotary width (mla_rope_dim: "
+                             f"the attention's qk_rope_head_dim); got {type(module).__name__} with "
+                             f"out_features={width}, mla_rope_dim={r}")
+
+        def hook(_mod, _args, out):
+            latent, rope = out.split([out.shape[-1] - r, r], dim=-1)
+            rope = DTensor.from_local(rope, device_mesh, [Replicate()], run_check=False).to_local(
+                grad_placements=[Partial()])
+            return torch.cat([latent, rope], dim=-1)
+
+        module.register_forward_hook(hook)
+        return module
 
 
 def _grad_like_param(p) -> None:

@@ -14,7 +14,8 @@ Two sources of a plan, in this order:
    ``colwise_gather_output`` elsewhere (Phi-3's fused ``gate_up_proj``) gathers its output, and
    ``rowwise_split_input`` slices a replicated input. ``replicated_with_grad_allreduce`` (Qwen3's per-head
    ``q_norm`` / ``k_norm`` between the colwise and rowwise projections) keeps the parameters replicated and
-   sums their per-rank partial gradients over the TP ranks (`hf_styles.ReplicatedGradSum`).
+   sums their per-rank partial gradients over the TP ranks (`hf_styles.ReplicatedGradSum`); ``mla_kv_a_proj``
+   (DeepSeek-V2/V3) sums the gradient of the rotary key it shares with every head (`hf_styles.MlaRopeGradSum`).
 2. **A derived plan** (`derive_hf_plan`) for models without one (GPT-2, ViT): in every repeated block
    (`modelpar.parallel.parts.find_blocks`), a module whose direct children are projections (all
    ``nn.Linear`` or all transformers ``Conv1D``, whose weight is stored ``(in, out)``, transposed
@@ -59,6 +60,7 @@ HF_STYLES = {
     "sequence_parallel": T.SEQ_NORM,
     "replicate": None,
     "replicated_with_grad_allreduce": "replicated_grad_sum",   # see REPLICATED_GRAD_SUM
+    "mla_kv_a_proj": "mla_rope_grad_sum",                      # see MLA_ROPE_GRAD_SUM
 }
 # derived-plan styles for transformers' Conv1D (weight (in, out))
 CONV1D_COLWISE, CONV1D_ROWWISE, CONV1D_ROWWISE_SEQ = "conv1d_colwise", "conv1d_rowwise", "conv1d_rowwise_seq"
@@ -70,8 +72,10 @@ GATHER_SEQ_HIDDEN = "gather_seq_hidden"        # attention / MLP input (position
 # a module between a colwise and a rowwise projection that holds replicated parameters but sees only this
 # rank's heads (Qwen3's per-head q_norm / k_norm): its parameter gradients are partial, summed over the TP ranks
 REPLICATED_GRAD_SUM = "replicated_grad_sum"
+# MLA's replicated kv_a_proj_with_mqa (DeepSeek-V2/V3): the gradient of its output's rotary key part is summed
+MLA_ROPE_GRAD_SUM = "mla_rope_grad_sum"
 STYLES = (CONV1D_COLWISE, CONV1D_ROWWISE, CONV1D_ROWWISE_SEQ, CONV1D_COLWISE_QKV, SHARD_SEQ_INPUT,
-          GATHER_SEQ_HIDDEN, COLWISE_GATHER, ROWWISE_SPLIT, REPLICATED_GRAD_SUM)
+          GATHER_SEQ_HIDDEN, COLWISE_GATHER, ROWWISE_SPLIT, REPLICATED_GRAD_SUM, MLA_ROPE_GRAD_SUM)
 CONV1D_STYLES = {CONV1D_COLWISE: "nf", CONV1D_COLWISE_QKV: "nf", CONV1D_ROWWISE: "nx", CONV1D_ROWWISE_SEQ: "nx"}
 # model families whose blocks modelpar can put on sequence shards (norms inside the blocks, hidden states
 # passed positionally or as hidden_states=)
@@ -487,8 +491,10 @@ def restore_layout(state: dict, perms: dict[str, torch.Tensor]) -> None:
 
 
 def prepare_modules(model: nn.Module, tp_plan: dict[str, str], tp_degree: int, present: set[str]) -> None:
-    """Before sharding: permute every fused q|k|v projection of ``tp_plan`` that is in ``present``."""
+    """Before sharding, for ``present``: permute fused q|k|v projections, tell MLA ones the rotary width."""
     for path, style in tp_plan.items():
+        parent = model.get_submodule(path.rsplit(".", 1)[0]) if "." in path else model
         if style == CONV1D_COLWISE_QKV and path in present:
-            parent = model.get_submodule(path.rsplit(".", 1)[0]) if "." in path else model
             permute_fused_qkv(parent, model.get_submodule(path), tp_degree)
+        elif style == MLA_ROPE_GRAD_SUM and path in present:
+            model.get_submodule(path).mla_rope_dim = int(parent.qk_rope_head_dim)

@@ -16,8 +16,11 @@ local activations, e.g. a per-head query / key norm:
   projections stay whole (replicated) on every TP rank, as an attention that views by its global head
   count does (`modelpar.parallel.hf_tp._views_by_global_heads`).
 
-Projections (``nn.Linear``, transformers ``Conv1D``) the plan leaves out are not counted: they read the
-module's (replicated) input, as MLA's ``q_a_proj`` does. Nor are the children of a block whose projections
+A child with 1-D parameters of the input width of one of the module's colwise projections (and not the
+head width) works on that projection's replicated input, as MLA's ``q_a_layernorm`` / ``kv_a_layernorm``
+(DeepSeek-V2/V3) do: its gradient is whole on every rank (the colwise backward sums its input's), so it
+is left as it is. Projections (``nn.Linear``, transformers ``Conv1D``) the plan leaves out are not counted:
+they read the module's (replicated) input, as MLA's ``q_a_proj`` does. Nor are the children of a block whose projections
 are its own children (OPT's ``fc1`` / ``fc2`` beside ``self_attn_layer_norm``, ``self_attn`` and
 ``final_layer_norm``): they work on the replicated residual stream.
 """
@@ -35,6 +38,13 @@ _ROW = (T.ROWWISE, CONV1D_ROWWISE)
 
 def _is_projection(m: nn.Module) -> bool:
     return isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"
+
+
+def _in_width(m: nn.Module | None) -> int | None:
+    """Input features of an nn.Linear or a transformers Conv1D (weight (in, out)), else None."""
+    if isinstance(m, nn.Linear):
+        return m.in_features
+    return getattr(m, "nx", None) if m is not None and type(m).__name__ == "Conv1D" else None
 
 
 def head_dim_of(cfg) -> int | None:
@@ -74,14 +84,18 @@ def guard_split_regions(model: nn.Module, plan: dict[str, str]) -> dict[str, str
         if not (styles & set(_COL) and styles & set(_ROW)) or parent_path not in modules or parent_path in blocks:
             continue                    # a block's own children beside its projections: the residual stream
         per_head, misfit = [], False
+        col_in = {_in_width(modules.get(p)) for p in entries if plan[p] in _COL}
         for name, child in modules[parent_path].named_children():
             path = f"{parent_path}.{name}"
             if path in plan or _is_projection(child) or not any(True for _ in child.parameters()):
                 continue
             own = list(child.parameters(recurse=False))
             nested = any(True for c in child.children() for _ in c.parameters())
-            if own and not nested and all(p.dim() == 1 and p.shape[0] == head_dim for p in own):
+            widths = {p.shape[0] for p in own} if own and not nested and all(p.dim() == 1 for p in own) else None
+            if widths == {head_dim} and head_dim not in col_in:
                 per_head.append(path)
+            elif widths and widths <= col_in and head_dim not in widths:
+                continue        # on a colwise projection's replicated input (MLA's q_a_ / kv_a_layernorm)
             else:
                 misfit = True
         if misfit:              # the whole module replicated: nothing of it split, nothing summed

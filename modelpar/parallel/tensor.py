@@ -51,7 +51,7 @@ COLWISE_VOCAB_SEQ = "colwise_vocab_seq"  # the same, from sequence-sharded input
 ROWWISE_VOCAB = "rowwise_vocab"        # nn.Embedding split over its rows (the vocabulary), output replicated
 _HF_STYLES = ("conv1d_colwise", "conv1d_rowwise", "conv1d_rowwise_seq", "conv1d_colwise_qkv",
               "shard_seq_input", "gather_seq_hidden", "colwise_gather", "rowwise_split",
-              "replicated_grad_sum")    # Hugging Face models: `modelpar.parallel.hf_tp`
+              "replicated_grad_sum", "mla_rope_grad_sum")    # Hugging Face models: `modelpar.parallel.hf_tp`
 STYLES = (COLWISE, ROWWISE, ROWWISE_SEQ, SEQ_NORM, GATHER_SEQ_INPUT, SHARD_SEQ_OUTPUT, COLWISE_VOCAB,
           COLWISE_VOCAB_SEQ, ROWWISE_VOCAB) + _HF_STYLES
 INPUT_ONLY_STYLES = (GATHER_SEQ_INPUT, SHARD_SEQ_OUTPUT, "shard_seq_input", "gather_seq_hidden")  # no parameter split
