@@ -14,9 +14,10 @@ from typing import NamedTuple
 
 from modelpar.plan import ParallelPlan
 from modelpar.planner.memo import PlannerCache
+from modelpar.planner.moments import _backward_moments, _scaled_peaks  # noqa: F401  (re-exported)
 from modelpar.planner.profile import ModelProfile, tied_copies
 from modelpar.planner.profile_ops import SDPA_LAYOUT
-from modelpar.planner.records import BlockRecord, BlockTerms, BwdMoment, ReduceMoment, fast_new, stage_terms
+from modelpar.planner.records import BlockRecord, BlockTerms, stage_terms
 from modelpar.stage_split import split_blocks
 
 
@@ -171,108 +172,6 @@ def _adamw_temp(numels: list[tuple[float, bool]]) -> float:
         best = max(best, prev + 2 * n)
         prev = n
     return best
-
-
-def _scaled_peaks(peaks: tuple, in_grad, ex_mul: float, g_mul: float, shr: float,
-                  cache: PlannerCache | None = None) -> tuple:
-    """`BlockProfile.bwd_peaks` per sample with TP applied (``in_grad``: incoming gradient bytes that
-    replace the profiled ones, None to keep them); memoized in ``cache``, since a model's blocks repeat."""
-    if cache is not None:
-        key = (peaks, in_grad, ex_mul, g_mul, shr)
-        hit = cache.peaks.get(key)
-        if hit is None:
-            hit = cache.peaks[key] = _scaled_peaks(peaks, in_grad, ex_mul, g_mul, shr)
-        return hit
-    return tuple((ex * ex_mul, (gi if in_grad is None else in_grad) * g_mul, gs * shr, gq * shr)
-                 for ex, gi, gs, gq in peaks)
-
-
-def _backward_moments(recs: tuple, own: bool = False, cache: PlannerCache | None = None) -> tuple[tuple, tuple]:
-    """Candidate peak moments of one micro-batch's backward on a rank, from its blocks in forward
-    order. ``recs``: a `records.BlockRecord` per block.
-
-    Backward runs the blocks in reverse. Inside block k's backward (`BlockProfile.bwd_peaks`) the
-    live activations of the micro-batch are the saved bytes of blocks <= k (later blocks' were freed
-    by autograd as their backward ran), the block's gradient temporaries and the gradient flowing in.
-    Parameters of later blocks have their gradients; under FSDP2 (Zhao et al. 2023, Sec. 3.3;
-    torch's ``FSDPParamGroup``) unit k is gathered, the unit before it is being all-gathered into a
-    flat buffer by the backward prefetch, and the reduce-scatter input of the unit after it is
-    retained until unit k's own reduce (``reduce_scatter_max_input_buffers=1``). At unit k's
-    reduce-scatter (FSDP2 ``post_backward``: reshard, then reduce) its gathered parameters are freed
-    and the unsharded gradient is copied into the reduce-scatter input.
-
-    Returns ``(block moments, reduce moments)``: tuples of `records.BwdMoment` and
-    `records.ReduceMoment`.
-
-    Only moments that can be the largest are kept: in a run of identical blocks every quantity
-    changes by the same step from one block to the next, so the total is linear along the run's
-    interior and only its two ends (and the run's first and last blocks, whose neighbours differ)
-    can be the maximum; within a block, a later peak (fewer activations, more gradients) is dropped
-    when an earlier one beats it even with the heaviest gradient weight (4 bytes per element) and
-    the smallest micro-batch (1 sample). `_projections` prunes further for each plan mode.
-
-    ``own``: the second column's block record is what the block keeps (`modelpar.planner.recompute`),
-    so inside block k's backward it holds blocks < k's and block k's whole saved bytes (restored by
-    its recompute, or never freed); False (full checkpointing): the input of blocks <= k and block
-    k's recomputed saved bytes less the input among them (``in_saved``: the recompute saves the kept
-    input itself, not a copy).
-
-    ``cache``: memoized there per (``recs``, ``own``) (`memo.PlannerCache.moments`).
-    """
-    _bwd, _rs = _NEW_BWD, _NEW_RS
-    if cache is not None:
-        hit = cache.moments.get((recs, own))
-        if hit is None:
-            hit = cache.moments[(recs, own)] = _backward_moments(recs, own)
-        return hit
-    nb = len(recs)
-    cum, cum_ac, done_u, done_r = [0.0] * (nb + 1), [0.0] * (nb + 1), [0.0] * (nb + 1), [0.0] * (nb + 1)
-    prev_u, upto = [0.0] * nb, [0.0] * nb
-    last_u, tot_u = 0.0, 0.0
-    for k, (saved, kept, _peaks, params, is_root, _in_grad, _in_saved) in enumerate(recs):   # `BlockRecord`s
-        cum[k + 1], cum_ac[k + 1] = cum[k] + saved, cum_ac[k] + kept
-        prev_u[k] = last_u
-        if not is_root:
-            last_u, tot_u = params, tot_u + params
-        upto[k] = tot_u
-    next_u, nxt = [0.0] * nb, 0.0
-    for k in range(nb - 1, -1, -1):           # parameters of units / root blocks after k
-        next_u[k] = nxt
-        after = recs[k + 1] if k + 1 < nb else None
-        done_u[k] = done_u[k + 1] + (after.params if after is not None and not after.is_root else 0.0)
-        done_r[k] = done_r[k + 1] + (after.params if after is not None and after.is_root else 0.0)
-        if not recs[k].is_root:
-            nxt = recs[k].params
-    keep = set()
-    k = 0
-    while k < nb:                             # runs of identical blocks: their ends, and one inside
-        e = k
-        while e + 1 < nb and recs[e + 1] == recs[k]:
-            e += 1
-        keep.update(x for x in (k, k + 1, e - 1, e) if k <= x <= e)
-        k = e + 1
-    bwd, rs = [], []
-    for k in sorted(keep, reverse=True):
-        rk = recs[k]
-        sv, pk, root, gin_in = rk.saved, rk.params, rk.is_root, rk.in_grad
-        sv_ac = sv if own else sv - rk.in_saved     # full: the kept input is the input it saves
-        kept: list[tuple] = []
-        for ex, gi, gs, gq in rk.peaks:
-            for a, g in kept:       # an earlier peak beats this one (a loop: no generator per peak)
-                if a - (ex + gi) >= 4 * (gs + gq - g):
-                    break
-            else:
-                kept.append((ex + gi, gs + gq))
-                # (act, act_ac, done_units, done_root, stored, unit, prev_unit, next_unit, units_upto, pending)
-                bwd.append(_bwd((cum[k + 1] + ex + gi, cum_ac[k + (0 if own else 1)] + sv_ac + ex + gi, done_u[k],
-                                 done_r[k], gs, 0.0 if root else pk, prev_u[k], next_u[k], upto[k], gq)))
-        if not root:
-            # (act, act_ac, done_units, done_root, unit, prev_unit, units_before)
-            rs.append(_rs((cum[k] + gin_in, cum_ac[k] + gin_in, done_u[k], done_r[k], pk, prev_u[k], upto[k] - pk)))
-    return tuple(dict.fromkeys(bwd)), tuple(dict.fromkeys(rs))
-
-
-_NEW_BWD, _NEW_RS = fast_new(BwdMoment), fast_new(ReduceMoment)
 
 
 # additive per-block fields of a `RankLoad`, in this order (summed over a stage by prefix sums)

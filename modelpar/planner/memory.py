@@ -31,13 +31,14 @@ from dataclasses import dataclass, fields
 from modelpar.plan import ParallelPlan, autocasts, runtime_layout
 from modelpar.planner.loads import RankLoad, _adamw_temp, rank_loads, stage_ranges  # noqa: F401  (re-exported)
 from modelpar.planner.memo import PlannerCache
+from modelpar.planner.moments import _bwd_terms, _projections, _rs_terms  # noqa: F401  (re-exported)
 from modelpar.planner.profile import ModelProfile
 from modelpar.planner.recompute import cast_copies
-from modelpar.planner.records import BwdMoment, MemoryParts, MomentTerms, ProjMode, ReduceMoment, fast_new
+from modelpar.planner.records import MemoryParts, ProjMode, fast_new
 
 OPTIMIZER_BYTES = {"sgd": 0, "sgd_momentum": 4, "adamw": 8}   # fp32 state bytes per parameter
 MIB = 2 ** 20
-_terms, _parts, _mode = fast_new(MomentTerms), fast_new(MemoryParts), fast_new(ProjMode)   # (values in field order)
+_parts, _mode = fast_new(MemoryParts), fast_new(ProjMode)   # (values in field order)
 
 
 @dataclass(frozen=True)
@@ -87,107 +88,6 @@ class MemoryEstimate:
 
     def parts(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("pp_rank", "phase")}
-
-
-
-# ---- stages ----------------------------------------------------------------------------------
-
-
-def _bwd_terms(c: BwdMoment, mode: ProjMode) -> MomentTerms:
-    """A block moment (`loads._backward_moments`) beyond what every backward moment of the step
-    holds, as `records.MomentTerms` (linear forms in the micro-batch b and ws = 1 / dp_shard)."""
-    # (unpacked in field order: ~10^5 calls per search, where attribute reads cost)
-    act, act_ac, done_u, done_r, gs, u, u_prev, u_next, _units_upto, gq = c
-    fsdp, ac, prev, rafw, work, pp, _gloo, held = mode   # held: earlier local batches' sharded gradients (base)
-    A = act_ac if ac else act
-    # weight gradients a matmul computed and AccumulateGrad has not stored yet are temporaries; with
-    # gradients from earlier micro-batches the stored ones were added in place
-    if not fsdp:
-        if prev:        # pp == 2: the weight copies' gradients wait for the stage's backward to end (ProjMode)
-            return _terms((0.0, 0.0, A, 4 * gq + (2 * (done_u + done_r) if pp == 2 else 0.0), 0.0, 0.0, 0.0))
-        return _terms((4 * (done_u + done_r + gs), 0.0, A, 4 * gq, 0.0, 0.0, 0.0))
-    pre = work * u_prev if rafw else 0.0    # the prefetched unit's flat all-gather output
-    if prev:
-        # gradient sync off (accumulation; every backward of a pipeline, whose runtime calls
-        # set_requires_gradient_sync(False)): unsharded gradients accumulate (in the base); the
-        # pipeline also keeps units gathered after their backward (set_reshard_after_backward(False),
-        # in the base)
-        return _terms((0.0, 0.0, A, work * gq, (work * u if (rafw and not pp) else 0.0), pre, 0.0))
-    if pp:
-        # a pipeline's first backward: completed units keep their unsharded gradients (accumulated
-        # in fp32) and stay gathered; nothing is reduce-scattered until the schedule ends
-        return _terms((4 * (done_u + done_r), 0.0, A, work * (gs + gq), (work * (u + done_u) if rafw else 0.0),
-                       pre, 0.0))
-    # reduce-scattered (sharded) gradients of completed units; the root's and unit k's unsharded
-    # gradients so far; unit k gathered; the retained fp32 reduce-scatter input of the unit after k
-    # (accumulating into sharded gradients held in the base: completed units add nothing)
-    return _terms((0.0, 0.0 if held else 4 * done_u, A, work * (done_r + gs + gq), (work * u if rafw else 0.0),
-                   pre + 4 * u_next, 0.0))
-
-
-def _rs_terms(c: ReduceMoment, mode: ProjMode, collective: bool) -> MomentTerms:
-    """FSDP unit k's reduce-scatter beyond the base, as `_bwd_terms`: on its copy-in (the unsharded
-    gradient, in the parameters' dtype, copied into the fp32 reduce-scatter input) or during the
-    collective (the unsharded gradient freed; input and output, which becomes the sharded gradient;
-    gloo (``mode.gloo``) first copies the input into a flat buffer of its own, ProcessGroupGloo's
-    reduce_scatter, where NCCL reduces in place). Unit k itself is resharded. With sharded gradients
-    of earlier local batches held (``mode.sharded_acc``, in the base) the output is a temporary that FSDP2
-    adds into them (``foreach_reduce``), and completed units add nothing."""
-    act, act_ac, done_u, done_r, u, u_prev, _units_before = c          # `ReduceMoment`, in field order
-    _fsdp, ac, _prev, rafw, work, _pp, gloo, held = mode                # `ProjMode`, in field order
-    A = act_ac if ac else act
-    gath = 0.0 if rafw else -work * u
-    buf = 4 * u + (work * u_prev if rafw else 0.0)
-    done = 0.0 if held else 4 * done_u
-    if not collective:
-        return _terms((0.0, done, A, work * (done_r + u), gath, buf, 0.0))
-    return _terms((0.0, done, A, work * done_r, gath, buf + (4 * u if gloo else 0.0), 4 * u))
-
-
-def _projections(bwd_moments: tuple, rs_moments: tuple, mode: ProjMode) -> tuple:
-    """A rank's block and reduce moments (`RankLoad.bwd_moments`, ``rs_moments``) for one ``mode``
-    as (A, K, G, (kind, `records.MomentTerms`)), total = A b + K + G / dp_shard beyond the
-    base, keeping only those that can be the largest for some b >= 1 and dp_shard >= 1: none that
-    another bounds in A, K and G, and, where G is zero throughout, only the upper convex hull of
-    (A, K) over slopes b >= 1."""
-    terms = [("backward", _bwd_terms(c, mode)) for c in bwd_moments]
-    if mode.fsdp and not mode.prev and not mode.pp:
-        for c in rs_moments:
-            terms.append(("fsdp_reduce", _rs_terms(c, mode, False)))
-            terms.append(("fsdp_reduce", _rs_terms(c, mode, True)))
-    # (A, K, G) of `MomentTerms` (grads_k, grads_g, acts_a, acts_k, gathered_k, buffers_k, buffers_g)
-    cands = sorted(((t[2], t[0] + t[3] + t[4] + t[5], t[1] + t[6], (kind, t)) for kind, t in terms),
-                   key=lambda x: (-x[0], -x[1], -x[2]))
-    if len(cands) < 2:
-        return tuple(cands)
-    if any(x[2] for x in cands):
-        keep: list[tuple] = []
-        for x in cands:         # by decreasing A: a candidate bounding x in all three comes first
-            k1, g1 = x[1], x[2]
-            for y in keep:      # (a loop: no generator per candidate)
-                if y[1] >= k1 and y[2] >= g1:
-                    break
-            else:
-                keep.append(x)
-        return tuple(keep)
-    # max over points of A b + K for b >= 1: the upper hull, from the largest A down to the vertex
-    # past which the hull's slope dK/dA is below -1 (b = 1)
-    hull: list[tuple] = []
-    for x in cands:
-        while len(hull) >= 2:
-            (a1, k1), (a2, k2) = hull[-2][:2], hull[-1][:2]
-            if (k2 - k1) * (a1 - x[0]) <= (x[1] - k1) * (a1 - a2):
-                hull.pop()
-            else:
-                break
-        hull.append(x)
-    out = [hull[0]]
-    for x in hull[1:]:
-        if x[1] - out[-1][1] > out[-1][0] - x[0]:     # beats the previous vertex for some b >= 1
-            out.append(x)
-        else:
-            break
-    return tuple(out)
 
 
 def in_flight(plan: ParallelPlan, pp_rank: int) -> float:
