@@ -22,6 +22,9 @@ Bytes per parameter, as modelpar runs them (``precision="bf16"`` keeps fp32 mast
 gradients and fp32 reductions, computing in bf16, see `ParallelPlan`):
     params 4, grads 4, optimizer 0 (sgd) / 4 (sgd_momentum) / 8 (adamw), plus a bf16 working copy of
     2 bytes: FSDP's gathered units, or autocast's weight cache without FSDP.
+Gradients and optimizer state exist for trainable parameters only (``requires_grad``; ZeRO Sec. 3.1
+counts its 2 + 12 B per trainable parameter): a frozen one is held and gathered, never reduced
+(`loads.RankLoad.trainable`, docs/planner.md "Frozen parameters").
 """
 
 from __future__ import annotations
@@ -159,7 +162,7 @@ class MemoryForm:
     size, the micro-batch count, the accumulation steps or the micro-batches in flight computed once
     (`memory_form`); `at` adds those. The search evaluates one form at many of them."""
 
-    __slots__ = ("ld", "cache", "fsdp", "ws", "P", "params", "grads", "opt", "data", "work", "ac", "S", "pp",
+    __slots__ = ("ld", "cache", "fsdp", "ws", "P", "Pt", "params", "grads", "opt", "data", "work", "ac", "S", "pp",
                  "last", "out", "rafw", "recv_mult", "comm_add", "ddp_view", "sharded_layout", "cast_cache",
                  "fwd_cast", "root_g", "po", "pgo_d", "pgos_d", "proj", "keep", "step_tmp", "gloo", "loss_out", "loss_n")
 
@@ -175,7 +178,7 @@ class MemoryForm:
         before ``overhead``;
         `grid._parts_total` sums them as `MemoryEstimate.total` does (the search compares the
         totals of many ranks and builds an estimate for the fullest only)."""
-        ld, fsdp, ws, P, pp, last = self.ld, self.fsdp, self.ws, self.P, self.pp, self.last
+        ld, fsdp, ws, P, Pt, pp, last = self.ld, self.fsdp, self.ws, self.P, self.Pt, self.pp, self.last
         out, rafw = self.out, self.rafw
         params, grads, opt, data, work, keep = self.params, self.grads, self.opt, self.data, self.work, self.keep
         # buffers that live through the whole step (see `memory_form`)
@@ -215,7 +218,7 @@ class MemoryForm:
         for F, n_out, prev in variants:
             held = (F - 1) * per_other + (n_out if last else F) * per_out
             # gradients of earlier micro-batches: sharded, or (FSDP without gradient sync) unsharded
-            g0 = (4 * P if fsdp else grads) if prev else (grads if sharded_acc else 0.0)
+            g0 = (4 * Pt if fsdp else grads) if prev else (grads if sharded_acc else 0.0)
             # a pipeline under FSDP keeps every unit gathered after its first backward
             gath0 = root_g + work * (P - ld.root_params) if (fsdp and pp and prev and rafw) else root_g
             base = fixed + held + g0 + gath0
@@ -286,8 +289,11 @@ def memory_form(ld: RankLoad, plan: ParallelPlan, *, optimizer: str, global_batc
     f.ws = 1.0 / shard
     f.P = P = ld.params
     f.params = params = 4 * P * f.ws
-    grads = params
-    f.opt = opt = OPTIMIZER_BYTES[optimizer] * P * f.ws
+    # gradients and optimizer state: of the trainable parameters only (frozen ones have neither; ZeRO's
+    # 2 + 2 + 12 B per trainable parameter, Rajbhandari et al. 2020, Sec. 3.1, as modelpar's fp32 4 + 4 + 8)
+    f.Pt = Pt = ld.trainable
+    grads = 4 * Pt * f.ws
+    f.opt = opt = OPTIMIZER_BYTES[optimizer] * Pt * f.ws
     f.data = data = ld.data * global_batch_size
     bf16 = plan.precision == "bf16"
     f.work = work = 2 if bf16 else 4         # bytes of a gathered / working parameter (and its gradient)
@@ -323,10 +329,11 @@ def memory_form(ld: RankLoad, plan: ParallelPlan, *, optimizer: str, global_batc
     replicate = ddp_bucket_copy is None and layout.dp_wrapper == "replicate"
     f.ddp_view = ddp_view = ddp_bucket_copy is None and layout.dp_wrapper == "ddp"
     f.comm_add = 0.0
+    # (DDP's buckets and replicate's groups hold the gradients that exist: the trainable parameters')
     if replicate:
-        f.comm_add = 4 * max(ld.max_unit_params, ld.root_params)
+        f.comm_add = 4 * max(ld.max_unit_trainable, ld.root_trainable)
     elif ddp and ddp_bucket_copy is not False:
-        f.comm_add = 4 * P
+        f.comm_add = 4 * Pt
     grads = f.grads = 0.0 if ddp_view else grads
     f.sharded_layout = layout.sharded_grad_accumulation
     # bf16 weight copies (Megatron's bf16 parameters, `published`); an autocast load's: `recompute.cast_copies`
@@ -343,8 +350,8 @@ def memory_form(ld: RankLoad, plan: ParallelPlan, *, optimizer: str, global_batc
     # lists, so tensor-parallel plans step with the single-tensor loop (`modelpar.train.step.adamw`)
     if optimizer == "adamw" and not (fused and (plan.tp == 1 or fused_tp_optimizer)):
         if not foreach and ld.opt_temp < 0:
-            ld.opt_temp = _adamw_temp(list(ld.numels))
-        f.step_tmp = (ld.params if foreach else ld.opt_temp) * 4 / shard
+            ld.opt_temp = _adamw_temp(list(ld.trainable_numels))     # the optimizer's tensors
+        f.step_tmp = (Pt if foreach else ld.opt_temp) * 4 / shard
     else:
         f.step_tmp = 0.0   # fused AdamW and in-place SGD; the gradient norm copies nothing either
     f.pgo_d = params + grads + opt + data

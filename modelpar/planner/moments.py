@@ -69,22 +69,24 @@ def _backward_moments(recs: tuple, own: bool = False, cache: PlannerCache | None
         return hit
     nb = len(recs)
     cum, cum_ac, done_u, done_r = [0.0] * (nb + 1), [0.0] * (nb + 1), [0.0] * (nb + 1), [0.0] * (nb + 1)
+    done_ut = [0.0] * (nb + 1)                # trainable parameters of completed units (their gradients)
     prev_u, upto = [0.0] * nb, [0.0] * nb
     last_u, tot_u = 0.0, 0.0
-    for k, (saved, kept, _peaks, params, is_root, _in_grad, _in_saved) in enumerate(recs):   # `BlockRecord`s
+    for k, (saved, kept, _peaks, params, is_root, _in_grad, _in_saved, _tr) in enumerate(recs):   # `BlockRecord`s
         cum[k + 1], cum_ac[k + 1] = cum[k] + saved, cum_ac[k] + kept
         prev_u[k] = last_u
         if not is_root:
             last_u, tot_u = params, tot_u + params
         upto[k] = tot_u
-    next_u, nxt = [0.0] * nb, 0.0
+    next_u, nxt = [0.0] * nb, 0.0             # the next unit's trainable parameters (its gradient)
     for k in range(nb - 1, -1, -1):           # parameters of units / root blocks after k
         next_u[k] = nxt
         after = recs[k + 1] if k + 1 < nb else None
         done_u[k] = done_u[k + 1] + (after.params if after is not None and not after.is_root else 0.0)
-        done_r[k] = done_r[k + 1] + (after.params if after is not None and after.is_root else 0.0)
+        done_ut[k] = done_ut[k + 1] + (after.trainable if after is not None and not after.is_root else 0.0)
+        done_r[k] = done_r[k + 1] + (after.trainable if after is not None and after.is_root else 0.0)
         if not recs[k].is_root:
-            nxt = recs[k].params
+            nxt = recs[k].trainable
     keep = set()
     k = 0
     while k < nb:                             # runs of identical blocks: their ends, and one inside
@@ -96,7 +98,7 @@ def _backward_moments(recs: tuple, own: bool = False, cache: PlannerCache | None
     bwd, rs = [], []
     for k in sorted(keep, reverse=True):
         rk = recs[k]
-        sv, pk, root, gin_in = rk.saved, rk.params, rk.is_root, rk.in_grad
+        sv, pk, root, gin_in, pt = rk.saved, rk.params, rk.is_root, rk.in_grad, rk.trainable
         sv_ac = sv if own else sv - rk.in_saved     # full: the kept input is the input it saves
         kept: list[tuple] = []
         for ex, gi, gs, gq in rk.peaks:
@@ -105,12 +107,14 @@ def _backward_moments(recs: tuple, own: bool = False, cache: PlannerCache | None
                     break
             else:
                 kept.append((ex + gi, gs + gq))
-                # (act, act_ac, done_units, done_root, stored, unit, prev_unit, next_unit, units_upto, pending)
+                # (act, act_ac, done_units, done_root, stored, unit, prev_unit, next_unit, units_upto, pending,
+                # done_units_trainable)
                 bwd.append(_bwd((cum[k + 1] + ex + gi, cum_ac[k + (0 if own else 1)] + sv_ac + ex + gi, done_u[k],
-                                 done_r[k], gs, 0.0 if root else pk, prev_u[k], next_u[k], upto[k], gq)))
+                                 done_r[k], gs, 0.0 if root else pk, prev_u[k], next_u[k], upto[k], gq, done_ut[k])))
         if not root:
-            # (act, act_ac, done_units, done_root, unit, prev_unit, units_before)
-            rs.append(_rs((cum[k] + gin_in, cum_ac[k] + gin_in, done_u[k], done_r[k], pk, prev_u[k], upto[k] - pk)))
+            # (act, act_ac, done_units, done_root, unit, prev_unit, units_before, unit_trainable)
+            rs.append(_rs((cum[k] + gin_in, cum_ac[k] + gin_in, done_ut[k], done_r[k], pk, prev_u[k], upto[k] - pk,
+                           pt)))
     return tuple(dict.fromkeys(bwd)), tuple(dict.fromkeys(rs))
 
 
@@ -118,18 +122,19 @@ _NEW_BWD, _NEW_RS = fast_new(BwdMoment), fast_new(ReduceMoment)
 
 
 def _bwd_terms(c: BwdMoment, mode: ProjMode) -> MomentTerms:
-    """A block moment (`loads._backward_moments`) beyond what every backward moment of the step
+    """A block moment (`_backward_moments`) beyond what every backward moment of the step
     holds, as `records.MomentTerms` (linear forms in the micro-batch b and ws = 1 / dp_shard)."""
     # (unpacked in field order: ~10^5 calls per search, where attribute reads cost)
-    act, act_ac, done_u, done_r, gs, u, u_prev, u_next, _units_upto, gq = c
+    act, act_ac, done_u, done_r, gs, u, u_prev, u_next, _units_upto, gq, done_ut = c
     fsdp, ac, prev, rafw, work, pp, _gloo, held = mode   # held: earlier local batches' sharded gradients (base)
     A = act_ac if ac else act
     # weight gradients a matmul computed and AccumulateGrad has not stored yet are temporaries; with
-    # gradients from earlier micro-batches the stored ones were added in place
+    # gradients from earlier micro-batches the stored ones were added in place. Gradients: of the
+    # trainable parameters (``done_ut``, ``done_r``, ``u_next``); gathered parameters: all (``done_u``, ``u``)
     if not fsdp:
         if prev:        # pp == 2: the weight copies' gradients wait for the stage's backward to end (ProjMode)
-            return _terms((0.0, 0.0, A, 4 * gq + (2 * (done_u + done_r) if pp == 2 else 0.0), 0.0, 0.0, 0.0))
-        return _terms((4 * (done_u + done_r + gs), 0.0, A, 4 * gq, 0.0, 0.0, 0.0))
+            return _terms((0.0, 0.0, A, 4 * gq + (2 * (done_ut + done_r) if pp == 2 else 0.0), 0.0, 0.0, 0.0))
+        return _terms((4 * (done_ut + done_r + gs), 0.0, A, 4 * gq, 0.0, 0.0, 0.0))
     pre = work * u_prev if rafw else 0.0    # the prefetched unit's flat all-gather output
     if prev:
         # gradient sync off (accumulation; every backward of a pipeline, whose runtime calls
@@ -140,12 +145,12 @@ def _bwd_terms(c: BwdMoment, mode: ProjMode) -> MomentTerms:
     if pp:
         # a pipeline's first backward: completed units keep their unsharded gradients (accumulated
         # in fp32) and stay gathered; nothing is reduce-scattered until the schedule ends
-        return _terms((4 * (done_u + done_r), 0.0, A, work * (gs + gq), (work * (u + done_u) if rafw else 0.0),
+        return _terms((4 * (done_ut + done_r), 0.0, A, work * (gs + gq), (work * (u + done_u) if rafw else 0.0),
                        pre, 0.0))
     # reduce-scattered (sharded) gradients of completed units; the root's and unit k's unsharded
     # gradients so far; unit k gathered; the retained fp32 reduce-scatter input of the unit after k
     # (accumulating into sharded gradients held in the base: completed units add nothing)
-    return _terms((0.0, 0.0 if held else 4 * done_u, A, work * (done_r + gs + gq), (work * u if rafw else 0.0),
+    return _terms((0.0, 0.0 if held else 4 * done_ut, A, work * (done_r + gs + gq), (work * u if rafw else 0.0),
                    pre + 4 * u_next, 0.0))
 
 
@@ -156,16 +161,18 @@ def _rs_terms(c: ReduceMoment, mode: ProjMode, collective: bool) -> MomentTerms:
     gloo (``mode.gloo``) first copies the input into a flat buffer of its own, ProcessGroupGloo's
     reduce_scatter, where NCCL reduces in place). Unit k itself is resharded. With sharded gradients
     of earlier local batches held (``mode.sharded_acc``, in the base) the output is a temporary that FSDP2
-    adds into them (``foreach_reduce``), and completed units add nothing."""
-    act, act_ac, done_u, done_r, u, u_prev, _units_before = c          # `ReduceMoment`, in field order
+    adds into them (``foreach_reduce``), and completed units add nothing. FSDP2 reduces the gradients
+    that exist: the buffers and gradients count the unit's trainable parameters (``ut``), the resharded
+    unit all of them (``u``)."""
+    act, act_ac, done_ut, done_r, u, u_prev, _units_before, ut = c      # `ReduceMoment`, in field order
     _fsdp, ac, _prev, rafw, work, _pp, gloo, held = mode                # `ProjMode`, in field order
     A = act_ac if ac else act
     gath = 0.0 if rafw else -work * u
-    buf = 4 * u + (work * u_prev if rafw else 0.0)
-    done = 0.0 if held else 4 * done_u
+    buf = 4 * ut + (work * u_prev if rafw else 0.0)
+    done = 0.0 if held else 4 * done_ut
     if not collective:
-        return _terms((0.0, done, A, work * (done_r + u), gath, buf, 0.0))
-    return _terms((0.0, done, A, work * done_r, gath, buf + (4 * u if gloo else 0.0), 4 * u))
+        return _terms((0.0, done, A, work * (done_r + ut), gath, buf, 0.0))
+    return _terms((0.0, done, A, work * done_r, gath, buf + (4 * ut if gloo else 0.0), 4 * ut))
 
 
 def _projections(bwd_moments: tuple, rs_moments: tuple, mode: ProjMode) -> tuple:
