@@ -134,7 +134,7 @@ def test_full_checkpointing_counts_a_blocks_input_once():
     from modelpar.planner.loads import _backward_moments
     from modelpar.planner.records import BlockRecord
     rec = BlockRecord(saved=10.0, kept=3.0, peaks=((1.0, 0.0, 0, 0),), params=5.0, is_root=False, in_grad=0.0,
-                      in_saved=3.0)
+                      in_saved=3.0, trainable=5.0)
     first = rec._replace(saved=7.0, kept=0.0, in_saved=0.0)          # a stage's first block
     bwd, _ = _backward_moments((first, rec, rec))
     assert max(m.act_ac for m in bwd) == 0.0 + 3.0 + 10.0 + 1.0     # block 2: blocks 0-1 kept, its own saved
@@ -239,7 +239,7 @@ def test_pipeline_holds_the_copies_gradients_until_the_stages_backward_ends():
     from modelpar.planner.memory import _bwd_terms
     from modelpar.planner.records import BwdMoment, ProjMode
     c = BwdMoment(act=1.0, act_ac=1.0, done_units=10.0, done_root=3.0, stored=0.0, unit=5.0, prev_unit=0.0,
-                  next_unit=0.0, units_upto=5.0, pending=2.0)
+                  next_unit=0.0, units_upto=5.0, pending=2.0, done_units_trainable=10.0)
 
     def acts_k(pp):
         return _bwd_terms(c, ProjMode(fsdp=False, ac=False, prev=True, rafw=False, work=2, pp=pp, gloo=False,

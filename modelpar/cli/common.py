@@ -70,6 +70,16 @@ def profile_for(model: str, model_config: dict, seq_len: int, precision: str, bl
     return (deepen_profile(prof, layers) if layers > PROFILE_LAYERS else prof), model
 
 
+def params_phrase(prof) -> str:
+    """``"2.3M params"`` of a `planner.profile.ModelProfile`, with the trainable ones where some are
+    frozen (``"2.3M params, 0.082M trainable"``): the planner prices gradients and optimizer state of
+    those only."""
+    out = f"{prof.num_params / 1e6:,.1f}M params"
+    if prof.trainable_params != prof.num_params:
+        out += f", {prof.trainable_params / 1e6:,.3g}M trainable"
+    return out
+
+
 def hf_seq_len(name: str, cfg, seq_len: int) -> int:
     """The tokens per sample an HF language model runs at: ``seq_len``, or (0) its position limit
     capped at `modelpar.models.hf.DEFAULT_SEQ_LEN` (`default_seq_len`: the same in every command).

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 
 from modelpar.cli.args import add_fields, given_fields, make_parser, normalize_argv, parse
-from modelpar.cli.common import GIB, PlannerOptions, precision_for, profile_for
+from modelpar.cli.common import GIB, PlannerOptions, params_phrase, precision_for, profile_for
 from modelpar.cli.options import (BATCH_TERMS, DEGREES, BatchOptions, HardwareOptions, LayoutOptions, ModelOptions,
                                   PartsOptions, add_plan_fields, global_batch_size_given, plan_fields_given,
                                   run_world_size, strategy_given)
@@ -154,7 +154,7 @@ def _exact_answer(a, resolved, gbs: int, prof, desc, n: int, hw) -> int:
                             "fits": fits, "pp_rank": mem.pp_rank, "step_parts_s": st.parts()}
         print(json.dumps(out, indent=1, sort_keys=True))
         return 0 if fits else 1
-    print(f"{desc}: {prof.num_params / 1e6:,.1f}M params; {plan.describe()} on {n} x {hw.name} "
+    print(f"{desc}: {params_phrase(prof)}; {plan.describe()} on {n} x {hw.name} "
           f"({hw.memory_bytes / GIB:.1f} GiB each); global batch {gbs}, local {local}, micro-batch {local // m}, "
           f"accumulation {batch.accumulation_steps(plan)}")
     rate = f"{tok:,.0f} tokens/s per device" if tok is not None else f"{st.samples_per_s / n:,.1f} samples/s per device"
@@ -175,7 +175,7 @@ def _fit_answer(a, prof, desc, n: int, hw, prec: str) -> int:
     from modelpar.planner.memory import Batch, estimate_memory
     from modelpar.planner.search import search_plans
 
-    print(f"{desc}: {prof.num_params / 1e6:,.1f}M params; {n} x {hw.name} "
+    print(f"{desc}: {params_phrase(prof)}; {n} x {hw.name} "
           f"({hw.memory_bytes / GIB:.1f} GiB each), {prec}, micro-batch 1")
     for s in (("single",) if n == 1 else ("ddp", "fsdp", "tp", "pp")):
         try:

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from modelpar.cli.args import add_fields, given_fields, make_parser, normalize_argv, parse
-from modelpar.cli.common import GIB, PlannerOptions, precision_for, profile_for
+from modelpar.cli.common import GIB, PlannerOptions, params_phrase, precision_for, profile_for
 from modelpar.cli.options import (BATCH_TERMS, BatchOptions, HardwareOptions, LayoutOptions, ModelOptions, PartsOptions,
                                   add_plan_fields, global_batch_size_given, plan_fields_given, world_size)
 
@@ -126,7 +126,7 @@ def main(argv: list[str]) -> int:
         print(_plan_json(a, c, f"{what} on {n} x {hw.name}"))
         return 0
     only = f" (strategy {strategy} only)" if family else ""
-    print(f"{desc} ({prof.num_params / 1e6:,.1f}M params) on {n} x {hw.name}, "
+    print(f"{desc} ({params_phrase(prof)}) on {n} x {hw.name}, "
           f"global batch {a.global_batch_size}, {prec}: {rep.summary()}{only} [{time.perf_counter() - t:.2f} s]")
     if not ranked:
         print("no plan fits; reasons above")
@@ -221,7 +221,7 @@ def _print_one(a, c, what: str, desc: str, prof, n: int, hw, prec: str, seconds:
     if a.json:
         print(_plan_json(a, c, f"{what}, priced on {n} x {hw.name}"))
         return 0 if fits else 1
-    print(f"{desc} ({prof.num_params / 1e6:,.1f}M params) on {n} x {hw.name}, global batch "
+    print(f"{desc} ({params_phrase(prof)}) on {n} x {hw.name}, global batch "
           f"{c.batch.global_batch_size}, {prec}: one plan priced ({what}) [{seconds:.2f} s]")
     _print_table([c], hw, prec)
     _print_explain(1, c, hw)

@@ -145,24 +145,33 @@ _PROFILES: dict[str, object] = {}
 
 def profile_for(model: str, model_config: dict | None = None, seq_len: int = 0, precision: str = "fp32"):
     """Profile at batch 1 (meta device, fused attention as torch runs it) of a built-in model, or
-    of a Hugging Face one (``model_config`` overrides, dropout 0 as the measured runs, ``seq_len``);
-    ``precision`` "bf16": with its autocast variant, as `modelpar plan` profiles bf16."""
+    of a Hugging Face one (``model_config`` overrides, dropout 0 as the measured runs, ``seq_len``),
+    or of a factory model (``module:factory``, as `modelpar plan` profiles it: its own flags, frozen
+    parameters included, `modelpar.models.factory_check.factory_profile`); ``precision`` "bf16": with
+    its autocast variant, as `modelpar plan` profiles bf16."""
     import json as _json
 
     from modelpar.models import MLP_PRESETS, build_model
     from modelpar.models.hf import build_hf, is_hf_name
+    from modelpar.models.spec import model_kind
     from modelpar.planner.profile import profile_model
     key = f"{model} {_json.dumps(model_config or {}, sort_keys=True)} {seq_len} {precision}"
-    if key not in _PROFILES:
-        if is_hf_name(model):
-            mod = build_hf(model, model_config, device="meta", seed=None, dropout=0.0)
-            x = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
-        else:
-            mod = build_model(model, device="meta")
-            x = (torch.zeros(1, MLP_PRESETS[model][0], device="meta") if model in MLP_PRESETS
-                 else torch.zeros(1, mod.cfg.seq_len, dtype=torch.long, device="meta"))
-        bf16 = precision == "bf16"
-        _PROFILES[key] = profile_model(mod, x, dtype=torch.bfloat16 if bf16 else torch.float32, autocast=bf16)
+    bf16 = precision == "bf16"
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    if key in _PROFILES:
+        return _PROFILES[key]
+    if model_kind(model) == "factory":
+        from modelpar.models.factory_check import factory_profile
+        _PROFILES[key] = factory_profile(model, seq_len, dtype)[0]
+        return _PROFILES[key]
+    if is_hf_name(model):
+        mod = build_hf(model, model_config, device="meta", seed=None, dropout=0.0)
+        x = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+    else:
+        mod = build_model(model, device="meta")
+        x = (torch.zeros(1, MLP_PRESETS[model][0], device="meta") if model in MLP_PRESETS
+             else torch.zeros(1, mod.cfg.seq_len, dtype=torch.long, device="meta"))
+    _PROFILES[key] = profile_model(mod, x, dtype=dtype, autocast=bf16)
     return _PROFILES[key]
 
 

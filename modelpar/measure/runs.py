@@ -171,10 +171,22 @@ def _snap(snap: dict) -> dict[str, int]:
 def _tracker():
     """A MemTracker that accepts a root module called more than once per step (gradient
     accumulation, pipeline micro-batches): only its per-module statistics are dropped, which this
-    module does not read; the device-wide snapshots and peak are unaffected."""
+    module does not read; the device-wide snapshots and peak are unaffected. It also accepts frozen
+    parameters (``requires_grad=False``), on which torch's MemTracker would register a gradient hook
+    (a RuntimeError): they have no gradient to track, so they get none."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    class _NoHook:
+        def remove(self) -> None:
+            pass
+
     class _Tracker(MemTracker):
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            for p in module.parameters():        # marked hooked: MemTracker skips them
+                if not p.requires_grad and self._param_to_grad_hook_handles.get(p) is None:
+                    self._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
         def _pre_fw_hook(self, module, inputs):
             if module in self.memory_tracking and not self._mod_tracker.is_bw:
                 name = self._mod_tracker.get_known_fqn(module)

@@ -105,7 +105,11 @@ def _comm_terms(ld: RankLoad, plan: ParallelPlan, hw: Hardware, b: int, wb: int,
     the receivers all-gather it over the TP group; Narayanan et al. SC'21, Sec. 4.1); ``groups``:
     data-parallel all-reduces per FSDP2 replicate group (each block, then the root) instead of DDP
     buckets, ``last`` the first block's and the root's. ``cache``: `PlannerCache.comms`, per rank
-    load (its ``key``, the entry used for the same object only) and these arguments."""
+    load (its ``key``, the entry used for the same object only) and these arguments.
+
+    Gradient reductions carry the gradients that exist, those of the trainable parameters
+    (`loads.RankLoad.trainable`: DDP's buckets hold only parameters that require gradients, FSDP2
+    reduce-scatters a unit's parameters with a gradient); FSDP's all-gathers carry every parameter."""
     key = (ld.key, plan.tp, plan.dp_shard, plan.dp_replicate, plan.pp, b, wb, dp_overlap, rb, sg, groups)
     hit = cache.comms.get(key) if cache is not None else None
     if hit is not None and hit[0] is ld:
@@ -121,23 +125,25 @@ def _comm_terms(ld: RankLoad, plan: ParallelPlan, hw: Hardware, b: int, wb: int,
     if sg and plan.pp > 1 and plan.tp > 1 and not plan.sequence_parallel:
         c["p2p"] = (_coll(plan, "pp", hw, "send_recv", p2p * b / plan.tp, 2, False, cache)
                     + _coll(plan, "tp", hw, "all_gather", p2p * b, plan.tp, False, cache))
-    grad_bytes = rb * ld.params
+    grad_bytes = rb * ld.trainable
     if plan.dp_shard > 1:
         n = plan.dp_shard
         units = ld.unit_sizes or (ld.params - ld.root_params,)
+        grad_units = ld.unit_trainable or (ld.trainable - ld.root_trainable,)
         c["ag"] = _coll_sum(plan, "dp_shard", hw, "all_gather", units, n, wb, cx, cache)
         c["ag_root"] = _coll(plan, "dp_shard", hw, "all_gather", wb * ld.root_params, n, cx, cache)
-        c["rs"] = (_coll_sum(plan, "dp_shard", hw, "reduce_scatter", units, n, rb, cx, cache)
-                   + _coll(plan, "dp_shard", hw, "reduce_scatter", rb * ld.root_params, n, cx, cache))
+        c["rs"] = (_coll_sum(plan, "dp_shard", hw, "reduce_scatter", grad_units, n, rb, cx, cache)
+                   + _coll(plan, "dp_shard", hw, "reduce_scatter", rb * ld.root_trainable, n, cx, cache))
         c["first"] = _coll(plan, "dp_shard", hw, "all_gather", wb * ld.max_unit_params, n, False, cache)
         # the pieces FSDP2 cannot hide (`_fsdp_exposed`): one block's reduce-scatter, the root's
-        c["rs_unit"] = _coll(plan, "dp_shard", hw, "reduce_scatter", rb * ld.max_unit_params, n, False, cache)
-        c["rs_root"] = _coll(plan, "dp_shard", hw, "reduce_scatter", rb * ld.root_params, n, False, cache)
+        c["rs_unit"] = _coll(plan, "dp_shard", hw, "reduce_scatter", rb * ld.max_unit_trainable, n, False, cache)
+        c["rs_root"] = _coll(plan, "dp_shard", hw, "reduce_scatter", rb * ld.root_trainable, n, False, cache)
         c["rep"] = (_coll(plan, "dp_replicate", hw, "all_reduce", grad_bytes / n, plan.dp_replicate, cx, cache)
                     if plan.dp_replicate > 1 else 0.0)
     elif plan.dp_replicate > 1:
         n = plan.dp_replicate
-        buckets = _ddp_buckets_cached(ld.param_sizes, rb, cache) if (ld.param_sizes and dp_overlap) else (grad_bytes,)
+        sizes = ld.trainable_sizes
+        buckets = _ddp_buckets_cached(sizes, rb, cache) if (sizes and dp_overlap) else (grad_bytes,)
         c["t_ar"] = _coll_sum(plan, "dp_replicate", hw, "all_reduce", buckets, n, cache=cache)
         if cx:
             # DDP launches each bucket's all-reduce asynchronously from backward; only the wait for
@@ -147,10 +153,10 @@ def _comm_terms(ld: RankLoad, plan: ParallelPlan, hw: Hardware, b: int, wb: int,
         c["n_buckets"] = len(buckets)
         c["last"] = _coll(plan, "dp_replicate", hw, "all_reduce", min(DDP_BUCKET_BYTES, grad_bytes), n, False, cache)
         if groups:
-            units = (ld.unit_sizes or (ld.params - ld.root_params,)) + (ld.root_params,)
+            units = (ld.unit_trainable or (ld.trainable - ld.root_trainable,)) + (ld.root_trainable,)
             c["t_ar"] = _coll_sum(plan, "dp_replicate", hw, "all_reduce", units, n, rb, False, cache)
-            c["last"] = (_coll(plan, "dp_replicate", hw, "all_reduce", rb * ld.max_unit_params, n, False, cache)
-                         + _coll(plan, "dp_replicate", hw, "all_reduce", rb * ld.root_params, n, False, cache))
+            c["last"] = (_coll(plan, "dp_replicate", hw, "all_reduce", rb * ld.max_unit_trainable, n, False, cache)
+                         + _coll(plan, "dp_replicate", hw, "all_reduce", rb * ld.root_trainable, n, False, cache))
     if cache is not None:
         cache.comms[key] = (ld, c)
     return c

@@ -49,7 +49,8 @@ Gradient accumulation adds one in-place add (12 B/param) per micro-batch after t
 local shards where FSDP accumulates sharded gradients). FSDP without a pipeline reduce-scatters
 every local batch (FSDP2's default) unless the plan defers the sync (``defer_grad_sync``: once per
 step); HSDP's all-reduce across replicas runs once per step either way. DDP's buckets are views of
-its gradients (``gradient_as_bucket_view=True``): no copy into or out of them.
+its gradients (``gradient_as_bucket_view=True``): no copy into or out of them. Frozen parameters have no
+gradient to reduce, accumulate or step (`loads.RankLoad.trainable`); their backward FLOPs are profiled.
 """
 
 from __future__ import annotations
@@ -128,10 +129,10 @@ def _load_times(ld: RankLoad, hw: Hardware, b: int, prec: str, mem_s: float, ew_
         g_b += (a_b + max(ab * b - fa_b, 0.0) / attn_rate) * ctn
     fw_f, fw_b = _framework_seconds(ld, hw)         # per-call framework cost (dispatch, autograd, modules)
     t_f = g_f + ld.fwd_mem * b / min(mem_s, ew_s / ctn) + fw_f * ctn
-    # backward: every micro-batch's weight gradients are new tensors (the first become .grad,
-    # later ones are added into it)
+    # backward: every micro-batch's weight gradients (of the trainable parameters) are new tensors
+    # (the first become .grad, later ones are added into it)
     t_b = (g_b + ld.bwd_mem * b / min(mem_s, ew_s / ctn) + fw_b * ctn
-           + hw.fresh_seconds(ld.param_sizes, 4, alone=alone))
+           + hw.fresh_seconds(ld.trainable_sizes, 4, alone=alone))
     return t_f, t_b
 
 
@@ -242,12 +243,12 @@ def step_form(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, optimi
     if hw.kind == "cpu":
         traffic, kernels = ((ADAMW_LOOP_TRAFFIC, ADAMW_LOOP_KERNELS) if loop
                             else (OPT_TRAFFIC_CPU[optimizer], OPT_KERNELS[optimizer]))
-        f.opt = [ld.params / ds * traffic / mem_s + ld.num_tensors * kernels * hw.op_overhead_s
-                 + (2 * hw.fresh_seconds([k / ds for k in ld.param_sizes], 4) if loop else 0.0) for ld in loads]
+        f.opt = [ld.trainable / ds * traffic / mem_s + len(ld.trainable_sizes) * kernels * hw.op_overhead_s
+                 + (2 * hw.fresh_seconds([k / ds for k in ld.trainable_sizes], 4) if loop else 0.0) for ld in loads]
     else:
         traffic = ADAMW_LOOP_TRAFFIC if loop else OPT_TRAFFIC[optimizer]
-        f.opt = ([ld.params / ds * traffic / mem_s + ld.params / ds * MASTER_WEIGHT_TRAFFIC / mem_s for ld in loads]
-                 if master_weights else [ld.params / ds * traffic / mem_s for ld in loads])
+        f.opt = ([ld.trainable / ds * traffic / mem_s + ld.trainable / ds * MASTER_WEIGHT_TRAFFIC / mem_s
+                  for ld in loads] if master_weights else [ld.trainable / ds * traffic / mem_s for ld in loads])
     # `runtime_layout(plan).sharded_grad_accumulation` of this layout's plans is this and not defer_grad_sync
     f.shard_acc = plan.dp_shard > 1 and plan.pp == 1
     f.per_b, f.slowest, f.comms, f.floors = {}, {}, {}, {}      # floors: `topk._exposed_terms` per rank
@@ -366,7 +367,7 @@ class StepForm:
         # write 1 fp32 values per parameter); FSDP without a pipeline adds reduce-scattered shards
         # unless the plan defers the sync (`plan.runtime_layout`)
         sharded_acc = self.shard_acc and not plan.defer_grad_sync     # = runtime_layout(plan).sharded_grad_accumulation
-        t_acc = (mbs - 1) * 12 * ld.params / (plan.dp_shard if sharded_acc else 1) / mem_s
+        t_acc = (mbs - 1) * 12 * ld.trainable / (plan.dp_shard if sharded_acc else 1) / mem_s
         layout, rep_rt = self.layout, self.rep_rt
         cm = self.comms_at(plan, i, ld, b)
         t_p2p = 2 * v * cm["p2p"] if p > 1 else 0.0
@@ -394,7 +395,7 @@ class StepForm:
                     # copy-out of the flat buffer (read + write; the root once per micro-batch), and each
                     # reduce-scatter's copy-in of the unsharded gradients (read wb, write reduce dtype)
                     fsdp_per_mb += 2 * wb * (gathers * (ld.params - root) + root) / mem_s
-                    copy_in = (wb + reduce_bytes) * ld.params / mem_s
+                    copy_in = (wb + reduce_bytes) * ld.trainable / mem_s
                     if p == 1 and not deferred:
                         fsdp_per_mb += copy_in
                     else:
@@ -405,8 +406,9 @@ class StepForm:
                 # into a new flat input and writes a new shard (fresh where the allocator maps them)
                 ag_mem = (hw.fresh_seconds(units, wb) + hw.fresh_seconds(ld.param_sizes, wb)
                           + 2 * wb * (ld.params - root) / mem_s)
-                rs_mem = (hw.fresh_seconds(units, 4) + hw.fresh_seconds([u / n for u in units], 4)
-                          + 8 * (ld.params - root) / mem_s)
+                g_units = ld.unit_trainable or (ld.trainable - ld.root_trainable,)     # trainable only
+                rs_mem = (hw.fresh_seconds(g_units, 4) + hw.fresh_seconds([u / n for u in g_units], 4)
+                          + 8 * (ld.trainable - ld.root_trainable) / mem_s)
                 # + FSDP2's per-unit cost (hooks, copy-in/out bookkeeping; forward + backward), calibrated
                 fsdp_per_mb = (gathers * (ag + ag_mem) + ag_root
                                + (len(units) + 1) * cal.fsdp_unit_overhead_s
@@ -422,7 +424,7 @@ class StepForm:
                 # FSDP2 replicate under torch.distributed.pipelining: the runtime reduces once after the
                 # schedule's last backward (`PipelineStage.perform_reduce_grad`), nothing left to hide
                 # it; each group's gradients copied into the flat fp32 buffer and back (read + write)
-                dp_exposed = t_ar + 16 * ld.params / mem_s
+                dp_exposed = t_ar + 16 * ld.trainable / mem_s
             elif overlap:
                 # torch DDP's buckets, or replicate's groups (under TP), behind the backward, except the
                 # last bucket (replicate: the first block's and the root's group, reduced after the last
@@ -437,7 +439,7 @@ class StepForm:
             else:
                 # FSDP2's replicate (DDP semantics under PP / TP) copies the gradients into a flat
                 # buffer and the reduced values back (read + write each way)
-                dp_exposed = t_ar + 16 * ld.params / mem_s
+                dp_exposed = t_ar + 16 * ld.trainable / mem_s
         # the bubble: GPipe / 1F1B from the other stages' times along the schedule's critical path
         # (`formulas.fill_drain_seconds`; (p - 1)(F + B) for equal stages, Narayanan et al. 2021,
         # Sec. 2.2); other schedules: their bubble fraction of the slowest rank's ideal time

@@ -24,7 +24,8 @@ _MARGIN = 1e-9
 # every field of a rank load that `memory.memory_form` and `MemoryForm.parts` read (after
 # `recompute.ac_load`): loads equal in all of them give equal forms under one plan
 _MEM_FIELDS = ("params", "data", "saved", "saved_ac", "is_last", "out", "max_unit_params", "root_params", "numels",
-               "recv", "boundary", "bwd_moments", "rs_moments")
+               "recv", "boundary", "bwd_moments", "rs_moments", "trainable", "root_trainable", "max_unit_trainable",
+               "trainable_numels")
 
 
 def memory_class(ld, cache) -> int:

@@ -145,9 +145,11 @@ def layouts(S: Search, factorizations):
                 all_loads = rank_loads(profile, plan0, act_bytes=S.act_bytes, cache=cache, autocast=ac)
                 # interleaved stages hold micro-batches in flight in no rank order: every rank
                 reps = list(enumerate(all_loads)) if v > 1 else S.representatives(all_loads)
+                # model states: 4 B per parameter, gradient and optimizer state per trainable one
+                # (``state_bytes`` each where nothing is frozen: the parameters themselves)
                 cached = S.load_cache[key] = (reps, [ld for _, ld in reps],
-                                              max(ld.params for _, ld in reps), S.ac_bounds(reps),
-                                              list(enumerate(all_loads)))
+                                              max(_state_params(ld, S.state_bytes) for _, ld in reps),
+                                              S.ac_bounds(reps), list(enumerate(all_loads)))
             reps, loads, max_params, bounds, every_rank = cached
             if max_params / ds * S.state_bytes + S.overhead > S.budget:
                 pruned["model states exceed memory"] += n_inner
@@ -166,6 +168,16 @@ def layouts(S: Search, factorizations):
             L.mem_args, L.groups, L.interleaved, L.per_dp = mem_args, groups, sched.startswith("interleaved"), per_dp
             order += 1
             yield L
+
+
+def _state_params(ld, state_bytes: float) -> float:
+    """Parameters whose ``state_bytes`` each (parameter, gradient, optimizer state) equal the model
+    states of rank load ``ld``: its parameters (4 B each) and its trainable parameters' gradients and
+    optimizer state (``state_bytes - 4`` each), over ``state_bytes``; ``ld.params`` itself where
+    nothing is frozen."""
+    if ld.trainable == ld.params:
+        return ld.params
+    return (4 * ld.params + (state_bytes - 4) * ld.trainable) / state_bytes
 
 
 def group_refusal(L: Layout, m: int) -> str | None:

@@ -14,9 +14,10 @@ from typing import NamedTuple
 
 from modelpar.plan import ParallelPlan
 from modelpar.planner.memo import PlannerCache
+from modelpar.planner.moments import _backward_moments, _scaled_peaks  # noqa: F401  (re-exported)
 from modelpar.planner.profile import ModelProfile, tied_copies
 from modelpar.planner.profile_ops import SDPA_LAYOUT
-from modelpar.planner.records import BlockRecord, BlockTerms, BwdMoment, ReduceMoment, fast_new, stage_terms
+from modelpar.planner.records import BlockRecord, BlockTerms, stage_terms
 from modelpar.stage_split import split_blocks
 
 
@@ -81,6 +82,15 @@ class RankLoad:
     params: float = 0.0            # parameters of the rank's stages
     root_params: float = 0.0       # parameters outside the transformer blocks (embed/head): FSDP root
     max_unit_params: float = 0.0   # largest FSDP unit (one block)
+    # the parameters that require gradients (`profile.BlockProfile.frozen`): the ones with a gradient,
+    # optimizer state and a data-parallel reduction; frozen ones are still held and FSDP-gathered.
+    # Equal to the fields above where nothing is frozen (the same floats)
+    trainable: float = 0.0         # of ``params``
+    root_trainable: float = 0.0    # of ``root_params``
+    max_unit_trainable: float = 0.0    # the most of one FSDP unit
+    trainable_numels: tuple = ()   # ``numels`` of the trainable tensors (the optimizer's, in order)
+    trainable_sizes: tuple = ()    # ``param_sizes`` of the trainable tensors (gradients, DDP's buckets)
+    unit_trainable: tuple = ()     # per FSDP unit (``unit_sizes``' order): its trainable elements
     autocast: bool = False         # from the profile's autocast variant (`rank_loads`' ``autocast``)
     saved: float = 0.0             # saved bytes per sample, TP-split applied (a stage's input excluded)
     saved_ac: float = 0.0          # with full checkpointing: block inputs kept per sample (same)
@@ -173,115 +183,14 @@ def _adamw_temp(numels: list[tuple[float, bool]]) -> float:
     return best
 
 
-def _scaled_peaks(peaks: tuple, in_grad, ex_mul: float, g_mul: float, shr: float,
-                  cache: PlannerCache | None = None) -> tuple:
-    """`BlockProfile.bwd_peaks` per sample with TP applied (``in_grad``: incoming gradient bytes that
-    replace the profiled ones, None to keep them); memoized in ``cache``, since a model's blocks repeat."""
-    if cache is not None:
-        key = (peaks, in_grad, ex_mul, g_mul, shr)
-        hit = cache.peaks.get(key)
-        if hit is None:
-            hit = cache.peaks[key] = _scaled_peaks(peaks, in_grad, ex_mul, g_mul, shr)
-        return hit
-    return tuple((ex * ex_mul, (gi if in_grad is None else in_grad) * g_mul, gs * shr, gq * shr)
-                 for ex, gi, gs, gq in peaks)
-
-
-def _backward_moments(recs: tuple, own: bool = False, cache: PlannerCache | None = None) -> tuple[tuple, tuple]:
-    """Candidate peak moments of one micro-batch's backward on a rank, from its blocks in forward
-    order. ``recs``: a `records.BlockRecord` per block.
-
-    Backward runs the blocks in reverse. Inside block k's backward (`BlockProfile.bwd_peaks`) the
-    live activations of the micro-batch are the saved bytes of blocks <= k (later blocks' were freed
-    by autograd as their backward ran), the block's gradient temporaries and the gradient flowing in.
-    Parameters of later blocks have their gradients; under FSDP2 (Zhao et al. 2023, Sec. 3.3;
-    torch's ``FSDPParamGroup``) unit k is gathered, the unit before it is being all-gathered into a
-    flat buffer by the backward prefetch, and the reduce-scatter input of the unit after it is
-    retained until unit k's own reduce (``reduce_scatter_max_input_buffers=1``). At unit k's
-    reduce-scatter (FSDP2 ``post_backward``: reshard, then reduce) its gathered parameters are freed
-    and the unsharded gradient is copied into the reduce-scatter input.
-
-    Returns ``(block moments, reduce moments)``: tuples of `records.BwdMoment` and
-    `records.ReduceMoment`.
-
-    Only moments that can be the largest are kept: in a run of identical blocks every quantity
-    changes by the same step from one block to the next, so the total is linear along the run's
-    interior and only its two ends (and the run's first and last blocks, whose neighbours differ)
-    can be the maximum; within a block, a later peak (fewer activations, more gradients) is dropped
-    when an earlier one beats it even with the heaviest gradient weight (4 bytes per element) and
-    the smallest micro-batch (1 sample). `_projections` prunes further for each plan mode.
-
-    ``own``: the second column's block record is what the block keeps (`modelpar.planner.recompute`),
-    so inside block k's backward it holds blocks < k's and block k's whole saved bytes (restored by
-    its recompute, or never freed); False (full checkpointing): the input of blocks <= k and block
-    k's recomputed saved bytes less the input among them (``in_saved``: the recompute saves the kept
-    input itself, not a copy).
-
-    ``cache``: memoized there per (``recs``, ``own``) (`memo.PlannerCache.moments`).
-    """
-    _bwd, _rs = _NEW_BWD, _NEW_RS
-    if cache is not None:
-        hit = cache.moments.get((recs, own))
-        if hit is None:
-            hit = cache.moments[(recs, own)] = _backward_moments(recs, own)
-        return hit
-    nb = len(recs)
-    cum, cum_ac, done_u, done_r = [0.0] * (nb + 1), [0.0] * (nb + 1), [0.0] * (nb + 1), [0.0] * (nb + 1)
-    prev_u, upto = [0.0] * nb, [0.0] * nb
-    last_u, tot_u = 0.0, 0.0
-    for k, (saved, kept, _peaks, params, is_root, _in_grad, _in_saved) in enumerate(recs):   # `BlockRecord`s
-        cum[k + 1], cum_ac[k + 1] = cum[k] + saved, cum_ac[k] + kept
-        prev_u[k] = last_u
-        if not is_root:
-            last_u, tot_u = params, tot_u + params
-        upto[k] = tot_u
-    next_u, nxt = [0.0] * nb, 0.0
-    for k in range(nb - 1, -1, -1):           # parameters of units / root blocks after k
-        next_u[k] = nxt
-        after = recs[k + 1] if k + 1 < nb else None
-        done_u[k] = done_u[k + 1] + (after.params if after is not None and not after.is_root else 0.0)
-        done_r[k] = done_r[k + 1] + (after.params if after is not None and after.is_root else 0.0)
-        if not recs[k].is_root:
-            nxt = recs[k].params
-    keep = set()
-    k = 0
-    while k < nb:                             # runs of identical blocks: their ends, and one inside
-        e = k
-        while e + 1 < nb and recs[e + 1] == recs[k]:
-            e += 1
-        keep.update(x for x in (k, k + 1, e - 1, e) if k <= x <= e)
-        k = e + 1
-    bwd, rs = [], []
-    for k in sorted(keep, reverse=True):
-        rk = recs[k]
-        sv, pk, root, gin_in = rk.saved, rk.params, rk.is_root, rk.in_grad
-        sv_ac = sv if own else sv - rk.in_saved     # full: the kept input is the input it saves
-        kept: list[tuple] = []
-        for ex, gi, gs, gq in rk.peaks:
-            for a, g in kept:       # an earlier peak beats this one (a loop: no generator per peak)
-                if a - (ex + gi) >= 4 * (gs + gq - g):
-                    break
-            else:
-                kept.append((ex + gi, gs + gq))
-                # (act, act_ac, done_units, done_root, stored, unit, prev_unit, next_unit, units_upto, pending)
-                bwd.append(_bwd((cum[k + 1] + ex + gi, cum_ac[k + (0 if own else 1)] + sv_ac + ex + gi, done_u[k],
-                                 done_r[k], gs, 0.0 if root else pk, prev_u[k], next_u[k], upto[k], gq)))
-        if not root:
-            # (act, act_ac, done_units, done_root, unit, prev_unit, units_before)
-            rs.append(_rs((cum[k] + gin_in, cum_ac[k] + gin_in, done_u[k], done_r[k], pk, prev_u[k], upto[k] - pk)))
-    return tuple(dict.fromkeys(bwd)), tuple(dict.fromkeys(rs))
-
-
-_NEW_BWD, _NEW_RS = fast_new(BwdMoment), fast_new(ReduceMoment)
-
-
 # additive per-block fields of a `RankLoad`, in this order (summed over a stage by prefix sums)
 _SUMS = ("params", "root_params", "saved", "saved_ac", "fwd_flops", "bwd_flops", "fwd_mem", "bwd_mem",
          "ops", "fwd_ops", "fwd_gemms", "bwd_gemms", "attn_f", "attn_b", "attn_calls", "tp_linears",
-         "gp_f", "gp_b", "ga_f", "ga_b", "tp_collectives", "calls", "fwd_calls")
+         "gp_f", "gp_b", "ga_f", "ga_b", "tp_collectives", "calls", "fwd_calls", "trainable", "root_trainable")
 # those that are `RankLoad` fields of the same name; the rest are (forward, backward) pairs
 _LOAD_SUMS = tuple(k for k in _SUMS if k not in ("attn_f", "attn_b", "gp_f", "gp_b", "ga_f", "ga_b"))
-_PARAMS, _ROOT, _SAVED, _SAVED_AC = (_SUMS.index(k) for k in ("params", "root_params", "saved", "saved_ac"))
+_PARAMS, _ROOT, _SAVED, _SAVED_AC, _TRAIN, _ROOT_TRAIN = (_SUMS.index(k) for k in (
+    "params", "root_params", "saved", "saved_ac", "trainable", "root_trainable"))
 
 
 class _BlockArgs(NamedTuple):
@@ -296,6 +205,7 @@ class _BlockArgs(NamedTuple):
     ex_mul: float       # scale of the profiled backward temporaries
     g_div: float        # scale of the gradient bytes
     shr: float          # local share of the block's parameters
+    trainable: float    # local parameters that require gradients
 
 
 def _block_shapes(bl, t: int, bs: int) -> tuple:
@@ -316,6 +226,14 @@ def _tp_part(flops: float, whole: float, bs: int, t: int) -> float:
     return flops / bs / t if not whole else flops / bs * ((1 - whole) / t + whole)
 
 
+def _trainable_local(bl, t: int) -> float:
+    """One TP rank's elements of block ``bl``'s trainable parameters (`profile.BlockProfile.frozen`),
+    at TP degree ``t``: the TP-sharded ones divided by ``t``, as the block's ``local`` parameters."""
+    tr = [(k, sh) for (k, _, sh), f in zip(bl.param_numels, bl.frozen) if not f]
+    sharded = sum(k for k, sh in tr if sh)
+    return sum(k for k, _ in tr) - sharded + sharded / t
+
+
 def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: PlannerCache) -> BlockTerms:
     """Per-block contributions to a `RankLoad` for TP degree ``t`` (memoized in ``cache``, which
     serves one profile, per degree, sequence parallel and activation scale: the search builds ~200
@@ -328,7 +246,7 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: P
     n = len(profile.blocks)
     transformer = bool(profile.arch)
     pre = [(0,) * len(_SUMS)]
-    first_adj, unit_params, numels, rec_args, gemms = [], [], [], [], []
+    first_adj, unit_params, numels, rec_args, gemms, unit_tr, tr_numels = [], [], [], [], [], [], []
     ac_info = []        # per block: (layer index or -1, core saved bytes, fwd FLOPs, attention fwd FLOPs)
     for i, bl in enumerate(profile.blocks):
         is_end = transformer and (i == 0 or i == n - 1)
@@ -347,6 +265,10 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: P
         first_adj.append(((saved_first - saved) * scale / bs, -ac_in * scale / bs))
         unit_params.append(None if is_end else local)
         numels.append([(k / t if sh else k, mat) for k, mat, sh in bl.param_numels])
+        # frozen parameters (`BlockProfile.frozen`): no gradient, no optimizer state, no reduction
+        tr_numels.append(numels[-1] if not bl.frozen else [x for x, f in zip(numels[-1], bl.frozen) if not f])
+        local_tr = local if not bl.frozen else _trainable_local(bl, t)
+        unit_tr.append(None if is_end else local_tr)
         gemms.append(_block_shapes(bl, t, bs))
         wf, wa = (w / x if x else 0.0 for w, x in zip(bl.tp_whole_flops, (bl.fwd_flops, bl.fwd_attn_flops)))
         ac_info.append((-1 if is_end else (i - 1 if transformer else i), bl.attn_core_saved_bytes / t * scale / bs,
@@ -357,7 +279,7 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: P
         g_div = (1.0 / t if sp else 1.0) * scale / bs
         rec_args.append(_BlockArgs(block=bl, saved=saved * scale / bs, saved_first=saved_first * scale / bs,
                                    ac_in=ac_in * scale / bs, params=local, is_end=is_end, ex_mul=scale / bs * tp_div,
-                                   g_div=g_div, shr=shr))
+                                   g_div=g_div, shr=shr, trainable=local_tr))
         # in the order of `_SUMS`
         row = (local, local if is_end else 0.0, saved * scale / bs, ac_in * scale / bs,
                _tp_part(bl.fwd_flops, wf, bs, t), _tp_part(bl.bwd_flops, wf, bs, t),
@@ -369,7 +291,7 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: P
                bl.fwd_gemm_act_bytes * scale / bs * tp_div, bl.bwd_gemm_act_bytes * scale / bs * tp_div,
                (bl.tp_rowwise if bl.tp_rowwise >= 0 and transformer and not is_end
                 else 2 if (transformer and not is_end) else 1) if t > 1 else 0,
-               bl.fwd_calls + bl.bwd_calls, bl.fwd_calls)
+               bl.fwd_calls + bl.bwd_calls, bl.fwd_calls, local_tr, local_tr if is_end else 0.0)
         pre.append(tuple(a + b for a, b in zip(pre[-1], row)))
 
     @functools.lru_cache(maxsize=None)
@@ -388,10 +310,10 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: P
                               cache)
         return BlockRecord(saved=a.saved_first if first else a.saved, kept=0.0 if first else a.ac_in, peaks=peaks,
                            params=a.params, is_root=a.is_end, in_grad=bl.input_bytes * g_div if i > 0 else 0.0,
-                           in_saved=0.0 if first else a.saved - a.saved_first)
+                           in_saved=0.0 if first else a.saved - a.saved_first, trainable=a.trainable)
 
     out = BlockTerms(prefix=pre, first_adj=first_adj, unit_params=unit_params, numels=numels, record=rec,
-                     ac_info=ac_info, stages={}, shapes=gemms)
+                     ac_info=ac_info, stages={}, shapes=gemms, unit_trainable=unit_tr, trainable_numels=tr_numels)
     cache.block_terms[key] = out
     return out
 
@@ -427,6 +349,9 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
     numels: list[list[tuple[float, bool]]] = [[] for _ in range(plan.pp)]
     units: list[list[float]] = [[] for _ in range(plan.pp)]       # FSDP units' parameters, in order
     sizes: list[list[float]] = [[] for _ in range(plan.pp)]       # each tensor's elements (numels' first)
+    tr_numels: list[list[tuple[float, bool]]] = [[] for _ in range(plan.pp)]    # the trainable ones'
+    tr_units: list[list[float]] = [[] for _ in range(plan.pp)]
+    tr_sizes: list[list[float]] = [[] for _ in range(plan.pp)]
     recs: list[list[tuple]] = [[] for _ in range(plan.pp)]
     acb: list[list[tuple]] = [[] for _ in range(plan.pp)]
     shapes: list[dict] = [{} for _ in range(plan.pp)]
@@ -440,9 +365,13 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
         acc[_SAVED] += first_adj[a][0]
         acc[_SAVED_AC] += first_adj[a][1]
         ld.max_unit_params = max(ld.max_unit_params, st.max_unit)
+        ld.max_unit_trainable = max(ld.max_unit_trainable, st.max_unit_trainable)
         numels[r].extend(st.numels)
         sizes[r].extend(st.sizes)
         units[r].extend(st.units)
+        tr_numels[r].extend(st.trainable_numels)
+        tr_sizes[r].extend(st.trainable_sizes)
+        tr_units[r].extend(st.unit_trainable)
         recs[r].extend(st.records)
         acb[r].extend(st.ac_blocks)
         sh = shapes[r]
@@ -457,11 +386,16 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
             ld.p2p = max(ld.p2p, ld.boundary)
         ld.data = data
     for r, extra in enumerate(tied_copies(profile, rng, plan.pp, t)):    # a tie's copy on a later stage
-        for k, mat, end in extra:
+        for k, mat, end, trainable in extra:
             sums[r][_PARAMS] += k
             sums[r][_ROOT] += k if end else 0.0
             numels[r].append((k, mat))
             sizes[r].append(k)
+            if trainable:
+                sums[r][_TRAIN] += k
+                sums[r][_ROOT_TRAIN] += k if end else 0.0
+                tr_numels[r].append((k, mat))
+                tr_sizes[r].append(k)
     for ld, acc in zip(loads, sums):
         tot = dict(zip(_SUMS, acc))
         for k in _LOAD_SUMS:
@@ -473,8 +407,9 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
         ld.gemm_shapes = tuple(sorted(sh.items()))
         ld.moment_src = (tuple(rc), cache)          # `RankLoad.bwd_moments` computes them when first read
         ld.ac_blocks = tuple(ab)
-    for ld, nl, un, sz in zip(loads, numels, units, sizes):
+    for ld, nl, un, sz, tn, tu, ts in zip(loads, numels, units, sizes, tr_numels, tr_units, tr_sizes):
         ld.numels, ld.num_tensors, ld.unit_sizes, ld.param_sizes = tuple(nl), len(nl), tuple(un), tuple(sz)
+        ld.trainable_numels, ld.unit_trainable, ld.trainable_sizes = tuple(tn), tuple(tu), tuple(ts)
     last = loads[(len(rng) - 1) % plan.pp]
     last.is_last = True
     arch = profile.arch

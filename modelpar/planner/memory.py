@@ -22,6 +22,9 @@ Bytes per parameter, as modelpar runs them (``precision="bf16"`` keeps fp32 mast
 gradients and fp32 reductions, computing in bf16, see `ParallelPlan`):
     params 4, grads 4, optimizer 0 (sgd) / 4 (sgd_momentum) / 8 (adamw), plus a bf16 working copy of
     2 bytes: FSDP's gathered units, or autocast's weight cache without FSDP.
+Gradients and optimizer state exist for trainable parameters only (``requires_grad``; ZeRO Sec. 3.1
+counts its 2 + 12 B per trainable parameter): a frozen one is held and gathered, never reduced
+(`loads.RankLoad.trainable`, docs/planner.md "Frozen parameters").
 """
 
 from __future__ import annotations
@@ -31,13 +34,14 @@ from dataclasses import dataclass, fields
 from modelpar.plan import ParallelPlan, autocasts, runtime_layout
 from modelpar.planner.loads import RankLoad, _adamw_temp, rank_loads, stage_ranges  # noqa: F401  (re-exported)
 from modelpar.planner.memo import PlannerCache
+from modelpar.planner.moments import _bwd_terms, _projections, _rs_terms  # noqa: F401  (re-exported)
 from modelpar.planner.profile import ModelProfile
 from modelpar.planner.recompute import cast_copies
-from modelpar.planner.records import BwdMoment, MemoryParts, MomentTerms, ProjMode, ReduceMoment, fast_new
+from modelpar.planner.records import MemoryParts, ProjMode, fast_new
 
 OPTIMIZER_BYTES = {"sgd": 0, "sgd_momentum": 4, "adamw": 8}   # fp32 state bytes per parameter
 MIB = 2 ** 20
-_terms, _parts, _mode = fast_new(MomentTerms), fast_new(MemoryParts), fast_new(ProjMode)   # (values in field order)
+_parts, _mode = fast_new(MemoryParts), fast_new(ProjMode)   # (values in field order)
 
 
 @dataclass(frozen=True)
@@ -87,107 +91,6 @@ class MemoryEstimate:
 
     def parts(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("pp_rank", "phase")}
-
-
-
-# ---- stages ----------------------------------------------------------------------------------
-
-
-def _bwd_terms(c: BwdMoment, mode: ProjMode) -> MomentTerms:
-    """A block moment (`loads._backward_moments`) beyond what every backward moment of the step
-    holds, as `records.MomentTerms` (linear forms in the micro-batch b and ws = 1 / dp_shard)."""
-    # (unpacked in field order: ~10^5 calls per search, where attribute reads cost)
-    act, act_ac, done_u, done_r, gs, u, u_prev, u_next, _units_upto, gq = c
-    fsdp, ac, prev, rafw, work, pp, _gloo, held = mode   # held: earlier local batches' sharded gradients (base)
-    A = act_ac if ac else act
-    # weight gradients a matmul computed and AccumulateGrad has not stored yet are temporaries; with
-    # gradients from earlier micro-batches the stored ones were added in place
-    if not fsdp:
-        if prev:        # pp == 2: the weight copies' gradients wait for the stage's backward to end (ProjMode)
-            return _terms((0.0, 0.0, A, 4 * gq + (2 * (done_u + done_r) if pp == 2 else 0.0), 0.0, 0.0, 0.0))
-        return _terms((4 * (done_u + done_r + gs), 0.0, A, 4 * gq, 0.0, 0.0, 0.0))
-    pre = work * u_prev if rafw else 0.0    # the prefetched unit's flat all-gather output
-    if prev:
-        # gradient sync off (accumulation; every backward of a pipeline, whose runtime calls
-        # set_requires_gradient_sync(False)): unsharded gradients accumulate (in the base); the
-        # pipeline also keeps units gathered after their backward (set_reshard_after_backward(False),
-        # in the base)
-        return _terms((0.0, 0.0, A, work * gq, (work * u if (rafw and not pp) else 0.0), pre, 0.0))
-    if pp:
-        # a pipeline's first backward: completed units keep their unsharded gradients (accumulated
-        # in fp32) and stay gathered; nothing is reduce-scattered until the schedule ends
-        return _terms((4 * (done_u + done_r), 0.0, A, work * (gs + gq), (work * (u + done_u) if rafw else 0.0),
-                       pre, 0.0))
-    # reduce-scattered (sharded) gradients of completed units; the root's and unit k's unsharded
-    # gradients so far; unit k gathered; the retained fp32 reduce-scatter input of the unit after k
-    # (accumulating into sharded gradients held in the base: completed units add nothing)
-    return _terms((0.0, 0.0 if held else 4 * done_u, A, work * (done_r + gs + gq), (work * u if rafw else 0.0),
-                   pre + 4 * u_next, 0.0))
-
-
-def _rs_terms(c: ReduceMoment, mode: ProjMode, collective: bool) -> MomentTerms:
-    """FSDP unit k's reduce-scatter beyond the base, as `_bwd_terms`: on its copy-in (the unsharded
-    gradient, in the parameters' dtype, copied into the fp32 reduce-scatter input) or during the
-    collective (the unsharded gradient freed; input and output, which becomes the sharded gradient;
-    gloo (``mode.gloo``) first copies the input into a flat buffer of its own, ProcessGroupGloo's
-    reduce_scatter, where NCCL reduces in place). Unit k itself is resharded. With sharded gradients
-    of earlier local batches held (``mode.sharded_acc``, in the base) the output is a temporary that FSDP2
-    adds into them (``foreach_reduce``), and completed units add nothing."""
-    act, act_ac, done_u, done_r, u, u_prev, _units_before = c          # `ReduceMoment`, in field order
-    _fsdp, ac, _prev, rafw, work, _pp, gloo, held = mode                # `ProjMode`, in field order
-    A = act_ac if ac else act
-    gath = 0.0 if rafw else -work * u
-    buf = 4 * u + (work * u_prev if rafw else 0.0)
-    done = 0.0 if held else 4 * done_u
-    if not collective:
-        return _terms((0.0, done, A, work * (done_r + u), gath, buf, 0.0))
-    return _terms((0.0, done, A, work * done_r, gath, buf + (4 * u if gloo else 0.0), 4 * u))
-
-
-def _projections(bwd_moments: tuple, rs_moments: tuple, mode: ProjMode) -> tuple:
-    """A rank's block and reduce moments (`RankLoad.bwd_moments`, ``rs_moments``) for one ``mode``
-    as (A, K, G, (kind, `records.MomentTerms`)), total = A b + K + G / dp_shard beyond the
-    base, keeping only those that can be the largest for some b >= 1 and dp_shard >= 1: none that
-    another bounds in A, K and G, and, where G is zero throughout, only the upper convex hull of
-    (A, K) over slopes b >= 1."""
-    terms = [("backward", _bwd_terms(c, mode)) for c in bwd_moments]
-    if mode.fsdp and not mode.prev and not mode.pp:
-        for c in rs_moments:
-            terms.append(("fsdp_reduce", _rs_terms(c, mode, False)))
-            terms.append(("fsdp_reduce", _rs_terms(c, mode, True)))
-    # (A, K, G) of `MomentTerms` (grads_k, grads_g, acts_a, acts_k, gathered_k, buffers_k, buffers_g)
-    cands = sorted(((t[2], t[0] + t[3] + t[4] + t[5], t[1] + t[6], (kind, t)) for kind, t in terms),
-                   key=lambda x: (-x[0], -x[1], -x[2]))
-    if len(cands) < 2:
-        return tuple(cands)
-    if any(x[2] for x in cands):
-        keep: list[tuple] = []
-        for x in cands:         # by decreasing A: a candidate bounding x in all three comes first
-            k1, g1 = x[1], x[2]
-            for y in keep:      # (a loop: no generator per candidate)
-                if y[1] >= k1 and y[2] >= g1:
-                    break
-            else:
-                keep.append(x)
-        return tuple(keep)
-    # max over points of A b + K for b >= 1: the upper hull, from the largest A down to the vertex
-    # past which the hull's slope dK/dA is below -1 (b = 1)
-    hull: list[tuple] = []
-    for x in cands:
-        while len(hull) >= 2:
-            (a1, k1), (a2, k2) = hull[-2][:2], hull[-1][:2]
-            if (k2 - k1) * (a1 - x[0]) <= (x[1] - k1) * (a1 - a2):
-                hull.pop()
-            else:
-                break
-        hull.append(x)
-    out = [hull[0]]
-    for x in hull[1:]:
-        if x[1] - out[-1][1] > out[-1][0] - x[0]:     # beats the previous vertex for some b >= 1
-            out.append(x)
-        else:
-            break
-    return tuple(out)
 
 
 def in_flight(plan: ParallelPlan, pp_rank: int) -> float:
@@ -259,7 +162,7 @@ class MemoryForm:
     size, the micro-batch count, the accumulation steps or the micro-batches in flight computed once
     (`memory_form`); `at` adds those. The search evaluates one form at many of them."""
 
-    __slots__ = ("ld", "cache", "fsdp", "ws", "P", "params", "grads", "opt", "data", "work", "ac", "S", "pp",
+    __slots__ = ("ld", "cache", "fsdp", "ws", "P", "Pt", "params", "grads", "opt", "data", "work", "ac", "S", "pp",
                  "last", "out", "rafw", "recv_mult", "comm_add", "ddp_view", "sharded_layout", "cast_cache",
                  "fwd_cast", "root_g", "po", "pgo_d", "pgos_d", "proj", "keep", "step_tmp", "gloo", "loss_out", "loss_n")
 
@@ -275,7 +178,7 @@ class MemoryForm:
         before ``overhead``;
         `grid._parts_total` sums them as `MemoryEstimate.total` does (the search compares the
         totals of many ranks and builds an estimate for the fullest only)."""
-        ld, fsdp, ws, P, pp, last = self.ld, self.fsdp, self.ws, self.P, self.pp, self.last
+        ld, fsdp, ws, P, Pt, pp, last = self.ld, self.fsdp, self.ws, self.P, self.Pt, self.pp, self.last
         out, rafw = self.out, self.rafw
         params, grads, opt, data, work, keep = self.params, self.grads, self.opt, self.data, self.work, self.keep
         # buffers that live through the whole step (see `memory_form`)
@@ -315,7 +218,7 @@ class MemoryForm:
         for F, n_out, prev in variants:
             held = (F - 1) * per_other + (n_out if last else F) * per_out
             # gradients of earlier micro-batches: sharded, or (FSDP without gradient sync) unsharded
-            g0 = (4 * P if fsdp else grads) if prev else (grads if sharded_acc else 0.0)
+            g0 = (4 * Pt if fsdp else grads) if prev else (grads if sharded_acc else 0.0)
             # a pipeline under FSDP keeps every unit gathered after its first backward
             gath0 = root_g + work * (P - ld.root_params) if (fsdp and pp and prev and rafw) else root_g
             base = fixed + held + g0 + gath0
@@ -386,8 +289,11 @@ def memory_form(ld: RankLoad, plan: ParallelPlan, *, optimizer: str, global_batc
     f.ws = 1.0 / shard
     f.P = P = ld.params
     f.params = params = 4 * P * f.ws
-    grads = params
-    f.opt = opt = OPTIMIZER_BYTES[optimizer] * P * f.ws
+    # gradients and optimizer state: of the trainable parameters only (frozen ones have neither; ZeRO's
+    # 2 + 2 + 12 B per trainable parameter, Rajbhandari et al. 2020, Sec. 3.1, as modelpar's fp32 4 + 4 + 8)
+    f.Pt = Pt = ld.trainable
+    grads = 4 * Pt * f.ws
+    f.opt = opt = OPTIMIZER_BYTES[optimizer] * Pt * f.ws
     f.data = data = ld.data * global_batch_size
     bf16 = plan.precision == "bf16"
     f.work = work = 2 if bf16 else 4         # bytes of a gathered / working parameter (and its gradient)
@@ -423,10 +329,11 @@ def memory_form(ld: RankLoad, plan: ParallelPlan, *, optimizer: str, global_batc
     replicate = ddp_bucket_copy is None and layout.dp_wrapper == "replicate"
     f.ddp_view = ddp_view = ddp_bucket_copy is None and layout.dp_wrapper == "ddp"
     f.comm_add = 0.0
+    # (DDP's buckets and replicate's groups hold the gradients that exist: the trainable parameters')
     if replicate:
-        f.comm_add = 4 * max(ld.max_unit_params, ld.root_params)
+        f.comm_add = 4 * max(ld.max_unit_trainable, ld.root_trainable)
     elif ddp and ddp_bucket_copy is not False:
-        f.comm_add = 4 * P
+        f.comm_add = 4 * Pt
     grads = f.grads = 0.0 if ddp_view else grads
     f.sharded_layout = layout.sharded_grad_accumulation
     # bf16 weight copies (Megatron's bf16 parameters, `published`); an autocast load's: `recompute.cast_copies`
@@ -443,8 +350,8 @@ def memory_form(ld: RankLoad, plan: ParallelPlan, *, optimizer: str, global_batc
     # lists, so tensor-parallel plans step with the single-tensor loop (`modelpar.train.step.adamw`)
     if optimizer == "adamw" and not (fused and (plan.tp == 1 or fused_tp_optimizer)):
         if not foreach and ld.opt_temp < 0:
-            ld.opt_temp = _adamw_temp(list(ld.numels))
-        f.step_tmp = (ld.params if foreach else ld.opt_temp) * 4 / shard
+            ld.opt_temp = _adamw_temp(list(ld.trainable_numels))     # the optimizer's tensors
+        f.step_tmp = (Pt if foreach else ld.opt_temp) * 4 / shard
     else:
         f.step_tmp = 0.0   # fused AdamW and in-place SGD; the gradient norm copies nothing either
     f.pgo_d = params + grads + opt + data

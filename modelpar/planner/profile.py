@@ -43,8 +43,8 @@ from torch.utils.module_tracker import ModuleTracker
 
 from modelpar.plan import CORE_ATTR
 from modelpar.planner.legality import tp_splits
-from modelpar.planner.profile_blocks import (TPSplitScopes, _arch_of, _block_params, _tp_styles,  # noqa: F401
-                                             default_blocks)
+from modelpar.planner.profile_blocks import (TPSplitScopes, _arch_of, _block_params, _checked_blocks,  # noqa: F401
+                                             _param_rows, _tp_styles, default_blocks)
 from modelpar.planner.records import GemmShape
 from modelpar.planner.profile_lifetimes import _hook_partial_grads, _Lifetimes, _nbytes
 from modelpar.planner.profile_ops import (_FLOP_FORMULAS, _FlashAttention, _OpCounter, _Outside,  # noqa: F401
@@ -130,6 +130,18 @@ class BlockProfile:
     # aten calls dispatched (views and matmuls too), fwd / bwd: each costs `Calibration.dispatch_overhead_s`
     fwd_calls: int = 0
     bwd_calls: int = 0
+    # frozen parameters (``requires_grad=False``): per ``param_numels`` entry (``tied_frozen``: per
+    # ``tied_numels`` entry) True where it is frozen; () where none is. A frozen parameter has no
+    # gradient and no optimizer state, and data parallelism reduces no gradient of it
+    # (`trainable_params`); the FLOPs, traffic and saved bytes above are those of the backward
+    # autograd runs with the model's flags (no weight gradient of a frozen Linear)
+    frozen: tuple[bool, ...] = ()
+    tied_frozen: tuple[bool, ...] = ()
+
+    @property
+    def trainable_params(self) -> int:
+        """Elements of the block's parameters that require gradients (``num_params`` less the frozen)."""
+        return self.num_params - sum(k for (k, _, _), f in zip(self.param_numels, self.frozen) if f)
 
 
 @dataclass(frozen=True)
@@ -167,6 +179,10 @@ class ModelProfile:
         return sum(b.num_params for b in self.blocks)
 
     @property
+    def trainable_params(self) -> int:
+        return sum(b.trainable_params for b in self.blocks)
+
+    @property
     def fwd_flops_per_sample(self) -> float:
         return sum(b.fwd_flops for b in self.blocks) / self.batch_size
 
@@ -183,6 +199,8 @@ class ModelProfile:
         d["blocks"] = tuple(BlockProfile(**{**b, "param_numels": tuple(tuple(x) for x in b.get("param_numels", ())),
                                             "bwd_peaks": tuple(tuple(x) for x in b.get("bwd_peaks", ())),
                                             "tied_numels": tuple(tuple(x) for x in b.get("tied_numels", ())),
+                                            "frozen": tuple(b.get("frozen", ())),
+                                            "tied_frozen": tuple(b.get("tied_frozen", ())),
                                             "tp_whole_flops": tuple(b.get("tp_whole_flops", (0, 0))),
                                             "gemm_shapes": tuple(GemmShape(*x) for x in b.get("gemm_shapes", ()))})
                             for b in d["blocks"])
@@ -257,18 +275,7 @@ def _profile_model(model, example_input, dtype, blocks, attention, vocab_paralle
     inputs = tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)
     if not inputs or inputs[0].dim() == 0:
         raise ValueError("profile_model needs an example_input with a batch dimension")
-    blocks = list(blocks) if blocks is not None else default_blocks(model)
-    root_name = type(model).__name__
-    fqn = {m: n for n, m in model.named_modules()}
-    for i, (n, m) in enumerate(blocks):
-        if m is None and 0 < i < len(blocks) - 1:
-            raise ValueError(f"block {n!r}: only the first and the last block may be None (the rest of the model)")
-        if m is not None and m not in fqn:
-            raise ValueError(f"block {n!r} is not a submodule of the model")
-    if all(m is None for _, m in blocks):
-        raise ValueError("profile_model needs at least one block that is a submodule")
-    names = {(f"{root_name}.{fqn[m]}" if fqn[m] else root_name): i for i, (_, m) in enumerate(blocks)
-             if m is not None}
+    blocks, fqn, names = _checked_blocks(model, blocks)
 
     on_meta = all(p.device.type == "meta" for p in model.parameters()) and not autocast
     fake_mode = None
@@ -455,15 +462,7 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
     gsize = torch.empty((), dtype=dtype).element_size()           # gradients: the parameters' dtype
     counted: dict[int, int] = {}              # parameters already in an earlier block (ties once) -> it
     for i, ((name, mod), bparams) in enumerate(zip(blocks, block_params)):
-        numels, tied = [], []
-        for path, leaf, p in bparams:
-            st = styles.get(path)
-            if id(p) in counted:
-                if counted[id(p)] != i:
-                    tied.append((counted[id(p)], p.numel(), p.dim() >= 2, st == "colwise" or st == "rowwise"))
-                continue
-            counted[id(p)] = i
-            numels.append((p.numel(), p.dim() >= 2, st == "colwise" or (st == "rowwise" and leaf == "weight")))
+        numels, tied, frozen, tied_frozen = _param_rows(bparams, styles, counted, i)
         count = sum(k for k, _, _ in numels)
         if mod is not None:
             fwd_f = int(sum(fwd_counts.get(mod_name[i], {}).values()))
@@ -487,6 +486,7 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
             bwd_peaks=tuple((own - cum_saved - saved[i], inn, g // gsize, pend // gsize)
                             for own, inn, g, pend in peaks[i]),
             saved_input_bytes=saved_in[i], attn_core_saved_bytes=core_saved[i], tied_numels=tuple(tied),
+            frozen=frozen, tied_frozen=tied_frozen,
             saved_gathered_bytes=saved_g[i], fwd_calls=counter.calls[i][0], bwd_calls=counter.calls[i][1],
             gemm_shapes=tuple(GemmShape(ph, *k, c) for ph in (0, 1) for k, c in sorted(counter.shapes[i][ph].items()))))
         cum_saved += saved[i]

@@ -1,7 +1,7 @@
 """What `planner.profile` reads of a model besides running it: its pipeline-splittable blocks
 (`default_blocks`), shape facts (`_arch_of`), the TP styles of its derived plan (`_tp_styles`) and
-which parameters belong to which block (`_block_params`). Split out of `profile.py` unchanged;
-`profile` re-exports `default_blocks`."""
+which parameters belong to which block (`_block_params`, `_param_rows`) and the checked block list
+(`_checked_blocks`). Split out of `profile.py` unchanged; `profile` re-exports `default_blocks`."""
 
 from __future__ import annotations
 
@@ -29,6 +29,29 @@ def default_blocks(model: nn.Module, container: str | None = None) -> list[tuple
     except ValueError:
         return [("model", model)]
     return [("embed", None)] + found + [("head", None)]
+
+
+def _checked_blocks(model: nn.Module, blocks) -> tuple[list, dict, dict]:
+    """`profile.profile_model`'s ``blocks`` (None: `default_blocks`) checked, with each module's path
+    (``fqn``: module -> path) and each block module's ``ModuleTracker`` name -> block index.
+
+    Raises:
+        ValueError: a None block other than the first or the last, a block that is not a submodule of
+            ``model``, or no block that is a submodule.
+    """
+    blocks = list(blocks) if blocks is not None else default_blocks(model)
+    root_name = type(model).__name__
+    fqn = {m: n for n, m in model.named_modules()}
+    for i, (n, m) in enumerate(blocks):
+        if m is None and 0 < i < len(blocks) - 1:
+            raise ValueError(f"block {n!r}: only the first and the last block may be None (the rest of the model)")
+        if m is not None and m not in fqn:
+            raise ValueError(f"block {n!r} is not a submodule of the model")
+    if all(m is None for _, m in blocks):
+        raise ValueError("profile_model needs at least one block that is a submodule")
+    names = {(f"{root_name}.{fqn[m]}" if fqn[m] else root_name): i for i, (_, m) in enumerate(blocks)
+             if m is not None}
+    return blocks, fqn, names
 
 
 def _arch_of(model: nn.Module, tokens: int, vocab_parallel: bool | None = None) -> dict[str, int]:
@@ -82,6 +105,26 @@ def _block_params(model, blocks, fqn, owner, block_of):
                 rows += [(fqn[m], pn, p) for pn, p in m.named_parameters(recurse=False)]
         out.append(rows)
     return out
+
+
+def _param_rows(rows, styles: dict[str, str], counted: dict[int, int], i: int) -> tuple:
+    """Block ``i``'s parameters (``rows``: `_block_params`' entries) as `profile.BlockProfile` fields:
+    ``(param_numels, tied_numels, frozen, tied_frozen)``. A parameter an earlier block holds
+    (``counted``: id -> its block, filled here) is a tie of this block, counted there once. ``frozen``
+    / ``tied_frozen``: per entry True where ``requires_grad`` is False, () where no entry is."""
+    numels, tied, frozen, tied_frozen = [], [], [], []
+    for path, leaf, p in rows:
+        st = styles.get(path)
+        if id(p) in counted:
+            if counted[id(p)] != i:
+                tied.append((counted[id(p)], p.numel(), p.dim() >= 2, st == "colwise" or st == "rowwise"))
+                tied_frozen.append(not p.requires_grad)
+            continue
+        counted[id(p)] = i
+        numels.append((p.numel(), p.dim() >= 2, st == "colwise" or (st == "rowwise" and leaf == "weight")))
+        frozen.append(not p.requires_grad)
+    return (numels, tied, tuple(frozen) if any(frozen) else (),
+            tuple(tied_frozen) if any(tied_frozen) else ())
 
 
 # a model deeper than this is profiled at this depth and its steady layers repeated (`deepen_profile`)

@@ -329,8 +329,8 @@ class _Outside:
 def tied_copies(profile: ModelProfile, ranges: list[tuple[int, int]], pp: int, tp: int) -> list[list[tuple]]:
     """Per pipeline rank, the parameter copies it holds beyond the blocks' own (`BlockProfile.tied_numels`):
     a tie whose owner block is on another rank's stage, as (elements after the TP split, is a matrix,
-    held by an embed / head block (an FSDP root parameter)). ``ranges``: the stages' block ranges
-    (`loads.stage_ranges`), stage s on rank s mod ``pp``."""
+    held by an embed / head block (an FSDP root parameter), trainable (not `BlockProfile.tied_frozen`)).
+    ``ranges``: the stages' block ranges (`loads.stage_ranges`), stage s on rank s mod ``pp``."""
     held: list[set[int]] = [set() for _ in range(pp)]
     for s, (a, b) in enumerate(ranges):
         held[s % pp].update(range(a, b))
@@ -338,7 +338,9 @@ def tied_copies(profile: ModelProfile, ranges: list[tuple[int, int]], pp: int, t
     out: list[list[tuple]] = [[] for _ in range(pp)]
     for r in range(pp):
         for i in sorted(held[r]):
-            for owner, k, mat, sh in profile.blocks[i].tied_numels:
+            bl = profile.blocks[i]
+            for j, (owner, k, mat, sh) in enumerate(bl.tied_numels):
                 if owner not in held[r]:
-                    out[r].append((k / tp if sh else k, mat, bool(profile.arch) and i in (0, n - 1)))
+                    out[r].append((k / tp if sh else k, mat, bool(profile.arch) and i in (0, n - 1),
+                                   not (bl.tied_frozen and bl.tied_frozen[j])))
     return out

@@ -61,7 +61,8 @@ def ac_load(ld, plan: ParallelPlan, cache=None):
             kept = max(sv - core, 0.0)
         else:
             kept = ac_in if is_checkpointed(layer, plan) else sv
-        recs.append(_record((sv, kept, rec.peaks, rec.params, rec.is_root, rec.in_grad, rec.in_saved)))  # kept replaced
+        recs.append(_record((sv, kept, rec.peaks, rec.params, rec.is_root, rec.in_grad, rec.in_saved,  # kept replaced
+                             rec.trainable)))
         kept_total += kept
     bwd, rs = _backward_moments(tuple(recs), True, cache)
     out = dataclasses.replace(ld, saved_ac=kept_total, moments=(bwd, rs), projections={},

@@ -29,51 +29,58 @@ class GemmShape(NamedTuple):
 
 class BlockRecord(NamedTuple):
     """One block's backward at its place in a stage (`loads._block_terms`), the input of
-    `loads._backward_moments`. Per sample unless said otherwise; TP applied."""
+    `moments._backward_moments`. Per sample unless said otherwise; TP applied."""
 
     saved: float        # saved activation bytes (a stage's first block: without its input)
     kept: float         # full checkpointing: the input bytes it keeps (0 as a stage's first block);
                         # `recompute.ac_load`: what the block keeps under that mode
     peaks: tuple        # in-backward peaks (`BlockProfile.bwd_peaks`): (extra bytes, incoming
                         # gradient bytes, parameters with a stored gradient, parameters whose gradient
-                        # is computed but not yet stored), `loads._scaled_peaks`
+                        # is computed but not yet stored), `moments._scaled_peaks`
     params: float       # the block's parameters (elements)
     is_root: bool       # a transformer's embed / head: FSDP's root, not a unit
     in_grad: float      # bytes of the gradient w.r.t. the block's input (0 for the model's first block)
     in_saved: float     # bytes of its input among ``saved`` (0 as a stage's first block): under full
                         # checkpointing the same storage as the input it keeps, so counted once
+    trainable: float    # the block's parameters that require gradients (elements; ``params`` less the
+                        # frozen ones): its gradients and reduce-scatter input
 
 
 class BwdMoment(NamedTuple):
-    """A candidate peak inside block k's backward (`loads._backward_moments`). Bytes per sample and
-    parameters (elements)."""
+    """A candidate peak inside block k's backward (`moments._backward_moments`). Bytes per sample and
+    parameters (elements). Gradients exist for trainable parameters only: the fields that count
+    gradients count those (``done_root``, ``next_unit``, ``done_units_trainable``; ``stored`` and
+    ``pending`` are profiled), those that count gathered parameters count every parameter."""
 
     act: float          # saved activations of blocks <= k, plus the block's temporaries and incoming gradient
     act_ac: float       # the same under full checkpointing (or the mode's kept bytes, ``own``)
     done_units: float   # parameters of completed FSDP units (blocks after k)
-    done_root: float    # parameters of completed root blocks (embed / head after k)
+    done_root: float    # trainable parameters of completed root blocks (embed / head after k)
     stored: float       # parameters of block k whose gradient is already stored
     unit: float         # unit k's parameters (0 for a root block)
     prev_unit: float    # the previous unit's parameters (being all-gathered by the prefetch)
-    next_unit: float    # the next unit's (its reduce-scatter input retained)
+    next_unit: float    # the next unit's trainable parameters (its reduce-scatter input retained)
     units_upto: float   # parameters of the units up to k
     pending: float      # parameters of block k whose gradient is computed but not yet stored
+    done_units_trainable: float  # trainable parameters of completed FSDP units (their gradients)
 
 
 class ReduceMoment(NamedTuple):
-    """FSDP unit k's reduce-scatter (`loads._backward_moments`). Bytes per sample and parameters."""
+    """FSDP unit k's reduce-scatter (`moments._backward_moments`). Bytes per sample and parameters;
+    gradients of trainable parameters only, as `BwdMoment`."""
 
     act: float          # saved activations of blocks < k, plus the gradient w.r.t. block k's input
     act_ac: float       # the same under full checkpointing / the mode's kept bytes
-    done_units: float   # parameters of completed units
-    done_root: float    # parameters of completed root blocks
-    unit: float         # unit k's parameters
+    done_units: float   # trainable parameters of completed units (their gradients)
+    done_root: float    # trainable parameters of completed root blocks
+    unit: float         # unit k's parameters (resharded)
     prev_unit: float    # the previous unit's
     units_before: float  # parameters of the units before k
+    unit_trainable: float  # unit k's trainable parameters (its gradient: reduce-scatter input and output)
 
 
 class ProjMode(NamedTuple):
-    """What of a plan decides a rank's backward and reduce moments (`memory._projections`); also the
+    """What of a plan decides a rank's backward and reduce moments (`moments._projections`); also the
     memo key of the projections (`RankLoad.projections`, `PlannerCache.projections`)."""
 
     fsdp: bool          # dp_shard > 1
@@ -91,7 +98,7 @@ class ProjMode(NamedTuple):
 
 class MomentTerms(NamedTuple):
     """A moment beyond a step's base bytes as linear forms in the micro-batch b and ws = 1 / dp_shard
-    (`memory._bwd_terms`, `memory._rs_terms`): gradients = grads_k + grads_g ws, activations =
+    (`moments._bwd_terms`, `moments._rs_terms`): gradients = grads_k + grads_g ws, activations =
     acts_a b + acts_k, gathered parameters gathered_k, buffers = buffers_k + buffers_g ws (bytes)."""
 
     grads_k: float
@@ -129,6 +136,9 @@ class BlockTerms(NamedTuple):
                             # FLOPs, fused-attention forward FLOPs), per sample
     stages: dict            # per stage range (a, b): its `StageTerms` (`stage_terms`, filled on use)
     shapes: list            # per block: ((`loads.RankLoad.gemm_shapes` key, calls), ...) per sample
+    unit_trainable: list    # per block: the FSDP unit's trainable parameters, None for an embed / head
+    trainable_numels: list  # per block: ``numels``' entries of its trainable parameters (the same list
+                            # where none is frozen)
 
 
 class StageTerms(NamedTuple):
@@ -143,6 +153,10 @@ class StageTerms(NamedTuple):
     max_unit: float         # the largest FSDP unit's parameters (0.0 for none)
     diff: tuple             # the prefix sums' difference over the stage, in the order of `loads._SUMS`
     sizes: tuple            # the elements of each parameter tensor (``numels``' first fields)
+    trainable_numels: list  # ``numels`` of the trainable parameter tensors
+    unit_trainable: list    # each FSDP unit's trainable parameters, in order
+    max_unit_trainable: float  # the most trainable parameters of an FSDP unit (0.0 for none)
+    trainable_sizes: tuple  # the elements of each trainable parameter tensor
 
 
 class SlowestRank(NamedTuple):
@@ -170,16 +184,19 @@ def stage_terms(terms: BlockTerms, a: int, b: int) -> StageTerms:
     ``terms.stages``: the search's layouts cut the blocks into few distinct stages (one split per
     stage count), so most of its ~200 `loads.rank_loads` calls find every stage there. The shapes'
     calls are counts (integers), so a rank's sum over its stages' sums is exact."""
-    numels, units, recs, acb, shapes = [], [], [], [], {}
+    numels, units, recs, acb, shapes, tr_numels, tr_units = [], [], [], [], {}, [], []
     for i in range(a, b):
         numels.extend(terms.numels[i])
+        tr_numels.extend(terms.trainable_numels[i])
         u = terms.unit_params[i]
         if u is not None:
             units.append(u)
+            tr_units.append(terms.unit_trainable[i])
         recs.append(terms.record(i, i == a, i == b - 1))
         acb.append((recs[-1],) + terms.ac_info[i])
         for key, calls in terms.shapes[i]:
             shapes[key] = shapes.get(key, 0) + calls
     out = terms.stages[(a, b)] = StageTerms(numels, units, recs, acb, shapes, max(units, default=0.0), tuple(
-        x - y for x, y in zip(terms.prefix[b], terms.prefix[a])), tuple(k for k, _ in numels))
+        x - y for x, y in zip(terms.prefix[b], terms.prefix[a])), tuple(k for k, _ in numels),
+        tr_numels, tr_units, max(tr_units, default=0.0), tuple(k for k, _ in tr_numels))
     return out

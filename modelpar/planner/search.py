@@ -211,9 +211,11 @@ def _plan(plans: dict, dr, ds, tp, pp, sched, m, v, ac, k, defer, precision, sp)
 def _representatives(loads) -> list[tuple[int, object]]:
     """The pipeline ranks the search evaluates: the first (most micro-batches in flight), the second
     (the most in flight among the ranks that receive activations, and hold receive buffers), the last
-    (head and loss), the one with the most parameters and the one with the most work."""
+    (head and loss), the one with the most model states (parameters, and the gradient and AdamW state
+    of the trainable ones: 4 + 12 B; ties by parameters, so without frozen parameters the one with the
+    most parameters) and the one with the most work."""
     idx = {0, min(1, len(loads) - 1), len(loads) - 1}
-    for key in (lambda l: l.params, lambda l: l.fwd_flops + l.fwd_mem):
+    for key in (lambda l: (l.params + 3 * l.trainable, l.params), lambda l: l.fwd_flops + l.fwd_mem):
         idx.add(max(range(len(loads)), key=lambda i: key(loads[i])))
     return [(i, loads[i]) for i in sorted(idx)]
 

@@ -40,7 +40,7 @@ def _copy_terms(form, plan, ld) -> tuple[float, float]:
     wb, mem_s, root = form.wb, form.mem_s, ld.root_params
     gathers = 2 if plan.reshard_after_forward else 1
     return (2 * wb * (gathers * (ld.params - root) + root) / mem_s,
-            (form.wb + form.reduce_bytes) * ld.params / mem_s)
+            (form.wb + form.reduce_bytes) * ld.trainable / mem_s)
 
 
 def _exposed_terms(form, plan, i: int, ld, b: int) -> tuple[float, float]:
@@ -100,7 +100,8 @@ def _exposed_floor(form, plan, b: int) -> tuple[float, float]:
         for i, ld in enumerate(form.loads):
             num = by_load.get(id(ld))          # the load's content, numbered once per load object
             if num is None or num[0] is not ld:
-                content = (ld.params, ld.root_params, ld.max_unit_params, ld.unit_sizes, ld.param_sizes)
+                content = (ld.params, ld.root_params, ld.max_unit_params, ld.unit_sizes, ld.param_sizes, ld.trainable,
+                           ld.root_trainable, ld.max_unit_trainable, ld.unit_trainable, ld.trainable_sizes)
                 num = by_load[id(ld)] = (ld, contents.setdefault(content, len(contents)))
             key = (num[1], opts)
             t = terms.get(key)

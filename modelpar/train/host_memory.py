@@ -8,7 +8,8 @@ Two lower bounds, in bytes, against Linux's ``MemAvailable`` (`host_memory_avail
 - the training state, where the device is the host (CPU ranks): every data-parallel replica holds each
   parameter once at least, with its gradient and the optimizer's moments (4 + 4 + 8 bytes for AdamW,
   `planner.memory.OPTIMIZER_BYTES`), however FSDP, TP and the pipeline split them: ``dp_replicate x P x
-  (8 + optimizer bytes)`` (activations and buffers come on top: a plan can still fail that passes).
+  (8 + optimizer bytes)`` (activations and buffers come on top: a plan can still fail that passes); a
+  frozen parameter (``requires_grad=False``) has no gradient or optimizer state, 4 bytes.
 """
 
 from __future__ import annotations
@@ -59,10 +60,13 @@ def check_host_memory(cfg, plan, model: nn.Module, local_ranks: int, available: 
                 f"the one process builds the whole model ({n / 1e9:.2f}B parameters, {gb(n * 4)} in fp32)")
         raise ValueError(f"{what}, but this host has {gb(available)} available; {way}")
     per = 8 + OPTIMIZER_BYTES.get(cfg.optimizer, 8)
-    need = plan.dp_replicate * n * per
+    # a frozen parameter (requires_grad=False) has neither gradient nor optimizer state: 4 bytes
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    need = plan.dp_replicate * (n * per - frozen * (per - 4))
     if on_cpu and need > available:
+        of = f"{n / 1e9:.2f}B parameters" + (f" ({frozen / 1e9:.2f}B of them frozen: 4 bytes)" if frozen else "")
         raise ValueError(f"CPU ranks keep the training state in host memory: each parameter with its gradient and "
-                         f"{cfg.optimizer} state ({per} bytes) x {n / 1e9:.2f}B parameters x {plan.dp_replicate} "
+                         f"{cfg.optimizer} state ({per} bytes) x {of} x {plan.dp_replicate} "
                          f"data-parallel replica(s) = {gb(need)} at least, but this host has {gb(available)} "
                          f"available; " + ("shard instead of replicating (--strategy fsdp), " if plan.dp_replicate > 1
                                              else "") + "train a smaller model, or on GPUs or more hosts")
