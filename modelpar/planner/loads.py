@@ -313,7 +313,8 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: P
                            in_saved=0.0 if first else a.saved - a.saved_first, trainable=a.trainable)
 
     out = BlockTerms(prefix=pre, first_adj=first_adj, unit_params=unit_params, numels=numels, record=rec,
-                     ac_info=ac_info, stages={}, shapes=gemms, unit_trainable=unit_tr, trainable_numels=tr_numels)
+                     ac_info=ac_info, stages={}, shapes=gemms, unit_trainable=unit_tr, trainable_numels=tr_numels,
+                     all_trainable=not any(any(bl.frozen) or any(bl.tied_frozen) for bl in profile.blocks))
     cache.block_terms[key] = out
     return out
 
@@ -340,6 +341,7 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
     bs = profile.batch_size
     rng = plan_stage_ranges(profile, plan)
     terms = _block_terms(profile, t, sp, scale, cache)
+    all_train = terms.all_trainable
     first_adj = terms.first_adj
     bkey = (tuple(plan.stage_boundaries),) if plan.stage_boundaries and plan.num_stages > 1 else ()
     variant = (True,) if profile is not base else ()
@@ -369,9 +371,10 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
         numels[r].extend(st.numels)
         sizes[r].extend(st.sizes)
         units[r].extend(st.units)
-        tr_numels[r].extend(st.trainable_numels)
-        tr_sizes[r].extend(st.trainable_sizes)
-        tr_units[r].extend(st.unit_trainable)
+        if not all_train:
+            tr_numels[r].extend(st.trainable_numels)
+            tr_sizes[r].extend(st.trainable_sizes)
+            tr_units[r].extend(st.unit_trainable)
         recs[r].extend(st.records)
         acb[r].extend(st.ac_blocks)
         sh = shapes[r]
@@ -391,11 +394,12 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
             sums[r][_ROOT] += k if end else 0.0
             numels[r].append((k, mat))
             sizes[r].append(k)
-            if trainable:
+            if trainable:           # every tie where `all_train` (the lists below are then shared)
                 sums[r][_TRAIN] += k
                 sums[r][_ROOT_TRAIN] += k if end else 0.0
-                tr_numels[r].append((k, mat))
-                tr_sizes[r].append(k)
+                if not all_train:
+                    tr_numels[r].append((k, mat))
+                    tr_sizes[r].append(k)
     for ld, acc in zip(loads, sums):
         tot = dict(zip(_SUMS, acc))
         for k in _LOAD_SUMS:
@@ -409,7 +413,10 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
         ld.ac_blocks = tuple(ab)
     for ld, nl, un, sz, tn, tu, ts in zip(loads, numels, units, sizes, tr_numels, tr_units, tr_sizes):
         ld.numels, ld.num_tensors, ld.unit_sizes, ld.param_sizes = tuple(nl), len(nl), tuple(un), tuple(sz)
-        ld.trainable_numels, ld.unit_trainable, ld.trainable_sizes = tuple(tn), tuple(tu), tuple(ts)
+        if all_train:                # nothing frozen: the same tuples (the same values)
+            ld.trainable_numels, ld.unit_trainable, ld.trainable_sizes = ld.numels, ld.unit_sizes, ld.param_sizes
+        else:
+            ld.trainable_numels, ld.unit_trainable, ld.trainable_sizes = tuple(tn), tuple(tu), tuple(ts)
     last = loads[(len(rng) - 1) % plan.pp]
     last.is_last = True
     arch = profile.arch

@@ -139,6 +139,8 @@ class BlockTerms(NamedTuple):
     unit_trainable: list    # per block: the FSDP unit's trainable parameters, None for an embed / head
     trainable_numels: list  # per block: ``numels``' entries of its trainable parameters (the same list
                             # where none is frozen)
+    all_trainable: bool     # no parameter of any block frozen (tied copies included): a rank's trainable
+                            # lists are its parameter lists (`loads.rank_loads` shares them)
 
 
 class StageTerms(NamedTuple):
@@ -184,19 +186,24 @@ def stage_terms(terms: BlockTerms, a: int, b: int) -> StageTerms:
     ``terms.stages``: the search's layouts cut the blocks into few distinct stages (one split per
     stage count), so most of its ~200 `loads.rank_loads` calls find every stage there. The shapes'
     calls are counts (integers), so a rank's sum over its stages' sums is exact."""
-    numels, units, recs, acb, shapes, tr_numels, tr_units = [], [], [], [], {}, [], []
+    numels, units, recs, acb, shapes = [], [], [], [], {}
+    everything = terms.all_trainable           # the trainable lists are the same lists
+    tr_numels, tr_units = (numels, units) if everything else ([], [])
     for i in range(a, b):
         numels.extend(terms.numels[i])
-        tr_numels.extend(terms.trainable_numels[i])
         u = terms.unit_params[i]
         if u is not None:
             units.append(u)
-            tr_units.append(terms.unit_trainable[i])
+        if not everything:
+            tr_numels.extend(terms.trainable_numels[i])
+            if u is not None:
+                tr_units.append(terms.unit_trainable[i])
         recs.append(terms.record(i, i == a, i == b - 1))
         acb.append((recs[-1],) + terms.ac_info[i])
         for key, calls in terms.shapes[i]:
             shapes[key] = shapes.get(key, 0) + calls
-    out = terms.stages[(a, b)] = StageTerms(numels, units, recs, acb, shapes, max(units, default=0.0), tuple(
-        x - y for x, y in zip(terms.prefix[b], terms.prefix[a])), tuple(k for k, _ in numels),
-        tr_numels, tr_units, max(tr_units, default=0.0), tuple(k for k, _ in tr_numels))
+    sizes, max_unit = tuple(k for k, _ in numels), max(units, default=0.0)
+    out = terms.stages[(a, b)] = StageTerms(numels, units, recs, acb, shapes, max_unit, tuple(
+        x - y for x, y in zip(terms.prefix[b], terms.prefix[a])), sizes, tr_numels, tr_units,
+        max_unit if everything else max(tr_units, default=0.0), sizes if everything else tuple(k for k, _ in tr_numels))
     return out
