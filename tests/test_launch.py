@@ -78,6 +78,13 @@ def test_ranks_write_run_record_with_memory_tracking(strategy, plan_key):
     res = r["result"]
     assert res["world_size"] == 2 and res["plan"][plan_key] == 2 and res["val_loss_after"] > 0
     _check_run_record(workers.group_dir("launch2") / strategy, plan_key)
+    # the peak a run reports is its most loaded rank's, the same on every rank: each reported its own
+    # (gpt-nano pp2: 1,317,736 and 1,306,752 bytes; hf:gpt2 with 8,192 tokens pp2: rank 0 said 13.6 MiB,
+    # where the last stage, holding the logits, peaks at 41.7 MiB)
+    peaks = res["peak_tensor_bytes"]
+    assert len(peaks) == 2 and peaks[0] == peaks[1] > 0, peaks
+    summary = json.loads((workers.group_dir("launch2") / strategy / "summary.json").read_text())
+    assert summary["peak_tensor_bytes"] == peaks[0]
 
 
 @pytest.mark.slow
@@ -207,3 +214,19 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues_from_it(tmp_path):
                        text=True, timeout=180)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert f"at step {steps[1]} " in r.stdout, r.stdout[-2000:]
+
+
+def test_max_over_ranks_takes_each_value_s_largest(monkeypatch):
+    """`metrics.max_over_ranks` (what train reports as its peaks): one MAX all-reduce of the values, with
+    'not measured' (None) as 0 and back; the values as they are on one process."""
+    import torch
+    import torch.distributed as dist
+
+    from modelpar.train.metrics import max_over_ranks
+
+    assert max_over_ranks([5, None], torch.device("cpu")) == [5, None]          # no process group
+    other = torch.tensor([7.0, 0.0, 3.0], dtype=torch.float64)                   # another rank's values
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None: t.copy_(torch.maximum(t, other)))
+    assert max_over_ranks([5, None, 9], torch.device("cpu")) == [7, None, 9]

@@ -14,6 +14,20 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def max_over_ranks(values: list[int], device) -> list[int]:
+    """Collective (every rank, the same call): the largest of each of ``values`` (bytes) over the ranks
+    of the default process group, so what a run reports is its most loaded rank's (a pipeline's last
+    stage holds the logits; rank 0, which logs, the first stage); ``values`` as they are on one process.
+    ``None`` entries (not measured) count as 0 and come back None where every rank had none."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return list(values)
+    t = torch.tensor([float(v or 0) for v in values], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [int(x) or None for x in t.tolist()]
+
+
 class PeakTensorMemory:
     """Peak bytes of live tensors during a region.
 

@@ -19,7 +19,7 @@ from modelpar.train.config import TrainConfig
 from modelpar.train.health import guard, start_heartbeat
 from modelpar.train.gather import gather_full_state_dict
 from modelpar.train.loop import build_optimizer, evaluate, lr_at, preflight, reduce_losses
-from modelpar.train.metrics import PeakTensorMemory, RunRecord, StepMemory, peak_rss_bytes
+from modelpar.train.metrics import PeakTensorMemory, RunRecord, StepMemory, max_over_ranks, peak_rss_bytes
 from modelpar.train.preflight_checks import check_optimizer_params, check_same_steps, install_first_step_checks
 from modelpar.train.step import train_step
 from modelpar.parallel.parts import split_points_of
@@ -192,13 +192,14 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
             if log_now:
                 losses.extend(reduce_losses(pm, pending))
                 pending.clear()
+                top_tensor, top_rss = max_over_ranks([peak_tensor, peak_rss_bytes()], device)   # the most loaded rank's
                 record.log(step + 1, loss=losses[-1], grad_norm=gnorm.item(), lr=lr_at(step, cfg),
-                           tokens_per_s=tok_s, peak_rss_bytes=peak_rss_bytes(), peak_tensor_bytes=peak_tensor or None)
+                           tokens_per_s=tok_s, peak_rss_bytes=top_rss, peak_tensor_bytes=top_tensor)
             if progress is not None:
                 if log_now:
                     progress.set_postfix_str(f"loss {losses[-1]:.3f} | val {val_loss:.3f} | {tok_s:,.0f} tok/s | "
-                                             f"mem {_tensors_text(peak_tensor)}, "
-                                             f"{_fmt_bytes(peak_rss_bytes())} RSS")
+                                             f"mem {_tensors_text(top_tensor or 0)}, "
+                                             f"{_fmt_bytes(top_rss or 0)} RSS")
                 progress.update(1)
             ckpt.after_step(step + 1)
             signum = stop.agreed()
@@ -219,10 +220,11 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
         record.log(cfg.steps, val_loss=val_after)
 
         state = gather_full_state_dict(pm)
+        peak_tensor, peak_rss = max_over_ranks([peak_tensor, peak_rss_bytes()], device)    # every rank
         summary = {"val_loss_before": val_before, "val_loss_after": val_after, "losses": losses,
                    "train_time_s": train_time, "start_step": ckpt.start_step,
                    "tokens_per_s": tokens_per_step * (cfg.steps - ckpt.start_step) / train_time,
-                   "peak_tensor_bytes": peak_tensor or None, "peak_rss_bytes": peak_rss_bytes(), "plan": plan.to_dict(),
+                   "peak_tensor_bytes": peak_tensor, "peak_rss_bytes": peak_rss, "plan": plan.to_dict(),
                    "run_dir": str(run_dir) if run_dir else None, "world_size": world}
         if is_main and run_dir is not None:
             from safetensors.torch import save_file
@@ -240,7 +242,7 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
         unit, rate = (f"nats/{per}", "tokens/s") if task.kind == "lm" else ("nats", "samples/s")
         say(f"wall time {time.time() - t_start:.1f} s (training {train_time:.1f} s) | validation loss "
             f"{val_before:.4f} -> {val_after:.4f} {unit} | {summary['tokens_per_s']:,.0f} {rate} | "
-            f"peak per rank: {_tensors_text(peak_tensor)}, {_fmt_bytes(peak_rss_bytes())} RSS")
+            f"peak of the most loaded rank: {_tensors_text(peak_tensor or 0)}, {_fmt_bytes(peak_rss)} RSS")
         if run_dir is not None:
             say(f"run record: {run_dir}")
         return summary

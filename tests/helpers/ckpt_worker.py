@@ -45,8 +45,12 @@ def run_train(spec: dict) -> dict | None:
     from modelpar.train.runner import train
 
     s = train(TrainConfig(**spec["cfg"]), run_dir=Path(spec["run_dir"]), quiet=True)
+    peaks = [s["peak_tensor_bytes"]]            # what each rank's summary says (rank order)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        peaks = [None] * dist.get_world_size()
+        dist.all_gather_object(peaks, s["peak_tensor_bytes"])
     return {"losses": s["losses"], "start_step": s["start_step"], "val_loss_after": s["val_loss_after"],
-            "plan": s["plan"], "world_size": s["world_size"]}
+            "plan": s["plan"], "world_size": s["world_size"], "peak_tensor_bytes": peaks}
 
 
 def run_measure(spec: dict) -> dict:
