@@ -492,9 +492,9 @@ def restore_layout(state: dict, perms: dict[str, torch.Tensor]) -> None:
 
 def prepare_modules(model: nn.Module, tp_plan: dict[str, str], tp_degree: int, present: set[str]) -> None:
     """Before sharding, for ``present``: permute fused q|k|v projections, tell MLA ones the rotary width."""
-    for path, style in tp_plan.items():
+    for path, style in ((p, s) for p, s in tp_plan.items() if p in present):   # a stage holds only some
         parent = model.get_submodule(path.rsplit(".", 1)[0]) if "." in path else model
-        if style == CONV1D_COLWISE_QKV and path in present:
+        if style == CONV1D_COLWISE_QKV:
             permute_fused_qkv(parent, model.get_submodule(path), tp_degree)
-        elif style == MLA_ROPE_GRAD_SUM and path in present:
+        elif style == MLA_ROPE_GRAD_SUM:
             model.get_submodule(path).mla_rope_dim = int(parent.qk_rope_head_dim)
