@@ -8,6 +8,8 @@ with frozen token embeddings)."""
 import torch
 import torch.nn as nn
 
+from helpers.hf_factory import Logits     # a transformers causal LM whose forward returns its logits
+
 V, P = 256, 64          # byte tokens (train draws ids < 256)
 
 
@@ -84,15 +86,6 @@ def frozen_backbone():
     m.norm.requires_grad_(True)
     m.head.requires_grad_(True)
     return _lm(m)
-
-
-class Logits(nn.Module):
-    def __init__(self, net: nn.Module):
-        super().__init__()
-        self.net = net
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.net(input_ids=ids, use_cache=False).logits
 
 
 def llama_frozen_embed(freeze: bool = True):
