@@ -239,8 +239,8 @@ def test_deepseek_v3_mla_attention_splits_over_tp():
     refused, so TP refused the family; and its MLA attention holds ``q_a_layernorm`` / ``kv_a_layernorm``,
     which kept the attention whole. Now the projection keeps its weights replicated and sums the gradient of
     its rotary key part over the TP ranks, the two norms (on the colwise projections' replicated inputs) stay
-    as they are, and q_b / kv_b / o split. Where a norm's width is also the head width (which side of the
-    split it is on is then not known), the attention stays whole."""
+    as they are, and q_b / kv_b / o split. Where a norm's width is also the head width or the hidden size
+    (which side of the split it is on is then not known), the attention stays whole."""
     from modelpar.models.hf import build_hf
     from modelpar.parallel.hf_styles import MlaRopeGradSum, make_hf_style
     from modelpar.parallel.tensor import tp_plan_for, validate_tp_plan
@@ -256,6 +256,12 @@ def test_deepseek_v3_mla_attention_splits_over_tp():
     assert isinstance(make_hf_style("mla_rope_grad_sum"), MlaRopeGradSum)
     ambiguous = build_hf("hf:deepseek_v3", {**DEEPSEEK_V3, "kv_lora_rank": 8}, device="meta")   # = head_dim
     assert not [p for p in tp_plan_for(ambiguous, tp_degree=2) if ".self_attn." in p]
+    # a norm of the hidden size inside the attention sits on the heads' concatenation (BitNet's
+    # attn_sub_norm, before o_proj): not a latent, the attention stays whole
+    bitnet = build_hf("hf:bitnet", {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+                                    "bos_token_id": 0, "eos_token_id": 0}, device="meta")
+    assert not [p for p in tp_plan_for(bitnet, tp_degree=2) if ".self_attn." in p]
 
 
 @pytest.mark.slow

@@ -16,10 +16,12 @@ local activations, e.g. a per-head query / key norm:
   projections stay whole (replicated) on every TP rank, as an attention that views by its global head
   count does (`modelpar.parallel.hf_tp._views_by_global_heads`).
 
-A child with 1-D parameters of the input width of one of the module's colwise projections (and not the
-head width) works on that projection's replicated input, as MLA's ``q_a_layernorm`` / ``kv_a_layernorm``
+A child with 1-D parameters of the input width of one of the module's colwise projections, where that
+width is neither the hidden size nor the head width, works on a latent the module makes from its
+replicated input and that projection reads, as MLA's ``q_a_layernorm`` / ``kv_a_layernorm``
 (DeepSeek-V2/V3) do: its gradient is whole on every rank (the colwise backward sums its input's), so it
-is left as it is. Projections (``nn.Linear``, transformers ``Conv1D``) the plan leaves out are not counted:
+is left as it is. (A norm of the hidden size inside the module may sit on the heads' concatenation
+before the rowwise projection, as BitNet's ``attn_sub_norm`` does: it keeps the module whole.) Projections (``nn.Linear``, transformers ``Conv1D``) the plan leaves out are not counted:
 they read the module's (replicated) input, as MLA's ``q_a_proj`` does. Nor are the children of a block whose projections
 are its own children (OPT's ``fc1`` / ``fc2`` beside ``self_attn_layer_norm``, ``self_attn`` and
 ``final_layer_norm``): they work on the replicated residual stream.
@@ -68,7 +70,9 @@ def guard_split_regions(model: nn.Module, plan: dict[str, str]) -> dict[str, str
     """
     from modelpar.parallel.parts import find_blocks
 
-    head_dim = head_dim_of(model.hf.config)
+    from modelpar.models.hf import facts
+
+    head_dim, hidden = head_dim_of(model.hf.config), facts(model.hf.config).hidden
     try:
         blocks = {p for p, _ in find_blocks(model)[1]}
     except ValueError:
@@ -84,7 +88,9 @@ def guard_split_regions(model: nn.Module, plan: dict[str, str]) -> dict[str, str
         if not (styles & set(_COL) and styles & set(_ROW)) or parent_path not in modules or parent_path in blocks:
             continue                    # a block's own children beside its projections: the residual stream
         per_head, misfit = [], False
-        col_in = {_in_width(modules.get(p)) for p in entries if plan[p] in _COL}
+        # widths the module's colwise projections read that are not the residual stream's: latents made
+        # inside the module by a replicated projection (MLA's q_lora_rank / kv_lora_rank)
+        col_in = {_in_width(modules.get(p)) for p in entries if plan[p] in _COL} - {hidden}
         for name, child in modules[parent_path].named_children():
             path = f"{parent_path}.{name}"
             if path in plan or _is_projection(child) or not any(True for _ in child.parameters()):
