@@ -103,6 +103,24 @@ def test_planner_boundaries_match_stage_ranges():
     assert planner_boundaries(spec, ParallelPlan(pp=4, n_microbatches=4), {**cfg, "num_hidden_layers": 6}) == (1, 3, 4)
 
 
+def test_zero_bubble_schedules_are_refused_before_any_launch():
+    """MemTracker's module hooks break torch's split backward (``stage_backward_input``): a zbv case
+    failed on one rank while the other waited for its send, and the launch ended only at its timeout
+    (120 s asked, gloo's 300 s inside). Now one line naming the case and the way out, before any process
+    starts (`launch`) or any collective runs (`measure_memory`, on every rank alike)."""
+    from modelpar.measure import launch
+    from modelpar.plan import ParallelPlan
+
+    for sched in ("zbvzerobubble", "interleavedzerobubble", "dualpipev"):
+        case = Case(f"gpt-1m/{sched}", "gpt-1m", ParallelPlan(pp=2, n_microbatches=4, pp_schedule=sched,
+                                                               virtual_stages=2).to_dict(), 16, 16)
+        msg = rf"case 'gpt-1m/{sched}': pp_schedule '{sched}' splits each backward .* `modelpar train`"
+        with pytest.raises(ValueError, match=msg):
+            launch([case], 2, timeout=5)
+        with pytest.raises(ValueError, match=msg):
+            measure_memory(case)
+
+
 def _check(rows):
     bad = [r for r in rows if not r.get("ok")]
     return bad

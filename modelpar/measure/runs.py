@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from modelpar.models.hf import is_hf_name
-from modelpar.plan import ParallelPlan
+from modelpar.plan import SPLIT_BACKWARD_SCHEDULES, ParallelPlan
 
 MEM_PARTS = ("Parameter", "Gradient", "Optstate", "Activation", "Temp", "Buffer", "Other")
 
@@ -197,6 +197,19 @@ def _tracker():
     return _Tracker()
 
 
+def unmeasurable(case: Case) -> str | None:
+    """Why `measure_memory` cannot measure ``case`` (one line naming it), or None. Zero-bubble schedules
+    split each backward into an input and a weight pass (torch's ``stage_backward_input``), which
+    MemTracker's module hooks break: one rank failed ("Failed to run stage backward input") and the
+    other waited for its send until gloo's timeout."""
+    plan = ParallelPlan.from_dict(case.plan)
+    if plan.pp > 1 and plan.pp_schedule in SPLIT_BACKWARD_SCHEDULES:
+        return (f"case {case.name!r}: pp_schedule {plan.pp_schedule!r} splits each backward into input and weight "
+                f"passes, which MemTracker's module hooks break; `modelpar train` with this plan reports its most "
+                f"loaded rank's peak (StepMemory)")
+    return None
+
+
 def measure_memory(case: Case, *, active: bool = True) -> dict | None:
     """Peak tensor bytes of step ``case.steps`` (steps 1 .. steps-1 warm up), by MemTracker part.
 
@@ -206,10 +219,14 @@ def measure_memory(case: Case, *, active: bool = True) -> dict | None:
     None on inactive ranks).
 
     Raises:
-        ValueError: ``case.steps < 3`` (not steady state).
+        ValueError: ``case.steps < 3`` (not steady state); a case `unmeasurable` names (on every rank,
+            before any collective).
     """
     if case.steps < 3:
         raise ValueError(f"Case.steps must be >= 3 for a steady-state peak, got {case.steps}")
+    why = unmeasurable(case)
+    if why:
+        raise ValueError(why)
     mt = _tracker()
     with mt:
         b = build_case(case, active=active)
@@ -362,8 +379,13 @@ def launch(cases: list[Case], world: int, *, mode: str = "memory", timeout: floa
 
     Raises:
         RuntimeError: the launch failed or timed out (its output tail is in the message).
+        ValueError: (memory) a case `unmeasurable` names, before anything is launched.
     """
     import tempfile
+
+    bad = [w for w in map(unmeasurable, cases) if w] if mode == "memory" else []
+    if bad:
+        raise ValueError("; ".join(bad))
 
     from modelpar.launch import run_workers
 
