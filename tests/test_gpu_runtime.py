@@ -341,6 +341,58 @@ if pytest is not None:               # compiling may start compiler workers: the
     test_compile_block_matches_eager = pytest.mark.slow(test_compile_block_matches_eager)
 
 
+@contextlib.contextmanager
+def no_device_sync():
+    """On CUDA, any host-device synchronisation inside raises (`torch.cuda.set_sync_debug_mode`);
+    on the CPU dry run nothing to check."""
+    if not _cuda():
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@_mark
+def test_clipping_and_stop_agreement_queue_without_a_host_sync(tmp_path):
+    """What the train loop adds to every step on a GPU queues work without waiting for it: clipping
+    FSDP's DTensor gradients (the factor stays on the device) and issuing the ranks' stop agreement
+    (a fill, an async all-reduce, a pinned copy and an event; `StopRequest`, a 2-rank world faked on
+    the 1-rank group so it takes the multi-rank path). The agreement's value is read one call later."""
+    import signal
+
+    from modelpar.parallel.data_parallel import apply_fsdp
+    from modelpar.train.grads import clip_grad_norm_
+    from modelpar.train.stop import StopRequest
+
+    with world1(tmp_path):
+        m = tiny().to(_dev())
+        apply_fsdp(m, mesh1("dp_shard"), list(m.blocks))
+        x, y = data(2, m.cfg.seq_len)
+        lm_loss(m(x), y).backward()
+        ps = list(m.parameters())
+        assert any(hasattr(p.grad, "device_mesh") for p in ps)
+        with no_device_sync():
+            norm = clip_grad_norm_(ps, 1e-3)
+        assert float(norm) > 1e-3
+        g = torch.cat([local(p.grad).flatten() for p in ps])
+        assert abs(float(g.norm()) - 1e-3) < 1e-6
+        real_world = dist.get_world_size
+        dist.get_world_size = lambda group=None: 2
+        stop = StopRequest(True, _dev())
+        try:
+            with no_device_sync():
+                assert stop.agreed() == 0           # issues step 1's agreement only
+            stop.signum = signal.SIGTERM            # as the handler notes it
+            assert stop.agreed() == 0               # reads step 1's (0), issues step 2's
+            assert stop.agreed() == signal.SIGTERM  # reads step 2's
+        finally:
+            stop.close()
+            dist.get_world_size = real_world
+
+
 @_mark
 def test_fused_adamw():
     """`train.step.adamw` picks torch's fused kernel on CUDA, and its 3 steps match the single-tensor

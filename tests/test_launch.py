@@ -179,6 +179,49 @@ def test_stop_request_notes_the_signal_only_while_enabled():
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_stop_request_agrees_one_step_late_without_reading_a_device_value(monkeypatch):
+    """Under a process group `StopRequest.agreed` reads the all-reduce it issued at the previous call
+    (a host tensor on CPU; on CUDA a pinned copy behind an event), never the one it just issued: a
+    signal noted during step k stops the run after step k + 1, the same step on every rank, and no
+    call waits for the collective it issues (fake 2-rank group: the all-reduce returns this rank's
+    value)."""
+    import signal
+
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from modelpar.train.stop import StopRequest
+
+    issued, waited = [], []
+    orig = dist.all_reduce
+
+    def all_reduce(t, *a, **k):
+        assert k.get("async_op") is True, "the agreement must not block the step"
+        work = orig(t, *a, **k)
+        issued.append(int(t[0]))
+        n = len(issued)
+
+        class Work:                     # counts which all-reduce is waited for
+            def wait(self):
+                waited.append(n)
+                return work.wait()
+        return Work()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    on = StopRequest(True)
+    try:
+        monkeypatch.setattr(dist, "all_reduce", all_reduce)
+        assert on.agreed() == 0 and issued == [0] and waited == []       # step 1: nothing in flight yet
+        os.kill(os.getpid(), signal.SIGTERM)                             # noted during step 2
+        assert on.agreed() == 0 and waited == [1]                        # step 2 reads step 1's: no stop
+        assert issued == [0, signal.SIGTERM]
+        assert on.agreed() == signal.SIGTERM and waited == [1, 2]        # step 3 reads step 2's: stop
+        assert issued == [0, signal.SIGTERM]                             # and issues nothing more
+    finally:
+        on.close()
+        dist.destroy_process_group()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigterm_saves_a_checkpoint_and_resume_continues_from_it(tmp_path):

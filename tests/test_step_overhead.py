@@ -366,3 +366,30 @@ def test_loss_scale_one_adds_no_multiply_and_the_same_gradients():
         ((ref(x) - y).mean() * scale).backward()     # (a loss whose own backward has no mul)
         for p, q in zip(mod.parameters(), ref.parameters()):
             assert torch.equal(p.grad, q.grad)
+
+
+def test_clipping_dtensor_gradients_reads_no_device_value():
+    """FSDP / TP gradients are DTensors: the clip factor scales their local shards as a tensor. Read
+    on the host (``.item()``, as before), it made every clipped step wait on a GPU for the backward to
+    end before the optimizer's kernels were queued (fake 2-rank group: shapes and placements only)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)])) for _ in range(2)]
+        for p in ps:
+            p.grad = distribute_tensor(torch.randn(4, 3) * 10, mesh, [Shard(0)])
+        before = [p.grad.to_local().clone() for p in ps]
+        with counting() as n:
+            norm = grads.clip_grad_norm_(ps, 1.0)
+        assert n == {"global_grad_norm": 1}, dict(n)
+        coef = min(1.0, 1.0 / (float(norm) + 1e-6))
+        assert coef < 1.0
+        for p, g in zip(ps, before):
+            torch.testing.assert_close(p.grad.to_local(), g * coef, rtol=1e-6, atol=0)
+    finally:
+        dist.destroy_process_group()

@@ -67,7 +67,9 @@ def clip_grad_norm_(params, max_norm: float, *, pp_group=None, norm_params=None)
             # one foreach call per device: on CPU each tensor gets the mul_ kernel a loop would run
             torch._foreach_mul_(gs, coef.to(dev))
         if shards:
-            # DTensor gradients: scale the local shards by the one coefficient read once (a scalar
-            # factor commutes with every placement), without one DTensor dispatch per tensor
-            torch._foreach_mul_(shards, coef.item())
+            # DTensor gradients: scale the local shards by the one coefficient (a scalar factor
+            # commutes with every placement), without one DTensor dispatch per tensor; the factor
+            # stays a device tensor: reading it on the host (``.item()``) would make every step wait
+            # here for the backward on a GPU before the optimizer's kernels are queued
+            torch._foreach_mul_(shards, coef.to(shards[0].device))
     return norm

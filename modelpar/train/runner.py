@@ -154,10 +154,14 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
         losses: list[float] = []
         pending: list = []              # (loss sum, count) of the steps since the last log step
         t_train = time.time()
-        t_last = t_train
+        # tokens/s at a log step: over the steps since the previous one (each log step reads the loss,
+        # which waits for the device: between two such reads the time is the device's, not only the
+        # host's time to queue the kernels), less the evaluations and checkpoint saves in between
+        t_log, steps_since, paused = t_train, 0, 0.0
         val_loss = val_before
         ckpt.after_step(ckpt.start_step)                  # a checkpoint at step 0 too
-        # SIGTERM / SIGUSR1 (preemption, a time limit): with checkpoints on, finish the step, save, leave
+        # SIGTERM / SIGUSR1 (preemption, a time limit): with checkpoints on, save and leave after the
+        # step after the signal (`StopRequest`: the ranks agree one step late, without a device sync)
         stop = StopRequest(ckpt.saver is not None, device)
         for step in range(ckpt.start_step, cfg.steps):
             if heartbeat is not None:
@@ -183,15 +187,18 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
             if mem.peak:
                 peak_tensor = max(peak_tensor, int(mem.peak))     # bytes (StepMemory sums floats)
             pending.append((loss_sum, n))
-            now = time.time()
-            tok_s = tokens_per_step / max(now - t_last, 1e-9)
-            t_last = now
+            steps_since += 1
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+                t0 = time.time()
                 val_loss = evaluate(pm, task, batches)
                 record.log(step + 1, val_loss=val_loss)
+                paused += time.time() - t0
             if log_now:
                 losses.extend(reduce_losses(pm, pending))
                 pending.clear()
+                now = time.time()
+                tok_s = tokens_per_step * steps_since / max(now - t_log - paused, 1e-9)
+                t_log, steps_since, paused = now, 0, 0.0
                 top_tensor, top_rss = max_over_ranks([peak_tensor, peak_rss_bytes()], device)   # the most loaded rank's
                 record.log(step + 1, loss=losses[-1], grad_norm=gnorm.item(), lr=lr_at(step, cfg),
                            tokens_per_s=tok_s, peak_rss_bytes=top_rss, peak_tensor_bytes=top_tensor)
@@ -201,7 +208,9 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
                                              f"mem {_tensors_text(top_tensor or 0)}, "
                                              f"{_fmt_bytes(top_rss or 0)} RSS")
                 progress.update(1)
+            t0 = time.time()
             ckpt.after_step(step + 1)
+            paused += time.time() - t0
             signum = stop.agreed()
             if signum:
                 where = ckpt.save_now(step + 1)
