@@ -168,7 +168,8 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
                 heartbeat.beat(step)
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, cfg)
-            xg, yg = task.train.global_batch(cfg.seed, step, batches.global_batch_size)
+            # the same global batch on every rank, each reading only the rows it runs
+            xg, yg = task.train.global_rows(cfg.seed, step, batches.global_batch_size)
             # the second step run (the first also builds optimizer state), or the only one
             track_at = ckpt.start_step + (1 if cfg.steps - ckpt.start_step > 1 else 0)
             track = cfg.track_memory and step == track_at and device.type == "cpu"

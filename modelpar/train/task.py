@@ -37,7 +37,7 @@ class Task:
     name: str
     kind: str                        # "lm" | "classify"
     model: nn.Module
-    train: object                    # TokenBatches | TensorBatches: .global_batch(seed, step, n)
+    train: object                    # TokenBatches | TensorBatches: .global_batch / .global_rows(seed, step, n)
     val: tuple[torch.Tensor, torch.Tensor]
     loss_fn: object
     tokens_per_sample: int
