@@ -146,7 +146,8 @@ class TrainConfig:
             training goes on while the files are written.
         check_unused_params: check at every optimizer step that all data-parallel ranks gave gradients
             to the same parameters (rank-divergent control flow would mix gradients; case C12); one
-            small all-gather per step.
+            small all-reduce per step (DDP: the first step only), read on the host before the optimizer
+            step, so on a GPU each step waits there for its backward to end.
         sync_batchnorm: convert BatchNorm layers to SyncBatchNorm over the data-parallel group (CUDA
             only; refused before launch on CPU). Without it BatchNorm uses per-rank batch statistics
             (case C15).
