@@ -496,3 +496,38 @@ def test_a_config_whose_forward_fails_is_one_line_in_plan_and_estimate():
               "--seq-len", "32"])
     main(["--model", "hf:deepseek_v3", "--model-config", cfg.replace('"n_group": 8', '"n_group": 2, "topk_group": 1'),
           "--nproc", "2", "--strategy", "fsdp", "--seq-len", "32"])
+
+
+# decoders that build their own all-ones padding mask (BART, BioGPT) or check the tokens for padding
+# (RoFormer, BERT-like): 4 heads, 2 layers
+SELF_MASKED = {
+    "bart": {"d_model": 32, "decoder_layers": 2, "encoder_layers": 2, "decoder_attention_heads": 4,
+             "encoder_attention_heads": 4, "decoder_ffn_dim": 64, "encoder_ffn_dim": 64, "vocab_size": 256,
+             "max_position_embeddings": 64},
+    "biogpt": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
+               "vocab_size": 256, "max_position_embeddings": 64},
+    "roformer": {"hidden_size": 32, "embedding_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                 "intermediate_size": 64, "vocab_size": 256, "max_position_embeddings": 64},
+}
+
+
+@pytest.mark.parametrize("name", sorted(SELF_MASKED))
+def test_meta_profile_of_families_that_read_their_own_masks(name):
+    """`plan`, `estimate` and `train` / `verify --strategy auto` (the default) profile on the meta device:
+    BART's and BioGPT's own all-ones padding mask went through ``masking_utils.fast_all`` and RoFormer's
+    tokens through the padding warning, each reading a meta tensor's value ('Tensor.item() cannot be
+    called on meta tensors', refused for 15 causal-LM types of transformers 5.25). Now profiled, each block's
+    FLOPs those of its projections and attention, and transformers' functions are its own again after."""
+    import transformers.masking_utils as mu
+    from transformers.modeling_utils import PreTrainedModel
+
+    from modelpar.cli.common import profile_for
+
+    before = (mu.fast_all, mu.find_packed_sequence_indices, PreTrainedModel.warn_if_padding_and_no_attention_mask)
+    prof, _ = profile_for(f"hf:{name}", SELF_MASKED[name], 16, "fp32")
+    t, h, ffn = 16, 32, 64
+    proj = 2 * t * h * 4 * h + 2 * t * (2 * h * ffn)             # q, k, v, o and the MLP's up, down
+    attn = 2 * 2 * t * t * h                                      # q k^T and p v over all heads
+    assert [b.fwd_flops for b in prof.blocks[1:-1]] == [proj + attn] * 2        # embed, 2 layers, head
+    assert (mu.fast_all, mu.find_packed_sequence_indices,
+            PreTrainedModel.warn_if_padding_and_no_attention_mask) == before

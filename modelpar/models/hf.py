@@ -262,6 +262,10 @@ class _unpacked_sequences:
     sequence per sample", which is what modelpar's token batches are; so the model runs as it runs
     on real tokens (causal attention without a mask tensor).
 
+    Two more reads of values a meta forward cannot do answer as for modelpar's real batches (no padding,
+    no attention mask): ``masking_utils.fast_all`` of a padding mask the model builds itself
+    (`_all_true_without_values`) and the padding warning of BERT-like models (`_no_padding_warning`).
+
     And the grouped product of a mixture of experts (Mixtral, Qwen2-MoE, ...: transformers'
     ``integrations.moe._grouped_mm``) runs as `_meta_grouped_mm`: torch's meta kernel of ``grouped_mm``
     takes bf16 only (an fp32 profile stopped with a traceback) and FLOP counters have no formula for it
@@ -269,22 +273,55 @@ class _unpacked_sequences:
 
     def __enter__(self):
         import transformers.masking_utils as mu
-        self.mu, self.orig = mu, getattr(mu, "find_packed_sequence_indices", None)
-        if self.orig is not None:
-            mu.find_packed_sequence_indices = lambda position_ids: None
+        from transformers.modeling_utils import PreTrainedModel
+
+        self.saved = []
+        self._swap(mu, "find_packed_sequence_indices", lambda old: lambda position_ids: None)
+        self._swap(mu, "fast_all", _all_true_without_values)
+        self._swap(PreTrainedModel, "warn_if_padding_and_no_attention_mask", _no_padding_warning)
         try:
             import transformers.integrations.moe as moe
         except ImportError:
             moe = None
-        self.moe, self.orig_mm = moe, getattr(moe, "_grouped_mm", None)
-        if self.orig_mm is not None:
-            moe._grouped_mm = _meta_grouped_mm
+        self._swap(moe, "_grouped_mm", lambda old: _meta_grouped_mm)
+
+    def _swap(self, owner, name: str, make) -> None:
+        """``owner.name = make(owner.name)`` where ``owner`` has it (transformers versions differ)."""
+        old = getattr(owner, name, None) if owner is not None else None
+        if old is not None:
+            self.saved.append((owner, name, old))
+            setattr(owner, name, make(old))
 
     def __exit__(self, *exc):
-        if self.orig is not None:
-            self.mu.find_packed_sequence_indices = self.orig
-        if self.orig_mm is not None:
-            self.moe._grouped_mm = self.orig_mm
+        for owner, name, old in reversed(self.saved):
+            setattr(owner, name, old)
+
+
+def _all_true_without_values(fast_all):
+    """transformers' ``masking_utils.fast_all(mask)`` (``mask.sum() == mask.numel()``, read as a Python
+    bool), answering True for a mask without values (`_no_values`): modelpar passes no attention mask, so
+    a padding mask the model builds itself (BART's, BioGPT's, Pegasus' ``torch.ones(batch, seq)`` when none
+    is given) is all ones, and ``bool()`` of a meta tensor stopped every meta profile of those families
+    ('Tensor.item() cannot be called on meta tensors'). ``mask``: ``(batch, kv_len)`` bool / float."""
+
+    def all_true(mask: torch.Tensor):
+        return True if _no_values(mask) else fast_all(mask)
+
+    return all_true
+
+
+def _no_padding_warning(warn):
+    """``PreTrainedModel.warn_if_padding_and_no_attention_mask(input_ids (batch, seq), mask)``, skipped on
+    token ids without values: it only warns, and its ``pad_token_id in input_ids[:, [-1, 0]]`` stopped the
+    meta profile of BigBird, MegatronBERT, RemBERT, RoFormer ('Tensor.item() cannot be called on meta
+    tensors')."""
+
+    def check(self, input_ids, attention_mask):
+        if input_ids is not None and _no_values(input_ids):
+            return None
+        return warn(self, input_ids, attention_mask)
+
+    return check
 
 
 def _meta_grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor | None = None) -> torch.Tensor:
