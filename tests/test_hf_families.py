@@ -531,3 +531,60 @@ def test_meta_profile_of_families_that_read_their_own_masks(name):
     assert [b.fwd_flops for b in prof.blocks[1:-1]] == [proj + attn] * 2        # embed, 2 layers, head
     assert (mu.fast_all, mu.find_packed_sequence_indices,
             PreTrainedModel.warn_if_padding_and_no_attention_mask) == before
+
+
+BART = {"d_model": 32, "encoder_layers": 1, "decoder_layers": 2, "encoder_attention_heads": 4,
+        "decoder_attention_heads": 4, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "vocab_size": 256,
+        "max_position_embeddings": 64}
+GEMMA3 = {"text_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 256},
+          "vision_config": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                            "num_attention_heads": 2, "image_size": 32, "patch_size": 8}, "mm_tokens_per_image": 4}
+
+
+@requires("transformers")
+@pytest.mark.parametrize("name,config,frozen", [("hf:bart", BART, "hf.model.decoder.layers.*.encoder_attn"),
+                                                ("hf:gemma3", GEMMA3, "hf.model.vision_tower")])
+def test_parameters_the_lm_forward_never_reaches_are_frozen(name, config, frozen):
+    """A causal LM class holding more than its text path (BART's decoder run without an encoder: its
+    cross-attention; Gemma 3's vision tower): on several ranks the first step refused those parameters
+    (case C1, "N trainable parameter(s) got no gradient") with advice an ``hf:`` user cannot follow. Now
+    the parameters no gradient reaches on a meta forward at the run's sequence length are frozen, named
+    in one line, and every trainable parameter gets a gradient; a model without any is left alone."""
+    from helpers.hf_tiny import TINY
+    from modelpar.models.hf import build_hf
+    from modelpar.models.hf_unused import freeze_unreached
+
+    m = build_hf(name, config, dropout=0.0)
+    before = sum(p.requires_grad for p in m.parameters())
+    note = freeze_unreached(m, name, config, 16)
+    assert note is not None and frozen in note and f"--model {name}: " in note, note
+    assert 0 < len(m.unreached) < before and all(not p.requires_grad for n, p in m.named_parameters()
+                                                 if n in m.unreached)
+    m(torch.randint(0, 256, (2, 16))).float().logsumexp(-1).mean().backward()
+    assert [n for n, p in m.named_parameters() if p.requires_grad and p.grad is None] == []
+    llama = build_hf("hf:llama", TINY["llama"][1], dropout=0.0)
+    assert freeze_unreached(llama, "hf:llama", TINY["llama"][1], 16) is None
+    assert all(p.requires_grad for p in llama.parameters())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_bart_as_a_causal_lm_trains_on_two_ranks(tmp_path):
+    """`modelpar train --model hf:bart --strategy ddp --nproc 2`: refused after launch at the first step
+    before (20 cross-attention parameters without a gradient); now they are frozen, said in one line,
+    and the run ends; `plan` prices them frozen (its trainable count is below the parameter count)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cfg = json.dumps(BART)
+    r = subprocess.run([sys.executable, "-m", "modelpar", "train", "--model", "hf:bart", "--model-config", cfg,
+                        "--strategy", "ddp", "--nproc", "2", "--steps", "2", "--seq-len", "32",
+                        "--global-batch-size", "4", "--eval-samples", "4", "--out-dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=200, env=env, cwd=tmp_path)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "20 parameter tensor(s)" in out and "hf.model.decoder.layers.*.encoder_attn" in out, out[-3000:]

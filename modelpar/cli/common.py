@@ -126,6 +126,10 @@ def _hf_profile(model: str, model_config: dict, seq_len: int, dtype, blocks: str
         if isinstance(getattr(cfg, "layer_types", None), (list, tuple)):
             over["layer_types"] = list(cfg.layer_types)[:HF_PROFILE_LAYERS]
     m = build_hf(model, over, device="meta", seed=None)
+    if f.task == "lm":              # priced as train runs it: what the forward never reaches is frozen
+        from modelpar.models.hf_unused import freeze_unreached
+
+        freeze_unreached(m, model, over, seq)
     x = example_input(m, 1, seq, device="meta")
     try:
         prof = profile_model(m, x, dtype=dtype, blocks=default_blocks(m, blocks or None),

@@ -189,6 +189,9 @@ def _hf_task(args):
     from modelpar.cli.common import hf_seq_len
 
     seq = hf_seq_len(args.model, model.hf.config, args.seq_len)     # 0: the default every command uses
+    from modelpar.models.hf_unused import freeze_unreached
+
+    freeze_unreached(model, args.model, args.model_config, seq)     # as train: both sides of the comparison
 
     def batch_fn(step):
         g = torch.Generator().manual_seed(args.seed * 100003 + step)

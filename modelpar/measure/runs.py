@@ -150,6 +150,9 @@ def _hf_task(case: Case):
     if case.seq_len < 1:
         raise ValueError(f"case {case.name}: a Hugging Face model needs Case.seq_len")
     model = build_hf(case.model, case.model_config, dropout=0.0, seed=0)
+    from modelpar.models.hf_unused import freeze_unreached
+
+    freeze_unreached(model, case.model, case.model_config, case.seq_len)     # as train and the planner do
     return Task(case.model, "lm", model, None, None, lm_loss, case.seq_len, {"vocab": facts(model.hf.config).vocab})
 
 

@@ -112,6 +112,8 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
             say(f"  data: {di['description']}")
         nparams = sum(p.numel() for p in task.model.parameters())
         say(f"  model: {nparams / 1e6:.2f}M parameters")
+        if getattr(task.model, "unreached_note", None):
+            say(f"  {task.model.unreached_note}")
         record.write_json("config.json", cfg.to_dict())
         record.write_json("plan.json", PlanFile(plan, batches.global_batch_size, batches.local_batch_size,
                                                 resolved.reason if resolved is not None else "").to_dict())

@@ -219,6 +219,10 @@ def build_task(cfg, *, device: str = "cpu", load_data: bool = True) -> Task:
         model, shape, classifier = _factory(cfg, device)      # the factory is called once
     else:
         model, shape = build_model_for(cfg, device=device), lm_shape(cfg)
+        if _kind(cfg) == "hf" and shape is not None:       # what its forward never reaches, frozen (one line)
+            from modelpar.models.hf_unused import freeze_unreached
+
+            model.unreached_note = freeze_unreached(model, cfg.model, cfg.model_config or None, shape.seq_len)
     if shape is not None:
         seq = shape.seq_len
         if not load_data:
