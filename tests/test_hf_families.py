@@ -588,3 +588,27 @@ def test_bart_as_a_causal_lm_trains_on_two_ranks(tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "20 parameter tensor(s)" in out and "hf.model.decoder.layers.*.encoder_attn" in out, out[-3000:]
+
+
+FALCON_GQA = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_kv_heads": 2,
+              "new_decoder_architecture": True, "multi_query": False, "vocab_size": 256,
+              "max_position_embeddings": 64, "bos_token_id": 0, "eos_token_id": 0}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_falcon_gqa_tp_verify_passes(tmp_path):
+    """`modelpar verify --strategy tp` of a tiny Falcon of the 40B / 180B layout (grouped-query attention,
+    parallel attention and MLP) on 2 ranks against one process. Before, both ranks crashed at its block's
+    ``mlp_output += attention_output`` (an in-place change of a rowwise output's ``to_local()`` view)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    r = subprocess.run([sys.executable, "-m", "modelpar", "verify", "--model", "hf:falcon", "--model-config",
+                        json.dumps(FALCON_GQA), "--strategy", "tp", "--nproc", "2", "--steps", "2", "--seq-len", "32",
+                        "--optimizer", "sgd"], capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and out.rstrip().endswith("PASS"), out[-3000:]

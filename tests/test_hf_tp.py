@@ -225,3 +225,38 @@ def test_phi3_gathered_and_split_styles_translate():
     assert plan["hf.model.layers.1.mlp.down_proj"] == hf_tp.ROWWISE_SPLIT
     assert plan["hf.lm_head"] == COLWISE_VOCAB and plan["hf.model.embed_tokens"] == ROWWISE_VOCAB
     validate_tp_plan(m, plan, 2)
+
+
+@pytest.mark.parametrize("own", [False, True])
+def test_split_outputs_may_be_modified_in_place_in_a_model_s_code(own):
+    """Falcon's block adds the attention's output into the MLP's in place (``mlp_output +=
+    attention_output``); under TP the MLP's rowwise output is ``DTensor.to_local()``, a view made inside
+    an autograd Function, and the ranks crashed ("... is a view and is being modified inplace"). The
+    split modules of a model that is not the built-in GPT hand on tensors of their own (no copy), with
+    the same values and gradients (fake 2-rank group: shapes and placements only)."""
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from modelpar.parallel.tensor import apply_tp
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+        apply_tp(m, init_device_mesh("cpu", (2,)), {"0": COLWISE, "1": ROWWISE}, own_outputs=own)
+        x = torch.randn(3, 4, requires_grad=True)
+        out = m(x)
+        if not own:
+            with pytest.raises(RuntimeError, match="is a view and is being modified inplace"):
+                out += 1.0
+            out.detach().sum().item()           # waits for the (fake) all-reduce the output came from
+            return
+        base = out.detach().clone()
+        out += 1.0
+        assert torch.equal(out.detach(), base + 1.0)
+        out.sum().backward()
+        assert x.grad is not None and m[0].weight.grad is not None
+    finally:
+        dist.destroy_process_group()

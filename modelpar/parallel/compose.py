@@ -429,9 +429,11 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: MeshInfo, *, loss_fn
 
     # 2. tensor parallel (before FSDP, which shards the TP DTensors further over the data axes)
     if plan.tp_enabled:
+        from modelpar.models.gpt import GPT
+
         for mod in modules:
             present = {n for n, m in mod.named_modules() if not getattr(m, "_modelpar_stub", False)}
-            tensor.apply_tp(mod, mesh.sub("tp"), tp_plan, present=present)
+            tensor.apply_tp(mod, mesh.sub("tp"), tp_plan, present=present, own_outputs=not isinstance(model, GPT))
         ties.retie(modules, tied)              # TP gave each copy its own DTensor: one again (C13)
     # 3. activation checkpointing (after TP, so recompute replays the TP collectives)
     for mod in modules:

@@ -38,6 +38,7 @@ and the degree.
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
 COLWISE, ROWWISE = "colwise", "rowwise"
@@ -230,10 +231,15 @@ def validate_tp_plan(model: nn.Module, tp_plan: dict[str, str], tp_degree: int, 
                              f"({style} split of Linear({m.in_features}, {m.out_features}))")
 
 
-def apply_tp(model: nn.Module, tp_mesh, tp_plan: dict[str, str], *, present: set[str] | None = None) -> int:
+def apply_tp(model: nn.Module, tp_mesh, tp_plan: dict[str, str], *, present: set[str] | None = None,
+             own_outputs: bool = False) -> int:
     """Shard the Linears of ``tp_plan`` over ``tp_mesh`` in place; returns how many were split.
 
     ``present`` restricts to module paths that exist on this rank (pipeline stages hold only some).
+    ``own_outputs``: the split modules' local outputs become tensors of their own (`_OwnOutput`), so
+    a model's code may modify them in place (Falcon's ``mlp_output += attention_output``); torch's
+    styles hand on ``DTensor.to_local()``, a view made inside an autograd Function, which autograd
+    refuses to modify in place ("Output 0 of _ToTorchTensor is a view and is being modified inplace").
     """
     plan = {p: make_style(s) for p, s in tp_plan.items() if present is None or p in present}
     from modelpar.parallel import hf_tp
@@ -243,6 +249,10 @@ def apply_tp(model: nn.Module, tp_mesh, tp_plan: dict[str, str], *, present: set
         from torch.distributed.tensor.parallel import parallelize_module
 
         parallelize_module(model, tp_mesh, plan)
+    if own_outputs:
+        for path in plan:
+            if tp_plan[path] in _LOCAL_OUTPUT_STYLES:
+                model.get_submodule(path).register_forward_hook(_own_output)
     for path, style in tp_plan.items():
         if style == ROWWISE_VOCAB and path in plan:
             model.get_submodule(path).weight.register_post_accumulate_grad_hook(_shard_grad_like_weight)
@@ -295,3 +305,31 @@ def head_is_vocab_sharded(tp_plan: dict[str, str]) -> bool:
     """True when the plan leaves the logits sharded on the vocab dim (the loss must run under
     `torch.distributed.tensor.parallel.loss_parallel`)."""
     return any(s in (COLWISE_VOCAB, COLWISE_VOCAB_SEQ) for s in tp_plan.values())
+
+
+# styles whose module hands on a local tensor (``DTensor.to_local()``; the vocab-parallel head's logits
+# stay a DTensor)
+_LOCAL_OUTPUT_STYLES = (COLWISE, ROWWISE, ROWWISE_SEQ, ROWWISE_VOCAB, "conv1d_colwise", "conv1d_rowwise",
+                        "conv1d_rowwise_seq", "conv1d_colwise_qkv", "colwise_gather", "rowwise_split")
+
+
+class _OwnOutput(torch.autograd.Function):
+    """Identity (forward and backward) whose output is not a view of its input: ``x.detach()`` shares
+    ``x``'s memory (no copy) and its version counter, so an in-place change of the output is allowed,
+    and one that a saved tensor of the graph needs is still caught by autograd's version check."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _own_output(_module, _inputs, out):
+    """Forward hook: a split module's local output as a tensor of its own (`_OwnOutput`), where autograd
+    records it; DTensors and outputs without a graph are left as they are."""
+    if isinstance(out, torch.Tensor) and out.requires_grad and not hasattr(out, "placements"):
+        return _OwnOutput.apply(out)
+    return None
