@@ -14,7 +14,7 @@ from modelpar.plan import ParallelPlan, autocasts
 from modelpar.planner.comms import _coll
 from modelpar.planner.cost import _finish, step_form, tp_bytes_per_sample
 from modelpar.planner.grid import plan_memory as _plan_memory
-from modelpar.planner.legality import split_violations, tie_refusal, tp_violations
+from modelpar.planner.legality import V_SCHEDULES, split_violations, tie_refusal, tp_violations
 from modelpar.planner.memory import Batch, rank_loads
 
 
@@ -137,7 +137,7 @@ def layouts(S: Search, factorizations):
             if tie_refusal(profile, pp, sched, dr * ds):
                 pruned["a tie the V schedule's stages would split"] += n_inner
                 continue
-            key = (tp, pp, v, ac)
+            key = (tp, pp, v, ac, sched in V_SCHEDULES)       # V schedules place stages apart (`loads.rank_loads`)
             cached = S.load_cache.get(key)
             if cached is None:
                 plan0 = ParallelPlan(tp=tp, pp=pp, virtual_stages=v, sequence_parallel=sp,
