@@ -128,7 +128,8 @@ class RankLoad:
     moments: tuple | None = field(default=None, repr=False, compare=False)
     moment_src: tuple = field(default=((), None), repr=False, compare=False)
     out: float = 0.0               # last stage: the model output (logits) bytes per sample
-    # `memory._projections` per `records.ProjMode`
+    # `memory._projections` per `records.ProjMode`; a V schedule's chunk k: its moments under ("chunk", k),
+    # its projections under (k, mode) (`chunk_moments`, `memory.MemoryForm._chunk_proj`)
     projections: dict = field(default_factory=dict, repr=False, compare=False)
     # elements of each parameter tensor (TP applied) and of each FSDP unit (sum of its tensors, TP
     # applied, unsharded), for the step-time model's fresh-allocation term (CPU allocators hand tensors
@@ -174,10 +175,15 @@ class RankLoad:
 
     def chunk_moments(self, k: int) -> tuple:
         """`_backward_moments` of the blocks of the rank's ``k``-th stage alone (`chunks`): one micro-batch's
-        backward through that chunk (the V schedules backpropagate one chunk at a time)."""
-        recs, cache, *own = self.moment_src
-        a = sum(n for n, _ in self.chunks[:k])
-        return _backward_moments(tuple(recs[a:a + self.chunks[k][0]]), bool(own and own[0]), cache)
+        backward through that chunk (the V schedules backpropagate one chunk at a time). Memoized in
+        ``projections`` under ("chunk", k) (`recompute.ac_load`'s variants have their own dict)."""
+        hit = self.projections.get(("chunk", k))
+        if hit is None:
+            recs, cache, *own = self.moment_src
+            a = sum(n for n, _ in self.chunks[:k])
+            hit = self.projections[("chunk", k)] = _backward_moments(tuple(recs[a:a + self.chunks[k][0]]),
+                                                                     bool(own and own[0]), cache)
+        return hit
 
 
 def _adamw_temp(numels: list[tuple[float, bool]]) -> float:

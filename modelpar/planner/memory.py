@@ -298,15 +298,26 @@ class MemoryForm:
         return out
 
     def _chunk_proj(self, x: int, prev: bool, sharded_acc: bool) -> tuple:
-        """`_projections` of chunk ``x``'s blocks alone (`loads.RankLoad.chunk_moments`), memoized on the form."""
+        """`_projections` of chunk ``x``'s blocks alone (`loads.RankLoad.chunk_moments`), memoized on the
+        form, on the load (per mode: the forms of one load share it) and in the cache (per moments and
+        mode: loads whose chunks hold equal blocks share it)."""
         key = (x, prev, sharded_acc)
         proj = self.chunk_proj.get(key)
         if proj is None:
-            ld = self.ld
+            ld, cache = self.ld, self.cache
             mode = _mode((self.fsdp, self.ac, prev, self.rafw, self.work, self.pp * (1 + ld.autocast), self.gloo,
                           sharded_acc))
-            bwd, rs = ld.chunk_moments(x)
-            proj = self.chunk_proj[key] = _projections(bwd, rs, mode)
+            proj = ld.projections.get((x, mode))
+            if proj is None:
+                bwd, rs = ld.chunk_moments(x)
+                pkey = (bwd, rs, mode)
+                proj = cache.projections.get(pkey) if cache is not None else None
+                if proj is None:
+                    proj = _projections(bwd, rs, mode)
+                    if cache is not None:
+                        cache.projections[pkey] = proj
+                ld.projections[(x, mode)] = proj
+            self.chunk_proj[key] = proj
         return proj
 
     def _projections(self, mode: ProjMode) -> tuple:
