@@ -100,3 +100,25 @@ def split_blocks(costs: Sequence[float], num_stages: int, *, ends: bool, even: b
         rng[0] = (0, rng[0][1])
         rng[-1] = (rng[-1][0], n)
     return rng
+
+
+# schedules whose ranks hold stage r and stage 2 pp - 1 - r (a "V": Qi et al. 2024, "Zero Bubble
+# Pipeline Parallelism", ICLR, Sec. 6; torch's ``generate_stage_to_rank_mapping(style="v")``)
+V_SCHEDULES = ("zbvzerobubble", "dualpipev")
+
+
+def rank_stages(pp_rank: int, pp: int, virtual_stages: int, schedule: str) -> list[int]:
+    """Stage indices pipeline rank ``pp_rank`` holds, in the order the rank builds them (its chunks):
+    ``[r, 2 pp - 1 - r]`` under a V schedule (`V_SCHEDULES`), else round-robin ``[r, r + pp, ...]``
+    (``virtual_stages`` of them). The runtime (`modelpar.parallel.pipeline.stage_indices`) and the
+    planner (`modelpar.planner.loads.rank_loads`) both place stages with this."""
+    if schedule in V_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + v * pp for v in range(virtual_stages)]
+
+
+def stage_rank(stage: int, pp: int, schedule: str) -> int:
+    """The pipeline rank holding ``stage`` (`rank_stages`' inverse)."""
+    if schedule in V_SCHEDULES and stage >= pp:
+        return 2 * pp - 1 - stage
+    return stage % pp

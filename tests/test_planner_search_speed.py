@@ -173,3 +173,23 @@ def test_search_time_benchmark_has_a_command_line():
     r = subprocess.run([sys.executable, str(script), "3072:x", "--repeat", "2"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "'3072:x' is not N:BATCH" in r.stderr and "profile" not in r.stdout, r
+
+
+def test_v_schedule_candidates_do_not_share_round_robin_step_times():
+    """A V schedule's layout places other stages on each rank (`stage_split.rank_stages`) than an
+    interleaved layout of the same (tp, pp, v = 2), so the step forms must not share their per-rank
+    time tables (`layouts._share_times`): each ZB-V candidate's step equals a fresh `rank_step` of its
+    own loads, whichever layout of the (tp, pp, v) the search timed first (interleaved, here)."""
+    prof = _profile("gpt-1b", 2048, "bf16")
+    hw = get_hardware("H100-80GB-SXM")
+    rep = search_plans(prof, 64, hw, global_batch_size=512, precision="bf16",
+                       schedules=("interleaved1f1b", "zbvzerobubble"))
+    zbv = [c for c in rep.ranked if c.plan.pp_schedule == "zbvzerobubble"]
+    assert len(zbv) > 20 and any(c.plan.pp_schedule == "interleaved1f1b" and c.plan.virtual_stages == 2
+                                 for c in rep.ranked)
+    for c in zbv[::max(1, len(zbv) // 60)]:
+        loads = rank_loads(prof, c.plan, act_bytes=2)
+        parts = rank_step(loads, c.plan, hw, micro_batch_size=c.micro_batch_size,
+                          accumulation=c.batch.accumulation_steps(c.plan), optimizer="adamw",
+                          tp_bytes=tp_bytes_per_sample(prof, c.plan))
+        assert dataclasses.asdict(_finish(parts, prof, c.plan, 512)) == dataclasses.asdict(c.step), c.plan.describe()

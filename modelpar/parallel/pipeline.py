@@ -186,10 +186,11 @@ def _check_boundaries(parts: ModelParts, ranges, example_input) -> list:
 
 def stage_indices(pp_rank: int, pp: int, virtual_stages: int, schedule: str) -> list[int]:
     """Stage indices held by one pipeline rank: round-robin (``r, r+p, ...``) or V-shape for the
-    ZBV / DualPipeV schedules (``r`` and ``2p-1-r``)."""
-    if schedule in ("zbvzerobubble", "dualpipev"):
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + v * pp for v in range(virtual_stages)]
+    ZBV / DualPipeV schedules (``r`` and ``2p-1-r``): `modelpar.stage_split.rank_stages`, which the
+    planner places stages with too."""
+    from modelpar.stage_split import rank_stages
+
+    return rank_stages(pp_rank, pp, virtual_stages, schedule)
 
 
 def split_stages(parts: ModelParts, num_stages: int, boundaries=None, block_costs=None) -> list[tuple[int, int]]:

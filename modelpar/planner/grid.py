@@ -15,6 +15,7 @@ from __future__ import annotations
 from modelpar.planner.memory import MemoryEstimate, in_flight, memory_form
 from modelpar.planner.records import MemoryParts
 from modelpar.planner.recompute import is_checkpointed
+from modelpar.stage_split import V_SCHEDULES
 
 # the phases of `MemoryForm.parts` that do not depend on the micro-batches in flight
 _FLAT_PHASES = ("optimizer", "pipeline_end")
@@ -146,6 +147,9 @@ def plan_memory(plan, reps, b: int, acc: int, flights: dict, kw: dict, budget: f
     evaluated as `_selection` proves enough."""
     v, m, ac, k, defer = (plan.virtual_stages, plan.n_microbatches, plan.activation_checkpointing, plan.ac_every,
                           plan.defer_grad_sync)
+    vshape = plan.pp_schedule in V_SCHEDULES
+    if vshape:      # V placement: loads (and their forms, estimates) apart from the round-robin ones of this v
+        v = (v, "v")
     rf = plan.reshard_after_forward      # per schedule (`plan.fsdp_keeps_gathered`): in every key below
     pp = plan.pp > 1
     ws = flights.get(m)
@@ -154,7 +158,8 @@ def plan_memory(plan, reps, b: int, acc: int, flights: dict, kw: dict, budget: f
     skey = ("sel", m, ac, k)
     sel = flights.get(skey)
     if sel is None:
-        sel = flights[skey] = (_selection(plan, reps, ws, kw["cache"]) if len(reps) > 2
+        # (a V schedule's in flight is a table of moments per rank, `memory.in_flight`: every rank)
+        sel = flights[skey] = (_selection(plan, reps, ws, kw["cache"]) if len(reps) > 2 and not vshape
                                else [(r, ld, w, None) for (r, ld), w in zip(reps, ws)])
     best, best_total, best_r = None, 0.0, 0
     extra = []

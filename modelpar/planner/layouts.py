@@ -14,7 +14,7 @@ from modelpar.plan import ParallelPlan, autocasts
 from modelpar.planner.comms import _coll
 from modelpar.planner.cost import _finish, step_form, tp_bytes_per_sample
 from modelpar.planner.grid import plan_memory as _plan_memory
-from modelpar.planner.legality import split_violations, tie_refusal, tp_violations
+from modelpar.planner.legality import V_SCHEDULES, split_violations, tie_refusal, tp_violations
 from modelpar.planner.memory import Batch, rank_loads
 
 
@@ -62,7 +62,8 @@ def _share_times(S: Search, L: Layout, form, plan: ParallelPlan, every_k: bool) 
     rank's forward and backward seconds, the TP all-reduce and per-Linear cost; `StepForm._slowest`'s
     ``slowest``) with the forms of the other layouts of one (tp, pp, v) that compute the same numbers.
     Those tables read, besides ``b`` and the plan's checkpointing and schedule (in their keys): the
-    loads (one list per (tp, pp, v) and rank set: the same objects), the precision, hardware and
+    loads (one list per (tp, pp, v), V placement or not (`V_SCHEDULES`: other stages on each rank,
+    `loads.rank_loads`) and rank set: the same objects), the precision, hardware and
     profile (one per search), and of the form: ``alone`` (dp x tp = 1: fixed by tp, pp and the
     device count), ``zb`` (the schedule), ``cast_b`` (the data-parallel wrapper), ``p`` / ``v``,
     ``tp_per_matrix`` (TP's all-reduce count), and the TP all-reduce's link (`comms._coll_sum`'s
@@ -76,8 +77,8 @@ def _share_times(S: Search, L: Layout, form, plan: ParallelPlan, every_k: bool) 
                                   not S.hw.comm_overlap))
         if link is None:
             return
-    key = (L.tp, L.pp, L.v, every_k or L.pp > 1, form.alone, form.zb, form.cast_b, form.mem_s, link,
-           getattr(form, "tp_per_matrix", None))
+    key = (L.tp, L.pp, L.v, L.sched in V_SCHEDULES, every_k or L.pp > 1, form.alone, form.zb, form.cast_b,
+           form.mem_s, link, getattr(form, "tp_per_matrix", None))
     form.per_b, form.slowest = S.shared_times.setdefault(key, ({}, {}))
 
 
@@ -137,7 +138,7 @@ def layouts(S: Search, factorizations):
             if tie_refusal(profile, pp, sched, dr * ds):
                 pruned["a tie the V schedule's stages would split"] += n_inner
                 continue
-            key = (tp, pp, v, ac)
+            key = (tp, pp, v, ac, sched in V_SCHEDULES)       # V schedules place stages apart (`loads.rank_loads`)
             cached = S.load_cache.get(key)
             if cached is None:
                 plan0 = ParallelPlan(tp=tp, pp=pp, virtual_stages=v, sequence_parallel=sp,

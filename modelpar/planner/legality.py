@@ -10,6 +10,7 @@ built-in GPT, and HF language models unless ``arch["vocab_parallel"] == 0``), th
 from __future__ import annotations
 
 from modelpar.plan import CORE_ATTR
+from modelpar.stage_split import V_SCHEDULES  # (re-exported) stage s and stage 2 pp - 1 - s on one rank
 
 # (arch key, what it is), in the order a message names them
 TP_FIELDS = (("n_head", "attention (query) heads"), ("n_kv_head", "key/value heads"),
@@ -81,9 +82,6 @@ def selective_refusal(profile) -> str:
     return ("--activation-checkpointing selective recomputes each block's attention core, and none of this "
             "model's blocks has one modelpar recognises (a submodule whose class sets "
             f"{CORE_ATTR} = True, as modelpar's GPT's AttentionCore does); use full or every-k")
-
-
-V_SCHEDULES = ("zbvzerobubble", "dualpipev")     # stage s and stage 2 pp - 1 - s on one rank
 
 
 def tie_refusal(profile, pp: int, sched: str, dp: int) -> str:

@@ -18,7 +18,7 @@ from modelpar.planner.moments import _backward_moments, _scaled_peaks  # noqa: F
 from modelpar.planner.profile import ModelProfile, tied_copies
 from modelpar.planner.profile_ops import SDPA_LAYOUT
 from modelpar.planner.records import BlockRecord, BlockTerms, stage_terms
-from modelpar.stage_split import split_blocks
+from modelpar.stage_split import V_SCHEDULES, split_blocks, stage_rank
 
 
 def stage_ranges(profile: ModelProfile, num_stages: int) -> list[tuple[int, int]]:
@@ -128,7 +128,8 @@ class RankLoad:
     moments: tuple | None = field(default=None, repr=False, compare=False)
     moment_src: tuple = field(default=((), None), repr=False, compare=False)
     out: float = 0.0               # last stage: the model output (logits) bytes per sample
-    # `memory._projections` per `records.ProjMode`
+    # `memory._projections` per `records.ProjMode`; a V schedule's chunk k: its moments under ("chunk", k),
+    # its projections under (k, mode) (`chunk_moments`, `memory.MemoryForm._chunk_proj`)
     projections: dict = field(default_factory=dict, repr=False, compare=False)
     # elements of each parameter tensor (TP applied) and of each FSDP unit (sum of its tensors, TP
     # applied, unsharded), for the step-time model's fresh-allocation term (CPU allocators hand tensors
@@ -144,6 +145,9 @@ class RankLoad:
     # FLOPs per sample, fused-attention forward FLOPs per sample), TP applied
     ac_blocks: tuple = ()
     ac_variants: dict = field(default_factory=dict, repr=False, compare=False)
+    # per stage of the rank, in stage order (its chunks): (blocks of it in ``ac_blocks``, its output bytes per
+    # sample, 0 for the model's last stage); the V schedules' memory prices each chunk's in-flight micro-batches
+    chunks: tuple = ()
     # bytes per sample of the largest pipeline transfer of the rank: a stage's output (sent forward)
     # or its input (whose gradient is sent back); hidden states, never the logits (0: no pipeline)
     p2p: float = 0.0
@@ -165,9 +169,21 @@ class RankLoad:
         return (self.moments or self._moments())[1]
 
     def _moments(self) -> tuple:            # (only the plans whose memory is estimated read them)
-        recs, cache = self.moment_src
+        recs, cache = self.moment_src[:2]
         self.moments = _backward_moments(recs, False, cache) if recs else ((), ())
         return self.moments
+
+    def chunk_moments(self, k: int) -> tuple:
+        """`_backward_moments` of the blocks of the rank's ``k``-th stage alone (`chunks`): one micro-batch's
+        backward through that chunk (the V schedules backpropagate one chunk at a time). Memoized in
+        ``projections`` under ("chunk", k) (`recompute.ac_load`'s variants have their own dict)."""
+        hit = self.projections.get(("chunk", k))
+        if hit is None:
+            recs, cache, *own = self.moment_src
+            a = sum(n for n, _ in self.chunks[:k])
+            hit = self.projections[("chunk", k)] = _backward_moments(tuple(recs[a:a + self.chunks[k][0]]),
+                                                                     bool(own and own[0]), cache)
+        return hit
 
 
 def _adamw_temp(numels: list[tuple[float, bool]]) -> float:
@@ -345,7 +361,8 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
     first_adj = terms.first_adj
     bkey = (tuple(plan.stage_boundaries),) if plan.stage_boundaries and plan.num_stages > 1 else ()
     variant = (True,) if profile is not base else ()
-    loads = [RankLoad(key=(t, sp, plan.num_stages, plan.pp, scale, r) + bkey + variant, autocast=bool(variant))
+    vkey = ("v",) if plan.pp > 1 and plan.pp_schedule in V_SCHEDULES else ()     # V placement: other loads
+    loads = [RankLoad(key=(t, sp, plan.num_stages, plan.pp, scale, r) + bkey + variant + vkey, autocast=bool(variant))
              for r in range(plan.pp)]
     sums = [[0] * len(_SUMS) for _ in range(plan.pp)]
     numels: list[list[tuple[float, bool]]] = [[] for _ in range(plan.pp)]
@@ -359,8 +376,10 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
     shapes: list[dict] = [{} for _ in range(plan.pp)]
     first_in = profile.blocks[0].input_bytes / bs
     data = first_in * (2 if profile.tokens_per_sample > 1 else 1) + (0 if profile.tokens_per_sample > 1 else 8)
+    chunks: list[list[tuple]] = [[] for _ in range(plan.pp)]
     for s, (a, b) in enumerate(rng):
-        r = s % plan.pp
+        # round-robin, or rank r holds stages r and 2 pp - 1 - r under a V schedule (as the runtime)
+        r = stage_rank(s, plan.pp, plan.pp_schedule) if plan.pp > 1 else 0
         ld = loads[r]
         st = terms.stages.get((a, b)) or stage_terms(terms, a, b)
         sums[r] = acc = [x + d for x, d in zip(sums[r], st.diff)]     # the same floats as summing in place
@@ -381,6 +400,7 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
         for key, calls in st.shapes.items():
             sh[key] = sh.get(key, 0) + calls
         ld.boundary = profile.blocks[b - 1].output_bytes * scale / bs / (t if sp else 1)
+        chunks[r].append((len(st.ac_blocks), ld.boundary if s < len(rng) - 1 else 0.0))
         if s > 0:
             ld.recv += profile.blocks[a].input_bytes * scale / bs / (t if sp else 1)
             ld.p2p = max(ld.p2p, profile.blocks[a].input_bytes * scale / bs / (t if sp else 1))
@@ -388,7 +408,7 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
             ld.recv += ld.boundary
             ld.p2p = max(ld.p2p, ld.boundary)
         ld.data = data
-    for r, extra in enumerate(tied_copies(profile, rng, plan.pp, t)):    # a tie's copy on a later stage
+    for r, extra in enumerate(tied_copies(profile, rng, plan.pp, t, plan.pp_schedule)):    # a tie's copy on a later stage
         for k, mat, end, trainable in extra:
             sums[r][_PARAMS] += k
             sums[r][_ROOT] += k if end else 0.0
@@ -411,13 +431,15 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
         ld.gemm_shapes = tuple(sorted(sh.items()))
         ld.moment_src = (tuple(rc), cache)          # `RankLoad.bwd_moments` computes them when first read
         ld.ac_blocks = tuple(ab)
+    for ld, ch in zip(loads, chunks):
+        ld.chunks = tuple(ch)
     for ld, nl, un, sz, tn, tu, ts in zip(loads, numels, units, sizes, tr_numels, tr_units, tr_sizes):
         ld.numels, ld.num_tensors, ld.unit_sizes, ld.param_sizes = tuple(nl), len(nl), tuple(un), tuple(sz)
         if all_train:                # nothing frozen: the same tuples (the same values)
             ld.trainable_numels, ld.unit_trainable, ld.trainable_sizes = ld.numels, ld.unit_sizes, ld.param_sizes
         else:
             ld.trainable_numels, ld.unit_trainable, ld.trainable_sizes = tuple(tn), tuple(tu), tuple(ts)
-    last = loads[(len(rng) - 1) % plan.pp]
+    last = loads[stage_rank(len(rng) - 1, plan.pp, plan.pp_schedule) if plan.pp > 1 else 0]
     last.is_last = True
     arch = profile.arch
     if arch.get("n_head") and arch.get("seq_len"):

@@ -38,6 +38,8 @@ from modelpar.planner.moments import _bwd_terms, _projections, _rs_terms  # noqa
 from modelpar.planner.profile import ModelProfile
 from modelpar.planner.recompute import cast_copies
 from modelpar.planner.records import MemoryParts, ProjMode, fast_new
+from modelpar.planner.vshape import v_states
+from modelpar.stage_split import V_SCHEDULES
 
 OPTIMIZER_BYTES = {"sgd": 0, "sgd_momentum": 4, "adamw": 8}   # fp32 state bytes per parameter
 MIB = 2 ** 20
@@ -93,15 +95,20 @@ class MemoryEstimate:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("pp_rank", "phase")}
 
 
-def in_flight(plan: ParallelPlan, pp_rank: int) -> float:
+def in_flight(plan: ParallelPlan, pp_rank: int) -> float | tuple:
     """Micro-batches whose activations a pipeline rank holds at its peak (Korthikanti Sec. 4.2.3).
 
     GPipe / looped BFS: m. 1F1B and zero-bubble variants: min(p - rank, m). Interleaved:
-    p x (1 + (p - 1)/(p v)) on the first rank, at most m x 1 of every chunk.
+    p x (1 + (p - 1)/(p v)) on the first rank, at most m x 1 of every chunk. The V schedules
+    (`V_SCHEDULES`: ZB-V, Qi et al. 2024 Sec. 6; DualPipeV) hold different counts on the rank's two
+    chunks: a tuple of candidate moments, per chunk, from torch's own schedule (`vshape.v_states`),
+    which `MemoryForm.parts` prices one by one.
     """
     p, m, v = plan.pp, plan.n_microbatches, plan.virtual_stages
     if p == 1:
         return 1.0
+    if plan.pp_schedule in V_SCHEDULES:
+        return v_states(plan.pp_schedule, p, m)[pp_rank]
     if plan.pp_schedule in ("gpipe", "loopedbfs"):
         return float(m)
     if v > 1 and plan.pp_schedule in ("interleaved1f1b", "interleavedzerobubble"):
@@ -164,7 +171,8 @@ class MemoryForm:
 
     __slots__ = ("ld", "cache", "fsdp", "ws", "P", "Pt", "params", "grads", "opt", "data", "work", "ac", "S", "pp",
                  "last", "out", "rafw", "recv_mult", "comm_add", "ddp_view", "sharded_layout", "cast_cache",
-                 "fwd_cast", "root_g", "po", "pgo_d", "pgos_d", "proj", "keep", "step_tmp", "gloo", "loss_out", "loss_n")
+                 "fwd_cast", "root_g", "po", "pgo_d", "pgos_d", "proj", "keep", "step_tmp", "gloo", "loss_out", "loss_n",
+                 "vshape", "chunk_S", "chunk_out", "chunk_proj")
 
     def at(self, b: int, m: int, accumulation: int, W: float, pp_rank: int,
            overhead_bytes: float) -> MemoryEstimate:
@@ -197,7 +205,9 @@ class MemoryForm:
         # GPipe has finished one backward (m - 1 left)
         # torch.distributed.pipelining's last stage keeps each micro-batch's output (below); Megatron-LM
         # (``recv_per_microbatch=False``) drops it after the loss
-        if pp:
+        if pp and type(W) is tuple:
+            variants = ()          # a V schedule's moments (`_v_cases`)
+        elif pp:
             variants = ((W, W if keep else 1.0, accumulation > 1),)
             if m > 1:
                 variants += ((W if W < m else m - 1.0, float(m) if keep else 1.0, True),)
@@ -214,15 +224,19 @@ class MemoryForm:
         # micro-batch's stage output (``fwd_cache``, until its backward); without a pipeline the caller
         # holds the model output through backward
         per_other, per_out = (bS + bls, bout) if last else (bS, b * ld.boundary if pp else 0.0)
+        # (held bytes of the other micro-batches, gradients present, the chunk in backward (V schedules) or None)
+        if self.vshape and type(W) is tuple:
+            cases = self._v_cases(b, accumulation, W, bls, bout)
+        else:
+            cases = [((F - 1) * per_other + (n_out if last else F) * per_out, prev, None) for F, n_out, prev in variants]
         best_total, best = -1.0, None
-        for F, n_out, prev in variants:
-            held = (F - 1) * per_other + (n_out if last else F) * per_out
+        for held, prev, x in cases:
             # gradients of earlier micro-batches: sharded, or (FSDP without gradient sync) unsharded
             g0 = (4 * Pt if fsdp else grads) if prev else (grads if sharded_acc else 0.0)
             # a pipeline under FSDP keeps every unit gathered after its first backward
             gath0 = root_g + work * (P - ld.root_params) if (fsdp and pp and prev and rafw) else root_g
             base = fixed + held + g0 + gath0
-            if last:
+            if last and x != 0:
                 # the loss's backward (logits in ``held``): log-softmax (saved) and the gradients of both
                 # (``loss_out``); FSDP has gathered nothing for backward yet (the root's pre-backward
                 # hook, which starts the first unit's all-gather, fires when the logits' gradient is complete)
@@ -232,13 +246,19 @@ class MemoryForm:
                 # the loss's forward (its fp32 logits and log-softmax), all weight copies still cached
                 if self.fwd_cast and base + self.fwd_cast + bS + 2 * bls > best_total:
                     best_total, best = base + self.fwd_cast + bS + 2 * bls, (held, g0, gath0, prev, "loss_forward")
-            # the block / reduce moments, as totals b * A + K + G / dp_shard (see `_projections`)
-            proj = self.proj[prev][sharded_acc]         # this form's, else the load's table
-            if proj is None:
-                mode = _mode((self.fsdp, self.ac, prev, self.rafw, self.work, self.pp * (1 + ld.autocast), self.gloo,
-                              sharded_acc))
-                proj = self.proj[prev][sharded_acc] = ld.projections.get(mode) or self._projections(mode)
-                ld.projections[mode] = proj
+            if x is None:
+                # the block / reduce moments, as totals b * A + K + G / dp_shard (see `_projections`)
+                proj = self.proj[prev][sharded_acc]         # this form's, else the load's table
+                if proj is None:
+                    mode = _mode((self.fsdp, self.ac, prev, self.rafw, self.work, self.pp * (1 + ld.autocast),
+                                  self.gloo, sharded_acc))
+                    proj = self.proj[prev][sharded_acc] = ld.projections.get(mode) or self._projections(mode)
+                    ld.projections[mode] = proj
+            else:
+                # one chunk's backward: its own moments, the other chunk's in-flight micro-batches all held
+                proj = self._chunk_proj(x, prev, sharded_acc)
+                held += b * (self.S - self.chunk_S[x])
+                base += b * (self.S - self.chunk_S[x])
             for A, K, G, c in proj:
                 tot = base + b * A + K + ws * G
                 if tot > best_total:
@@ -260,6 +280,45 @@ class MemoryForm:
         kind, t = c
         return _parts((params, g0 + t.grads_k + t.grads_g * ws, opt, acts + t.acts_a * b + t.acts_k,
                        gath0 + t.gathered_k, comm_persist + t.buffers_k + t.buffers_g * ws, kind))
+
+    def _v_cases(self, b: int, accumulation: int, states: tuple, bls: float, bout: float) -> list:
+        """`parts`' cases of a V schedule's rank (`in_flight`: `vshape.v_states`): per moment (c0, c1,
+        n_out, grads, chunk), the other micro-batches' bytes with the one in backward's whole (both
+        chunks' saved bytes ``S``) taken out, as the whole-rank moments count it: c0 x chunk 0's saved
+        bytes + c1 x chunk 1's - S, each in-flight micro-batch's stage outputs of a non-last chunk
+        (``fwd_cache``), and on the rank holding the model's last stage (chunk 1 of rank 0) the loss's
+        saved log-softmax of chunk 1's other micro-batches and the ``n_out`` outputs it has kept."""
+        (S0, S1), (o0, o1) = self.chunk_S, self.chunk_out
+        out = []
+        for c0, c1, n_out, g, x in states:
+            held = b * (c0 * S0 + c1 * S1 - self.S + c0 * o0 + c1 * o1)
+            if self.last:
+                held += max(c1 - x, 0) * bls + (n_out if self.keep else min(n_out, 1)) * bout
+            out.append((held, bool(g) or accumulation > 1, x))
+        return out
+
+    def _chunk_proj(self, x: int, prev: bool, sharded_acc: bool) -> tuple:
+        """`_projections` of chunk ``x``'s blocks alone (`loads.RankLoad.chunk_moments`), memoized on the
+        form, on the load (per mode: the forms of one load share it) and in the cache (per moments and
+        mode: loads whose chunks hold equal blocks share it)."""
+        key = (x, prev, sharded_acc)
+        proj = self.chunk_proj.get(key)
+        if proj is None:
+            ld, cache = self.ld, self.cache
+            mode = _mode((self.fsdp, self.ac, prev, self.rafw, self.work, self.pp * (1 + ld.autocast), self.gloo,
+                          sharded_acc))
+            proj = ld.projections.get((x, mode))
+            if proj is None:
+                bwd, rs = ld.chunk_moments(x)
+                pkey = (bwd, rs, mode)
+                proj = cache.projections.get(pkey) if cache is not None else None
+                if proj is None:
+                    proj = _projections(bwd, rs, mode)
+                    if cache is not None:
+                        cache.projections[pkey] = proj
+                ld.projections[(x, mode)] = proj
+            self.chunk_proj[key] = proj
+        return proj
 
     def _projections(self, mode: ProjMode) -> tuple:
         ld, cache = self.ld, self.cache
@@ -301,6 +360,11 @@ def memory_form(ld: RankLoad, plan: ParallelPlan, *, optimizer: str, global_batc
     f.ac = ac = plan.activation_checkpointing != "none"
     f.S = ld.saved_ac if ac else ld.saved    # one micro-batch's saved bytes per sample
     f.pp = pp = plan.pp > 1
+    # a V schedule's rank holds two chunks with their own micro-batches in flight (`in_flight`, `_v_cases`)
+    f.vshape = pp and plan.pp_schedule in V_SCHEDULES and len(ld.chunks) == 2
+    if f.vshape:
+        from modelpar.planner.recompute import chunk_kept
+        f.chunk_S, f.chunk_out, f.chunk_proj = chunk_kept(ld, plan), tuple(o for _, o in ld.chunks), {}
     f.last = ld.is_last
     f.out = ld.out
     # the loss's logits-sized tensors per sample (saved log-softmax, its gradient, the logits' fp32
@@ -392,6 +456,20 @@ def estimate_memory(profile: ModelProfile, plan: ParallelPlan, batch: Batch, *,
         ValueError: unknown optimizer, batch sizes that do not divide, more stages than blocks, a
             ``cache`` of another profile.
     """
+    return max(rank_estimates(profile, plan, batch, optimizer=optimizer, overhead_bytes=overhead_bytes,
+                              foreach=foreach, recv_per_microbatch=recv_per_microbatch, fused=fused, gloo=gloo,
+                              fused_tp_optimizer=fused_tp_optimizer, ddp_bucket_copy=ddp_bucket_copy,
+                              cache=cache, fp32_loss=fp32_loss), key=lambda e: e.total)
+
+
+def rank_estimates(profile: ModelProfile, plan: ParallelPlan, batch: Batch, *,
+                   optimizer: str = "adamw", overhead_bytes: float = 0.0, foreach: bool = False,
+                   recv_per_microbatch: bool = True, fused: bool = True,
+                   gloo: bool = False, fused_tp_optimizer: bool = False,
+                   ddp_bucket_copy: bool | None = None, cache: PlannerCache | None = None,
+                   fp32_loss: bool = True) -> list[MemoryEstimate]:
+    """`estimate_memory` of every pipeline rank, in pipeline-rank order (bytes by part; arguments and
+    errors as `estimate_memory`, which returns the largest)."""
     if optimizer not in OPTIMIZER_BYTES:
         raise ValueError(f"optimizer={optimizer!r} is unknown; valid: {', '.join(OPTIMIZER_BYTES)}")
     b, acc = batch.micro_batch_size(plan), batch.accumulation_steps(plan)
@@ -403,5 +481,5 @@ def estimate_memory(profile: ModelProfile, plan: ParallelPlan, batch: Batch, *,
                         fused_tp_optimizer=fused_tp_optimizer, ddp_bucket_copy=ddp_bucket_copy, cache=cache,
                         fp32_loss=fp32_loss)
             for r, ld in enumerate(loads)]
-    return max(ests, key=lambda e: e.total)
+    return ests
 

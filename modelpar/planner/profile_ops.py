@@ -12,6 +12,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.module_tracker import ModuleTracker
 
 from modelpar.planner.profile_lifetimes import _Lifetimes
+from modelpar.stage_split import stage_rank
 
 if TYPE_CHECKING:
     from modelpar.planner.profile import ModelProfile
@@ -326,14 +327,16 @@ class _Outside:
         return self.bwd if is_bw else self.fwd
 
 
-def tied_copies(profile: ModelProfile, ranges: list[tuple[int, int]], pp: int, tp: int) -> list[list[tuple]]:
+def tied_copies(profile: ModelProfile, ranges: list[tuple[int, int]], pp: int, tp: int,
+                schedule: str = "1f1b") -> list[list[tuple]]:
     """Per pipeline rank, the parameter copies it holds beyond the blocks' own (`BlockProfile.tied_numels`):
     a tie whose owner block is on another rank's stage, as (elements after the TP split, is a matrix,
     held by an embed / head block (an FSDP root parameter), trainable (not `BlockProfile.tied_frozen`)).
-    ``ranges``: the stages' block ranges (`loads.stage_ranges`), stage s on rank s mod ``pp``."""
+    ``ranges``: the stages' block ranges (`loads.stage_ranges`), stage s on rank s mod ``pp``, or under a
+    V ``schedule`` on the rank `modelpar.stage_split.stage_rank` names (rank 0 holds the first and last stage)."""
     held: list[set[int]] = [set() for _ in range(pp)]
     for s, (a, b) in enumerate(ranges):
-        held[s % pp].update(range(a, b))
+        held[stage_rank(s, pp, schedule) if pp > 1 else 0].update(range(a, b))
     n = len(profile.blocks)
     out: list[list[tuple]] = [[] for _ in range(pp)]
     for r in range(pp):

@@ -56,19 +56,43 @@ def ac_load(ld, plan: ParallelPlan, cache=None):
 
     recs, kept_total = [], 0.0
     for rec, layer, core, _, _ in ld.ac_blocks:
-        sv, ac_in = rec.saved, rec.kept       # a `records.BlockRecord`
-        if mode == "selective":
-            kept = max(sv - core, 0.0)
-        else:
-            kept = ac_in if is_checkpointed(layer, plan) else sv
-        recs.append(_record((sv, kept, rec.peaks, rec.params, rec.is_root, rec.in_grad, rec.in_saved,  # kept replaced
-                             rec.trainable)))
+        kept = kept_bytes(rec, layer, core, plan)
+        recs.append(_record((rec.saved, kept, rec.peaks, rec.params, rec.is_root, rec.in_grad, rec.in_saved,
+                             rec.trainable)))     # kept replaced
         kept_total += kept
     bwd, rs = _backward_moments(tuple(recs), True, cache)
     out = dataclasses.replace(ld, saved_ac=kept_total, moments=(bwd, rs), projections={},
-                              ac_variants={}, key=ld.key + key)
+                              ac_variants={}, key=ld.key + key, moment_src=(tuple(recs), cache, True))
     ld.ac_variants[key] = out
     return out
+
+
+def kept_bytes(rec, layer: int, core: float, plan: ParallelPlan) -> float:
+    """Bytes per sample one micro-batch keeps of a block (``rec``: its `records.BlockRecord`; ``layer``,
+    ``core``: its `loads.RankLoad.ac_blocks` entry) under ``plan``'s checkpointing: its saved bytes
+    (none), its input (full; every-k on a checkpointed block: ``rec.kept``), its saved bytes less the
+    attention core's (selective)."""
+    mode = plan.activation_checkpointing
+    if mode == "none":
+        return rec.saved
+    if mode == "selective":
+        return max(rec.saved - core, 0.0)
+    return rec.kept if (mode == "full" or is_checkpointed(layer, plan)) else rec.saved
+
+
+def chunk_kept(ld, plan: ParallelPlan) -> tuple[float, ...]:
+    """Bytes per sample one micro-batch keeps in each stage (chunk) of rank load ``ld`` (`kept_bytes` of
+    its blocks, `loads.RankLoad.chunks`) under ``plan``'s checkpointing: their sum is ``ld.saved`` (none) or
+    ``ac_load(ld, plan).saved_ac`` (the other modes), up to rounding."""
+    key = ("chunks", plan.activation_checkpointing, plan.ac_every)
+    hit = ld.ac_variants.get(key)
+    if hit is None:
+        out, a = [], 0
+        for n, _ in ld.chunks:
+            out.append(sum(kept_bytes(rec, layer, core, plan) for rec, layer, core, _, _ in ld.ac_blocks[a:a + n]))
+            a += n
+        hit = ld.ac_variants[key] = tuple(out)
+    return hit
 
 
 def cast_copies(ld, plan: ParallelPlan) -> tuple[float, float]:

@@ -28,6 +28,20 @@ def max_over_ranks(values: list[int], device) -> list[int]:
     return [int(x) or None for x in t.tolist()]
 
 
+def per_rank(value: int | None, device) -> list[int | None]:
+    """Collective (every rank, the same call): ``value`` (bytes; None: not measured) of every rank of
+    the default process group, in rank order (one all-gather), so a run record can name each pipeline
+    rank's peak beside the most loaded one's (`max_over_ranks`)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    t = torch.tensor([float(value or 0)], dtype=torch.float64, device=device)
+    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return [int(x.item()) or None for x in out]
+
+
 class PeakTensorMemory:
     """Peak bytes of live tensors during a region.
 

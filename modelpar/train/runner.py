@@ -19,7 +19,8 @@ from modelpar.train.config import TrainConfig
 from modelpar.train.health import guard, start_heartbeat
 from modelpar.train.gather import gather_full_state_dict
 from modelpar.train.loop import build_optimizer, evaluate, lr_at, preflight, reduce_losses
-from modelpar.train.metrics import PeakTensorMemory, RunRecord, StepMemory, max_over_ranks, peak_rss_bytes
+from modelpar.train.metrics import (PeakTensorMemory, RunRecord, StepMemory, max_over_ranks, peak_rss_bytes,
+                                   per_rank)
 from modelpar.train.preflight_checks import check_optimizer_params, check_same_steps, install_first_step_checks
 from modelpar.train.step import train_step
 from modelpar.parallel.parts import split_points_of
@@ -232,11 +233,13 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
         record.log(cfg.steps, val_loss=val_after)
 
         state = gather_full_state_dict(pm)
+        rank_peaks = per_rank(peak_tensor, device)         # each rank's own (a pipeline's ranks differ)
         peak_tensor, peak_rss = max_over_ranks([peak_tensor, peak_rss_bytes()], device)    # every rank
         summary = {"val_loss_before": val_before, "val_loss_after": val_after, "losses": losses,
                    "train_time_s": train_time, "start_step": ckpt.start_step,
                    "tokens_per_s": tokens_per_step * (cfg.steps - ckpt.start_step) / train_time,
-                   "peak_tensor_bytes": peak_tensor, "peak_rss_bytes": peak_rss, "plan": plan.to_dict(),
+                   "peak_tensor_bytes": peak_tensor, "peak_tensor_bytes_per_rank": rank_peaks,
+                   "peak_rss_bytes": peak_rss, "plan": plan.to_dict(),
                    "run_dir": str(run_dir) if run_dir else None, "world_size": world}
         if is_main and run_dir is not None:
             from safetensors.torch import save_file
