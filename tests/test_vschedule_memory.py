@@ -4,9 +4,6 @@ peak against `modelpar train`'s measurement."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 from modelpar.plan import ParallelPlan
@@ -115,8 +112,7 @@ def test_v_schedule_predicted_rank_peaks_match_train(tmp_path):
     measured peak (StepMemory, ``peak_tensor_bytes_per_rank``) within 15% of the planner's. Measured
     32.1 / 31.1 MiB; the round-robin model with 1F1B's in-flight count predicted 27.2 / 21.1 MiB (-16%,
     -32%: it fails), the per-chunk model predicts within 13% (docs/planner.md "Pipeline memory")."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import pipeline_rank_memory as prm
+    from modelpar.measure import rank_memory as prm
 
     c = next(c for c in prm.configs() if c["name"] == "gpt1m-pp2-zbvzerobubble-m4")
     measured = prm.measure(c)

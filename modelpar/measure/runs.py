@@ -230,6 +230,12 @@ def measure_memory(case: Case, *, active: bool = True) -> dict | None:
     why = unmeasurable(case)
     if why:
         raise ValueError(why)
+    from modelpar.models.hf import is_hf_name
+
+    if is_hf_name(case.model) and case.seq_len > 0:     # its meta probe before the tracker counts it
+        from modelpar.models.hf_unused import unreached_names
+
+        unreached_names(case.model, case.model_config, case.seq_len)
     mt = _tracker()
     with mt:
         b = build_case(case, active=active)

@@ -19,6 +19,8 @@ values cannot run there, and is then left as it is: the first-step check still n
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 
 import torch
@@ -40,6 +42,25 @@ def unreached_parameters(model: nn.Module, x: torch.Tensor) -> list[str]:
     return out
 
 
+def unreached_names(name: str, overrides: dict | None, seq_len: int) -> tuple[str, ...]:
+    """`unreached_parameters` of the model ``name`` / ``overrides`` builds, on a meta copy at ``seq_len``
+    tokens; () where its forward cannot run on the meta device. Memoized per (name, overrides, seq_len):
+    a caller measuring memory computes it before its tracker starts, which would otherwise count the meta
+    copy's parameters (meta storages report their size) as the model's."""
+    return _unreached_names(name, json.dumps(overrides or {}, sort_keys=True, default=str), seq_len)
+
+
+@functools.lru_cache(maxsize=32)
+def _unreached_names(name: str, overrides_json: str, seq_len: int) -> tuple[str, ...]:
+    from modelpar.models.hf import build_hf, example_input
+
+    try:
+        twin = build_hf(name, json.loads(overrides_json) or None, device="meta", seed=None, dropout=0.0)
+        return tuple(unreached_parameters(twin, example_input(twin, 1, seq_len, device="meta")))
+    except Exception:       # noqa: BLE001 - a forward the meta device cannot run: the C1 check stays the answer
+        return ()
+
+
 def freeze_unreached(model: nn.Module, name: str, overrides: dict | None, seq_len: int) -> str | None:
     """Freeze (``requires_grad=False``) the parameters of the `HFModel` ``model`` that its causal-LM
     forward never reaches (`unreached_parameters`, on a meta copy built from the same config unless
@@ -49,16 +70,18 @@ def freeze_unreached(model: nn.Module, name: str, overrides: dict | None, seq_le
     ``seq_len``: the run's sequence length (tokens). Image classifiers are left as they are.
     A forward that cannot run on the meta device leaves the model as it is (None): the first step's
     check (case C1) still names a parameter without a gradient."""
-    from modelpar.models.hf import build_hf, example_input
+    from modelpar.models.hf import example_input
 
     if getattr(model, "task", None) != "lm" or seq_len < 1:
         return None
     meta = all(t.device.type == "meta" for t in (*model.parameters(), *model.buffers()))
-    try:
-        twin = model if meta else build_hf(name, overrides, device="meta", seed=None, dropout=0.0)
-        names = unreached_parameters(twin, example_input(twin, 1, seq_len, device="meta"))
-    except Exception:       # noqa: BLE001 - a forward the meta device cannot run: the C1 check stays the answer
-        return None
+    if meta:
+        try:
+            names = unreached_parameters(model, example_input(model, 1, seq_len, device="meta"))
+        except Exception:   # noqa: BLE001 - a forward the meta device cannot run: the C1 check stays the answer
+            return None
+    else:
+        names = unreached_names(name, overrides, seq_len)
     if not names:
         return None
     params = dict(model.named_parameters())
