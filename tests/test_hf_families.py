@@ -271,17 +271,7 @@ def test_deepseek_v3_tp_verify_passes(tmp_path):
     ranks against one process, with SGD, whose elementwise tolerance is 1e-5 relative (AdamW turns the
     rounding of near-zero embedding gradients into lr-sized steps: 1.07x its tolerance on one element here).
     Without the rotary key's gradient sum the logged gradient norm is 3.1e-5 off at step 0 (FAIL)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    r = subprocess.run([sys.executable, "-m", "modelpar", "verify", "--model", "hf:deepseek_v3", "--model-config",
-                        json.dumps(DEEPSEEK_V3), "--strategy", "tp", "--nproc", "2", "--steps", "3", "--seq-len", "32",
-                        "--optimizer", "sgd"], capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0 and out.rstrip().endswith("PASS"), out[-3000:]
+    _assert_tp_verify_passes("hf:deepseek_v3", DEEPSEEK_V3, tmp_path, steps=3)
 
 
 def test_derived_tp_plan_leaves_gpt_neo_attention_whole():
@@ -601,14 +591,19 @@ def test_falcon_gqa_tp_verify_passes(tmp_path):
     """`modelpar verify --strategy tp` of a tiny Falcon of the 40B / 180B layout (grouped-query attention,
     parallel attention and MLP) on 2 ranks against one process. Before, both ranks crashed at its block's
     ``mlp_output += attention_output`` (an in-place change of a rowwise output's ``to_local()`` view)."""
+    _assert_tp_verify_passes("hf:falcon", FALCON_GQA, tmp_path, steps=2)
+
+
+def _assert_tp_verify_passes(model: str, config: dict, cwd, *, steps: int) -> None:
+    """`modelpar verify --strategy tp --nproc 2` of ``model`` (SGD, seq 32) ends in PASS."""
     import json
     import os
     import subprocess
     import sys
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    r = subprocess.run([sys.executable, "-m", "modelpar", "verify", "--model", "hf:falcon", "--model-config",
-                        json.dumps(FALCON_GQA), "--strategy", "tp", "--nproc", "2", "--steps", "2", "--seq-len", "32",
-                        "--optimizer", "sgd"], capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
+    r = subprocess.run([sys.executable, "-m", "modelpar", "verify", "--model", model, "--model-config",
+                        json.dumps(config), "--strategy", "tp", "--nproc", "2", "--steps", str(steps), "--seq-len",
+                        "32", "--optimizer", "sgd"], capture_output=True, text=True, timeout=180, env=env, cwd=cwd)
     out = r.stdout + r.stderr
     assert r.returncode == 0 and out.rstrip().endswith("PASS"), out[-3000:]
