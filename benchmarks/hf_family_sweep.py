@@ -15,9 +15,9 @@ these checks run, each on its own, each with a short reason when it does not pas
 4. ``pp2``: the cut `verify --pp 2` checks before launch: the model built on the CPU with real weights,
    its parts traced on 2 samples of 32 tokens (`get_model_parts`), split in two stages
    (`pipeline.split_stages`) and chained against the whole forward (`stages.check_chain`);
-5. ``grads``: one backward of the CPU model's logits: every trainable parameter gets a gradient (the
-   first step of every multi-rank run refuses parameters that get none, case C1: the cross-attention of
-   an encoder-decoder's decoder run as a causal LM);
+5. ``grads``: one backward of the CPU model's logits, built as `train` builds it (what the forward never
+   reaches frozen: `modelpar.models.hf_unused`): every trainable parameter gets a gradient (the first
+   step of every multi-rank run refuses parameters that get none, case C1);
 6. ``profile``: the planner's `modelpar.cli.common.profile_for("hf:TYPE", cfg, 32, "fp32")`.
 
 "refused" is modelpar's own one-line ValueError, "error" any other exception (a bug or a gap),
@@ -236,14 +236,19 @@ def check_family(mtype: str, verbose: bool = False) -> dict:
         return f"stages {ranges} of {parts.num_blocks} blocks"
 
     def grads():
+        from modelpar.models.hf_unused import freeze_unreached
+
         m = build_hf(name, cfg, device="cpu", dropout=0.0)
+        frozen = freeze_unreached(m, name, cfg, SEQ) is not None      # as `train` builds it
         x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
         m(x).float().logsumexp(-1).mean().backward()
         none = [n for n, p in m.named_parameters() if p.requires_grad and p.grad is None]
         if none:                 # what the first step of every multi-rank run refuses (case C1)
             raise ValueError(f"{len(none)} trainable parameters get no gradient from the LM forward, e.g. "
                              f"{', '.join(none[:3])}")
-        return f"{sum(1 for _ in m.parameters())} parameters get gradients"
+        trainable = sum(p.requires_grad for p in m.parameters())
+        return (f"{trainable} trainable parameters get gradients"
+                + (f" ({len(m.unreached)} never reached, frozen)" if frozen else ""))
 
     def profile():
         from modelpar.cli.common import profile_for
