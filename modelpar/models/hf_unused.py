@@ -52,12 +52,23 @@ def unreached_names(name: str, overrides: dict | None, seq_len: int) -> tuple[st
 
 @functools.lru_cache(maxsize=32)
 def _unreached_names(name: str, overrides_json: str, seq_len: int) -> tuple[str, ...]:
-    from modelpar.models.hf import build_hf, example_input
+    from modelpar.models.hf import build_hf
 
     try:
         twin = build_hf(name, json.loads(overrides_json) or None, device="meta", seed=None, dropout=0.0)
-        return tuple(unreached_parameters(twin, example_input(twin, 1, seq_len, device="meta")))
-    except Exception:       # noqa: BLE001 - a forward the meta device cannot run: the C1 check stays the answer
+    except Exception:       # noqa: BLE001 - as `_probe`
+        return ()
+    return _probe(twin, seq_len)
+
+
+def _probe(model: nn.Module, seq_len: int) -> tuple[str, ...]:
+    """`unreached_parameters` of the all-meta ``model`` on one sample of ``seq_len`` tokens; () where its
+    forward cannot run on the meta device (the first-step check, case C1, stays the answer there)."""
+    from modelpar.models.hf import example_input
+
+    try:
+        return tuple(unreached_parameters(model, example_input(model, 1, seq_len, device="meta")))
+    except Exception:       # noqa: BLE001 - any failure of the model's own forward on meta
         return ()
 
 
@@ -70,18 +81,10 @@ def freeze_unreached(model: nn.Module, name: str, overrides: dict | None, seq_le
     ``seq_len``: the run's sequence length (tokens). Image classifiers are left as they are.
     A forward that cannot run on the meta device leaves the model as it is (None): the first step's
     check (case C1) still names a parameter without a gradient."""
-    from modelpar.models.hf import example_input
-
     if getattr(model, "task", None) != "lm" or seq_len < 1:
         return None
     meta = all(t.device.type == "meta" for t in (*model.parameters(), *model.buffers()))
-    if meta:
-        try:
-            names = unreached_parameters(model, example_input(model, 1, seq_len, device="meta"))
-        except Exception:   # noqa: BLE001 - a forward the meta device cannot run: the C1 check stays the answer
-            return None
-    else:
-        names = unreached_names(name, overrides, seq_len)
+    names = _probe(model, seq_len) if meta else unreached_names(name, overrides, seq_len)
     if not names:
         return None
     params = dict(model.named_parameters())
