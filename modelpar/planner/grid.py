@@ -154,7 +154,7 @@ def plan_memory(plan, reps, b: int, acc: int, flights: dict, kw: dict, budget: f
     pp = plan.pp > 1
     ws = flights.get(m)
     if ws is None:
-        ws = flights[m] = [in_flight(plan, r) for r, _ in reps]
+        ws = flights[m] = [in_flight(plan, r, kw["gloo"]) for r, _ in reps]
     skey = ("sel", m, ac, k)
     sel = flights.get(skey)
     if sel is None:

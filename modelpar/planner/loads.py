@@ -148,6 +148,11 @@ class RankLoad:
     # per stage of the rank, in stage order (its chunks): (blocks of it in ``ac_blocks``, its output bytes per
     # sample, 0 for the model's last stage); the V schedules' memory prices each chunk's in-flight micro-batches
     chunks: tuple = ()
+    # per chunk as ``chunks``: (bytes per sample a split backward keeps from the chunk's ``I`` to its ``W``
+    # (`profile.BlockProfile.wgrad_bytes`, summed), bytes per sample of the chunk's input gradient, which a
+    # backward sends to the previous stage (0 for the model's first stage)), TP applied
+    chunk_io: tuple = ()
+    wgrad: float = 0.0                 # `BlockProfile.wgrad_bytes` per sample, TP applied, over the rank
     # bytes per sample of the largest pipeline transfer of the rank: a stage's output (sent forward)
     # or its input (whose gradient is sent back); hidden states, never the logits (0: no pipeline)
     p2p: float = 0.0
@@ -202,11 +207,12 @@ def _adamw_temp(numels: list[tuple[float, bool]]) -> float:
 # additive per-block fields of a `RankLoad`, in this order (summed over a stage by prefix sums)
 _SUMS = ("params", "root_params", "saved", "saved_ac", "fwd_flops", "bwd_flops", "fwd_mem", "bwd_mem",
          "ops", "fwd_ops", "fwd_gemms", "bwd_gemms", "attn_f", "attn_b", "attn_calls", "tp_linears",
-         "gp_f", "gp_b", "ga_f", "ga_b", "tp_collectives", "calls", "fwd_calls", "trainable", "root_trainable")
+         "gp_f", "gp_b", "ga_f", "ga_b", "tp_collectives", "calls", "fwd_calls", "trainable", "root_trainable",
+         "wgrad")
 # those that are `RankLoad` fields of the same name; the rest are (forward, backward) pairs
 _LOAD_SUMS = tuple(k for k in _SUMS if k not in ("attn_f", "attn_b", "gp_f", "gp_b", "ga_f", "ga_b"))
-_PARAMS, _ROOT, _SAVED, _SAVED_AC, _TRAIN, _ROOT_TRAIN = (_SUMS.index(k) for k in (
-    "params", "root_params", "saved", "saved_ac", "trainable", "root_trainable"))
+_PARAMS, _ROOT, _SAVED, _SAVED_AC, _TRAIN, _ROOT_TRAIN, _WGRAD = (_SUMS.index(k) for k in (
+    "params", "root_params", "saved", "saved_ac", "trainable", "root_trainable", "wgrad"))
 
 
 class _BlockArgs(NamedTuple):
@@ -307,7 +313,8 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: P
                bl.fwd_gemm_act_bytes * scale / bs * tp_div, bl.bwd_gemm_act_bytes * scale / bs * tp_div,
                (bl.tp_rowwise if bl.tp_rowwise >= 0 and transformer and not is_end
                 else 2 if (transformer and not is_end) else 1) if t > 1 else 0,
-               bl.fwd_calls + bl.bwd_calls, bl.fwd_calls, local_tr, local_tr if is_end else 0.0)
+               bl.fwd_calls + bl.bwd_calls, bl.fwd_calls, local_tr, local_tr if is_end else 0.0,
+               (bl.wgrad_bytes / t if sp else bl.wgrad_bytes - bl.wgrad_tp_sharded_bytes * (1 - 1 / t)) * scale / bs)
         pre.append(tuple(a + b for a, b in zip(pre[-1], row)))
 
     @functools.lru_cache(maxsize=None)
@@ -377,6 +384,7 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
     first_in = profile.blocks[0].input_bytes / bs
     data = first_in * (2 if profile.tokens_per_sample > 1 else 1) + (0 if profile.tokens_per_sample > 1 else 8)
     chunks: list[list[tuple]] = [[] for _ in range(plan.pp)]
+    io: list[list[tuple]] = [[] for _ in range(plan.pp)]
     for s, (a, b) in enumerate(rng):
         # round-robin, or rank r holds stages r and 2 pp - 1 - r under a V schedule (as the runtime)
         r = stage_rank(s, plan.pp, plan.pp_schedule) if plan.pp > 1 else 0
@@ -401,6 +409,7 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
             sh[key] = sh.get(key, 0) + calls
         ld.boundary = profile.blocks[b - 1].output_bytes * scale / bs / (t if sp else 1)
         chunks[r].append((len(st.ac_blocks), ld.boundary if s < len(rng) - 1 else 0.0))
+        io[r].append((st.diff[_WGRAD], profile.blocks[a].input_bytes * scale / bs / (t if sp else 1) if s else 0.0))
         if s > 0:
             ld.recv += profile.blocks[a].input_bytes * scale / bs / (t if sp else 1)
             ld.p2p = max(ld.p2p, profile.blocks[a].input_bytes * scale / bs / (t if sp else 1))
@@ -431,8 +440,8 @@ def rank_loads(profile: ModelProfile, plan: ParallelPlan, *, act_bytes: float,
         ld.gemm_shapes = tuple(sorted(sh.items()))
         ld.moment_src = (tuple(rc), cache)          # `RankLoad.bwd_moments` computes them when first read
         ld.ac_blocks = tuple(ab)
-    for ld, ch in zip(loads, chunks):
-        ld.chunks = tuple(ch)
+    for ld, ch, c_io in zip(loads, chunks, io):
+        ld.chunks, ld.chunk_io = tuple(ch), tuple(c_io)
     for ld, nl, un, sz, tn, tu, ts in zip(loads, numels, units, sizes, tr_numels, tr_units, tr_sizes):
         ld.numels, ld.num_tensors, ld.unit_sizes, ld.param_sizes = tuple(nl), len(nl), tuple(un), tuple(sz)
         if all_train:                # nothing frozen: the same tuples (the same values)

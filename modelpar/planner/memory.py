@@ -95,20 +95,20 @@ class MemoryEstimate:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("pp_rank", "phase")}
 
 
-def in_flight(plan: ParallelPlan, pp_rank: int) -> float | tuple:
+def in_flight(plan: ParallelPlan, pp_rank: int, gloo: bool = False) -> float | tuple:
     """Micro-batches whose activations a pipeline rank holds at its peak (Korthikanti Sec. 4.2.3).
 
     GPipe / looped BFS: m. 1F1B and zero-bubble variants: min(p - rank, m). Interleaved:
     p x (1 + (p - 1)/(p v)) on the first rank, at most m x 1 of every chunk. The V schedules
     (`V_SCHEDULES`: ZB-V, Qi et al. 2024 Sec. 6; DualPipeV) hold different counts on the rank's two
     chunks: a tuple of candidate moments, per chunk, from torch's own schedule (`vshape.v_states`),
-    which `MemoryForm.parts` prices one by one.
+    which `MemoryForm.parts` prices one by one (``gloo``: with the sends the multi-stage runtime holds).
     """
     p, m, v = plan.pp, plan.n_microbatches, plan.virtual_stages
     if p == 1:
         return 1.0
     if plan.pp_schedule in V_SCHEDULES:
-        return v_states(plan.pp_schedule, p, m)[pp_rank]
+        return v_states(plan.pp_schedule, p, m, gloo)[pp_rank]
     if plan.pp_schedule in ("gpipe", "loopedbfs"):
         return float(m)
     if v > 1 and plan.pp_schedule in ("interleaved1f1b", "interleavedzerobubble"):
@@ -160,7 +160,7 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
                        fused_tp_optimizer=fused_tp_optimizer, ddp_bucket_copy=ddp_bucket_copy, cache=cache,
                        fp32_loss=fp32_loss)
     m = plan.n_microbatches if plan.pp > 1 else 1
-    return form.at(micro_batch_size, m, accumulation, in_flight(plan, pp_rank) if plan.pp > 1 else 1.0,
+    return form.at(micro_batch_size, m, accumulation, in_flight(plan, pp_rank, gloo) if plan.pp > 1 else 1.0,
                    pp_rank, overhead_bytes)
 
 
@@ -172,7 +172,7 @@ class MemoryForm:
     __slots__ = ("ld", "cache", "fsdp", "ws", "P", "Pt", "params", "grads", "opt", "data", "work", "ac", "S", "pp",
                  "last", "out", "rafw", "recv_mult", "comm_add", "ddp_view", "sharded_layout", "cast_cache",
                  "fwd_cast", "root_g", "po", "pgo_d", "pgos_d", "proj", "keep", "step_tmp", "gloo", "loss_out", "loss_n",
-                 "vshape", "chunk_S", "chunk_out", "chunk_proj")
+                 "vshape", "chunk_S", "chunk_out", "chunk_proj", "chunk_io")
 
     def at(self, b: int, m: int, accumulation: int, W: float, pp_rank: int,
            overhead_bytes: float) -> MemoryEstimate:
@@ -287,11 +287,15 @@ class MemoryForm:
         chunks' saved bytes ``S``) taken out, as the whole-rank moments count it: c0 x chunk 0's saved
         bytes + c1 x chunk 1's - S, each in-flight micro-batch's stage outputs of a non-last chunk
         (``fwd_cache``), and on the rank holding the model's last stage (chunk 1 of rank 0) the loss's
-        saved log-softmax of chunk 1's other micro-batches and the ``n_out`` outputs it has kept."""
-        (S0, S1), (o0, o1) = self.chunk_S, self.chunk_out
+        saved log-softmax of chunk 1's other micro-batches and the ``n_out`` outputs it has kept; besides, per
+        chunk, the gradients its ``I``s keep for their ``W`` (``RankLoad.chunk_io``) and, on gloo, the stage
+        outputs and input gradients its sends still hold (`vshape.v_states`)."""
+        (S0, S1), (o0, o1), ((w0, i0), (w1, i1)) = self.chunk_S, self.chunk_out, self.chunk_io
         out = []
-        for c0, c1, n_out, g, x in states:
-            held = b * (c0 * S0 + c1 * S1 - self.S + c0 * o0 + c1 * o1)
+        for c0, c1, n_out, g, x, p0, p1, f0, f1, g0, g1 in states:
+            # + the gradients kept from I to W, and (gloo) the sent outputs and input gradients
+            held = b * (c0 * S0 + c1 * S1 - self.S + c0 * o0 + c1 * o1
+                        + p0 * w0 + p1 * w1 + f0 * o0 + f1 * o1 + g0 * i0 + g1 * i1)
             if self.last:
                 held += max(c1 - x, 0) * bls + (n_out if self.keep else min(n_out, 1)) * bout
             out.append((held, bool(g) or accumulation > 1, x))
@@ -365,6 +369,7 @@ def memory_form(ld: RankLoad, plan: ParallelPlan, *, optimizer: str, global_batc
     if f.vshape:
         from modelpar.planner.recompute import chunk_kept
         f.chunk_S, f.chunk_out, f.chunk_proj = chunk_kept(ld, plan), tuple(o for _, o in ld.chunks), {}
+        f.chunk_io = ld.chunk_io
     f.last = ld.is_last
     f.out = ld.out
     # the loss's logits-sized tensors per sample (saved log-softmax, its gradient, the logits' fp32

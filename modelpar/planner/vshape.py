@@ -65,30 +65,51 @@ def _flat(a) -> list:
 
 
 def _front(states: set) -> tuple:
-    """The states no other state of the same backward chunk (last field) is >= in every field, sorted."""
-    return tuple(sorted(s for s in states
-                        if not any(o != s and o[4] == s[4] and all(x >= y for x, y in zip(o[:4], s[:4]))
-                                   for o in states)))
+    """The states no other state of the same backward chunk (field 4) is >= in every other field, sorted."""
+    def geq(o, s):
+        return all(x >= y for j, (x, y) in enumerate(zip(o, s)) if j != 4)
+    return tuple(sorted(s for s in states if not any(o != s and o[4] == s[4] and geq(o, s) for o in states)))
 
 
 @functools.lru_cache(maxsize=1024)
-def v_states(schedule: str, p: int, m: int) -> tuple[tuple, ...]:
+def v_states(schedule: str, p: int, m: int, held_sends: bool = False) -> tuple[tuple, ...]:
     """Per pipeline rank, the moments that can be its peak: the start of each backward computation,
-    ``(c0, c1, n_out, grads, chunk)`` with c0 / c1 the micro-batches whose activations chunk 0 (stage r)
-    / chunk 1 (stage 2p - 1 - r) holds (the one being backpropagated included), ``n_out`` the outputs
-    the model's last stage (rank 0's chunk 1) has computed (0 on other ranks), ``grads`` 1 once a weight
-    gradient exists on the rank, ``chunk`` the chunk whose backward runs (module docstring). A backward
-    computation is a ``B``, an ``I`` of any stage but the first, or the first stage's ``W``; a moment
-    inside a forward holds no more than the backward that follows its run of forwards. Units:
+    ``(c0, c1, n_out, grads, chunk, i0, i1, f0, f1, g0, g1)``:
+
+    - ``c0`` / ``c1``: the micro-batches whose activations chunk 0 (stage r) / chunk 1 (stage 2p - 1 - r)
+      holds (the one being backpropagated included); ``n_out`` the outputs the model's last stage (rank
+      0's chunk 1) has computed (0 on other ranks); ``grads`` 1 once a weight gradient exists on the
+      rank; ``chunk`` the chunk whose backward runs;
+    - ``i0`` / ``i1``: micro-batches between their input pass ``I`` and their weight pass ``W`` on the
+      chunk: torch's ``stage_backward_input`` keeps, besides the graph (in ``c``), the gradient at every
+      parameter's first autograd node on the input's path (its ``param_groups`` ``grads``) for ``W``
+      (the first stage runs nothing at ``I``: 0 there);
+    - with ``held_sends`` (gloo): the multi-stage runtime keeps every p2p send's work until the step
+      ends (``_PipelineScheduleRuntime._step_microbatches``' ``send_ops``), and a gloo send's work holds
+      its tensor: ``f0`` / ``f1`` stage outputs sent to another rank beyond ``c`` (the micro-batches whose
+      ``B`` or ``W`` ran), ``g0`` / ``g1`` input gradients sent (one per ``B`` or ``I``); 0 on a chunk
+      whose neighbour stage is on this rank (the V's turn at rank p - 1) or that has none. NCCL
+      (torch >= 2.7) releases a finished send's tensors from its watchdog: 0 without ``held_sends``.
+
+    A backward computation is a ``B``, an ``I`` of any stage but the first, or the first stage's ``W``;
+    a moment inside a forward holds no more than the backward that follows its run of forwards. Units:
     micro-batches."""
     table = action_table(schedule, p, m)
     if table is None:
-        return tuple(tuple((*closed_form(schedule, p, m, r), m if r == 0 else 0, 1, x) for x in (0, 1))
-                     for r in range(p))
+        up = m if held_sends else 0
+        return tuple(tuple((*closed_form(schedule, p, m, r), m if r == 0 else 0, 1, x, m, m, up, up, up, up)
+                           for x in (0, 1)) for r in range(p))
     out = []
     for r in range(p):
         s0, s1 = r, 2 * p - 1 - r
+        # a chunk's forward send / backward send goes to another rank (module docstring: stage s lives on
+        # rank s for s < p, on rank 2p - 1 - s after the V's turn)
+        fwd_remote = {s0: held_sends and r < p - 1, s1: held_sends and r > 0}
+        bwd_remote = {s0: held_sends and r > 0, s1: held_sends and r < p - 1}
         held = {s0: 0, s1: 0}
+        pend = {s0: 0, s1: 0}           # I done, W pending
+        freed = {s0: 0, s1: 0}          # B or W done (activations freed; the output still sent)
+        sent_b = {s0: 0, s1: 0}         # input gradients sent
         n_out = grads = 0
         states = set()
         for a in table[r]:
@@ -99,9 +120,18 @@ def v_states(schedule: str, p: int, m: int) -> tuple[tuple, ...]:
                     n_out += r == 0 and st == s1
                     continue
                 if kind == "B" or (kind == "I" and st != 0) or (kind == "W" and st == 0):
-                    states.add((held[s0], held[s1], n_out, grads, int(st == s1)))
+                    states.add((held[s0], held[s1], n_out, grads, int(st == s1), pend[s0], pend[s1],
+                                freed[s0] * fwd_remote[s0], freed[s1] * fwd_remote[s1],
+                                sent_b[s0] * bwd_remote[s0], sent_b[s1] * bwd_remote[s1]))
+                if kind == "I" and st != 0:
+                    pend[st] += 1
+                if kind in ("B", "I"):
+                    sent_b[st] += st != 0
                 if kind in ("B", "W"):
                     held[st] -= 1
+                    freed[st] += 1
                     grads = 1
+                    if kind == "W" and st != 0:
+                        pend[st] -= 1
         out.append(_front(states))
     return tuple(out)
