@@ -5,7 +5,8 @@ with `modelpar.train.metrics.StepMemory`, as every pipeline run is) and reads ea
 the run's ``summary.json`` (``peak_tensor_bytes_per_rank``); the prediction is
 `modelpar.planner.memory.rank_memory` of every pipeline rank for the same layout (the planner's stage
 split, which `train` runs too), gloo collectives, fused AdamW. The V schedules (zbvzerobubble,
-dualpipev) are the subject (docs/planner.md "Pipeline memory"); 1f1b and interleaved1f1b are the
+dualpipev) and the interleaved ones (interleaved1f1b, interleavedzerobubble) are the subject
+(docs/planner.md "Pipeline memory"); 1f1b is the
 control.
 
     python benchmarks/pipeline_rank_memory.py --save /tmp/meas.json              # measure + predict
@@ -31,7 +32,7 @@ def table(data: dict, labels: list[str]) -> str:
     lines = [head, "|" + "---|" * (3 + len(labels))]
     sums = {k: {} for k in labels}
     for name, d in data.items():
-        fam = "V" if ("zbv" in name or "dualpipev" in name) else "other"
+        fam = "V" if ("zbv" in name or "dualpipev" in name) else "interleaved" if "interleaved" in name else "1f1b"
         for r, meas in enumerate(d["measured"]):
             cells = []
             for k in labels:

@@ -177,15 +177,18 @@ def test_v_rank_memory_counts_each_chunk():
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name,tol", [("gpt1m-pp2-zbvzerobubble-m4", 0.10), ("gpt1m-8l-pp4-zbvzerobubble-m8", 0.06)])
+@pytest.mark.parametrize("name,tol", [("gpt1m-pp2-zbvzerobubble-m4", 0.10), ("gpt1m-8l-pp4-zbvzerobubble-m8", 0.06),
+                                      ("gpt1m-8l-pp4-interleaved1f1b-m4", 0.08)])
 def test_v_schedule_predicted_rank_peaks_match_train(name, tol):
     """`modelpar train` of gpt-1m under ZB-V (micro-batch 4) on 2 and 4 CPU ranks: each rank's measured
     peak (StepMemory, ``peak_tensor_bytes_per_rank``) within ``tol`` of the planner's. Measured 32.1 / 31.1
     MiB (pp2 m4) and 51.2 / 49.5 / 56.9 / 62.2 MiB (8 layers, pp4 m8); the round-robin model with 1F1B's
     in-flight count predicted 27.2 / 21.1 MiB (-16%, -32%), the per-chunk model without the weight pass's
     kept gradients and the held sends 29.4 / 27.4 and 49.5 / 47.5 / 47.5 / 47.5 MiB (-12%; -17%, -24% on
-    ranks 2 and 3: both fail); now 30.2 / 30.4 and 50.8 / 50.5 / 56.5 / 63.0 MiB (docs/planner.md
-    "Pipeline memory")."""
+    ranks 2 and 3: both fail); now 30.2 / 30.4 and 50.8 / 50.5 / 56.5 / 63.0 MiB. Interleaved 1F1B (8 layers,
+    pp4 v2 m4): measured 40.8 / 40.2 / 37.7 / 32.4 MiB, Korthikanti's in-flight formula gave 41.5 / 40.9 /
+    32.7 / 24.3 (-13%, -25% on ranks 2 and 3: fails), torch's table with the sends gloo holds 41.5 / 40.9 / 39.1 /
+    34.7 (+7% on rank 3; docs/planner.md "Pipeline memory")."""
     from modelpar.measure import rank_memory as prm
 
     c = next(c for c in prm.configs() if c["name"] == name)
@@ -209,3 +212,59 @@ def test_profile_counts_the_gradients_an_input_pass_keeps():
     assert block.wgrad_bytes == 11 * seq * d * 4 * bs
     assert block.wgrad_tp_sharded_bytes == 7 * seq * d * 4 * bs
     assert head.wgrad_bytes == (d + vocab) * seq * 4 * bs and head.wgrad_tp_sharded_bytes == vocab * seq * 4 * bs
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (4, 12, 2), (4, 8, 4), (8, 16, 2)])
+def test_interleaved_in_flight_is_torchs_warmup(p, m, v):
+    """Interleaved 1F1B: rank r holds its warm-up's (v - 1) p + 2 (p - 1 - r) chunk forwards and one more
+    (torch's ``_get_warmup_ops``), / v in whole-rank micro-batches: Korthikanti's p (1 + (p - 1)/(p v)) on
+    rank 0, above the old (p - r)(1 + ...) on every later rank. Interleaved zero bubble: p on every rank, and
+    (r + 1) / v micro-batches between I and W (the first stage's I is a no-op)."""
+    from modelpar.planner.memory import in_flight
+    from modelpar.planner.vshape import interleaved_in_flight
+
+    il = interleaved_in_flight("interleaved1f1b", p, m, v)
+    for r in range(p):
+        assert il[r] == ((min(m, ((v - 1) * p + 2 * (p - 1 - r) + 1) / v), 0.0, 0.0, 0.0),)
+        plan = ParallelPlan(pp=p, pp_schedule="interleaved1f1b", virtual_stages=v, n_microbatches=m)
+        assert in_flight(plan, r) == il[r][0][0]          # one moment without sends: the scalar
+        if r:
+            assert il[r][0][0] > (p - r) * (1 + (p - 1) / (p * v))
+    assert il[0][0][0] == pytest.approx(p * (1 + (p - 1) / (p * v)))
+    zb = interleaved_in_flight("interleavedzerobubble", p, m, v)
+    assert zb == tuple(((float(p), (r + 1) / v, 0.0, 0.0),) for r in range(p))
+    plan = ParallelPlan(pp=p, pp_schedule="interleavedzerobubble", virtual_stages=v, n_microbatches=m)
+    assert in_flight(plan, p - 1) == ((float(p), p / v, 0.0, 0.0),)
+    # gloo: the held sends grow as the in-flight count falls (every moment kept); a rank ends holding every
+    # output it sent (all but the last stage's) and every input gradient (all but the first stage's)
+    for r, moments in enumerate(interleaved_in_flight("interleaved1f1b", p, m, v, True)):
+        assert max(w for w, *_ in moments) == il[r][0][0]
+        assert max(f for _, _, f, _ in moments) <= m - (1 / v if r == p - 1 else 0)
+        assert max(g for *_, g in moments) <= m - (1 / v if r == 0 else 0)
+
+
+def test_interleaved_zero_bubble_estimate_prices_the_weight_pass_gradients():
+    """An interleaved zero-bubble rank's estimate grows by the gradients its pending weight passes keep
+    (`RankLoad.wgrad` x (r + 1) / v micro-batches); interleaved 1F1B's does not read them."""
+    import dataclasses
+
+    from modelpar.planner.loads import rank_loads
+    from modelpar.planner.memory import rank_memory
+    from modelpar.planner.profile import ModelProfile
+    from tests.helpers.profiles import gpt_profile
+
+    prof = gpt_profile("gpt-1m")[0]
+    bare = ModelProfile(**{**{f.name: getattr(prof, f.name) for f in dataclasses.fields(prof)},
+                           "blocks": tuple(dataclasses.replace(b, wgrad_bytes=0, wgrad_tp_sharded_bytes=0)
+                                           for b in prof.blocks)})
+    kw = dict(micro_batch_size=4, optimizer="adamw", overhead_bytes=0.0, global_batch_size=32)
+    for sched in ("interleavedzerobubble", "interleaved1f1b"):
+        plan = ParallelPlan(pp=2, pp_schedule=sched, virtual_stages=2, n_microbatches=8)
+        for r, (ld, ld0) in enumerate(zip(rank_loads(prof, plan, act_bytes=4), rank_loads(bare, plan, act_bytes=4))):
+            with_g, without = (rank_memory(x, plan, pp_rank=r, **kw) for x in (ld, ld0))
+            if sched == "interleaved1f1b":
+                assert with_g.total == without.total
+            else:       # both ranks peak in a backward (the loss's on rank 1), where the pending gradients sit
+                assert with_g.phase not in ("optimizer", "pipeline_end"), with_g.phase
+                assert with_g.total >= without.total + 4 * (r + 1) / 2 * ld.wgrad * 0.999
+

@@ -28,7 +28,8 @@ MODELS = {"gpt1m": ("gpt-1m", {}, 0, 4), "gpt1m-8l": ("gpt-1m", GPT8, 0, 4), "ll
 def configs() -> list[dict]:
     out = []
     for key, pp in (("gpt1m", 2), ("gpt1m-8l", 4), ("llama", 2), ("llama", 4)):
-        for sched, v in (("zbvzerobubble", 2), ("dualpipev", 2), ("1f1b", 1), ("interleaved1f1b", 2)):
+        for sched, v in (("zbvzerobubble", 2), ("dualpipev", 2), ("1f1b", 1), ("interleaved1f1b", 2),
+                         ("interleavedzerobubble", 2)):
             for k in (1, 2, 3):
                 m = k * pp
                 if sched == "dualpipev" and m < 2 * pp:

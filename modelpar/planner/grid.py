@@ -106,7 +106,7 @@ def _selection(plan, ranks: list, ws: list, cache) -> list:
     groups: dict[int, tuple[list, list]] = {}
     prev = float("inf")
     for (r, ld), w, cid in zip(ranks, ws, ids):
-        if w > prev:                     # W not non-increasing: no stretch argument, every rank
+        if type(w) is tuple or w > prev:     # W not non-increasing (or with I -> W gradients): every rank
             return [(r2, ld2, w2, None) for (r2, ld2), w2 in zip(ranks, ws)]
         prev = w
         full, part = groups.setdefault(cid, ([], []))

@@ -38,7 +38,7 @@ from modelpar.planner.moments import _bwd_terms, _projections, _rs_terms  # noqa
 from modelpar.planner.profile import ModelProfile
 from modelpar.planner.recompute import cast_copies
 from modelpar.planner.records import MemoryParts, ProjMode, fast_new
-from modelpar.planner.vshape import v_states
+from modelpar.planner.vshape import in_flight
 from modelpar.stage_split import V_SCHEDULES
 
 OPTIMIZER_BYTES = {"sgd": 0, "sgd_momentum": 4, "adamw": 8}   # fp32 state bytes per parameter
@@ -93,27 +93,6 @@ class MemoryEstimate:
 
     def parts(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("pp_rank", "phase")}
-
-
-def in_flight(plan: ParallelPlan, pp_rank: int, gloo: bool = False) -> float | tuple:
-    """Micro-batches whose activations a pipeline rank holds at its peak (Korthikanti Sec. 4.2.3).
-
-    GPipe / looped BFS: m. 1F1B and zero-bubble variants: min(p - rank, m). Interleaved:
-    p x (1 + (p - 1)/(p v)) on the first rank, at most m x 1 of every chunk. The V schedules
-    (`V_SCHEDULES`: ZB-V, Qi et al. 2024 Sec. 6; DualPipeV) hold different counts on the rank's two
-    chunks: a tuple of candidate moments, per chunk, from torch's own schedule (`vshape.v_states`),
-    which `MemoryForm.parts` prices one by one (``gloo``: with the sends the multi-stage runtime holds).
-    """
-    p, m, v = plan.pp, plan.n_microbatches, plan.virtual_stages
-    if p == 1:
-        return 1.0
-    if plan.pp_schedule in V_SCHEDULES:
-        return v_states(plan.pp_schedule, p, m, gloo)[pp_rank]
-    if plan.pp_schedule in ("gpipe", "loopedbfs"):
-        return float(m)
-    if v > 1 and plan.pp_schedule in ("interleaved1f1b", "interleavedzerobubble"):
-        return min(float(m), (p - pp_rank) * (1 + (p - 1) / (p * v)))
-    return float(min(p - pp_rank, m))
 
 
 def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, optimizer: str,
@@ -172,7 +151,7 @@ class MemoryForm:
     __slots__ = ("ld", "cache", "fsdp", "ws", "P", "Pt", "params", "grads", "opt", "data", "work", "ac", "S", "pp",
                  "last", "out", "rafw", "recv_mult", "comm_add", "ddp_view", "sharded_layout", "cast_cache",
                  "fwd_cast", "root_g", "po", "pgo_d", "pgos_d", "proj", "keep", "step_tmp", "gloo", "loss_out", "loss_n",
-                 "vshape", "chunk_S", "chunk_out", "chunk_proj", "chunk_io")
+                 "vshape", "chunk_S", "chunk_out", "chunk_proj", "chunk_io", "sends")
 
     def at(self, b: int, m: int, accumulation: int, W: float, pp_rank: int,
            overhead_bytes: float) -> MemoryEstimate:
@@ -205,16 +184,21 @@ class MemoryForm:
         # GPipe has finished one backward (m - 1 left)
         # torch.distributed.pipelining's last stage keeps each micro-batch's output (below); Megatron-LM
         # (``recv_per_microbatch=False``) drops it after the loss
-        if pp and type(W) is tuple:
+        # interleaved (`in_flight`): moments (W, between I and W, sent outputs, sent input gradients), the
+        # last three priced as the gradients kept for W (`RankLoad.wgrad`) and the sends gloo holds
+        moments = W if (pp and type(W) is tuple and not self.vshape) else ((W, 0.0, 0.0, 0.0),)
+        if pp and self.vshape and type(W) is tuple:
             variants = ()          # a V schedule's moments (`_v_cases`)
         elif pp:
-            variants = ((W, W if keep else 1.0, accumulation > 1),)
-            if m > 1:
-                variants += ((W if W < m else m - 1.0, float(m) if keep else 1.0, True),)
+            variants = []
+            for w, i_, f_, g_ in moments:
+                ex = b * (i_ * ld.wgrad + f_ * self.sends[0] + g_ * self.sends[1]) if (i_ or f_ or g_) else 0.0
+                variants += [(w, w if keep else 1.0, accumulation > 1, ex)] + (
+                    [(w if w < m else m - 1.0, float(m) if keep else 1.0, True, ex)] if m > 1 else [])
         else:
             # DDP's stored gradients are bucket views (always there); sharded FSDP accumulation: the
             # earlier local batches' sharded gradients (in `grads`), the moments of a first backward
-            variants = ((1.0, 1.0, (accumulation > 1 or self.ddp_view) and not sharded_acc),)
+            variants = ((1.0, 1.0, (accumulation > 1 or self.ddp_view) and not sharded_acc, 0.0),)
         bS = b * self.S
         bout = b * out
         bls = b * self.loss_out      # one logits-sized tensor of the loss (fp32 under `lm_loss`)
@@ -228,7 +212,8 @@ class MemoryForm:
         if self.vshape and type(W) is tuple:
             cases = self._v_cases(b, accumulation, W, bls, bout)
         else:
-            cases = [((F - 1) * per_other + (n_out if last else F) * per_out, prev, None) for F, n_out, prev in variants]
+            cases = [((F - 1) * per_other + (n_out if last else F) * per_out + ex, prev, None)
+                     for F, n_out, prev, ex in variants]
         best_total, best = -1.0, None
         for held, prev, x in cases:
             # gradients of earlier micro-batches: sharded, or (FSDP without gradient sync) unsharded
@@ -370,6 +355,8 @@ def memory_form(ld: RankLoad, plan: ParallelPlan, *, optimizer: str, global_batc
         from modelpar.planner.recompute import chunk_kept
         f.chunk_S, f.chunk_out, f.chunk_proj = chunk_kept(ld, plan), tuple(o for _, o in ld.chunks), {}
         f.chunk_io = ld.chunk_io
+    # interleaved: a chunk's output and input gradient per sample, summed over the rank's chunks (`in_flight`)
+    f.sends = (sum(o for _, o in ld.chunks), sum(i for _, i in ld.chunk_io))
     f.last = ld.is_last
     f.out = ld.out
     # the loss's logits-sized tensors per sample (saved log-softmax, its gradient, the logits' fp32

@@ -1,4 +1,5 @@
-"""Micro-batches in flight per chunk of a V-shaped pipeline schedule, read from torch's own action table.
+"""Micro-batches in flight on a pipeline rank (`in_flight`), per chunk of a V-shaped schedule (`v_states`)
+and per rank of an interleaved one (`interleaved_in_flight`), read from torch's own action tables.
 
 Under ``zbvzerobubble`` (ZB-V: Qi et al. 2024, "Zero Bubble Pipeline Parallelism", ICLR, Sec. 6; its
 memory discussed in Qi et al. 2024, "Pipeline Parallelism with Controllable Memory", NeurIPS, whose
@@ -31,6 +32,8 @@ from __future__ import annotations
 
 import functools
 import types
+
+from modelpar.stage_split import V_SCHEDULES
 
 # torch's schedule class of each V schedule
 _CLASSES = {"zbvzerobubble": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
@@ -135,3 +138,86 @@ def v_states(schedule: str, p: int, m: int, held_sends: bool = False) -> tuple[t
                         pend[st] -= 1
         out.append(_front(states))
     return tuple(out)
+
+
+# torch's schedule class of each round-robin interleaved schedule (stage s on rank s mod p)
+_ROUND_ROBIN = {"interleaved1f1b": "ScheduleInterleaved1F1B", "interleavedzerobubble": "ScheduleInterleavedZeroBubble"}
+
+
+@functools.lru_cache(maxsize=1024)
+def interleaved_in_flight(schedule: str, p: int, m: int, v: int, held_sends: bool = False) -> tuple | None:
+    """Per pipeline rank of an interleaved schedule (``v`` stages per rank, round-robin), from torch's own
+    action table (the class's ``_calculate_single_rank_operations``): the moments that can be the rank's
+    peak, ``(in flight, between I and W, sent outputs, sent input gradients)``, all in micro-batches of the
+    whole rank (chunk counts / v: a rank's chunks hold equal blocks, but for the embedding and head), as
+    `v_states` counts them per chunk (the sends with ``held_sends`` only, gloo; else 0). None where this
+    torch cannot build the table (the formula of `memory.in_flight` stands in).
+
+    Interleaved 1F1B runs ``(v - 1) p + 2 (p - 1 - r)`` chunk forwards before rank r's first backward
+    (torch's ``_get_warmup_ops``, m a multiple of p; Megatron-LM's interleaved schedule warms up alike),
+    so rank r holds ``((v - 1) p + 2 (p - 1 - r) + 1) / v``: Korthikanti et al. 2022's ``p (1 + (p - 1)
+    / (p v))`` on rank 0, more on later ranks (2.5 against 1.375 on rank 3 of p = 4, v = 2).
+    Interleaved zero bubble warms up with one forward per hop and frees a micro-batch at its ``W``: every
+    rank holds p, and rank r keeps up to (r + 1) / v micro-batches' ``I`` -> ``W`` gradients at the same
+    moment (the two maxima coincide in torch's tables)."""
+    try:
+        from torch.distributed.pipelining import schedules as sch
+
+        cls = getattr(sch, _ROUND_ROBIN[schedule])
+        rounds = max(1, m // p)
+        fake = types.SimpleNamespace(pp_group_size=p, n_local_stages=v, _n_microbatches=m,
+                                     number_of_rounds=rounds, microbatches_per_round=m // rounds)
+        table = {r: cls._calculate_single_rank_operations(fake, r) for r in range(p)}
+    except Exception:       # a private API: any change in it falls back to the formula
+        return None
+    last = p * v - 1
+    out = []
+    for r in range(p):
+        held = pend = freed = sent_b = 0
+        states = set()
+        for a in table[r]:
+            for x in _flat(a):
+                kind, st = x.computation_type.value, x.stage_index
+                if kind == "F":
+                    held += 1
+                    continue
+                if kind != "I" or st != 0:
+                    # every backward computation, a weight pass's too: interleaved zero bubble runs forwards
+                    # right before some W, where the rank holds the most (without these moments it is priced
+                    # 5-9% low; priced at a full backward's peak, W moments make `v_states`' ZB-V 2-9% high,
+                    # so the V tables keep B / I moments only); the chunk field of `_front` is 0 here
+                    states.add((held, pend, freed, sent_b, 0))
+                if kind in ("B", "W"):
+                    held -= 1
+                    freed += held_sends and st != last          # its output went to another rank
+                pend += 1 if (kind == "I" and st != 0) else -1 if (kind == "W" and st != 0) else 0
+                sent_b += held_sends and kind in ("B", "I") and st != 0
+        out.append(tuple((h / v, i / v, f / v, g / v) for h, i, f, g, _ in _front(states)))
+    return tuple(out)
+
+
+def in_flight(plan, pp_rank: int, gloo: bool = False) -> float | tuple:
+    """Micro-batches whose activations a pipeline rank holds at its peak (Korthikanti Sec. 4.2.3).
+
+    GPipe / looped BFS: m. 1F1B and zero-bubble variants: min(p - rank, m). Interleaved: from torch's
+    table (`vshape.interleaved_in_flight`: p x (1 + (p - 1)/(p v)) on the first rank, more on later ones
+    than that formula's (p - rank) x (1 + ...), which stands in where the table cannot be built), at most
+    m; a tuple of moments ``(in flight, between I and W, sends held)`` where the latter are non-zero. The V schedules
+    (`V_SCHEDULES`: ZB-V, Qi et al. 2024 Sec. 6; DualPipeV) hold different counts on the rank's two
+    chunks: a tuple of candidate moments, per chunk, from torch's own schedule (`vshape.v_states`),
+    which `MemoryForm.parts` prices one by one (``gloo``: with the sends the multi-stage runtime holds).
+    """
+    p, m, v = plan.pp, plan.n_microbatches, plan.virtual_stages
+    if p == 1:
+        return 1.0
+    if plan.pp_schedule in V_SCHEDULES:
+        return v_states(plan.pp_schedule, p, m, gloo)[pp_rank]
+    if plan.pp_schedule in ("gpipe", "loopedbfs"):
+        return float(m)
+    if v > 1 and plan.pp_schedule in ("interleaved1f1b", "interleavedzerobubble"):
+        table = interleaved_in_flight(plan.pp_schedule, p, m, v, gloo)
+        if table is None:
+            return min(float(m), (p - pp_rank) * (1 + (p - 1) / (p * v)))
+        out = tuple((min(float(m), w), *rest) for w, *rest in table[pp_rank])
+        return out[0][0] if len(out) == 1 and not any(out[0][1:]) else out
+    return float(min(p - pp_rank, m))
