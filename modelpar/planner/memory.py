@@ -6,8 +6,9 @@ Sources:
 - Activations: Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models"
   (2022), Sec. 4 (Eq. 1-2: per-layer bytes; TP shards the attention/MLP interior, sequence parallel the
   rest; full recompute keeps the layer input only) and Sec. 4.2.3 (pipeline: the first stage holds
-  p micro-batches under 1F1B, m under GPipe, interleaving multiplies by 1 + (p - 1)/(p v)).
-  The per-layer bytes themselves are *measured* by `profile_model`, not taken from Eq. 1.
+  p micro-batches under 1F1B, m under GPipe, interleaving multiplies by 1 + (p - 1)/(p v)); the
+  interleaved and V schedules' counts per rank come from torch's action tables (`vshape`). The per-layer
+  bytes themselves are *measured* by `profile_model`, not taken from Eq. 1.
 - When the peak happens (`rank_memory`): the moments of a step and what the runtime holds at each,
   read from the code modelpar runs and checked against torch's MemTracker part by part
   (`benchmarks/planner_accuracy_memory.py`): autograd frees a block's saved tensors as its backward
