@@ -338,7 +338,8 @@ def _profile(model, inputs, dtype, blocks, names, fqn, on_meta, vocab_parallel=N
                             for own, inn, g, pend in peaks[i]),
             saved_input_bytes=saved_in[i], attn_core_saved_bytes=core_saved[i], tied_numels=tuple(tied),
             frozen=frozen, tied_frozen=tied_frozen,
-            saved_gathered_bytes=saved_g[i], wgrad_bytes=wg[i], wgrad_tp_sharded_bytes=wg_tp[i], fwd_calls=counter.calls[i][0], bwd_calls=counter.calls[i][1],
+            wgrad_bytes=wg[i], wgrad_tp_sharded_bytes=wg_tp[i],
+            saved_gathered_bytes=saved_g[i], fwd_calls=counter.calls[i][0], bwd_calls=counter.calls[i][1],
             gemm_shapes=tuple(GemmShape(ph, *k, c) for ph in (0, 1) for k, c in sorted(counter.shapes[i][ph].items()))))
         cum_saved += saved[i]
     x0 = inputs[0]

@@ -202,7 +202,8 @@ def in_flight(plan, pp_rank: int, gloo: bool = False) -> float | tuple:
     GPipe / looped BFS: m. 1F1B and zero-bubble variants: min(p - rank, m). Interleaved: from torch's
     table (`vshape.interleaved_in_flight`: p x (1 + (p - 1)/(p v)) on the first rank, more on later ones
     than that formula's (p - rank) x (1 + ...), which stands in where the table cannot be built), at most
-    m; a tuple of moments ``(in flight, between I and W, sends held)`` where the latter are non-zero. The V schedules
+    m; a tuple of moments ``(in flight, between I and W, sent outputs, sent input gradients)`` where the
+    last three are not all 0. The V schedules
     (`V_SCHEDULES`: ZB-V, Qi et al. 2024 Sec. 6; DualPipeV) hold different counts on the rank's two
     chunks: a tuple of candidate moments, per chunk, from torch's own schedule (`vshape.v_states`),
     which `MemoryForm.parts` prices one by one (``gloo``: with the sends the multi-stage runtime holds).
