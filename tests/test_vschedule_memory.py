@@ -268,3 +268,69 @@ def test_interleaved_zero_bubble_estimate_prices_the_weight_pass_gradients():
                 assert with_g.phase not in ("optimizer", "pipeline_end"), with_g.phase
                 assert with_g.total >= without.total + 4 * (r + 1) / 2 * ld.wgrad * 0.999
 
+
+
+def test_torchs_weight_pass_replays_a_checkpointed_block_per_parameter_group():
+    """Why split-backward schedules refuse checkpointing (`plan.split_backward_ac_refusal`): torch's ``W``
+    (``stage_backward_weight``) runs one ``autograd.grad`` per parameter group and each replays the
+    checkpointed block's forward. Two GPT blocks: 2 forwards, 2 replays in ``I``, 16 in ``W`` (one per
+    parameter group). If torch ever replays once per ``W``, this fails: lift the refusal then."""
+    import torch
+    import torch.nn as nn
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    from torch.utils.checkpoint import checkpoint
+
+    import modelpar.models.gpt as G
+
+    torch.manual_seed(0)
+    cfg = G.PRESETS["gpt-nano"] if "gpt-nano" in G.PRESETS else G.PRESETS["gpt-1m"]
+    calls = [0]
+
+    class Counted(G.Block):
+        def forward(self, x):
+            calls[0] += 1
+            return super().forward(x)
+
+    blocks = nn.ModuleList([Counted(cfg) for _ in range(2)])
+    x = torch.randn(2, cfg.seq_len, cfg.d_model, requires_grad=True)
+    y = x
+    for b in blocks:
+        y = checkpoint(b, y, use_reentrant=False)
+    params = list(blocks.parameters())
+    counts = [calls[0]]
+    _, groups = stage_backward_input([y], [torch.ones_like(y)], [x], iter(params))
+    counts.append(calls[0] - sum(counts))
+    stage_backward_weight(iter(params), groups)
+    counts.append(calls[0] - sum(counts))
+    assert counts[:2] == [2, 2]
+    assert counts[2] == len(groups) > 2, (counts, len(groups))
+
+
+@pytest.mark.parametrize("schedule", ["interleavedzerobubble", "zbvzerobubble", "dualpipev"])
+def test_split_backward_schedules_refuse_checkpointing_and_the_planner_proposes_none(schedule):
+    """`ParallelPlan.validate` refuses a split-backward schedule with any checkpointing (naming why and what
+    to use), and neither search mode ranks one; every ranked plan validates (before: the search also ranked
+    DualPipeV with fewer micro-batches than its 2 pp stages, which torch refuses)."""
+    from modelpar.planner.hardware import get_hardware
+    from modelpar.planner.search import search_plans
+    from tests.helpers.profiles import gpt_profile
+
+    for mode, k in (("full", 1), ("selective", 1), ("every-k", 2)):
+        plan = ParallelPlan(pp=2, pp_schedule=schedule, virtual_stages=2, n_microbatches=4,
+                            activation_checkpointing=mode, ac_every=k)
+        with pytest.raises(ValueError, match=rf"pp_schedule='{schedule}' with activation_checkpointing='{mode}'.*"
+                                             r"replays every checkpointed block"):
+            plan.validate(2)
+    ParallelPlan(pp=2, pp_schedule=schedule, virtual_stages=2, n_microbatches=4).validate(2)
+    ParallelPlan(pp=2, pp_schedule="1f1b", n_microbatches=4, activation_checkpointing="full").validate(2)
+    # the search ranks none of them (a tight memory budget, where checkpointing would be tried)
+    prof = gpt_profile("gpt-1m")[0]
+    hw = get_hardware("cpu", local_ranks=4)
+    for top_k in (None, 20):
+        rep = search_plans(prof, 4, hw, global_batch_size=16, memory_fraction=0.002, top_k=top_k,
+                           schedules=("1f1b", schedule))
+        assert any(c.plan.activation_checkpointing != "none" for c in rep.ranked), rep.summary()
+        assert not [c for c in rep.ranked if c.plan.pp_schedule == schedule
+                    and c.plan.activation_checkpointing != "none"]
+        for c in rep.ranked:
+            c.plan.validate(4)
