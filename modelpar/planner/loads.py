@@ -314,7 +314,9 @@ def _block_terms(profile: ModelProfile, t: int, sp: bool, scale: float, cache: P
                (bl.tp_rowwise if bl.tp_rowwise >= 0 and transformer and not is_end
                 else 2 if (transformer and not is_end) else 1) if t > 1 else 0,
                bl.fwd_calls + bl.bwd_calls, bl.fwd_calls, local_tr, local_tr if is_end else 0.0,
-               (bl.wgrad_bytes / t if sp else bl.wgrad_bytes - bl.wgrad_tp_sharded_bytes * (1 - 1 / t)) * scale / bs)
+               # the colwise outputs split; the rest kept whole, also under SP (a rowwise matmul's output is
+               # its full-length partial sum before the reduce-scatter; the norms' seq shards: counted whole)
+               (bl.wgrad_bytes - bl.wgrad_tp_sharded_bytes * (1 - 1 / t)) * scale / bs)
         pre.append(tuple(a + b for a, b in zip(pre[-1], row)))
 
     @functools.lru_cache(maxsize=None)
