@@ -187,12 +187,15 @@ class MemoryForm:
         # (``recv_per_microbatch=False``) drops it after the loss
         # interleaved (`in_flight`): moments (W, between I and W, sent outputs, sent input gradients), the
         # last three priced as the gradients kept for W (`RankLoad.wgrad`) and the sends gloo holds
-        moments = W if (pp and type(W) is tuple and not self.vshape) else ((W, 0.0, 0.0, 0.0),)
         if pp and self.vshape and type(W) is tuple:
             variants = ()          # a V schedule's moments (`_v_cases`)
+        elif pp and type(W) is not tuple:       # one moment, nothing beyond the in-flight count
+            variants = ((W, W if keep else 1.0, accumulation > 1, 0.0),)
+            if m > 1:
+                variants += ((W if W < m else m - 1.0, float(m) if keep else 1.0, True, 0.0),)
         elif pp:
             variants = []
-            for w, i_, f_, g_ in moments:
+            for w, i_, f_, g_ in W:
                 ex = b * (i_ * ld.wgrad + f_ * self.sends[0] + g_ * self.sends[1]) if (i_ or f_ or g_) else 0.0
                 variants += [(w, w if keep else 1.0, accumulation > 1, ex)] + (
                     [(w if w < m else m - 1.0, float(m) if keep else 1.0, True, ex)] if m > 1 else [])
