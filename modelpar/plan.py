@@ -242,8 +242,6 @@ class ParallelPlan:
                                      f"{rounds} rounds of equal size, so n_microbatches must be a multiple "
                                      f"of {rounds}, got --n-microbatches {self.n_microbatches} with --pp "
                                      f"{self.pp}; use a multiple of pp (e.g. {rounds * self.pp})")
-            if self.pp_schedule in SPLIT_BACKWARD_SCHEDULES and self.activation_checkpointing != "none":
-                raise ValueError(split_backward_ac_refusal(self.pp_schedule, self.activation_checkpointing))
             if self.reshard_after_forward and fsdp_keeps_gathered(self.pp, self.dp_shard, self.pp_schedule):
                 raise ValueError(f"pp_schedule={self.pp_schedule!r} with FSDP (dp_shard={self.dp_shard}) needs "
                                  f"reshard_after_forward=False (--no-reshard-after-forward): it runs the weight "
@@ -349,22 +347,6 @@ def plan_for_strategy(strategy: str, world_size: int, **overrides: Any) -> Paral
             raise ValueError(f"strategy {strategy!r} on {n} ranks sets {k}={deg[k]}, but {ov[k]} was given")
     deg.update(ov)
     return ParallelPlan(**deg)
-
-
-def split_backward_ac_refusal(schedule: str, mode: str) -> str:
-    """Why a split-backward schedule (`SPLIT_BACKWARD_SCHEDULES`) refuses activation checkpointing ``mode``
-    (`ParallelPlan.validate`; the planner never ranks such a plan). torch's weight pass (``W``,
-    ``stage_backward_weight``) runs one ``autograd.grad`` per parameter group, and each call replays every
-    checkpointed block's forward (non-reentrant checkpointing recomputes on the first unpack of each
-    backward): a GPT block is replayed 8 times per ``W`` (16 parameter groups over 2 blocks), and the
-    replays' activations pile up inside ``W``. Measured with torch 2.13 (docs/planner.md "Pipeline
-    memory"; tests/test_vschedule_memory.py checks the replays)."""
-    return (f"pp_schedule={schedule!r} with activation_checkpointing={mode!r}: this schedule splits each backward "
-            f"into an input pass and a weight pass (W), and torch's W replays every checkpointed block's forward "
-            f"once per parameter group (8 replays of a GPT block), so checkpointing costs memory instead of "
-            f"saving it (gpt-1m pp2 zbvzerobubble m4: 39.9 / 42.1 MiB per rank, 32.1 / 31.1 MiB without) and "
-            f"multiplies the recompute; use --activation-checkpointing none, or a schedule whose backward runs "
-            f"whole (1f1b, interleaved1f1b, gpipe)")
 
 
 def fsdp_keeps_gathered(pp: int, dp_shard: int, pp_schedule: str) -> bool:

@@ -39,12 +39,22 @@ def configs() -> list[dict]:
                 model, cfg, seq, b = MODELS[key]
                 out.append({"name": f"{key}-pp{pp}-{sched}-m{m}", "model": model, "model_config": cfg,
                             "seq_len": seq, "pp": pp, "schedule": sched, "v": v, "m": m, "b": b})
+    # activation checkpointing under every schedule with a split backward (and 1f1b, the control): full on
+    # both models, every second block on the 8-layer GPT
+    for key, pp, ac, k in (("gpt1m-8l", 4, "full", 1), ("llama", 2, "full", 1), ("gpt1m-8l", 2, "every-k", 2)):
+        model, cfg, seq, b = MODELS[key]
+        for sched, v in (("zbvzerobubble", 2), ("dualpipev", 2), ("interleavedzerobubble", 2), ("1f1b", 1)):
+            m = 2 * pp
+            out.append({"name": f"{key}-pp{pp}-{sched}-m{m}-{ac}{k if ac == 'every-k' else ''}", "model": model,
+                        "model_config": cfg, "seq_len": seq, "pp": pp, "schedule": sched, "v": v, "m": m, "b": b,
+                        "ac": ac, "ac_every": k})
     return out
 
 
 def _layout(c: dict) -> list[str]:
     return ["--pp", str(c["pp"]), "--pp-schedule", c["schedule"], "--virtual-stages", str(c["v"]),
-            "--n-microbatches", str(c["m"]), "--global-batch-size", str(c["m"] * c["b"]), "--nproc", str(c["pp"])]
+            "--n-microbatches", str(c["m"]), "--global-batch-size", str(c["m"] * c["b"]), "--nproc", str(c["pp"]),
+            "--activation-checkpointing", c.get("ac", "none"), "--ac-every", str(c.get("ac_every", 1))]
 
 
 def measure(c: dict) -> list[int]:
@@ -71,7 +81,8 @@ def predict(c: dict) -> list[float]:
     from modelpar.planner.loads import rank_loads
     from modelpar.planner.memory import Batch, rank_memory
 
-    plan = ParallelPlan(pp=c["pp"], pp_schedule=c["schedule"], virtual_stages=c["v"], n_microbatches=c["m"])
+    plan = ParallelPlan(pp=c["pp"], pp_schedule=c["schedule"], virtual_stages=c["v"], n_microbatches=c["m"],
+                        activation_checkpointing=c.get("ac", "none"), ac_every=c.get("ac_every", 1))
     prof = profile_for(c["model"], c["model_config"], c["seq_len"], "fp32")[0]     # as `estimate` profiles it
     batch = Batch(c["m"] * c["b"], c["m"] * c["b"])
     loads = rank_loads(prof, plan, act_bytes=4)

@@ -36,6 +36,7 @@ from torch.utils import _pytree as pytree
 
 from modelpar.parallel.parts import (ModelParts, balanced_partition, block_costs, block_param_costs, eval_mode,
                                     stage_ranges)
+from modelpar.plan import SPLIT_BACKWARD_SCHEDULES
 
 SCHEDULE_CLASSES = {
     "gpipe": "ScheduleGPipe",
@@ -301,9 +302,34 @@ def build_schedule(stage_modules: list[nn.Module], indices: list[int], num_stage
 
     cls = get_schedule_class(schedule)
     stages = [PipelineStage(m, i, num_stages, device, group=pp_group) for m, i in zip(stage_modules, indices)]
+    if schedule in SPLIT_BACKWARD_SCHEDULES:
+        for st in stages:
+            group_weight_pass(st)
     if len(stages) == 1 and schedule in ("gpipe", "1f1b"):
         return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def group_weight_pass(stage) -> None:
+    """Run each weight pass (``W``) of ``stage`` under one ``torch.utils.checkpoint.GraphExecGroup``, so a
+    checkpointed block's forward is replayed once per ``W``, not once per parameter group.
+
+    torch's ``stage_backward_weight`` calls ``autograd.grad`` once per parameter group (a Linear's or a
+    norm's weights and bias), and non-reentrant checkpointing recomputes a region on the first unpack of
+    each backward call: a GPT block was replayed 8 times per ``W`` and the replays' activations piled up
+    (docs/planner.md "Split-backward schedules and activation checkpointing"). The groups' calls cover
+    disjoint parts of the graph, which is what ``GraphExecGroup`` asks for (torch PR 166536 added it for
+    zero-bubble schedules); the input pass (``I``) stays outside the group, so a checkpointed block is
+    replayed twice per micro-batch: once at ``I``, once at ``W``. Wraps the instance's
+    ``backward_weight_one_chunk`` in place (as `ActionTimer` does)."""
+    from torch.utils.checkpoint import GraphExecGroup
+
+    orig = stage.backward_weight_one_chunk
+
+    def grouped(*a, **k):
+        with GraphExecGroup():
+            return orig(*a, **k)
+    stage.backward_weight_one_chunk = grouped
 
 
 class ActionTimer:

@@ -22,7 +22,8 @@ Sources:
 - Full recompute adds the blocks' forward per micro-batch (Chen et al. 2016; Korthikanti Sec. 5; a
   transformer's embedding, head and loss are not checkpointed, so they run once); every-k the
   checkpointed blocks' share of it, selective the attention cores' forward
-  (`modelpar.planner.recompute`); recomputed blocks replay their TP all-reduces.
+  (`modelpar.planner.recompute`); recomputed blocks replay their TP all-reduces. A split backward
+  (zero bubble) replays a checkpointed block at ``I`` and again at ``W``.
 - MFU / HFU: Chowdhery et al., "PaLM" (2022), App. B: model FLOPs count each forward once, hardware
   FLOPs include the recomputed forward.
 
@@ -55,11 +56,10 @@ gradient to reduce, accumulate or step (`loads.RankLoad.trainable`); their backw
 
 from __future__ import annotations
 
-from modelpar.plan import ParallelPlan, autocasts, runtime_layout
-# the collective (alpha-beta) and pipeline-bubble formulas live in formulas.py, re-exported here
+from modelpar.plan import SPLIT_BACKWARD_SCHEDULES, ParallelPlan, autocasts, runtime_layout
+# formulas.py (collective alpha-beta, pipeline bubble) and comms.py (one rank's collectives), re-exported
 from modelpar.planner.formulas import (all_gather_time, all_reduce_time, alpha_beta_form,  # noqa: F401
                                        bubble_fraction, fill_drain_from_sums)
-# one rank's collective times and FSDP2's exposed share live in comms.py, re-exported here
 from modelpar.planner.comms import (DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, _coll,  # noqa: F401
                                     _comm_terms, _fsdp_exposed, _nccl_share, ddp_buckets)
 from modelpar.planner.gpu import gpu_load_times, layer_wave_seconds, physics_for
@@ -96,7 +96,6 @@ MASTER_WEIGHT_TRAFFIC = 6 + 8 + 6
 
 
 # ---- the step ---------------------------------------------------------------------------------
-ZERO_BUBBLE_SCHEDULES = ("interleavedzerobubble", "zbvzerobubble", "dualpipev")
 
 
 def _load_times(ld: RankLoad, hw: Hardware, b: int, prec: str, mem_s: float, ew_s: float, attn_rate: float,
@@ -222,7 +221,7 @@ def step_form(loads: list[RankLoad], plan: ParallelPlan, hw: Hardware, *, optimi
     # (Qi et al. ICLR'24; torch's stage_backward_input / stage_backward_weight): the weight pass
     # re-reads activations and output gradients the cache has lost; calibrated on CPU, 1 elsewhere
     f.zb = (cal.zero_bubble_backward_factor
-            if plan.pp > 1 and plan.pp_schedule in ZERO_BUBBLE_SCHEDULES else 1.0)
+            if plan.pp > 1 and plan.pp_schedule in SPLIT_BACKWARD_SCHEDULES else 1.0)
     # modelpar's runtime: autocast unless FSDP2 / replicate holds bf16 parameters (`runtime_layout`)
     f.layout = layout = runtime_layout(plan)
     if autocast_weights is None:
@@ -318,19 +317,22 @@ class StepForm:
             return hit
         times, ar_tp, tp_linear = self._times(plan, b)
         ac_any = mode in ("full", "every-k", "selective")
+        split = 2.0 if self.p > 1 and plan.pp_schedule in SPLIT_BACKWARD_SCHEDULES else 1.0
         attn_rate, flops_s = self.attn_rate, self.flops_s
         best_key, best, fb = None, 0, []
         for i, (ld, t_f, t_b, w_f) in enumerate(times):
             t_rc, rc_share = 0.0, 0.0
             if ac_any:     # the checkpointed blocks' share / the cores (`modelpar.planner.recompute`)
                 rc_share, attn_f = recompute_share(ld, plan)
-                t_rc = rc_share * t_f + (attn_f * b / attn_rate if attn_rate else attn_f * b / flops_s)
+                t_rc = rc_share * t_f
                 if w_f:    # the replayed layers' GEMM waves, per layer (not by the FLOPs share)
                     layers = ld.layer_gemm[3]
                     t_rc += (recompute_layers(ld, plan) - rc_share * layers) * w_f
+                # split backward: blocks replay at I and at W (`pipeline.group_weight_pass`), cores at I only
+                t_rc = t_rc * split + (attn_f * b / attn_rate if attn_rate else attn_f * b / flops_s)
             # all-reduces: 2 x forward's (Megatron-LM) or 1 per sharded matrix (`tp_per_matrix`), + replays; and
             # DTensor's calibrated per-call cost of each sharded Linear (dispatch, conversions; fwd + bwd)
-            ars = (ld.tp_linears if self.tp_per_matrix else 2 * ld.tp_collectives) + rc_share * ld.tp_collectives
+            ars = (ld.tp_linears if self.tp_per_matrix else 2 * ld.tp_collectives) + rc_share * split * ld.tp_collectives
             t_tp = ars * ar_tp + ld.tp_linears * tp_linear
             work = t_f + t_b + t_rc + t_tp
             fb.append((t_f + t_tp / 2, t_b + t_rc + t_tp / 2))     # TP's cost split evenly (forward, backward)

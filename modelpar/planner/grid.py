@@ -152,9 +152,11 @@ def plan_memory(plan, reps, b: int, acc: int, flights: dict, kw: dict, budget: f
         v = (v, "v")
     rf = plan.reshard_after_forward      # per schedule (`plan.fsdp_keeps_gathered`): in every key below
     pp = plan.pp > 1
-    ws = flights.get(m)
+    # a V schedule's moments differ where W replays checkpointed blocks (`vshape.v_states`' ``w_moments``)
+    fkey = (m, "w") if vshape and plan.activation_checkpointing in ("full", "every-k") else m
+    ws = flights.get(fkey)
     if ws is None:
-        ws = flights[m] = [in_flight(plan, r, kw["gloo"]) for r, _ in reps]
+        ws = flights[fkey] = [in_flight(plan, r, kw["gloo"]) for r, _ in reps]
     skey = ("sel", m, ac, k)
     sel = flights.get(skey)
     if sel is None:

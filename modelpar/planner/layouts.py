@@ -10,7 +10,7 @@ with ``stop``, `step_parts`) in increasing order of a lower bound on their step 
 
 from __future__ import annotations
 
-from modelpar.plan import SPLIT_BACKWARD_SCHEDULES, ParallelPlan, autocasts
+from modelpar.plan import ParallelPlan, autocasts
 from modelpar.planner.comms import _coll
 from modelpar.planner.cost import _finish, step_form, tp_bytes_per_sample
 from modelpar.planner.grid import plan_memory as _plan_memory
@@ -34,7 +34,7 @@ class Layout:
 
     __slots__ = ("order", "dr", "ds", "tp", "pp", "sched", "v", "sp", "reps", "loads", "every_rank",
                  "bounds", "plans", "flights", "flights_k", "sform", "sform_k", "mem_args", "groups",
-                 "interleaved", "per_dp", "split")
+                 "interleaved", "per_dp")
 
     def form(self, S: Search, plan: ParallelPlan, every_k: bool):
         """The layout's `cost.StepForm` (every-k: over every rank; pipelines: every rank too, whose
@@ -167,8 +167,6 @@ def layouts(S: Search, factorizations):
             L.flights, L.flights_k = tabs
             L.sform = L.sform_k = None
             L.mem_args, L.groups, L.interleaved, L.per_dp = mem_args, groups, sched.startswith("interleaved"), per_dp
-            # a split backward refuses checkpointing (`plan.split_backward_ac_refusal`): "none" only
-            L.split = pp > 1 and sched in SPLIT_BACKWARD_SCHEDULES
             order += 1
             yield L
 
@@ -230,9 +228,6 @@ def fitting_variants(S: Search, L: Layout, b: int, m: int, acc: int, stop: int |
         if stop is not None and j > stop:
             break
         cnt = per if j >= count_from else 0
-        if ac != "none" and L.split:
-            pruned["split backward with checkpointing (W replays each block per parameter group)"] += cnt
-            continue
         if ac != "none" and fits_none:
             pruned["dominated (fits without checkpointing)"] += cnt
             continue

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from modelpar.plan import ParallelPlan
+from modelpar.plan import SPLIT_BACKWARD_SCHEDULES, ParallelPlan
 from modelpar.planner.records import BlockRecord, fast_new
 
 _record = fast_new(BlockRecord)     # (values in field order)
@@ -160,19 +160,21 @@ def recompute_layers(ld, plan: ParallelPlan) -> int:
 def recompute_flops_per_sample(profile, plan: ParallelPlan, cache=None) -> float:
     """Forward FLOPs per sample recomputed in backward (for HFU, PaLM App. B): the checkpointed
     blocks' (full: every block, a transformer's embedding and head excluded; every-k), the attention
-    cores' (selective), 0 (none). ``cache``: a `memo.PlannerCache` of ``profile`` to memoize in
-    (None: computed)."""
+    cores' (selective), 0 (none); twice the blocks' under a split backward (zero bubble), which replays a
+    checkpointed block at ``I`` and at ``W`` (`modelpar.parallel.pipeline.group_weight_pass`). ``cache``: a
+    `memo.PlannerCache` of ``profile`` to memoize in (None: computed)."""
     mode = plan.activation_checkpointing
     if mode == "none":
         return 0.0
+    twice = 2.0 if mode != "selective" and plan.pp > 1 and plan.pp_schedule in SPLIT_BACKWARD_SCHEDULES else 1.0
     if cache is None:
-        return _recompute_flops(profile, plan)
+        return twice * _recompute_flops(profile, plan)
     cache.bind(profile=profile)
     key = (mode, plan.ac_every)
     val = cache.recompute_flops.get(key)
     if val is None:
         val = cache.recompute_flops[key] = _recompute_flops(profile, plan)
-    return val
+    return twice * val
 
 
 def _recompute_flops(profile, plan: ParallelPlan) -> float:

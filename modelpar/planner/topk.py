@@ -296,15 +296,12 @@ def _mode_entries(S: Search, L: Layout, b: int, m: int, acc: int) -> list[tuple[
         _, total = _plan_memory(plan, L.reps, b, acc, L.flights, *L.mem_args)     # memoized: fitting_variants reads it
         if total <= S.budget:
             return [(mode_lower_bound(S, L, b, m, acc, "none", 1), 0)]
-        if L.split:         # no checkpointing under a split backward (`layouts.fitting_variants`)
-            return []
         # `fitting_variants`' own test: selective cannot fit where "none" exceeds the budget by more
         # than the attention cores it frees
         sel_out = total - S.budget > m * b * L.bounds[0]
         return [(mode_lower_bound(S, L, b, m, acc, ac, k), j) for j, (ac, k) in enumerate(opts)
                 if j and not (sel_out and ac == "selective")]
-    return [(mode_lower_bound(S, L, b, m, acc, ac, k), j) for j, (ac, k) in enumerate(opts)
-            if not (L.split and ac != "none")]
+    return [(mode_lower_bound(S, L, b, m, acc, ac, k), j) for j, (ac, k) in enumerate(opts)]
 
 
 def top_candidates(S: Search, layouts, k: int) -> tuple[list, list, dict]:

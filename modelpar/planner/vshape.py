@@ -75,7 +75,7 @@ def _front(states: set) -> tuple:
 
 
 @functools.lru_cache(maxsize=1024)
-def v_states(schedule: str, p: int, m: int, held_sends: bool = False) -> tuple[tuple, ...]:
+def v_states(schedule: str, p: int, m: int, held_sends: bool = False, w_moments: bool = False) -> tuple[tuple, ...]:
     """Per pipeline rank, the moments that can be its peak: the start of each backward computation,
     ``(c0, c1, n_out, grads, chunk, i0, i1, f0, f1, g0, g1)``:
 
@@ -94,9 +94,12 @@ def v_states(schedule: str, p: int, m: int, held_sends: bool = False) -> tuple[t
       whose neighbour stage is on this rank (the V's turn at rank p - 1) or that has none. NCCL
       (torch >= 2.7) releases a finished send's tensors from its watchdog: 0 without ``held_sends``.
 
-    A backward computation is a ``B``, an ``I`` of any stage but the first, or the first stage's ``W``;
-    a moment inside a forward holds no more than the backward that follows its run of forwards. Units:
-    micro-batches."""
+    A backward computation is a ``B``, an ``I`` of any stage but the first, or the first stage's ``W``,
+    and with ``w_moments`` every ``W`` (its micro-batch still counted in ``i``): under full or every-k
+    checkpointing a ``W`` replays its chunk's checkpointed blocks one at a time
+    (`modelpar.parallel.pipeline.group_weight_pass`) on top of the gradients its ``I`` kept, more than its
+    ``I`` held (without checkpointing a ``W`` allocates little: its moments are left out). A moment inside
+    a forward holds no more than the backward that follows its run of forwards. Units: micro-batches."""
     table = action_table(schedule, p, m)
     if table is None:
         up = m if held_sends else 0
@@ -122,7 +125,7 @@ def v_states(schedule: str, p: int, m: int, held_sends: bool = False) -> tuple[t
                     held[st] += 1
                     n_out += r == 0 and st == s1
                     continue
-                if kind == "B" or (kind == "I" and st != 0) or (kind == "W" and st == 0):
+                if kind == "B" or (kind == "I" and st != 0) or (kind == "W" and (st == 0 or w_moments)):
                     states.add((held[s0], held[s1], n_out, grads, int(st == s1), pend[s0], pend[s1],
                                 freed[s0] * fwd_remote[s0], freed[s1] * fwd_remote[s1],
                                 sent_b[s0] * bwd_remote[s0], sent_b[s1] * bwd_remote[s1]))
@@ -212,7 +215,7 @@ def in_flight(plan, pp_rank: int, gloo: bool = False) -> float | tuple:
     if p == 1:
         return 1.0
     if plan.pp_schedule in V_SCHEDULES:
-        return v_states(plan.pp_schedule, p, m, gloo)[pp_rank]
+        return v_states(plan.pp_schedule, p, m, gloo, plan.activation_checkpointing in ("full", "every-k"))[pp_rank]
     if plan.pp_schedule in ("gpipe", "loopedbfs"):
         return float(m)
     if v > 1 and plan.pp_schedule in ("interleaved1f1b", "interleavedzerobubble"):

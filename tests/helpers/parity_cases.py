@@ -445,6 +445,17 @@ _case("mlp-fsdp2-every2", 2, "mlp", dict(dp_shard=2, activation_checkpointing="e
 _case("c14-selective-mlp", 2, "mlp", dict(dp_shard=2, activation_checkpointing="selective"), check="error")
 _case("gpt-hsdp2x2-accum2-clip", 4, "gpt", dict(dp_replicate=2, dp_shard=2), local=1, clip=0.05)
 _case("gpt-fsdp2xtp2-selective", 4, "gpt", dict(dp_shard=2, tp=2, activation_checkpointing="selective"))
+# checkpointing under the split-backward schedules: W replays each checkpointed block once, inside one
+# GraphExecGroup (`parallel.pipeline.group_weight_pass`); with FSDP keeping the blocks gathered
+_case("gpt4-pp2-zbv-full", 2, "gpt", dict(_V2, pp_schedule="zbvzerobubble", activation_checkpointing="full"),
+      n_layer=4)
+_case("gpt4-pp2-izb-every2-clip", 2, "gpt", dict(_V2, pp_schedule="interleavedzerobubble",
+                                                activation_checkpointing="every-k", ac_every=2), n_layer=4, clip=0.05)
+_case("gpt4-pp2-dualpipev-selective", 2, "gpt", dict(_V2, pp_schedule="dualpipev",
+                                                    activation_checkpointing="selective"), n_layer=4)
+_case("gpt4-pp2xfsdp2-zbv-full", 4, "gpt", dict(_V2, dp_shard=2, pp_schedule="zbvzerobubble",
+                                               activation_checkpointing="full", reshard_after_forward=False),
+      n_layer=4, clip=0.05)
 
 
 # ---- h-pp (issue 12): Hugging Face models (tests/helpers/hf_tiny.py, dropout 0) split into pipeline stages; each
@@ -481,6 +492,8 @@ _case("hf-llama-pp2-interleavedzerobubble", 2, "hf-llama", dict(_V2, pp_schedule
 _case("hf-llama-pp2-dualpipev", 2, "hf-llama", dict(_V2, pp_schedule="dualpipev"), steps=HF_PP_STEPS)
 # per-block activation checkpointing inside stages; per-block FSDP under a pipeline
 _case("hf-llama-pp2-1f1b-ac", 2, "hf-llama", dict(pp=2, n_microbatches=2, activation_checkpointing="full"), steps=HF_PP_STEPS)
+_case("hf-gpt2-pp2-zbv-ac", 2, "hf-gpt2", dict(_V2, pp_schedule="zbvzerobubble", activation_checkpointing="full"),
+      clip=0.05)
 _case("hf-gpt2-pp2xfsdp2", 4, "hf-gpt2", dict(pp=2, dp_shard=2, n_microbatches=2), clip=0.05)
 # the three at once on 8 ranks (issue 12 item 6): stages run the model's own forward, TP splits each
 # stage's blocks (Llama: its declared plan; GPT-2: Conv1D / per-head c_attn, the tie across stages)
