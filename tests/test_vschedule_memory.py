@@ -392,3 +392,22 @@ def test_weight_pass_moments_under_checkpointing():
     pred = prm.predict(c)
     measured = [44.96 * 2 ** 20, 49.68 * 2 ** 20]      # the benchmark's run of this configuration
     assert all(abs(p - m) <= 0.06 * m for p, m in zip(pred, measured)), (pred, measured)
+
+
+def test_group_weight_pass_leaves_a_torch_that_groups_w_itself_alone(monkeypatch):
+    """``GraphExecGroup`` contexts cannot be nested: where torch's pipelining enters one around ``W``
+    itself, `pipeline.group_weight_pass` leaves the stage as it is; torch 2.13 does not."""
+    import modelpar.parallel.pipeline as P
+
+    class Stage:
+        def backward_weight_one_chunk(self, chunk_id, last_backward=False):
+            return chunk_id
+
+    assert P._torch_groups_weight_pass() is False      # this torch: modelpar groups W
+    st = Stage()
+    P.group_weight_pass(st)
+    assert "backward_weight_one_chunk" in vars(st) and st.backward_weight_one_chunk(3) == 3
+    monkeypatch.setattr(P, "_torch_groups_weight_pass", lambda: True)
+    st = Stage()
+    P.group_weight_pass(st)
+    assert "backward_weight_one_chunk" not in vars(st)

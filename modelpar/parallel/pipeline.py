@@ -321,15 +321,30 @@ def group_weight_pass(stage) -> None:
     disjoint parts of the graph, which is what ``GraphExecGroup`` asks for (torch PR 166536 added it for
     zero-bubble schedules); the input pass (``I``) stays outside the group, so a checkpointed block is
     replayed twice per micro-batch: once at ``I``, once at ``W``. Wraps the instance's
-    ``backward_weight_one_chunk`` in place (as `ActionTimer` does)."""
+    ``backward_weight_one_chunk`` in place (as `ActionTimer` does); nothing where torch's pipelining enters
+    such a group itself (`_torch_groups_weight_pass`: groups cannot be nested)."""
     from torch.utils.checkpoint import GraphExecGroup
 
+    if _torch_groups_weight_pass():
+        return
     orig = stage.backward_weight_one_chunk
 
     def grouped(*a, **k):
         with GraphExecGroup():
             return orig(*a, **k)
     stage.backward_weight_one_chunk = grouped
+
+
+def _torch_groups_weight_pass() -> bool:
+    """Whether torch's pipelining enters a ``GraphExecGroup`` itself (none does up to torch 2.13)."""
+    import inspect
+
+    try:
+        from torch.distributed.pipelining import _backward, stage
+
+        return any("GraphExecGroup" in inspect.getsource(m) for m in (_backward, stage))
+    except Exception:       # no source (a frozen install): wrap, as for every torch seen so far
+        return False
 
 
 class ActionTimer:
