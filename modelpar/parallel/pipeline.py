@@ -28,6 +28,7 @@ summed over micro-batches and accumulated schedule steps equal one device's (cas
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -335,8 +336,10 @@ def group_weight_pass(stage) -> None:
     stage.backward_weight_one_chunk = grouped
 
 
+@functools.cache
 def _torch_groups_weight_pass() -> bool:
-    """Whether torch's pipelining enters a ``GraphExecGroup`` itself (none does up to torch 2.13)."""
+    """Whether torch's pipelining enters a ``GraphExecGroup`` itself (none does up to torch 2.13); read from
+    its source once per process."""
     import inspect
 
     try:
