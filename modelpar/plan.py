@@ -11,6 +11,7 @@ first, so that TP (the most communication-hungry axis) sits on the closest ranks
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 from dataclasses import dataclass
@@ -242,6 +243,12 @@ class ParallelPlan:
                                      f"{rounds} rounds of equal size, so n_microbatches must be a multiple "
                                      f"of {rounds}, got --n-microbatches {self.n_microbatches} with --pp "
                                      f"{self.pp}; use a multiple of pp (e.g. {rounds * self.pp})")
+            if (self.pp_schedule in SPLIT_BACKWARD_SCHEDULES and self.activation_checkpointing != "none"
+                    and not weight_pass_groups()):
+                raise ValueError(f"pp_schedule={self.pp_schedule!r} with activation_checkpointing="
+                                 f"{self.activation_checkpointing!r} needs torch.utils.checkpoint.GraphExecGroup, "
+                                 f"which this torch lacks (its weight pass would replay each checkpointed block per "
+                                 f"parameter group); upgrade torch, or use --activation-checkpointing none or 1f1b")
             if self.reshard_after_forward and fsdp_keeps_gathered(self.pp, self.dp_shard, self.pp_schedule):
                 raise ValueError(f"pp_schedule={self.pp_schedule!r} with FSDP (dp_shard={self.dp_shard}) needs "
                                  f"reshard_after_forward=False (--no-reshard-after-forward): it runs the weight "
@@ -347,6 +354,17 @@ def plan_for_strategy(strategy: str, world_size: int, **overrides: Any) -> Paral
             raise ValueError(f"strategy {strategy!r} on {n} ranks sets {k}={deg[k]}, but {ov[k]} was given")
     deg.update(ov)
     return ParallelPlan(**deg)
+
+
+@functools.cache
+def weight_pass_groups() -> bool:
+    """Whether torch has ``torch.utils.checkpoint.GraphExecGroup`` (PR 166536), which a split-backward schedule
+    needs under checkpointing (`modelpar.parallel.pipeline.group_weight_pass`; else `ParallelPlan.validate` refuses)."""
+    try:
+        from torch.utils.checkpoint import GraphExecGroup  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def fsdp_keeps_gathered(pp: int, dp_shard: int, pp_schedule: str) -> bool:

@@ -411,3 +411,29 @@ def test_group_weight_pass_leaves_a_torch_that_groups_w_itself_alone(monkeypatch
     st = Stage()
     P.group_weight_pass(st)
     assert "backward_weight_one_chunk" not in vars(st)
+
+
+def test_a_torch_without_graph_exec_group_refuses_checkpointing_under_a_split_backward(monkeypatch):
+    """Without ``torch.utils.checkpoint.GraphExecGroup`` (`plan.weight_pass_groups`) the weight pass would
+    replay each checkpointed block per parameter group: `ParallelPlan.validate` refuses checkpointing with
+    a split-backward schedule, naming it, and accepts the schedule without checkpointing (the runtime then
+    leaves ``W`` as torch runs it)."""
+    import modelpar.parallel.pipeline as P
+    import modelpar.plan as plan_mod
+
+    assert plan_mod.weight_pass_groups() is True        # this torch
+    monkeypatch.setattr(plan_mod, "weight_pass_groups", lambda: False)
+    monkeypatch.setattr(P, "weight_pass_groups", lambda: False)
+    with pytest.raises(ValueError, match=r"pp_schedule='zbvzerobubble' with activation_checkpointing='full' "
+                                         r"needs torch.utils.checkpoint.GraphExecGroup"):
+        ParallelPlan(pp=2, pp_schedule="zbvzerobubble", virtual_stages=2, n_microbatches=4,
+                     activation_checkpointing="full").validate(2)
+    ParallelPlan(pp=2, pp_schedule="zbvzerobubble", virtual_stages=2, n_microbatches=4).validate(2)
+
+    class Stage:
+        def backward_weight_one_chunk(self, chunk_id, last_backward=False):
+            return chunk_id
+
+    st = Stage()
+    P.group_weight_pass(st)
+    assert "backward_weight_one_chunk" not in vars(st)

@@ -37,7 +37,7 @@ from torch.utils import _pytree as pytree
 
 from modelpar.parallel.parts import (ModelParts, balanced_partition, block_costs, block_param_costs, eval_mode,
                                     stage_ranges)
-from modelpar.plan import SPLIT_BACKWARD_SCHEDULES
+from modelpar.plan import SPLIT_BACKWARD_SCHEDULES, weight_pass_groups
 
 SCHEDULE_CLASSES = {
     "gpipe": "ScheduleGPipe",
@@ -323,11 +323,12 @@ def group_weight_pass(stage) -> None:
     zero-bubble schedules); the input pass (``I``) stays outside the group, so a checkpointed block is
     replayed twice per micro-batch: once at ``I``, once at ``W``. Wraps the instance's
     ``backward_weight_one_chunk`` in place (as `ActionTimer` does); nothing where torch's pipelining enters
-    such a group itself (`_torch_groups_weight_pass`: groups cannot be nested)."""
+    such a group itself (`_torch_groups_weight_pass`: groups cannot be nested) or has none
+    (`plan.weight_pass_groups`; `ParallelPlan.validate` then refuses checkpointing with these schedules)."""
+    if not weight_pass_groups() or _torch_groups_weight_pass():
+        return
     from torch.utils.checkpoint import GraphExecGroup
 
-    if _torch_groups_weight_pass():
-        return
     orig = stage.backward_weight_one_chunk
 
     def grouped(*a, **k):
