@@ -15,6 +15,7 @@ from __future__ import annotations
 from modelpar.planner.memory import MemoryEstimate, in_flight, memory_form
 from modelpar.planner.records import MemoryParts
 from modelpar.planner.recompute import is_checkpointed
+from modelpar.planner.vshape import w_moments
 from modelpar.stage_split import V_SCHEDULES
 
 # the phases of `MemoryForm.parts` that do not depend on the micro-batches in flight
@@ -153,7 +154,7 @@ def plan_memory(plan, reps, b: int, acc: int, flights: dict, kw: dict, budget: f
     rf = plan.reshard_after_forward      # per schedule (`plan.fsdp_keeps_gathered`): in every key below
     pp = plan.pp > 1
     # a V schedule's moments differ where W replays checkpointed blocks (`vshape.v_states`' ``w_moments``)
-    fkey = (m, "w") if vshape and plan.activation_checkpointing in ("full", "every-k") else m
+    fkey = (m, "w") if vshape and w_moments(plan) else m
     ws = flights.get(fkey)
     if ws is None:
         ws = flights[fkey] = [in_flight(plan, r, kw["gloo"]) for r, _ in reps]

@@ -199,6 +199,12 @@ def interleaved_in_flight(schedule: str, p: int, m: int, v: int, held_sends: boo
     return tuple(out)
 
 
+def w_moments(plan) -> bool:
+    """Whether ``plan``'s V tables carry the ``W`` moments (`v_states`' ``w_moments``): under full or
+    every-k checkpointing a ``W`` replays blocks. `in_flight` and `grid.plan_memory`'s table key read it."""
+    return plan.activation_checkpointing in ("full", "every-k")
+
+
 def in_flight(plan, pp_rank: int, gloo: bool = False) -> float | tuple:
     """Micro-batches whose activations a pipeline rank holds at its peak (Korthikanti Sec. 4.2.3).
 
@@ -215,7 +221,7 @@ def in_flight(plan, pp_rank: int, gloo: bool = False) -> float | tuple:
     if p == 1:
         return 1.0
     if plan.pp_schedule in V_SCHEDULES:
-        return v_states(plan.pp_schedule, p, m, gloo, plan.activation_checkpointing in ("full", "every-k"))[pp_rank]
+        return v_states(plan.pp_schedule, p, m, gloo, w_moments(plan))[pp_rank]
     if plan.pp_schedule in ("gpipe", "loopedbfs"):
         return float(m)
     if v > 1 and plan.pp_schedule in ("interleaved1f1b", "interleavedzerobubble"):
