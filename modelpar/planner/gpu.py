@@ -37,9 +37,13 @@ Fused attention (FLOP/s by head dimension and sequence length; FLOPs as the pape
     H100 (the same kernel, FlashAttention-3 paper Figs. 5-6) scaled so its forward plateau is 73% of
     the A100 peak (assumption: the kernel's relative curve carries over between the two GPUs; it puts
     the backward plateau at 63% of peak, which matches FlashAttention-2's stated backward figure).
-    FlashAttention (v1, 2022), A100 only: FlashAttention-2 paper, abstract: FlashAttention reaches
-    "only 25-40% of the theoretical maximum FLOPs/s"; its table is the A100 FlashAttention-2 one
-    scaled by 0.40 / 0.73 (assumption: same relative shape).
+    FlashAttention (v1, 2022): FlashAttention-2 paper, abstract: FlashAttention reaches "only 25-40%
+    of the theoretical maximum FLOPs/s" on the A100; its table is the A100 FlashAttention-2 one
+    scaled by 0.40 / 0.73 (assumption: same relative shape). H100 / H200: no published table; the
+    FlashAttention-2 H100 curves scaled by the same 0.40 / 0.73 (assumption: neither kernel uses
+    Hopper's new instructions, which is why FlashAttention-2 reaches only 35% of the H100's peak,
+    FlashAttention-3 paper, abstract, so the work partitioning that separates them on the A100
+    separates them on the H100 too). It prices the 2023 H100 runs of ``published_rows``.
     Lengths beyond 16k use the 16k value; below 512 the 512 value.
 
 Memory-bound kernels
@@ -148,6 +152,10 @@ def _with_causal_bwd(tab: dict) -> dict:
 
 
 _H100_ATTN = _with_causal_bwd(_H100_ATTN)
+# FlashAttention (v1) on the H100: FlashAttention-2's H100 curves x 0.40 / 0.73, the ratio of the two
+# kernels' stated A100 peaks (see the docstring and the A100 FA1 table below)
+_H100_ATTN.update({("fa1", *key[1:]): tuple(x * 0.40 / 0.73 for x in v)
+                   for key, v in list(_H100_ATTN.items()) if key[0] == "fa2"})
 # A100: FlashAttention-2's H100 curves scaled so the forward plateau is 73% of 312 TFLOP/s (see docstring)
 _A100_FA2_SCALE = 0.73 * 312 / max(max(v) for (k, d, _, _), v in _H100_ATTN.items() if k == "fa2" and d == "fwd")
 _A100_ATTN = {key: tuple(x * _A100_FA2_SCALE for x in v) for key, v in _H100_ATTN.items() if key[0] == "fa2"}

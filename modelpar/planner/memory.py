@@ -101,7 +101,7 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
                 foreach: bool = False, recv_per_microbatch: bool = True, fused: bool = True,
                 gloo: bool = False, fused_tp_optimizer: bool = False,
                 ddp_bucket_copy: bool | None = None, cache: PlannerCache | None = None,
-                fp32_loss: bool = True) -> MemoryEstimate:
+                fp32_loss: bool = True, loss_tensors: float | None = None) -> MemoryEstimate:
     """Peak memory of one pipeline rank, with its parts at the moment of the peak.
 
     The largest of these moments of a training step (steady state: optimizer state exists;
@@ -134,11 +134,14 @@ def rank_memory(ld: RankLoad, plan: ParallelPlan, *, micro_batch_size: int, opti
     ``cache``: the search's memo tables (`memo.PlannerCache`); None: nothing shared between calls
     beyond what ``ld`` keeps.
     ``fp32_loss``: the loss runs on fp32 logits (modelpar's `lm_loss`; see `memory_form`).
+    ``loss_tensors``: logits-sized tensors beside the logits at the loss's backward peak; None:
+    modelpar's loss (3; 4 under ``loss_parallel``); flash-attn's fused cross entropy, whose backward
+    writes one gradient beside its saved logits (``inplace_backward=False``, its default): 1.
     """
     form = memory_form(ld, plan, optimizer=optimizer, global_batch_size=global_batch_size, foreach=foreach,
                        recv_per_microbatch=recv_per_microbatch, fused=fused, gloo=gloo,
                        fused_tp_optimizer=fused_tp_optimizer, ddp_bucket_copy=ddp_bucket_copy, cache=cache,
-                       fp32_loss=fp32_loss)
+                       fp32_loss=fp32_loss, loss_tensors=loss_tensors)
     m = plan.n_microbatches if plan.pp > 1 else 1
     return form.at(micro_batch_size, m, accumulation, in_flight(plan, pp_rank, gloo) if plan.pp > 1 else 1.0,
                    pp_rank, overhead_bytes)
@@ -327,7 +330,8 @@ class MemoryForm:
 def memory_form(ld: RankLoad, plan: ParallelPlan, *, optimizer: str, global_batch_size: int = 0,
                 foreach: bool = False, recv_per_microbatch: bool = True, fused: bool = True,
                 gloo: bool = False, fused_tp_optimizer: bool = False, ddp_bucket_copy: bool | None = None,
-                cache: PlannerCache | None = None, fp32_loss: bool = True) -> MemoryForm:
+                cache: PlannerCache | None = None, fp32_loss: bool = True,
+                loss_tensors: float | None = None) -> MemoryForm:
     """`rank_memory`'s terms of ``ld`` under ``plan`` that hold for every micro-batch size, micro-batch
     count, accumulation and pipeline rank position (arguments as `rank_memory`); ``plan``'s
     ``n_microbatches`` is not read."""
@@ -371,7 +375,7 @@ def memory_form(ld: RankLoad, plan: ParallelPlan, *, optimizer: str, global_batc
     # logits-sized tensors beside the logits at the loss's backward peak: 3 in one process; 4 under torch's
     # loss_parallel, whose backward (tensor/parallel/loss.py `_nll_loss_and_log_softmax_backward`: ``(zeros_like(x)
     # + exp(x)) * grad``) holds zeros, exp and sum (tests/test_planner_loss_memory.py); Megatron's in-place loss: 3
-    f.loss_n = 4.0 if (ld.loss_parallel and fp32_loss) else 3.0
+    f.loss_n = loss_tensors if loss_tensors is not None else 4.0 if (ld.loss_parallel and fp32_loss) else 3.0
     f.rafw = rafw = plan.reshard_after_forward
     # buffers that live through the whole step: torch.distributed.pipelining's receive buffers, one
     # per micro-batch and stage (activations on non-first stages, gradients on non-last stages;
@@ -424,7 +428,7 @@ def estimate_memory(profile: ModelProfile, plan: ParallelPlan, batch: Batch, *,
                     recv_per_microbatch: bool = True, fused: bool = True,
                     gloo: bool = False, fused_tp_optimizer: bool = False,
                     ddp_bucket_copy: bool | None = None, cache: PlannerCache | None = None,
-                    fp32_loss: bool = True) -> MemoryEstimate:
+                    fp32_loss: bool = True, loss_tensors: float | None = None) -> MemoryEstimate:
     """Peak memory per rank for ``plan``: the most loaded pipeline rank, with its parts (bytes).
 
     Args:
@@ -445,6 +449,7 @@ def estimate_memory(profile: ModelProfile, plan: ParallelPlan, batch: Batch, *,
         ddp_bucket_copy: see `rank_memory`.
         fp32_loss: the loss's logits-sized tensors are fp32 (modelpar's loss; default), else at the
             activation dtype; see `rank_memory`.
+        loss_tensors: logits-sized tensors beside the logits at the loss's backward (`rank_memory`).
         cache: memo tables (`memo.PlannerCache`) to share between estimates of one profile; None: a
             fresh one for this call.
 
@@ -455,7 +460,7 @@ def estimate_memory(profile: ModelProfile, plan: ParallelPlan, batch: Batch, *,
     return max(rank_estimates(profile, plan, batch, optimizer=optimizer, overhead_bytes=overhead_bytes,
                               foreach=foreach, recv_per_microbatch=recv_per_microbatch, fused=fused, gloo=gloo,
                               fused_tp_optimizer=fused_tp_optimizer, ddp_bucket_copy=ddp_bucket_copy,
-                              cache=cache, fp32_loss=fp32_loss), key=lambda e: e.total)
+                              cache=cache, fp32_loss=fp32_loss, loss_tensors=loss_tensors), key=lambda e: e.total)
 
 
 def rank_estimates(profile: ModelProfile, plan: ParallelPlan, batch: Batch, *,
@@ -463,7 +468,7 @@ def rank_estimates(profile: ModelProfile, plan: ParallelPlan, batch: Batch, *,
                    recv_per_microbatch: bool = True, fused: bool = True,
                    gloo: bool = False, fused_tp_optimizer: bool = False,
                    ddp_bucket_copy: bool | None = None, cache: PlannerCache | None = None,
-                   fp32_loss: bool = True) -> list[MemoryEstimate]:
+                   fp32_loss: bool = True, loss_tensors: float | None = None) -> list[MemoryEstimate]:
     """`estimate_memory` of every pipeline rank, in pipeline-rank order (bytes by part; arguments and
     errors as `estimate_memory`, which returns the largest)."""
     if optimizer not in OPTIMIZER_BYTES:
@@ -475,7 +480,7 @@ def rank_estimates(profile: ModelProfile, plan: ParallelPlan, batch: Batch, *,
                         pp_rank=r, accumulation=acc, global_batch_size=batch.global_batch_size, foreach=foreach,
                         recv_per_microbatch=recv_per_microbatch, fused=fused, gloo=gloo,
                         fused_tp_optimizer=fused_tp_optimizer, ddp_bucket_copy=ddp_bucket_copy, cache=cache,
-                        fp32_loss=fp32_loss)
+                        fp32_loss=fp32_loss, loss_tensors=loss_tensors)
             for r, ld in enumerate(loads)]
     return ests
 

@@ -15,6 +15,10 @@ Rows (figures from the cited sources, copied in ``/work/shared/reference/publish
   per GPU with the paper's FLOP count.
 - MosaicML llm-foundry, ``scripts/train/benchmarking/README.md``, A100 80 GB FSDP rows (Composer,
   PyTorch FSDP1), tokens/s per GPU (= the row's MFU with the row's own formula).
+- Out of sample (printed, never used for a factor or a choice): the same README's H100 80GB BF16
+  table, the same sweep on 8-64 H100s (``published_rows.MOSAIC_H100``), predicted with the same
+  runtime description on the built-in H100 profile, FlashAttention v1 included (`gpu`: its H100 table
+  is FlashAttention-2's scaled by the kernels' A100 ratio).
 
 Each row is predicted for the runtime it ran on; describing that runtime is not fitting:
 
@@ -106,6 +110,8 @@ from modelpar.planner.memo import PlannerCache
 from modelpar.planner.hardware import BUILTIN
 from modelpar.planner.memory import Batch, estimate_memory, rank_loads, rank_memory
 from modelpar.planner.profile import profile_model
+from modelpar.planner.published_rows import (FAST, FAST_40GB, FAST_H100, KORTHIKANTI, MEGATRON,  # noqa: F401
+                                            MOSAIC, MOSAIC_A100_40GB, MOSAIC_H100, MPT)
 from modelpar.planner.runtimes import (attention_core_seconds, composer_loss_delta_seconds, core_roofline_excess,
                                        fused_accumulation_seconds, main_grad_copy_seconds, regather_profile,
                                        selective_recompute_profile, tp_backward_overlap_delta, vocab_parallel_profile)
@@ -113,89 +119,7 @@ from modelpar.planner.runtimes import (attention_core_seconds, composer_loss_del
 A100 = BUILTIN["A100-80GB"]
 GIB = 2 ** 30
 
-# ---- rows -------------------------------------------------------------------------------------
-# Korthikanti Table 5: name, hidden, heads, layers, TP, PP, v, GPUs, global batch, micro-batch,
-# s/iteration full, s/iteration selective + SP
-KORTHIKANTI = [("22B", 6144, 64, 48, 8, 1, 1, 8, 4, 4, 1.42, 1.10),
-               ("175B", 12288, 96, 96, 8, 8, 3, 64, 64, 1, 18.13, 13.75),
-               ("530B", 20480, 128, 105, 8, 35, 3, 280, 280, 1, 49.05, 37.83),
-               ("1T", 25600, 160, 128, 8, 64, 1, 512, 512, 1, 94.42, 71.49)]
-# Narayanan SC'21 Table 1 as run_table_1.sh ran it: name, heads, hidden, layers, TP, PP, v, GPUs,
-# global batch, micro-batch, DDP ("torch" / "local"), published TFLOP/s per GPU
-MEGATRON = [("1.7B", 24, 2304, 24, 1, 1, 1, 32, 512, 16, "torch", 137.0),
-            ("18.4B", 48, 6144, 40, 8, 1, 1, 256, 1024, 8, "torch", 135.0),
-            ("145.6B", 96, 12288, 80, 8, 8, 2, 1536, 2304, 2, "local", 148.0)]
-MPT = {"125m": (768, 12, 12), "350m": (1024, 16, 24), "760m": (1536, 12, 24), "1b": (2048, 16, 24),
-       "3b": (2560, 20, 32), "7b": (4096, 32, 32), "13b": (5120, 40, 40), "30b": (7168, 56, 48),
-       "70b": (8192, 64, 80)}
-# MosaicML A100 80GB: model, seq, GPUs, micro-batch, grad accum, global batch, T/s/GPU, MP mode,
-# activation checkpointing, NumParams
-MOSAIC = [
-    ("70b", 2048, 64, 8, 4, 2048, 410, "PURE", True, 64862437376),
-    ("70b", 2048, 32, 2, 16, 1024, 373, "PURE", True, 64862437376),
-    ("30b", 8192, 8, 1, 21, 168, 574, "DEFAULT", True, 30019254272),
-    ("30b", 4096, 8, 1, 21, 168, 814, "DEFAULT", True, 29989894144),
-    ("30b", 2048, 8, 3, 21, 504, 916, "DEFAULT", True, 29975214080),
-    ("30b", 1024, 8, 6, 21, 1008, 946, "DEFAULT", True, 29967874048),
-    ("30b", 512, 8, 12, 21, 2016, 967, "DEFAULT", True, 29964204032),
-    ("13b", 32768, 8, 1, 3, 24, 1016, "DEFAULT", True, 13011240960),
-    ("13b", 16384, 8, 3, 3, 72, 1431, "DEFAULT", True, 12927354880),
-    ("13b", 8192, 8, 5, 3, 120, 1795, "DEFAULT", True, 12885411840),
-    ("13b", 4096, 8, 10, 3, 240, 2060, "DEFAULT", True, 12864440320),
-    ("13b", 2048, 8, 2, 3, 48, 2262, "DEFAULT", False, 12853954560),
-    ("13b", 1024, 8, 40, 3, 960, 2330, "DEFAULT", True, 12848711680),
-    ("7b", 65536, 8, 1, 2, 16, 1013, "DEFAULT", True, 6918905856),
-    ("7b", 32768, 8, 2, 2, 32, 1672, "DEFAULT", True, 6784688128),
-    ("7b", 16384, 8, 4, 2, 64, 2453, "DEFAULT", True, 6717579264),
-    ("7b", 8192, 8, 8, 2, 128, 3206, "DEFAULT", True, 6684024832),
-    ("7b", 4096, 8, 16, 2, 256, 3684, "DEFAULT", True, 6667247616),
-    ("7b", 2048, 8, 6, 2, 96, 4641, "DEFAULT", False, 6658859008),
-    ("7b", 1024, 8, 64, 2, 1024, 4357, "DEFAULT", True, 6654664704),
-    ("3b", 65536, 8, 1, 2, 16, 1767, "DEFAULT", True, 2814366720),
-    ("3b", 32768, 8, 3, 6, 144, 3029, "DEFAULT", True, 2730480640),
-    ("3b", 16384, 8, 1, 6, 48, 5529, "DEFAULT", False, 2688537600),
-    ("3b", 8192, 8, 3, 6, 144, 7695, "DEFAULT", False, 2667566080),
-    ("3b", 4096, 8, 5, 6, 240, 9457, "DEFAULT", False, 2657080320),
-    ("3b", 2048, 8, 10, 2, 160, 10811, "DEFAULT", False, 2651837440),
-    ("3b", 1024, 8, 20, 6, 960, 11580, "DEFAULT", False, 2649216000),
-    ("3b", 512, 8, 40, 6, 1920, 12127, "DEFAULT", False, 2647905280),
-    ("1b", 65536, 8, 1, 2, 16, 3044, "DEFAULT", True, 1445974016),
-    ("1b", 32768, 8, 1, 4, 32, 6275, "DEFAULT", False, 1378865152),
-    ("1b", 16384, 8, 2, 4, 64, 9956, "DEFAULT", False, 1345310720),
-    ("1b", 8192, 8, 3, 4, 96, 13814, "DEFAULT", False, 1328533504),
-    ("1b", 4096, 8, 7, 4, 224, 17807, "DEFAULT", False, 1320144896),
-    ("1b", 2048, 8, 14, 4, 448, 20513, "DEFAULT", False, 1315950592),
-    ("1b", 1024, 8, 18, 4, 576, 22112, "DEFAULT", False, 1313853440),
-    ("1b", 512, 8, 56, 4, 1792, 23148, "DEFAULT", False, 1312804864),
-    ("760m", 65536, 8, 1, 2, 16, 4143, "DEFAULT", True, 857988096),
-    ("760m", 32768, 8, 1, 2, 16, 8802, "DEFAULT", False, 807656448),
-    ("760m", 16384, 8, 3, 2, 48, 14274, "DEFAULT", False, 782490624),
-    ("760m", 8192, 8, 6, 2, 96, 20933, "DEFAULT", False, 769907712),
-    ("760m", 4096, 8, 12, 2, 192, 27351, "DEFAULT", False, 763616256),
-    ("760m", 2048, 8, 24, 2, 384, 32434, "DEFAULT", False, 760470528),
-    ("760m", 1024, 8, 48, 2, 768, 29765, "DEFAULT", False, 758897664),
-    ("760m", 512, 8, 96, 2, 1536, 29446, "DEFAULT", False, 758111232),
-    ("350m", 65536, 8, 1, 2, 16, 7524, "DEFAULT", False, 420997120),
-    ("350m", 32768, 8, 2, 2, 32, 13652, "DEFAULT", False, 387442688),
-    ("350m", 16384, 8, 4, 2, 64, 23559, "DEFAULT", False, 370665472),
-    ("350m", 8192, 8, 8, 2, 128, 36569, "DEFAULT", False, 362276864),
-    ("350m", 4096, 8, 16, 2, 256, 49555, "DEFAULT", False, 358082560),
-    ("350m", 2048, 8, 32, 2, 512, 58782, "DEFAULT", False, 355985408),
-    ("350m", 1024, 8, 64, 2, 1024, 64813, "DEFAULT", False, 354936832),
-    ("350m", 512, 8, 128, 2, 2048, 69330, "DEFAULT", False, 354412544),
-    ("125m", 65536, 8, 1, 2, 16, 20368, "DEFAULT", False, 174070272),
-    ("125m", 32768, 8, 2, 2, 32, 36407, "DEFAULT", False, 148904448),
-    ("125m", 16384, 8, 4, 2, 64, 60040, "DEFAULT", False, 136321536),
-    ("125m", 8192, 8, 8, 2, 128, 90392, "DEFAULT", False, 130030080),
-    ("125m", 4096, 8, 16, 2, 256, 118396, "DEFAULT", False, 126884352),
-    ("125m", 2048, 8, 40, 2, 640, 142830, "DEFAULT", False, 125311488),
-    ("125m", 2048, 8, 32, 2, 512, 141737, "DEFAULT", False, 125311488),
-    ("125m", 1024, 8, 64, 2, 1024, 156468, "DEFAULT", False, 124525056),
-    ("125m", 512, 8, 128, 2, 2048, 165681, "DEFAULT", False, 124131840),
-]
-# the fast subset the test suite runs (small profiles; every source represented)
-FAST = {"korthikanti": ("22B",), "megatron": ("1.7B",), "mosaic": (("125m", 2048, 40), ("1b", 2048, 14),
-                                                                     ("3b", 2048, 10), ("7b", 65536, 1))}
+# ---- rows: `published_rows` (figures and sources) ---------------------------------------------
 
 
 @dataclasses.dataclass
@@ -373,30 +297,46 @@ def megatron_rows(fast: bool = False) -> list[Result]:
 MOSAIC_KERNEL = "fa1"
 
 
-def mosaic_rows(fast: bool = False, kernel: str | None = None) -> list[Result]:
+def mosaic_rows(fast: bool = False, kernel: str | None = None, gpu: str = "A100-80GB") -> list[Result]:
+    """The MosaicML rows on ``gpu``: ``"A100-80GB"`` (the handed rows, source ``mosaic``),
+    ``"H100-80GB-SXM"`` or ``"A100-40GB"`` (out of sample: sources ``mosaic-h100``, ``mosaic-40gb``),
+    each predicted with that built-in profile and the 2023 attention kernel (``kernel``, default
+    `MOSAIC_KERNEL`).
+
+    Raises:
+        ValueError: ``gpu`` is none of these."""
+    tables = {"A100-80GB": ("mosaic", MOSAIC, FAST["mosaic"]),
+              "H100-80GB-SXM": ("mosaic-h100", MOSAIC_H100, FAST_H100),
+              "A100-40GB": ("mosaic-40gb", MOSAIC_A100_40GB, FAST_40GB)}
+    if gpu not in tables:
+        raise ValueError(f"gpu={gpu!r}: published MosaicML rows exist for {sorted(tables)}")
+    source, rows, fast_keys = tables[gpu]
+    hw = BUILTIN[gpu]
     out = []
-    for model, seq, gpus, micro, accum, B, tps, mp, ac, n_params in MOSAIC:
-        if fast and (model, seq, micro) not in FAST["mosaic"]:
+    for model, seq, gpus, micro, accum, B, tps, mp, ac, *_ in rows:
+        if fast and (model, seq, micro) not in fast_keys:
             continue
         d, heads, layers = MPT[model]
         prof = gpt_profile(50368, seq, layers, heads, d, attention="flash", dropout=0.0)
         plan = ParallelPlan(dp_shard=gpus, precision="bf16", activation_checkpointing="full" if ac else "none")
         batch = Batch(B, micro)
-        assert batch.accumulation_steps(plan) == accum, (model, seq)
+        assert batch.accumulation_steps(plan) == accum, (model, seq, gpus)
         gather = 4 if mp == "DEFAULT" else 2
-        st = estimate_step(prof, plan, batch, A100, reduce_bytes=2, gather_bytes=gather,
+        st = estimate_step(prof, plan, batch, hw, reduce_bytes=2, gather_bytes=gather,
                            attention_kernel=kernel or MOSAIC_KERNEL, autocast_weights=(mp == "DEFAULT"),
                            fsdp_stream_copies=False)
         # the loss as llm-foundry / Composer ran it: fused cross entropy plus two train metrics per micro-batch
         ld = rank_loads(prof, plan, act_bytes=2)[0]
         st = dataclasses.replace(st, compute=st.compute + composer_loss_delta_seconds(
-            ld, A100, micro_batch=micro, micro_batches=accum))
-        # llm-foundry's MPT loss: FusedCrossEntropyLoss (flash-attn's xentropy kernel) on the bf16 logits,
-        # no fp32 copy: at most the activation-dtype charge (`memory.memory_form`, ``fp32_loss``)
-        mem = estimate_memory(prof, plan, batch, overhead_bytes=A100.framework_overhead_bytes, fp32_loss=False)
+            ld, hw, micro_batch=micro, micro_batches=accum))
+        # llm-foundry's MPT loss: flash-attn's CrossEntropyLoss (xentropy kernel) on the bf16 logits, no fp32
+        # copy; its backward writes one gradient beside the saved logits (``inplace_backward=False``, the
+        # default llm-foundry kept: `memory.rank_memory`'s ``loss_tensors``)
+        mem = estimate_memory(prof, plan, batch, overhead_bytes=hw.framework_overhead_bytes, fp32_loss=False,
+                              loss_tensors=1.0)
         pred = B * seq / (st.total * gpus)
-        out.append(Result("mosaic", "Composer FSDP", f"{model} s{seq} {gpus}g b{micro}", plan.describe(), tps, pred,
-                          "tok/s/GPU", st, mem, mem.total <= A100.memory_bytes))
+        out.append(Result(source, "Composer FSDP", f"{model} s{seq} {gpus}g b{micro}", plan.describe(), tps, pred,
+                          "tok/s/GPU", st, mem, mem.total <= hw.memory_bytes))
     return out
 
 
@@ -493,7 +433,17 @@ def report(fast: bool = False, kernel: str | None = None) -> str:
     full: dict[str, list[float]] = {}
     for r in results:
         full.setdefault(r.framework, []).append(math.log(r.ratio))
+    outside = {k: math.exp(sum(v) / len(v)) for k, v in full.items()}
     out.append("factor for runs not in this table (geometric mean over all its rows): " + ", ".join(
-        f"{k} {math.exp(sum(v) / len(v)):.3f} ({len(v)} rows)" for k, v in full.items()))
-    out += ["", activation_check(), f"\n{len(results)} rows"]
+        f"{k} {outside[k]:.3f} ({len(full[k])} rows)" for k in full))
+    n_out = 0
+    for gpu, title in (("H100-80GB-SXM", "H100 80GB BF16"), ("A100-40GB", "A100 40GB (RoCE)")):
+        rows = mosaic_rows(fast, kernel, gpu=gpu)
+        n_out += len(rows)
+        f = outside["Composer FSDP"]
+        out += ["", table(rows, [1.0] * len(rows), f"== out of sample: llm-foundry's {title} rows (not handed; "
+                          "nothing fitted or chosen on them), factor 1 =="), "",
+                table(rows, [f] * len(rows),
+                      f"== the same with the Composer FSDP factor of the handed rows ({f:.3f}) ==")]
+    out += ["", activation_check(), f"\n{len(results)} handed rows, {n_out} out-of-sample rows"]
     return "\n".join(out)
