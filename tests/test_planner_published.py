@@ -65,6 +65,13 @@ def test_out_of_sample_h100_rows(bench):
     assert fa2[0].predicted / fa2[0].published - 1 > 0.4
     with pytest.raises(ValueError, match="gpu='H200'"):
         bench.mosaic_rows(gpu="H200")
+    # FSDP1 under autocast without checkpointing (3b s512, DEFAULT) holds every block's bf16 weight copy
+    prof = bench.gpt_profile(50368, 512, 32, 20, 2560, attention="flash", dropout=0.0)
+    copies = sum(b.fwd_gemm_param_bytes for b in prof.blocks[1:-1])
+    assert copies == pytest.approx(2 * 32 * 12 * 2560 ** 2, rel=0.01)
+    plain = estimate_memory(prof, ParallelPlan(dp_shard=8, precision="bf16"), Batch(1920, 40), fp32_loss=False,
+                            overhead_bytes=BUILTIN["H100-80GB-SXM"].framework_overhead_bytes, loss_tensors=1.0)
+    assert rows[1].memory.total == pytest.approx(plain.total + copies)
 
 
 @pytest.mark.timeout(300)

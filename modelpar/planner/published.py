@@ -334,6 +334,14 @@ def mosaic_rows(fast: bool = False, kernel: str | None = None, gpu: str = "A100-
         # default llm-foundry kept: `memory.rank_memory`'s ``loss_tensors``)
         mem = estimate_memory(prof, plan, batch, overhead_bytes=hw.framework_overhead_bytes, fp32_loss=False,
                               loss_tensors=1.0)
+        if mp == "DEFAULT" and not ac:
+            # FSDP1 under autocast: each matmul casts its gathered fp32 weight, a view of the flat parameter
+            # (autocast caches casts of leaf tensors only), and saves the bf16 copy for its backward, so the
+            # first block's backward (the peak's moment) holds every block's copy, unsharded. Recomputed
+            # blocks save none; PURE gathers bf16 weights and casts nothing. (modelpar's FSDP2 gathers
+            # bf16 parameters: its plans hold no such copies.)
+            copies = sum(b.fwd_gemm_param_bytes for b in prof.blocks[1:-1])
+            mem = dataclasses.replace(mem, activations=mem.activations + copies)
         pred = B * seq / (st.total * gpus)
         out.append(Result(source, "Composer FSDP", f"{model} s{seq} {gpus}g b{micro}", plan.describe(), tps, pred,
                           "tok/s/GPU", st, mem, mem.total <= hw.memory_bytes))
