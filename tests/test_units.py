@@ -196,3 +196,36 @@ def test_only_train_calibrates_by_itself(tmp_path, monkeypatch):
                         steps=1, threads=1, timeout_s=60)
     plan, _ = check_row(spec)
     assert plan.world_size == 2 and calls == [] and not (tmp_path / "none.json").exists()
+
+
+def test_pipeline_refuses_parameters_the_model_holds_itself():
+    """A ModuleList-form model with a zero-initialised parameter of its own (``self.pos``, added in its
+    forward): its children in order reproduce its output at initialisation, but pipeline stages would
+    never use or train ``pos``; refused by name (cut and planner alike)."""
+    from modelpar.parallel.cut import cut_pipeline, pipeline_cut_refusal
+    from modelpar.plan import ParallelPlan
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Linear(4, 8)
+            self.pos = torch.nn.Parameter(torch.zeros(8))
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+            self.head = torch.nn.Linear(8, 2)
+
+        def forward(self, x):
+            x = self.embed(x) + self.pos
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+
+    model, x = Net(), torch.randn(3, 4)
+    parts = get_model_parts(model, example_input=x)
+    assert parts.form == "modulelist"           # the chain matches while pos is zero
+    why = pipeline_cut_refusal(model, x)
+    assert "['pos']" in why and "belong to the model itself" in why, why
+    with pytest.raises(ValueError, match=r"\['pos'\]"):
+        cut_pipeline(model, parts, ParallelPlan(pp=2, n_microbatches=2), x)
+    del model.pos                                 # without it the same model cuts
+    model.forward = lambda x: model.head(torch.nn.Sequential(*model.blocks)(model.embed(x)))
+    assert pipeline_cut_refusal(model, x) == ""

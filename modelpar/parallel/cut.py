@@ -28,6 +28,7 @@ def cut_pipeline(model: nn.Module, parts: ModelParts, plan: ParallelPlan, exampl
             reproduce the model (cases C5, C6 and glue a cut cannot keep); bad boundaries or split points.
     """
     specs = None
+    check_own_parameters(model, parts)
     if example_input is None and parts.form == "forward":   # (a meta-built model is cut on a meta example)
         raise ValueError(f"pipelines of {type(model).__name__} need an example micro-batch "
                          f"(parallelize(..., example_input=...)) to find where its forward can be cut")
@@ -47,6 +48,23 @@ def cut_pipeline(model: nn.Module, parts: ModelParts, plan: ParallelPlan, exampl
     return ranges, specs
 
 
+def check_own_parameters(model: nn.Module, parts: ModelParts) -> None:
+    """Refuse a pipeline of a model that runs as its children in order (the sequential and ModuleList
+    forms) but holds parameters itself, outside every child: its stages run the children, never the
+    model's own forward, so those parameters would be neither used nor trained, and values cannot show
+    it (`check_parts_order` compares outputs; a zero-initialised position table changes none).
+
+    Raises:
+        ValueError: naming the parameters."""
+    if parts.form not in ("sequential", "modulelist"):
+        return                                   # the forward form: `stages.trace_parts` refuses them itself
+    own = [n for n, _ in model.named_parameters(recurse=False)]
+    if own:
+        raise ValueError(f"{type(model).__name__}: parameters {own[:4]} belong to the model itself, outside its "
+                         f"children; pipeline stages run the children in order and would never use or train them. "
+                         f"Move them into a child module (e.g. the input part) or train without a pipeline")
+
+
 def pipeline_cut_refusal(model: nn.Module, example_input: torch.Tensor, blocks: str | None = None) -> str:
     """Why ``model`` cannot be cut into pipeline stages, or "" where it can: its parts found as
     `parallelize` finds them on ``example_input`` (real weights: values compare), then the finest cut
@@ -60,6 +78,7 @@ def pipeline_cut_refusal(model: nn.Module, example_input: torch.Tensor, blocks: 
             parts = get_model_parts(model, None, blocks=blocks, example_input=example_input)
             if parts.num_blocks < 2:
                 return ""
+            check_own_parameters(model, parts)
             check_parts_order(model, parts, example_input)
             pipeline.check_stage_boundaries(parts, [(i, i + 1) for i in range(parts.num_blocks)], example_input)
     except (ValueError, RuntimeError, TypeError) as e:
