@@ -628,3 +628,16 @@ def test_verify_takes_degrees_without_strategy_on_a_factory_model():
     argv = normalize_argv(["--model", "helpers.lm_factory:lm_pipelined", "--nproc", "4"], p, prog="modelpar verify")
     with pytest.raises(ValueError, match=r"--strategy auto plans built-in models only"):
         resolve_plan(parse(p, argv), given_fields(p, argv))
+
+
+def test_verify_reads_the_factory_declared_classifier_shape():
+    """verify builds its batches from the shape a classifier factory declares (as train does), not from
+    the first nn.Linear (fresh-user trial: a (8, 8) input with Linear(8, 8) blocks got (batch, 8))."""
+    from modelpar.cli.args import parse
+    from modelpar.cli.verify import build_parser, load_task
+
+    argv = ["--model", "helpers.lm_factory:conv_classifier", "--global-batch-size", "4", "--strategy", "ddp"]
+    x, y = load_task(parse(build_parser(), argv))[1](0)
+    assert tuple(x.shape) == (4, 1, 6, 6) and int(y.max()) < 4
+    x, _ = load_task(parse(build_parser(), argv + ["--input-shape", "36"]))[1](0)
+    assert tuple(x.shape) == (4, 36)                      # a given --input-shape still wins

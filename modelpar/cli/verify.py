@@ -164,8 +164,10 @@ def load_task(args):
     if batch_fn is None and um.extra.get("task") == "lm":     # the language-model form (models/spec.py)
         return _factory_lm_task(args, um)
     if batch_fn is None:
-        given = tuple(int(s) for s in args.input_shape.split(",")) if args.input_shape else None
-        shapes = infer_classifier_shapes(um.model, given, args.num_classes)
+        declared = um.extra.get("input_shape")        # the factory's classifier form (as train reads it)
+        given = (tuple(int(s) for s in args.input_shape.split(",")) if args.input_shape
+                 else tuple(declared) if declared else None)
+        shapes = infer_classifier_shapes(um.model, given, args.num_classes or um.extra.get("num_classes", 0))
         if shapes is None:
             raise ValueError(f"--model {args.model!r}: give --input-shape and --num-classes, or return a "
                              f"'batch_fn' from the factory (no nn.Linear to infer them from)")
