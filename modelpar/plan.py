@@ -344,10 +344,10 @@ def plan_for_strategy(strategy: str, world_size: int, **overrides: Any) -> Paral
     else:
         inner_name = "dp_shard" if s == "hsdp" else "tp"
         inner = ov.pop(inner_name, 2)
-        if n % inner or n // inner < 1:
-            raise ValueError(f"strategy {strategy!r} needs nproc divisible by {inner_name}={inner}, "
-                             f"got nproc={n}")
         outer = {"hsdp": "dp_replicate", "ddp+tp": "dp_replicate", "fsdp+tp": "dp_shard"}[s]
+        if n % inner or n // inner < 2 or inner < 2:
+            raise ValueError(f"strategy {strategy!r} needs nproc = {outer} x {inner_name} with both >= 2 ({inner_name}="
+                             f"{inner}), got nproc={n}; on {n} ranks use one axis, e.g. --strategy {'fsdp' if s == 'hsdp' else 'tp'}")
         deg = {outer: n // inner, inner_name: inner}
     for k in DEGREES:
         if k in ov and k in deg and ov[k] != deg[k]:

@@ -352,3 +352,33 @@ def test_planner_plans_of_split_backward_schedules_under_fsdp_validate():
     for plan in zb:
         assert plan.reshard_after_forward is False
         plan.validate(4)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["train", "--seq-len", "-5"], "--seq-len must be >= 0, got -5"),
+    (["plan", "--model", "gpt-1m", "--seq-len", "-5"], "--seq-len must be >= 0, got -5"),
+    (["estimate", "--model", "gpt-1m", "--strategy", "ddp", "--micro-batch-size", "-2"],
+     "--micro-batch-size must be >= 0, got -2"),
+    (["train", "--eval-samples", "0"], "--eval-samples must be >= 1, got 0"),
+    (["train", "--timeout-s", "0"], "--timeout-s must be > 0, got 0.0"),
+    (["train", "--lr", "-1"], "--lr must be >= 0, got -1.0"),
+    (["train", "--local-batch-size", "-8"], "--local-batch-size must be >= 0, got -8"),
+    (["train", "--warmup-steps", "-5"], "--warmup-steps must be >= 0, got -5"),
+    (["train", "--grad-clip", "-1"], "--grad-clip must be >= 0, got -1.0"),
+    (["train", "--dropout", "1"], "--dropout must be >= 0 and < 1, got 1.0"),
+    (["verify", "--model", "gpt-nano", "--strategy", "ddp", "--seq-len", "-3"], "--seq-len must be >= 0, got -3"),
+    (["train", "--strategy", "ddp", "--hardware", "foo"], "unknown hardware 'foo'"),
+    (["train", "--strategy", "single", "--nproc", "2"], "--strategy single runs one process; --nproc 2 does not apply"),
+    (["train", "--strategy", "fsdp+tp", "--nproc", "2"],
+     "strategy 'fsdp+tp' needs nproc = dp_shard x tp with both >= 2 (tp=2), got nproc=2"),
+    (["plan", "--model", "gpt-1m", "--strategy", "hsdp", "--nproc", "2"], "e.g. --strategy fsdp"),
+])
+def test_out_of_range_options_are_refused_in_one_line(capsys, argv, message):
+    """A fresh user's trial: these ended in tracebacks inside the ranks (negative sizes, --timeout-s 0),
+    after launch (--lr -1), or ran with the value taken silently (--warmup-steps -5, --hardware foo on a
+    named strategy, fsdp+tp on 2 ranks as plain tp2, single on --nproc 2 as one process)."""
+    from modelpar.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.count("\n") == 1, err

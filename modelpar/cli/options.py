@@ -147,16 +147,38 @@ def resolve_hardware(name: str, local_ranks: int, *, gpus_per_node: int = 0, say
     return hw
 
 
+# option -> (lowest valid value, whether the bound itself is valid); each applies where a command has the option
+OPTION_RANGES = {"nproc": (1, True), "nnodes": (1, True), "global_batch_size": (1, True), "steps": (1, True),
+                 "eval_samples": (1, True), "log_every": (1, True), "timeout_s": (0, False),
+                 **dict.fromkeys(("seq_len", "micro_batch_size", "local_batch_size", "lr", "min_lr", "warmup_steps",
+                                  "weight_decay", "grad_clip", "dropout", "eval_every", "ckpt_every", "keep_last",
+                                  "threads", "sample_bytes", "gpus_per_node"), (0, True))}
+
+
+def check_option_ranges(ns) -> None:
+    """Refuse a numeric option outside its range (`OPTION_RANGES`; ``--dropout`` also below 1) before any
+    work, naming the option and the value: each would otherwise fail inside the ranks or be taken silently
+    (a negative ``--warmup-steps`` changes the schedule, a negative ``--grad-clip`` turns clipping off).
+
+    Raises:
+        ValueError: the first option out of range."""
+    for k, (low, closed) in OPTION_RANGES.items():
+        v = getattr(ns, k, None)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        if v < low or (v == low and not closed) or (k == "dropout" and v >= 1):
+            want = ">= 0 and < 1" if k == "dropout" else f"{'>=' if closed else '>'} {low}"
+            raise ValueError(f"--{k.replace('_', '-')} must be {want}, got {v}")
+
+
 def world_size(ns, given: set[str]) -> int:
     """``--nproc``, or ``--nnodes x --gpus-per-node`` when both are given (``--nproc`` then must agree).
 
     Raises:
-        ValueError: the two disagree, or a count < 1 (``--global-batch-size`` too, checked here as every
-            command asks for the world size before any work).
+        ValueError: the two disagree, or an option out of its range (`check_option_ranges`: every command
+            asks for the world size before any work).
     """
-    for k in ("nproc", "nnodes", "global_batch_size"):
-        if getattr(ns, k, 1) < 1:
-            raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(ns, k)}")
+    check_option_ranges(ns)
     if ns.nnodes > 1 or ("gpus_per_node" in given and "nnodes" in given):
         if ns.gpus_per_node < 1:
             raise ValueError(f"--nnodes {ns.nnodes} needs --gpus-per-node (devices per node)")
@@ -201,7 +223,12 @@ def run_world_size(ns, given: set[str], strategy: str) -> int:
     Raises:
         ValueError: what `world_size` or `modelpar.plan_file.read_plan_file` raise.
     """
+    check_option_ranges(ns)
     if strategy.lower() in ("single", "placement"):
+        for k in ("nproc", "nnodes"):
+            if k in given and getattr(ns, k, 1) != 1:
+                raise ValueError(f"--strategy {strategy} runs one process; --{k} {getattr(ns, k)} does not apply"
+                                 + (" (its devices: --placement-devices)" if strategy.lower() == "placement" else ""))
         return 1
     if ns.plan and "nproc" not in given and "nnodes" not in given:
         from modelpar.plan_file import read_plan_file

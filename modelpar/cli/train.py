@@ -201,6 +201,9 @@ def main(argv: list[str]) -> int:
         run_rank_and_exit(lambda: _train_or_stop(train, cfg), "modelpar train")
     from modelpar.models.spec import check_model
     check_model(cfg.model, cfg.model_config)    # as plan / verify: e.g. --model-config on a factory model
+    if cfg.hardware:                            # a name or file plan / estimate would refuse: refused here too
+        from modelpar.planner.hardware import get_hardware
+        get_hardware(cfg.hardware)
     world = run_world_size(ns, given, cfg.strategy)     # 1 for single / placement; a plan file's own
     from modelpar.models.spec import one_factory_build
     with one_factory_build():                   # a factory model: built once for these checks, then dropped
