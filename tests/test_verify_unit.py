@@ -56,3 +56,15 @@ def test_report_header_names_the_batch_terms():
     head = format_report("mlp", pp, 2, rep, ref, ref, global_batch=16, local=16).splitlines()[0]
     assert head.endswith("x 1 accumulation step(s), 4 micro-batches of 4"), head
     assert "batch" not in format_report("mlp", pp, 2, rep, ref, ref).splitlines()[0]
+
+
+def test_noise_hint_only_when_single_elements_differ_under_adamw():
+    from types import SimpleNamespace
+
+    from modelpar.cli.verify import noise_hints
+
+    elem = SimpleNamespace(failures=["a.bias: elementwise difference 1.02e-04 beyond tolerance (x1.02)"])
+    assert "AdamW" in noise_hints(elem, "adamw")[0]
+    assert noise_hints(elem, "sgd") == []
+    both = SimpleNamespace(failures=elem.failures + ["loss differs by 1e-3 relative (> 1e-05) at step 1"])
+    assert noise_hints(both, "adamw") == [] and noise_hints(SimpleNamespace(failures=[]), "adamw") == []

@@ -259,6 +259,16 @@ def format_report(desc: str, plan, world: int, rep, ref, got, hints: list[str] =
     return "\n".join(lines)
 
 
+def noise_hints(rep, optimizer: str) -> list[str]:
+    """The FAIL report's hint when only single parameter elements differ under AdamW (losses, gradient
+    norms and ||delta|| / ||theta|| agree): rounding noise that AdamW scales to lr-sized steps."""
+    if optimizer == "sgd" or not rep.failures or not all("elementwise difference" in f for f in rep.failures):
+        return []
+    return ["only single elements differ (losses, gradient norms and ||delta|| / ||theta|| agree): AdamW turns an "
+            "element's rounding-noise gradient (one that is zero in exact arithmetic, e.g. nn.MultiheadAttention's "
+            "key bias) into lr-sized steps of either sign; --optimizer sgd compares the gradients themselves"]
+
+
 def run_rank(args, plan, local: int, probe=None) -> int:
     """What every rank runs; rank 0 also runs the one-process reference and prints the report.
 
@@ -300,7 +310,7 @@ def run_rank(args, plan, local: int, probe=None) -> int:
                                    f"returns the same weights")
         from modelpar.parallel.layer_checks import parity_hints
 
-        print(format_report(desc, plan, world, rep, ref, got, parity_hints(model),
+        print(format_report(desc, plan, world, rep, ref, got, parity_hints(model) + noise_hints(rep, args.optimizer),
                             global_batch=args.global_batch_size, local=local), flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps({**rep.to_dict(), "plan": plan.to_dict(),
