@@ -231,7 +231,7 @@ def main(argv: list[str]) -> int:
     print(f"plan: {plan.describe()} on {world} rank(s) -- {resolved.reason}", flush=True)
     if resolved.predicted_tokens_per_s > 0:     # what the user should expect (README: the hosts' range)
         print(expected_rate_line(cfg, resolved.predicted_tokens_per_s), flush=True)
-    run_dir = make_run_dir(cfg)
+    run_dir = make_run_dir(cfg, plan)
     write_run_folder(cfg, resolved, batches, run_dir)
     text = (run_dir / "config.yaml").read_text()
     print(f"effective config (layout: the fields given; null ones are the plan's, {plan.describe()}):\n"

@@ -50,9 +50,14 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def make_run_dir(cfg: TrainConfig) -> Path:
+def make_run_dir(cfg: TrainConfig, plan=None) -> Path:
+    """``out_dir/<model>-<strategy>-<time>``; a run of a ``--plan`` file is named ``plan_<its strategy>``."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path(cfg.out_dir) / f"{run_name(cfg.model)}-{cfg.strategy.replace('+', '_')}-{stamp}"
+    strategy = cfg.strategy
+    if cfg.plan and plan is not None:
+        from modelpar.plan import strategy_of
+        strategy = f"plan_{strategy_of(plan)}"
+    return Path(cfg.out_dir) / f"{run_name(cfg.model)}-{strategy.replace('+', '_')}-{stamp}"
 
 
 def run_name(model: str) -> str:
@@ -208,7 +213,8 @@ def _train(cfg: TrainConfig, *, run_dir: Path | None = None, quiet: bool = False
                            tokens_per_s=tok_s, peak_rss_bytes=top_rss, peak_tensor_bytes=top_tensor)
             if progress is not None:
                 if log_now:
-                    progress.set_postfix_str(f"loss {losses[-1]:.3f} | val {val_loss:.3f} | {tok_s:,.0f} tok/s | "
+                    rate = "tok/s" if task.kind == "lm" else "samples/s"
+                    progress.set_postfix_str(f"loss {losses[-1]:.3f} | val {val_loss:.3f} | {tok_s:,.0f} {rate} | "
                                              f"mem {_tensors_text(top_tensor or 0)}, "
                                              f"{_fmt_bytes(top_rss or 0)} RSS")
                 progress.update(1)
