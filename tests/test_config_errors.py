@@ -372,6 +372,9 @@ def test_planner_plans_of_split_backward_schedules_under_fsdp_validate():
     (["train", "--strategy", "fsdp+tp", "--nproc", "2"],
      "strategy 'fsdp+tp' needs nproc = dp_shard x tp with both >= 2 (tp=2), got nproc=2"),
     (["plan", "--model", "gpt-1m", "--strategy", "hsdp", "--nproc", "2"], "e.g. --strategy fsdp"),
+    (["train", "--strategy", "pp", "--stage-boundaries", "1", "2"],
+     "--stage-boundaries takes a JSON list in one argument, e.g. --stage-boundaries '[4,8]'"),
+    (["train", "--strategy", "placement", "--placement-devices", "cpu", "cpu"], "--placement-devices takes a JSON list"),
 ])
 def test_out_of_range_options_are_refused_in_one_line(capsys, argv, message):
     """A fresh user's trial: these ended in tracebacks inside the ranks (negative sizes, --timeout-s 0),

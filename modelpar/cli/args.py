@@ -165,6 +165,12 @@ def parse(parser, argv: list[str]):
                 why = f"JSON: {je}"
             msg = (f"--{key.replace('_', '-')} must be a JSON object, e.g. '{{\"n_layer\": 8}}'; got {value!r} "
                    f"({why})")
+        m = re.match(r'Parser key "(?:\w+\.)?(\w+)": Does not validate against any of the Union subtypes '
+                     r'Subtypes: \[list\[(\w+)\]', msg)
+        if m:               # a list option given as separate words or with commas only (--stage-boundaries 1 2)
+            key, item = m.groups()
+            example = "'[4,8]'" if item == "int" else "'[\"cpu\",\"cpu\"]'"
+            msg = f"--{key.replace('_', '-')} takes a JSON list in one argument, e.g. --{key.replace('_', '-')} {example}"
         raise ValueError(msg) from None
 
 
