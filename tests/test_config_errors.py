@@ -375,6 +375,7 @@ def test_planner_plans_of_split_backward_schedules_under_fsdp_validate():
     (["train", "--strategy", "pp", "--stage-boundaries", "1", "2"],
      "--stage-boundaries takes a JSON list in one argument, e.g. --stage-boundaries '[4,8]'"),
     (["train", "--strategy", "placement", "--placement-devices", "cpu", "cpu"], "--placement-devices takes a JSON list"),
+    (["plan", "--model", "gpt-1m", "--explain", "-1"], "--explain must be >= 0, got -1"),
 ])
 def test_out_of_range_options_are_refused_in_one_line(capsys, argv, message):
     """A fresh user's trial: these ended in tracebacks inside the ranks (negative sizes, --timeout-s 0),

@@ -149,7 +149,8 @@ def resolve_hardware(name: str, local_ranks: int, *, gpus_per_node: int = 0, say
 
 # option -> (lowest valid value, whether the bound itself is valid); each applies where a command has the option
 OPTION_RANGES = {"nproc": (1, True), "nnodes": (1, True), "global_batch_size": (1, True), "steps": (1, True),
-                 "eval_samples": (1, True), "log_every": (1, True), "timeout_s": (0, False),
+                 "eval_samples": (1, True), "log_every": (1, True), "timeout_s": (0, False), "top": (1, True),
+                 "explain": (0, True),
                  **dict.fromkeys(("seq_len", "micro_batch_size", "local_batch_size", "lr", "min_lr", "warmup_steps",
                                   "weight_decay", "grad_clip", "dropout", "eval_every", "ckpt_every", "keep_last",
                                   "threads", "sample_bytes", "gpus_per_node"), (0, True))}
