@@ -54,7 +54,8 @@ class ParallelPlan:
         pp_schedule: one of ``PP_SCHEDULES``; used only when ``pp > 1``.
         n_microbatches: pipeline micro-batches per local batch; used only when ``pp > 1`` (the
             command line refuses ``--n-microbatches`` for a plan without a pipeline).
-        virtual_stages: stages per pipeline rank (> 1 for interleaved schedules).
+        virtual_stages: stages per pipeline rank (> 1 for interleaved schedules; the commands set 2
+            for them when unset).
         stage_boundaries: optional first-block index of every stage after the first
             (``len == pp * virtual_stages - 1``); None balances stages automatically.
         activation_checkpointing: ``"none"``, ``"full"`` (non-reentrant recompute of every block),

@@ -386,3 +386,16 @@ def test_out_of_range_options_are_refused_in_one_line(capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("sched,given,expect", [("interleaved1f1b", [], 2), ("zbvzerobubble", [], 2),
+                                                ("loopedbfs", ["--virtual-stages", "3"], 3), ("1f1b", [], 1)])
+def test_multi_stage_schedules_default_to_two_virtual_stages(sched, given, expect):
+    """A fresh user's trial: --pp-schedule interleaved1f1b without --virtual-stages was refused
+    ("needs virtual_stages >= 2"); unset, it is now the least such a schedule runs, 2."""
+    from modelpar.cli.train import parse_train_config
+    from modelpar.train.resolve import resolve
+
+    cfg, _, _ = parse_train_config(["--model", "gpt-1m", "--strategy", "pp", "--nproc", "2", "--pp-schedule", sched,
+                                    *given])
+    assert resolve(cfg, 2).plan.virtual_stages == expect

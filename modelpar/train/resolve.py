@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from modelpar.plan import DEGREES, ParallelPlan, fsdp_keeps_gathered, plan_for_strategy
+from modelpar.plan import DEGREES, MULTI_STAGE_SCHEDULES, ParallelPlan, fsdp_keeps_gathered, plan_for_strategy
 
 # degrees a shorthand leaves to the user (the inner axis of the two-axis shorthands, or its own axis)
 _OPEN = {"ddp": ("dp_replicate",), "fsdp": ("dp_shard",), "tp": ("tp",), "pp": ("pp",),
@@ -123,6 +123,8 @@ def resolve(cfg, world_size: int, *, measure_if_missing: bool = False) -> Resolv
         plan = plan_for_strategy(strategy, world_size, **degrees, **fields)
     if plan.pp > 1:
         plan = dataclasses.replace(plan, n_microbatches=n_micro or 2 * plan.pp)
+        if "virtual_stages" not in fields and plan.pp_schedule in MULTI_STAGE_SCHEDULES:
+            plan = dataclasses.replace(plan, virtual_stages=2)      # unset: the least such a schedule runs
     else:
         _check_pipeline_fields(strategy, n_micro, fields.get("pp_schedule"))
     if "reshard_after_forward" in fields and plan.dp_shard == 1:
