@@ -224,14 +224,15 @@ def run_world_size(ns, given: set[str], strategy: str) -> int:
     Raises:
         ValueError: what `world_size` or `modelpar.plan_file.read_plan_file` raise.
     """
-    check_option_ranges(ns)
     if strategy.lower() in ("single", "placement"):
+        check_option_ranges(ns)                 # (`world_size` checks them on the other paths)
         for k in ("nproc", "nnodes"):
             if k in given and getattr(ns, k, 1) != 1:
                 raise ValueError(f"--strategy {strategy} runs one process; --{k} {getattr(ns, k)} does not apply"
                                  + (" (its devices: --placement-devices)" if strategy.lower() == "placement" else ""))
         return 1
     if ns.plan and "nproc" not in given and "nnodes" not in given:
+        check_option_ranges(ns)
         from modelpar.plan_file import read_plan_file
 
         return read_plan_file(ns.plan).plan.world_size
