@@ -8,8 +8,9 @@ be named with its first error line.
 - In a launched rank, `run_rank_and_exit` runs the rank's work. On success rank 0 writes the exit
   code into ``$MODELPAR_OUTCOME_DIR`` and every rank leaves with 0 through `exit_rank` (a final
   barrier every rank reaches). On an exception the rank writes ``rank<r>.err`` (its first error
-  line), prints the error (one line for a ValueError, which the checks raise the same on every
-  rank; the traceback otherwise) and leaves at once with ``os._exit``: no barrier (the other ranks
+  line, and a ValueError's whole message), prints the error (a ValueError, which the checks raise the
+  same on every rank, only where no outcome folder takes it: the launching process prints each
+  distinct message once; the traceback of any other error, with its rank) and leaves at once with ``os._exit``: no barrier (the other ranks
   may never reach one) and no interpreter teardown, which is where "terminate called without an
   active exception" came from (gloo's process group and c10d's threads destroyed while a thread
   still runs, in Python's finalisation after an uncaught error).
@@ -46,13 +47,16 @@ def leave_after_error(e: BaseException, prog: str) -> None:
 
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
     out = os.environ.get(OUTCOME_ENV)
+    recorded = False
     if out:
         with contextlib.suppress(OSError):
             Path(out, f"rank{rank}.err").write_text(json.dumps(
                 {"kind": "value" if isinstance(e, ValueError) else "crash", "line": first_error_line(e),
-                 "t": time.time()}))
+                 "message": str(e), "t": time.time()}))
+            recorded = True
     if isinstance(e, ValueError):
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        if not recorded:      # else the launching process prints it, once for all ranks that raised it
+            print(f"{prog}: error: {e}", file=sys.stderr)
     else:
         print(f"[rank {rank}] {prog}: " + "".join(traceback.format_exception(e)), file=sys.stderr)
     try:
@@ -104,9 +108,21 @@ class LaunchOutcome:
             _, r0, first = events[0]
             values = sorted(r for r, e in self.errors.items() if e["kind"] == "value")
             if first["kind"] == "value":
-                code, lines = 2, [f"{prog}: stopped by the error above (raised on rank(s) {values})"]
+                code, lines = 2, self._value_messages(prog, events)
+                lines.append(f"{prog}: stopped by the error above (raised on rank(s) {values})")
             else:
                 code, lines = 1, [f"{prog}: rank {r0} crashed: {first['line']}"]
             lines += [f"{prog}: then rank {r} failed: {e['line']}" for _, r, e in events[1:] if e["kind"] == "crash"]
             return code, "\n".join(lines)
         return 1, f"{prog}: a rank ended without a result ({self.launcher_error or 'no error was recorded'})"
+
+    @staticmethod
+    def _value_messages(prog: str, events: list) -> list[str]:
+        """The ValueErrors' messages, each distinct one once in the order raised, with the ranks that
+        raised it when not every failing rank did (a rank-divergent error)."""
+        by_msg: dict[str, list[int]] = {}
+        for _, r, e in events:
+            if e["kind"] == "value" and "message" in e:
+                by_msg.setdefault(e["message"], []).append(r)
+        many = len(by_msg) > 1
+        return [f"{prog}: error: {m}" + (f" (rank(s) {sorted(rs)})" if many else "") for m, rs in by_msg.items()]

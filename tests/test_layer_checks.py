@@ -148,6 +148,16 @@ def test_launch_outcome_report():
                                               "p: then rank 0 failed: RuntimeError: Connection reset"]
     same = LaunchOutcome(None, {0: {"kind": "value", "line": "x", "t": 1}, 1: {"kind": "value", "line": "x", "t": 1}})
     assert same.report("p") == (2, "p: stopped by the error above (raised on rank(s) [0, 1])")
+    # the ranks left their messages to the launching process: each distinct one is printed once
+    v = {"kind": "value", "line": "ValueError: bad"}
+    once = LaunchOutcome(None, {0: {**v, "message": "bad\nsecond line", "t": 1.0},
+                                1: {**v, "message": "bad\nsecond line", "t": 1.1}})
+    assert once.report("p") == (2, "p: error: bad\nsecond line\n"
+                                   "p: stopped by the error above (raised on rank(s) [0, 1])")
+    split = LaunchOutcome(None, {0: {**v, "message": "a", "t": 2.0}, 1: {**v, "message": "b", "t": 1.0},
+                                 2: {**v, "message": "b", "t": 1.5}})
+    assert split.report("p") == (2, "p: error: b (rank(s) [1, 2])\np: error: a (rank(s) [0])\n"
+                                    "p: stopped by the error above (raised on rank(s) [0, 1, 2])")
     assert LaunchOutcome(None, {}, "ChildFailedError").report("p")[0] == 1
     # rank 0's ValueError came first; rank 1 then lost its peer: the error is the cause, not a crash
     chain = LaunchOutcome(None, {0: {"kind": "value", "line": "x", "t": 1.0},

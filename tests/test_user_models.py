@@ -33,7 +33,7 @@ def test_verify_unused_layer_case_c1(tmp_path):
                        capture_output=True, text=True, timeout=180, env=env)
     assert r.returncode != 0
     msg = "trainable parameter(s) got no gradient in the first step (on rank(s) [0, 1]): unused.bias, unused.weight"
-    assert r.stderr.count(msg) == 2, r.stderr[-3000:]          # the same error on both ranks
+    assert r.stderr.count(msg) == 1, r.stderr[-3000:]          # the same error on both ranks, printed once
     assert "Expected to have finished reduction" not in r.stderr
 
 
