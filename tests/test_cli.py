@@ -202,6 +202,14 @@ def test_estimate_exact_layout_json(capsys):
                  "--global-batch-size", "8"]) == 0
     out = capsys.readouterr().out
     assert "tp2 on 2 x cpu" in out and "MFU" in out and "HFU" in out and "tokens/s per device" in out
+    assert "precision:" not in out                # fp32: no mechanism to name
+    # bf16: which mechanism the layout runs (and the planner prices): autocast, or FSDP2's policy
+    for flags, says in ((["--pp", "2", "--n-microbatches", "2"], "under torch.autocast over fp32 parameters"),
+                        (["--pp", "2", "--n-microbatches", "2", "--dp-replicate", "2", "--nproc", "4"],
+                         "bf16 parameters by FSDP2's mixed-precision policy (replicate)")):
+        assert main(["--model", "gpt-1m", "--nproc", "2", "--precision", "bf16", "--micro-batch-size", "2",
+                     "--global-batch-size", "8", *flags]) == 0
+        assert says in capsys.readouterr().out
     with pytest.raises(ValueError, match="--strategy fsdp on 2 ranks sets tp=1"):
         main(["--model", "gpt-1m", "--nproc", "2", "--strategy", "fsdp", "--tp", "2"])
 

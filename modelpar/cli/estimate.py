@@ -157,6 +157,14 @@ def _exact_answer(a, resolved, gbs: int, prof, desc, n: int, hw) -> int:
     print(f"{desc}: {params_phrase(prof)}; {plan.describe()} on {n} x {hw.name} "
           f"({hw.memory_bytes / GIB:.1f} GiB each); global batch {gbs}, local {local}, micro-batch {local // m}, "
           f"accumulation {batch.accumulation_steps(plan)}")
+    if plan.precision == "bf16":
+        from modelpar.plan import autocasts, runtime_layout
+
+        print("  precision: " + (
+            "bf16 under torch.autocast over fp32 parameters (no FSDP2 wrapper in this layout): every matmul "
+            "casts its weight and input per use, the residual stream stays fp32" if autocasts(plan) else
+            f"bf16 parameters by FSDP2's mixed-precision policy ({runtime_layout(plan).dp_wrapper}): each block's "
+            "weights cast once per forward and backward, fp32 master weights, gradients reduced in fp32"))
     rate = f"{tok:,.0f} tokens/s per device" if tok is not None else f"{st.samples_per_s / n:,.1f} samples/s per device"
     print(f"  step {st.total * 1e3:,.1f} ms | MFU {mfu(st, hw, plan.precision):.1%} | HFU "
           f"{hfu(st, hw, plan.precision):.1%} | {rate}")
