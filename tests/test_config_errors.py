@@ -399,3 +399,38 @@ def test_multi_stage_schedules_default_to_two_virtual_stages(sched, given, expec
     cfg, _, _ = parse_train_config(["--model", "gpt-1m", "--strategy", "pp", "--nproc", "2", "--pp-schedule", sched,
                                     *given])
     assert resolve(cfg, 2).plan.virtual_stages == expect
+
+
+@pytest.mark.parametrize("cmd", ["train", "plan", "verify"])
+def test_a_classifier_with_fewer_logits_than_its_classes_is_refused_before_launch(tmp_path, capsys, cmd):
+    """Before: a factory declaring num_classes 7 whose output has 4 logits (or verify's --num-classes 12 on
+    a 10-logit MLP) launched the ranks, which each printed a traceback ending "IndexError: Target 4 is out
+    of bounds"; plan ranked plans for it. Wider logits stay accepted (a padded vocabulary or head)."""
+    from modelpar.cli import main
+
+    (tmp_path / "cls.py").write_text(
+        "import torch, torch.nn as nn\n"
+        "def conv7():\n"
+        "    torch.manual_seed(0)\n"
+        "    return {'model': nn.Sequential(nn.Conv2d(1, 4, 6), nn.Flatten()), 'task': 'classify',\n"
+        "            'input_shape': [1, 6, 6], 'num_classes': 7}\n"
+        "def mlp():\n"
+        "    torch.manual_seed(0)\n"
+        "    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 10))\n")
+    f = str(tmp_path / "cls.py")
+    if cmd == "verify":
+        argv, got = ["verify", "--model", f + ":mlp", "--num-classes", "12", "--nproc", "2", "--steps", "2",
+                     "--strategy", "ddp"], "(1, 10) for inputs of shape (1, 8): a classifier returns logits (batch, classes=12)"
+    else:
+        argv, got = [cmd, "--model", f + ":conv7", "--nproc", "2"], \
+            "(1, 4) for inputs of shape (1, 1, 6, 6): a classifier returns logits (batch, classes=7)"
+        argv += ["--steps", "2", "--out-dir", str(tmp_path / "runs")] if cmd == "train" else ["--hardware", "A100-80GB"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert got in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "runs").exists()
+    # more logits than classes: accepted by the check
+    import torch
+    from modelpar.models.factory_check import check_forward
+
+    check_forward("m:f", torch.nn.Linear(8, 10), torch.zeros(1, 8), form="classify", classes=7)

@@ -229,6 +229,7 @@ def _random_batches(shape, classes: int, gb: int, seed: int):
     def batch_fn(step):
         g = torch.Generator().manual_seed(seed * 100003 + step)
         return torch.randn(gb, *shape, generator=g), torch.randint(0, classes, (gb,), generator=g)
+    batch_fn.classes = classes             # the labels it draws are < classes (`_check_forward` checks the logits)
     return batch_fn
 
 
@@ -387,7 +388,7 @@ def _check_forward(name: str, model, batch_fn, loss_fn) -> None:
     x = batch_fn(0)[0]
     if isinstance(x, torch.Tensor):
         form = "lm" if loss_fn is lm_loss else "classify" if loss_fn is classification_loss else "custom"
-        check_forward(name, model, x[:1], form=form)
+        check_forward(name, model, x[:1], form=form, classes=getattr(batch_fn, "classes", 0))
 
 
 def _check_stages(parts, plan, split_points, example) -> None:

@@ -84,11 +84,15 @@ def _shape(x) -> str:
     return f"({', '.join(str(d) for d in x.shape)}) {str(x.dtype).replace('torch.', '')}"
 
 
-def check_forward(name: str, model: nn.Module, x: torch.Tensor, *, form: str, vocab: int = 0) -> None:
+def check_forward(name: str, model: nn.Module, x: torch.Tensor, *, form: str, vocab: int = 0,
+                  classes: int = 0) -> None:
     """One forward of ``model`` (real weights, no grad) on the one-sample example ``x`` of its form
     (``"lm"``: token ids to logits ``(batch, seq, vocab)``; ``"classify"``: float inputs to logits
     ``(batch, classes)``; ``"custom"``: the factory's own batch_fn / loss_fn, whose output its loss
-    takes as it is). ``vocab``: a language model's declared vocabulary (0: unchecked).
+    takes as it is). ``vocab``: a language model's declared vocabulary, ``classes``: a classifier's
+    classes, the labels the data draws (0: unchecked). Logits wider than either are accepted (a
+    vocabulary padded to a multiple of 64, as many models pad theirs); narrower ones are refused, as
+    the labels would index past them.
 
     Raises:
         ValueError: one line: the forward fails (naming the error and the form it needs), or a model
@@ -130,17 +134,20 @@ def check_forward(name: str, model: nn.Module, x: torch.Tensor, *, form: str, vo
             raise ValueError(f"{what} returns a tensor of shape {tuple(out.shape)} for token ids of shape "
                              f"{tuple(x.shape)}: a language model returns logits (batch, seq, vocab_size"
                              f"{'=' + str(vocab) if vocab else ''}) ({DOC})")
-    elif out.dim() != 2 or out.shape[0] != x.shape[0]:
+    elif out.dim() != 2 or out.shape[0] != x.shape[0] or (classes and out.shape[1] < classes):
         raise ValueError(f"{what} returns a tensor of shape {tuple(out.shape)} for inputs of shape {tuple(x.shape)}: "
-                         f"a classifier returns logits (batch, classes) ({DOC})")
+                         f"a classifier returns logits (batch, classes{'=' + str(classes) if classes else ''}); "
+                         f"{'declare the num_classes its output has, or ' if classes else ''}"
+                         f"fix its output ({DOC})")
 
 
 def check_factory(name: str, um, seq_len: int) -> torch.Tensor:
     """`check_forward` of a built factory model (`spec.UserModel`) on its `factory_input`; returns the
     input."""
     x = factory_input(name, um, seq_len)
-    vocab = um.extra.get("vocab_size")
-    check_forward(name, um.model, x, form=form_of(um), vocab=vocab if isinstance(vocab, int) else 0)
+    vocab, classes = um.extra.get("vocab_size"), um.extra.get("num_classes")
+    check_forward(name, um.model, x, form=form_of(um), vocab=vocab if isinstance(vocab, int) else 0,
+                  classes=classes if isinstance(classes, int) and form_of(um) == "classify" else 0)
     return x
 
 

@@ -148,7 +148,7 @@ def check_factory_forward(cfg: TrainConfig) -> None:
     if real.lm is not None and real.lm.max_positions and real.lm.seq_len > real.lm.max_positions:
         return                  # `check_lm_data` (preflight) names the flag and the limit
     check_forward(cfg.model, real.model, example_input(real, 1), form=real.kind,
-                  vocab=real.lm.vocab if real.lm is not None else 0)
+                  vocab=real.lm.vocab if real.lm is not None else 0, classes=real.classes)
 
 
 def _cut_real_weights(cfg: TrainConfig, plan: ParallelPlan, micro_batch_size: int) -> None:

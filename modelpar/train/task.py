@@ -44,6 +44,7 @@ class Task:
     data_info: dict
     lm: "LMShape | None" = None      # language models: vocabulary, positions, sequence length
     input_shape: tuple | None = None  # classifiers with their own input shape (an HF image model: c, h, w)
+    classes: int = 0                 # a factory classifier's classes (the labels drawn are < classes)
 
 
 @dataclass(frozen=True)
@@ -238,9 +239,11 @@ def build_task(cfg, *, device: str = "cpu", load_data: bool = True) -> Task:
 
         in_shape, classes = classifier
         if not load_data:
-            return Task(cfg.model, "classify", model, None, None, classification_loss, 1, {}, input_shape=in_shape)
+            return Task(cfg.model, "classify", model, None, None, classification_loss, 1, {}, input_shape=in_shape,
+                        classes=classes)
         train, val, info = synthetic_inputs(in_shape, classes, seed=cfg.seed, val=max(cfg.eval_samples, 1))
-        return Task(cfg.model, "classify", model, train, val, classification_loss, 1, info, input_shape=in_shape)
+        return Task(cfg.model, "classify", model, train, val, classification_loss, 1, info, input_shape=in_shape,
+                    classes=classes)
     if _kind(cfg) == "hf":          # an image classifier: synthetic images of its shape and labels
         from modelpar.models.hf import facts, load_config
         from modelpar.train.data import synthetic_images
