@@ -624,7 +624,7 @@ def test_train_refuses_model_config_on_a_factory_model_before_launch(tmp_path):
 
 def test_verify_takes_degrees_without_strategy_on_a_factory_model():
     """``verify --pp 2 --dp-shard 2`` on a factory model without ``--strategy`` means custom, as the help
-    and train say (it was refused as ``--strategy auto``, which plans built-in models only)."""
+    and train say (it was refused as ``--strategy auto``, which planned built-in models only then)."""
     from modelpar.cli.args import given_fields, normalize_argv, parse
     from modelpar.cli.verify import build_parser, resolve_plan
 
@@ -633,8 +633,14 @@ def test_verify_takes_degrees_without_strategy_on_a_factory_model():
                            "--nproc", "4", "--global-batch-size", "8"], p, prog="modelpar verify")
     plan, _ = resolve_plan(parse(p, argv), given_fields(p, argv))
     assert (plan.pp, plan.dp_shard, plan.world_size) == (2, 2, 4)
-    argv = normalize_argv(["--model", "helpers.lm_factory:lm_pipelined", "--nproc", "4"], p, prog="modelpar verify")
-    with pytest.raises(ValueError, match=r"--strategy auto plans built-in models only"):
+    # --strategy auto (the default) plans a factory of train's forms as train does (it was refused: "plans
+    # built-in models only", fresh-user trial); verify's own batch_fn form needs a layout
+    argv = normalize_argv(["--model", "helpers.lm_factory:lm_pipelined", "--nproc", "4", "--global-batch-size", "8",
+                           "--hardware", "cpu"], p, prog="modelpar verify")
+    plan, _ = resolve_plan(parse(p, argv), given_fields(p, argv))
+    assert plan.world_size == 4
+    argv = normalize_argv(["--model", "helpers.lm_factory:with_batch_fn", "--nproc", "4"], p, prog="modelpar verify")
+    with pytest.raises(ValueError, match=r"--strategy auto plans the forms train runs .* brings its own batch_fn"):
         resolve_plan(parse(p, argv), given_fields(p, argv))
 
 

@@ -88,11 +88,13 @@ def as_train_config(args, given: set[str]):
     from modelpar.cli.options import plan_fields_given, strategy_given
 
     layout, strategy = plan_fields_given(args), strategy_given(args, given)
-    return TrainConfig(model=args.model if ":" not in args.model else "gpt-nano", plan=args.plan, nproc=args.nproc,
+    # the planner (auto, rules) profiles the model itself; the other strategies resolve from the flags alone,
+    # so a factory of verify's own form (batch_fn / loss_fn, which train's config cannot hold) stands aside
+    real = ":" not in args.model or strategy.lower() in ("auto", "rules")
+    return TrainConfig(model=args.model if real else "gpt-nano", plan=args.plan, nproc=args.nproc,
                        global_batch_size=args.global_batch_size, local_batch_size=args.local_batch_size,
                        seq_len=args.seq_len, optimizer=args.optimizer, hardware=args.hardware, seed=args.seed,
-                       model_config=args.model_config if ":" not in args.model else {}, strategy=strategy,
-                       layout=layout)
+                       model_config=args.model_config if real else {}, strategy=strategy, layout=layout)
 
 
 def resolve_plan(args, given: set[str] = frozenset()):
@@ -105,9 +107,14 @@ def resolve_plan(args, given: set[str] = frozenset()):
     from modelpar.train.resolve import resolve
 
     cfg = as_train_config(args, given)         # degrees without --strategy: custom (strategy_given)
-    if cfg.strategy.lower() in ("auto", "rules") and ":" in args.model and not args.plan:
-        raise ValueError(f"--strategy {cfg.strategy} plans built-in models only for now; give --strategy "
-                         f"(ddp, fsdp, tp, pp, ...), degrees or --plan for {args.model!r}")
+    from modelpar.models.spec import build_factory, model_kind
+
+    if cfg.strategy.lower() in ("auto", "rules") and not args.plan and model_kind(args.model) == "factory":
+        um = build_factory(args.model)
+        if um.batch_fn is not None or um.loss_fn is not None:
+            raise ValueError(f"--strategy {cfg.strategy} plans the forms train runs (a language model or a classifier); "
+                             f"--model {args.model!r} brings its own batch_fn / loss_fn: give --strategy (ddp, fsdp, "
+                             f"tp, pp, ...), degrees or --plan")
     from modelpar.cli.options import run_world_size
 
     world = run_world_size(args, given, cfg.strategy)     # as train: 1 for single / placement, a plan file's own

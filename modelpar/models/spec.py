@@ -187,13 +187,23 @@ def build_factory(name: str) -> UserModel:
     `one_factory_build`, once per scope for ``name``.
 
     Raises:
-        ValueError: it cannot be loaded, or returned neither an ``nn.Module`` nor a dict with one.
+        ValueError: it cannot be loaded, raised (its error and where, in one line), or returned neither
+            an ``nn.Module`` nor a dict with one.
     """
     if _SHARED is not None:
         if _SHARED.get("name") == name:
             return _shared(_SHARED["built"])
         _SHARED.clear()         # one entry: the build of another name goes before this one is made
-    made = load_factory(name)()
+    factory = load_factory(name)
+    try:
+        made = factory()
+    except Exception as e:  # noqa: BLE001 - the user's code: one line, with where it raised
+        import traceback
+
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        raise ValueError(f"--model {name!r}: the factory raised {type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:300]} ({where.filename}, line {where.lineno}, in "
+                         f"{where.name})") from None
     spec = made if isinstance(made, dict) else {"model": made}
     model = spec.get("model")
     if not isinstance(model, nn.Module):
