@@ -434,3 +434,18 @@ def test_a_classifier_with_fewer_logits_than_its_classes_is_refused_before_launc
     from modelpar.models.factory_check import check_forward
 
     check_forward("m:f", torch.nn.Linear(8, 10), torch.zeros(1, 8), form="classify", classes=7)
+
+
+@pytest.mark.parametrize("cmd", ["train", "plan", "estimate"])
+def test_a_factory_that_raises_is_one_line_naming_where(tmp_path, capsys, cmd):
+    """Before: ~20 lines of modelpar's own stack ending in the factory's RuntimeError."""
+    from modelpar.cli import main
+
+    (tmp_path / "r.py").write_text("def raises():\n    raise RuntimeError('boom\\nfrom factory')\n")
+    argv = [cmd, "--model", f"{tmp_path / 'r.py'}:raises", "--nproc", "2"]
+    argv += ["--out-dir", str(tmp_path / "runs")] if cmd == "train" else ["--hardware", "A100-80GB"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert (f"the factory raised RuntimeError: boom from factory ({tmp_path / 'r.py'}, line 2, in raises)"
+            in err), err
