@@ -191,7 +191,15 @@ def test_export_command_counts_a_tie_once(tmp_path, capsys):
     assert main(["export", str(tmp_path / "ck"), "--out", str(tmp_path / "m.safetensors")]) == 0
     n = sum(p.numel() for p in m.parameters())          # each Parameter once
     line = capsys.readouterr().out
-    assert f"{len(m.state_dict())} tensors, {n:,} parameters; 1 tied name(s) written as copies" in line, line
+    n += sum(b.numel() for b in m.buffers())            # a buffer is written too, and counted as what it is
+    assert (f"{len(m.state_dict())} tensors, {n:,} elements (parameters and buffers, a tie once); 1 tied name(s) "
+            f"written as copies") in line, line
+    # --out naming an existing folder: one line (was IsADirectoryError from the rename, and a stray .tmp)
+    (tmp_path / "outdir").mkdir()
+    assert main(["export", str(tmp_path / "ck"), "--out", str(tmp_path / "outdir")]) == 2
+    err = capsys.readouterr().err
+    assert f"--out '{tmp_path / 'outdir'}' is a folder; safetensors export writes one file" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "m.safetensors", "outdir"]
 
 
 # ---- C14: what crosses a stage boundary is contiguous both ways ----------------------------------------

@@ -30,9 +30,17 @@ def build_parser():
     return p
 
 
+def _hf_kind(src) -> bool:
+    """Whether the checkpoint ``src`` holds a Hugging Face model."""
+    from modelpar.train.checkpoint import read_checkpoint_meta
+    from modelpar.train.checkpoint.export import checkpoint_model_spec
+
+    return checkpoint_model_spec(read_checkpoint_meta(src)).get("kind") == "hf"
+
+
 def main(argv: list[str]) -> int:
     from modelpar.train.checkpoint import CheckpointError, read_checkpoint_meta, resolve_checkpoint
-    from modelpar.train.checkpoint.export import checkpoint_model_spec, export_checkpoint, export_hf_folder
+    from modelpar.train.checkpoint.export import export_checkpoint, export_hf_folder
 
     p = build_parser()
     a = parse(p, normalize_argv(argv, p, prog="modelpar export"))
@@ -44,13 +52,16 @@ def main(argv: list[str]) -> int:
         src = resolve_checkpoint(a.checkpoint)
         fmt = a.format
         if fmt == "auto":           # an --out that names a .safetensors file asks for the file, any model
-            hf = checkpoint_model_spec(read_checkpoint_meta(src)).get("kind") == "hf"
-            fmt = "hf" if hf and not a.out.endswith(".safetensors") else "safetensors"
+            fmt = "hf" if _hf_kind(src) and not a.out.endswith(".safetensors") else "safetensors"
         if fmt == "hf":
             out = Path(a.out) if a.out else src.parent / f"{src.name}-hf"
             out, sd = export_hf_folder(src, out)
         else:
             out = Path(a.out) if a.out else src.parent / f"{src.name}.safetensors"
+            if out.is_dir():
+                raise ValueError(f"--out {str(out)!r} is a folder; safetensors export writes one file: give its path "
+                                 f"(e.g. {str(out / 'model.safetensors')!r})"
+                                 + (" or --format hf for a transformers folder" if _hf_kind(src) else ""))
             sd = export_checkpoint(src, out)
     except (CheckpointError, ValueError) as e:
         print(f"modelpar export: error: {e}", file=sys.stderr)
@@ -59,5 +70,6 @@ def main(argv: list[str]) -> int:
     n = sum(v.numel() for k, v in sd.items() if k not in aliases)      # a tie's parameters once
     what = "a transformers folder (config.json, model.safetensors)" if fmt == "hf" else "one safetensors file"
     tied = f"; {len(aliases)} tied name(s) written as copies" if aliases else ""
-    print(f"wrote {out}: {what}, {len(sd)} tensors, {n:,} parameters{tied} (from {src})")
+    print(f"wrote {out}: {what}, {len(sd)} tensors, {n:,} elements (parameters and buffers, a tie once){tied} "
+          f"(from {src})")
     return 0
