@@ -376,6 +376,12 @@ def test_planner_plans_of_split_backward_schedules_under_fsdp_validate():
      "--stage-boundaries takes a JSON list in one argument, e.g. --stage-boundaries '[4,8]'"),
     (["train", "--strategy", "placement", "--placement-devices", "cpu", "cpu"], "--placement-devices takes a JSON list"),
     (["plan", "--model", "gpt-1m", "--explain", "-1"], "--explain must be >= 0, got -1"),
+    # a second trial: a negative degree read as a batch error in train ("smaller than the data-parallel
+    # degree -2"), a dataclass field name elsewhere; a --min-lr above --lr was taken
+    (["train", "--dp-shard", "-2", "--nproc", "2"], "--dp-shard must be >= 1, got -2"),
+    (["estimate", "--model", "gpt-1m", "--dp-shard", "0", "--nproc", "2"], "--dp-shard must be >= 1, got 0"),
+    (["verify", "--model", "gpt-nano", "--tp", "-1", "--nproc", "2"], "--tp must be >= 1, got -1"),
+    (["train", "--min-lr", "1"], "--min-lr 1.0 is above --lr 0.005"),
 ])
 def test_out_of_range_options_are_refused_in_one_line(capsys, argv, message):
     """A fresh user's trial: these ended in tracebacks inside the ranks (negative sizes, --timeout-s 0),

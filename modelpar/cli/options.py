@@ -156,6 +156,9 @@ OPTION_RANGES = {"nproc": (1, True), "nnodes": (1, True), "global_batch_size": (
                                   "threads", "sample_bytes", "gpus_per_node"), (0, True))}
 
 
+POSITIVE_PLAN_FIELDS = ("dp_replicate", "dp_shard", "tp", "pp", "n_microbatches", "virtual_stages", "ac_every")
+
+
 def check_option_ranges(ns) -> None:
     """Refuse a numeric option outside its range (`OPTION_RANGES`; ``--dropout`` also below 1) before any
     work, naming the option and the value: each would otherwise fail inside the ranks or be taken silently
@@ -170,6 +173,13 @@ def check_option_ranges(ns) -> None:
         if v < low or (v == low and not closed) or (k == "dropout" and v >= 1):
             want = ">= 0 and < 1" if k == "dropout" else f"{'>=' if closed else '>'} {low}"
             raise ValueError(f"--{k.replace('_', '-')} must be {want}, got {v}")
+    lr, min_lr = getattr(ns, "lr", None), getattr(ns, "min_lr", None)
+    if isinstance(lr, (int, float)) and isinstance(min_lr, (int, float)) and min_lr > lr:
+        raise ValueError(f"--min-lr {min_lr} is above --lr {lr}: the schedule decays from --lr to --min-lr after "
+                         f"the warm-up; give a --min-lr <= --lr")
+    for k, v in plan_fields_given(ns).items():   # the layout's degrees and counts: sizes of mesh axes and splits
+        if k in POSITIVE_PLAN_FIELDS and isinstance(v, int) and not isinstance(v, bool) and v < 1:
+            raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {v}")
 
 
 def world_size(ns, given: set[str]) -> int:

@@ -190,6 +190,9 @@ def main(argv: list[str]) -> int:
 
     cfg, ns, given = parse_train_config(argv)
     if not ns.run_dir:
+        from modelpar.cli.options import check_option_ranges
+
+        check_option_ranges(ns)                 # before anything reads a degree or a size
         cfg = with_run_precision(cfg)           # unset: bf16 on a GPU, fp32 on the CPU, as plan prices
     if ns.run_dir:                              # a rank of a resolved run: read, validate, train
         cfg, resolved = read_run_folder(Path(ns.run_dir))
