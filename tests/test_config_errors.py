@@ -455,3 +455,36 @@ def test_a_factory_that_raises_is_one_line_naming_where(tmp_path, capsys, cmd):
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert (f"the factory raised RuntimeError: boom from factory ({tmp_path / 'r.py'}, line 2, in raises)"
             in err), err
+
+
+@pytest.mark.parametrize("model,flags,message", [
+    ("mlp-large", ["--data", "."], "--data '.' applies to language models (text, tokens per sample); --model "
+                                   "mlp-large is a classifier"),
+    ("lm.py:cls", ["--seq-len", "64"], "--seq-len 64 applies to language models"),
+    ("lm.py:ok", ["--dropout", "0.1"], "is a factory model, whose dropout is its own: set it in the factory"),
+    ("lm.py:small", [], "has vocab_size=100; raise it in its factory (its model and the vocab_size it declares)"),
+])
+def test_options_a_model_does_not_take_are_refused(tmp_path, capsys, model, flags, message):
+    """A fresh user's trial: --data / --seq-len on a classifier and --dropout on a factory model were taken
+    silently (and ignored); a factory LM with a small vocabulary was told to raise it in --model-config,
+    which factories refuse."""
+    from modelpar.cli import main
+
+    (tmp_path / "lm.py").write_text(
+        "import torch, torch.nn as nn\n"
+        "class LM(nn.Module):\n"
+        "    def __init__(self, v):\n"
+        "        super().__init__(); self.e = nn.Embedding(v, 16); self.h = nn.Linear(16, v)\n"
+        "    def forward(self, x): return self.h(self.e(x))\n"
+        "def small():\n"
+        "    torch.manual_seed(0); return {'model': LM(100), 'task': 'lm', 'vocab_size': 100, 'max_positions': 32}\n"
+        "def ok():\n"
+        "    torch.manual_seed(0); return {'model': LM(256), 'task': 'lm', 'vocab_size': 256, 'max_positions': 32}\n"
+        "def cls():\n"
+        "    torch.manual_seed(0); return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))\n")
+    m = str(tmp_path / model) if model.endswith((":cls", ":ok", ":small")) else model
+    assert main(["train", "--model", m, "--nproc", "2", "--steps", "2", "--out-dir", str(tmp_path / "runs"),
+                 *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "runs").exists()

@@ -75,13 +75,17 @@ def _factory(cfg, device: str = "cpu"):
     last ``nn.Linear``: float inputs ``(batch, *input_shape)`` to logits ``(batch, classes)``).
 
     Raises:
-        ValueError: a malformed declaration; the ``batch_fn`` / ``loss_fn`` form (verify's, whose data
-            train cannot draw); a classifier whose shapes are neither declared nor inferable.
+        ValueError: ``--dropout`` (a factory's dropout is its own); a malformed declaration; the
+            ``batch_fn`` / ``loss_fn`` form (verify's, whose data train cannot draw); a classifier whose
+            shapes are neither declared nor inferable.
     """
     from modelpar.models.spec import build_factory, infer_classifier_shapes
 
     um = build_factory(cfg.model)
     task, vocab, maxpos = um.extra.get("task"), um.extra.get("vocab_size"), um.extra.get("max_positions")
+    if cfg.dropout:
+        raise ValueError(f"--dropout {cfg.dropout} sets the dropout of the built-in GPT and of Hugging Face configs; "
+                         f"--model {cfg.model!r} is a factory model, whose dropout is its own: set it in the factory")
     if um.batch_fn is not None or um.loss_fn is not None:
         raise ValueError(f"--model {cfg.model!r}: modelpar train runs a factory language model or classifier; a factory "
                          f"with its own batch_fn / loss_fn is modelpar verify's form (train draws its own data): "
@@ -210,6 +214,10 @@ def synthetic_classification(in_dim: int, classes: int, n: int = 4096, seed: int
 def _check_no_token_options(cfg) -> None:
     if cfg.tokenizer or cfg.token_dtype:
         raise ValueError(f"tokenizer / token_dtype apply to language models; --model {cfg.model} is a classifier")
+    if cfg.data is not None or cfg.seq_len:
+        what = f"--data {cfg.data!r}" if cfg.data is not None else f"--seq-len {cfg.seq_len}"
+        raise ValueError(f"{what} applies to language models (text, tokens per sample); --model {cfg.model} is a "
+                         f"classifier, trained on synthetic inputs of its own shape: drop it")
 
 
 def build_task(cfg, *, device: str = "cpu", load_data: bool = True) -> Task:

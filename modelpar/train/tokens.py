@@ -161,9 +161,14 @@ def check_lm_data(cfg, *, model: str, vocab: int, max_positions: int | None, seq
     check_token_options(cfg)
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1 for a language model, got {seq_len}")
+    from modelpar.models.spec import is_hf_name
+
+    hf, factory = is_hf_name(model), ":" in model and not is_hf_name(model)
     if max_positions is not None and seq_len > max_positions:
-        raise ValueError(f"seq_len={seq_len} exceeds the positions of --model {model} (max_position_embeddings / "
-                         f"n_positions = {max_positions}); pass --seq-len <= {max_positions}")
+        where = ("the max_positions its factory declares" if factory else
+                 "max_position_embeddings / n_positions" if hf else "its seq_len")
+        raise ValueError(f"seq_len={seq_len} exceeds the positions of --model {model} ({where} = {max_positions}); "
+                         f"pass --seq-len <= {max_positions}")
     if cfg.token_dtype:
         train, val, info = load_token_file(cfg.data, cfg.token_dtype)
         if info["max_id"] >= vocab:
@@ -180,8 +185,9 @@ def check_lm_data(cfg, *, model: str, vocab: int, max_positions: int | None, seq
     else:
         if vocab < 256:
             raise ValueError(f"byte-level tokens (ids 0..255, the default without --tokenizer or --token-dtype) "
-                             f"need vocab_size >= 256, but --model {model} has vocab_size={vocab}; raise it in "
-                             f"--model-config, or give --tokenizer / a token file")
+                             f"need vocab_size >= 256, but --model {model} has vocab_size={vocab}; raise it "
+                             f"{'in its factory (its model and the vocab_size it declares)' if factory else 'in --model-config'}"
+                             f", or give --tokenizer / a token file")
         sizes = None
         if cfg.data is not None:
             from modelpar.train.data import load_text_corpus
