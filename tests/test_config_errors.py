@@ -382,6 +382,8 @@ def test_planner_plans_of_split_backward_schedules_under_fsdp_validate():
     (["estimate", "--model", "gpt-1m", "--dp-shard", "0", "--nproc", "2"], "--dp-shard must be >= 1, got 0"),
     (["verify", "--model", "gpt-nano", "--tp", "-1", "--nproc", "2"], "--tp must be >= 1, got -1"),
     (["train", "--min-lr", "1"], "--min-lr 1.0 is above --lr 0.005"),
+    (["verify", "--model", "helpers.lm_factory:classifier", "--strategy", "ddp", "--input-shape", "3;4"],
+     "--input-shape '3;4': one sample's shape as positive ints, e.g. --input-shape 3,32,32"),
 ])
 def test_out_of_range_options_are_refused_in_one_line(capsys, argv, message):
     """A fresh user's trial: these ended in tracebacks inside the ranks (negative sizes, --timeout-s 0),

@@ -172,8 +172,7 @@ def load_task(args):
         return _factory_lm_task(args, um)
     if batch_fn is None:
         declared = um.extra.get("input_shape")        # the factory's classifier form (as train reads it)
-        given = (tuple(int(s) for s in args.input_shape.split(",")) if args.input_shape
-                 else tuple(declared) if declared else None)
+        given = _input_shape(args.input_shape) if args.input_shape else tuple(declared) if declared else None
         shapes = infer_classifier_shapes(um.model, given, args.num_classes or um.extra.get("num_classes", 0))
         if shapes is None:
             raise ValueError(f"--model {args.model!r}: give --input-shape and --num-classes, or return a "
@@ -181,6 +180,20 @@ def load_task(args):
         batch_fn = _random_batches(shapes[0], shapes[1], gb, args.seed)
     return (um.model, batch_fn, um.loss_fn or classification_loss, um.loss_reduction,
             f"{type(um.model).__name__} from {args.model}")
+
+
+def _input_shape(text: str) -> tuple[int, ...]:
+    """``--input-shape`` ("3,16,16", or the JSON list "[3,16,16]") as a tuple of positive ints.
+
+    Raises:
+        ValueError: anything else, naming the flag and the value."""
+    try:
+        dims = tuple(int(d) for d in text.strip().strip("[]()").split(","))
+    except ValueError:
+        dims = ()
+    if not dims or min(dims) < 1:
+        raise ValueError(f"--input-shape {text!r}: one sample's shape as positive ints, e.g. --input-shape 3,32,32")
+    return dims
 
 
 def _hf_task(args):
