@@ -490,3 +490,17 @@ def test_options_a_model_does_not_take_are_refused(tmp_path, capsys, model, flag
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_classifier_whose_first_layer_is_no_linear_is_told_to_declare_its_shape():
+    """A fresh user's trial: a bare CNN with a Linear head got "fails on a batch of (1, 16)" (the shape read
+    from the head) without the way out the no-Linear case gives."""
+    import torch
+
+    from modelpar.models.factory_check import check_forward
+
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))
+    with pytest.raises(ValueError, match=r"fails on a batch of \(1, 4\) float32 \(RuntimeError: .*\): unless declared, "
+                                         r"a classifier's input shape is read from its first nn.Linear, but its first "
+                                         r"layer 0 is a Conv2d; declare the shape"):
+        check_forward("m:f", net, torch.zeros(1, 4), form="classify")

@@ -117,6 +117,11 @@ def check_forward(name: str, model: nn.Module, x: torch.Tensor, *, form: str, vo
                              f"'task': 'classify') is a classifier of float inputs: for a language model return "
                              f"{{'model': m, 'task': 'lm', 'vocab_size': V}} whose forward maps token ids to "
                              f"logits (batch, seq, V) ({DOC})") from None
+        if form == "classify" and first is not None and not isinstance(first[1], nn.Linear) and x.dim() == 2:
+            raise ValueError(f"{what} fails on a batch of {_shape(x)} ({err}): unless declared, a classifier's input "
+                             f"shape is read from its first nn.Linear, but its first layer {first[0]} is a "
+                             f"{type(first[1]).__name__}; declare the shape: return {{'model': m, 'task': 'classify', "
+                             f"'input_shape': [...], 'num_classes': K}} ({DOC})") from None
         raise ValueError(f"{what} fails on a batch of {_shape(x)} ({err}); it must map the "
                          f"{'token ids' if form == 'lm' else 'inputs'} of one batch to logits ({DOC})") from None
     finally:

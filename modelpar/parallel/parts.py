@@ -179,7 +179,7 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, list[
     best = max((r for r in runs if not _inside_every_block(r[1], runs, named)), key=lambda r: r[0], default=None)
     if best is None:
         raise ValueError(f"cannot find the blocks of {type(model).__name__}: no nn.ModuleList or nn.Sequential "
-                         f"in it holds two or more modules of one class. Pipelines, layer placement, activation "
+                         f"in it holds a run of two or more consecutive modules of one class. Pipelines, layer placement, activation "
                          f"checkpointing and per-block FSDP cut a model at its blocks: put the layers in an "
                          f"nn.ModuleList (or nn.Sequential) and name it with --blocks PATH if the rule picks "
                          f"another one; --split-points A,B then names the blocks that start each stage")
