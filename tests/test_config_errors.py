@@ -504,3 +504,25 @@ def test_a_classifier_whose_first_layer_is_no_linear_is_told_to_declare_its_shap
                                          r"a classifier's input shape is read from its first nn.Linear, but its first "
                                          r"layer 0 is a Conv2d; declare the shape"):
         check_forward("m:f", net, torch.zeros(1, 4), form="classify")
+
+
+def test_a_pipeline_of_a_model_returning_a_dict_says_what_to_return(tmp_path, capsys):
+    """A fresh user's trial: "the pipeline stages chained give dict, the whole forward dict" did not say
+    what is wrong."""
+    from modelpar.cli import main
+
+    (tmp_path / "d.py").write_text(
+        "import torch, torch.nn as nn\n"
+        "class DictOut(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.net = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])\n"
+        "    def forward(self, x): return {'logits': self.net(x)}\n"
+        "def dictout():\n"
+        "    torch.manual_seed(0)\n"
+        "    return {'model': DictOut(), 'batch_fn': lambda s: (torch.randn(8, 8), torch.randint(0, 8, (8,))),\n"
+        "            'loss_fn': lambda out, y: nn.functional.cross_entropy(out['logits'], y)}\n")
+    assert main(["verify", "--model", f"{tmp_path / 'd.py'}:dictout", "--strategy", "pp", "--nproc", "2",
+                 "--global-batch-size", "8", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "DictOut: its forward returns dict, not a tensor: a pipeline's last stage hands the loss one output " \
+           "tensor; wrap the model so its forward returns the logits" in err, err

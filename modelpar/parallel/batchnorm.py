@@ -79,8 +79,8 @@ def check_sync_batchnorm(sync: bool, device_type: str, modules=None) -> None:
         what = (f"the model holds SyncBatchNorm layers ({', '.join(have[:4])})" if have
                 else "sync_batchnorm=True (--sync-batchnorm) was asked for")
         raise ValueError(f"{what}, but torch's SyncBatchNorm runs on CUDA tensors only and this run is on "
-                         f"{device_type}. Drop --sync-batchnorm (BatchNorm then uses per-rank statistics) or "
-                         f"use plain BatchNorm layers")
+                         f"{device_type}. " + ("Use plain BatchNorm layers (per-rank statistics) here" if have else
+                                               "Drop --sync-batchnorm: BatchNorm then uses per-rank statistics"))
 
 
 def convert_sync_batchnorm(module: nn.Module, group) -> nn.Module:

@@ -417,7 +417,11 @@ def check_chain(parts: ModelParts, ranges: list[tuple[int, int]], example) -> li
         for i, (a, b) in enumerate(ranges):
             st = build_stage(parts, a, b, index=i, is_first=i == 0, is_last=i == n - 1)
             x = run_stage(st, x, i, [p for p, _ in parts.blocks[a:b]], model)     # released after
-    if not isinstance(ref, torch.Tensor) or not isinstance(x, torch.Tensor) or ref.shape != x.shape:
+    if not isinstance(ref, torch.Tensor):
+        raise ValueError(f"{type(model).__name__}: its forward returns {type(ref).__name__}, not a tensor: a pipeline's "
+                         f"last stage hands the loss one output tensor; wrap the model so its forward returns the "
+                         f"logits (e.g. `return out['logits']`)")
+    if not isinstance(x, torch.Tensor) or ref.shape != x.shape:
         raise ValueError(f"{type(model).__name__}: the pipeline stages chained give "
                          f"{_tensor_meta(x) or type(x).__name__}, the whole forward {_tensor_meta(ref) or type(ref).__name__}")
     if ref.is_meta or x.is_meta:        # a meta-built model (meta_init): shapes and dtypes only
