@@ -526,3 +526,22 @@ def test_a_pipeline_of_a_model_returning_a_dict_says_what_to_return(tmp_path, ca
     err = capsys.readouterr().err
     assert "DictOut: its forward returns dict, not a tensor: a pipeline's last stage hands the loss one output " \
            "tensor; wrap the model so its forward returns the logits" in err, err
+
+
+def test_verify_refuses_a_batch_fn_whose_batch_is_not_the_global_batch(tmp_path, capsys):
+    """A fresh user's trial: a batch_fn of 7 samples under the default global batch 16 ran, the layout
+    dropped a sample the reference kept, and verify printed "batch 16" and FAIL without a reason."""
+    from modelpar.cli import main
+
+    (tmp_path / "b7.py").write_text(
+        "import torch, torch.nn as nn\n"
+        "def b7():\n"
+        "    torch.manual_seed(0)\n"
+        "    return {'model': nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)),\n"
+        "            'batch_fn': lambda s: (torch.randn(7, 4), torch.randint(0, 3, (7,))),\n"
+        "            'loss_fn': nn.functional.cross_entropy}\n")
+    assert main(["verify", "--model", f"{tmp_path / 'b7.py'}:b7", "--strategy", "ddp", "--nproc", "2",
+                 "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "batch_fn(0) returned 7 samples, but the global batch is 16: batch_fn(step) returns the whole global " \
+           "batch of a step; give --global-batch-size 7" in err, err

@@ -361,6 +361,12 @@ def _check_before_launch(args, plan, local: int) -> None:
                          f"`modelpar train --precision {plan.precision}`")
     model, batch_fn, loss_fn = load_task(args)[:3]
     if check_model(args.model, args.model_config) == "factory":     # a form it cannot run: one line, now
+        x0 = batch_fn(0)[0]
+        if hasattr(x0, "shape") and x0.shape[0] != args.global_batch_size:    # a factory's own batch_fn
+            raise ValueError(f"--model {args.model!r}: batch_fn(0) returned {x0.shape[0]} samples, but the global "
+                             f"batch is {args.global_batch_size}: batch_fn(step) returns the whole global batch "
+                             f"of a step; give --global-batch-size {x0.shape[0]} or make it return "
+                             f"{args.global_batch_size}")
         _check_forward(args.model, model, batch_fn, loss_fn)
     tp_plan = None
     if plan.tp > 1:                              # case C7: a split that does not divide (vocabulary too)
