@@ -382,6 +382,11 @@ def test_planner_plans_of_split_backward_schedules_under_fsdp_validate():
     (["estimate", "--model", "gpt-1m", "--dp-shard", "0", "--nproc", "2"], "--dp-shard must be >= 1, got 0"),
     (["verify", "--model", "gpt-nano", "--tp", "-1", "--nproc", "2"], "--tp must be >= 1, got -1"),
     (["train", "--min-lr", "1"], "--min-lr 1.0 is above --lr 0.005"),
+    # --split-points beside --stage-boundaries won silently (plan.json recorded the other); on ddp it was ignored
+    (["train", "--strategy", "pp", "--split-points", "blocks.3", "--stage-boundaries", "[2]"],
+     "--split-points blocks.3 and stage_boundaries=[2] (--stage-boundaries or the plan file's) both say where"),
+    (["train", "--strategy", "ddp", "--split-points", "blocks.2"],
+     "--split-points blocks.2 names the blocks that start pipeline stages; ddp2 runs no pipeline"),
     (["verify", "--model", "helpers.lm_factory:classifier", "--strategy", "ddp", "--input-shape", "3;4"],
      "--input-shape '3;4': one sample's shape as positive ints, e.g. --input-shape 3,32,32"),
 ])

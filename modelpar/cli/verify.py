@@ -382,6 +382,9 @@ def _check_before_launch(args, plan, local: int) -> None:
     from modelpar.parallel.ties import check_ties
 
     sp, blk = split_points_of(args.split_points), args.blocks or None
+    from modelpar.parallel.cut import check_split_points
+
+    check_split_points(sp, plan)
     mb = max(1, local // (plan.n_microbatches if plan.pp > 1 else 1))
     if plan.pp > 1 or plan.activation_checkpointing != "none" or sp or blk:   # blocks needed: refused here
         parts = get_model_parts(model, sp, blocks=blk, example_input=batch_fn(0)[0][:mb])

@@ -96,3 +96,21 @@ def with_pipeline_refusal(profile, model: nn.Module, example_input: torch.Tensor
     dev = next((p.device for p in model.parameters()), example_input.device)
     why = pipeline_cut_refusal(model, example_input.to(dev), blocks or None)
     return dataclasses.replace(profile, pipeline_refusal=why) if why else profile
+
+
+def check_split_points(split_points, plan: ParallelPlan) -> None:
+    """``--split-points`` where it means something: it names the blocks that start a pipeline's stages
+    (or a placement's segments), so a plan with neither takes none, and a plan whose stage boundaries are
+    set already (``--stage-boundaries``, a plan file's) would get two answers to one question.
+
+    Raises:
+        ValueError: either case, naming the values."""
+    if not split_points:
+        return
+    given = ",".join(split_points)
+    if not (plan.pp_enabled or plan.is_placement):
+        raise ValueError(f"--split-points {given} names the blocks that start pipeline stages; {plan.describe()} "
+                         f"runs no pipeline: drop it, or add a pipeline (--pp N)")
+    if plan.stage_boundaries:
+        raise ValueError(f"--split-points {given} and stage_boundaries={list(plan.stage_boundaries)} (--stage-boundaries "
+                         f"or the plan file's) both say where the stages start: give one")

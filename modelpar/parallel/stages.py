@@ -30,16 +30,14 @@ TP plans written in whole-model paths apply per stage. In the shell
   and buffers), so the stage holds none of them (Llama's ``embed_tokens``, GPT-2's ``wpe``: nothing
   trains them there), except a parameter tied to one the stage holds (GPT-2's ``wte.weight`` is the
   last stage's ``lm_head.weight``: the same object, kept tied by `modelpar.parallel.ties`); a read
-  that computes with such a meta tensor fails loudly, and `check_chain` compares the stages' chained
-  output with the whole forward before training. The model's forward gets a
-  zero input of the example micro-batch's shape, and a forward-pre-hook on the first local block
-  replaces its hidden-state input (the first positional argument) by the received activation;
+  that computes with such a meta tensor fails loudly (`check_chain` runs before training). The model's
+  forward gets a zero input of the example micro-batch's shape, and a forward-pre-hook on the first
+  local block replaces its hidden-state input (the first positional argument) by the received activation;
 - on a stage before the last, the output-part modules are absent and a forward hook on the last local
   block ends the forward early (`StageExit`) with the block's output (``output[0]`` for a tuple).
 
-`check_chain` runs every stage in turn on the example and compares with the whole model's forward
-(the outputs must agree to 1e-5 relative), so a model whose glue this does not capture is refused
-before training instead of trained wrongly.
+`check_chain` runs every stage in turn on the example and compares with the whole model's forward (to
+1e-5 relative), so a model whose glue this does not capture is refused before training, not trained wrongly.
 """
 
 from __future__ import annotations
@@ -417,13 +415,12 @@ def check_chain(parts: ModelParts, ranges: list[tuple[int, int]], example) -> li
         for i, (a, b) in enumerate(ranges):
             st = build_stage(parts, a, b, index=i, is_first=i == 0, is_last=i == n - 1)
             x = run_stage(st, x, i, [p for p, _ in parts.blocks[a:b]], model)     # released after
-    if not isinstance(ref, torch.Tensor):
-        raise ValueError(f"{type(model).__name__}: its forward returns {type(ref).__name__}, not a tensor: a pipeline's "
-                         f"last stage hands the loss one output tensor; wrap the model so its forward returns the "
-                         f"logits (e.g. `return out['logits']`)")
-    if not isinstance(x, torch.Tensor) or ref.shape != x.shape:
-        raise ValueError(f"{type(model).__name__}: the pipeline stages chained give "
-                         f"{_tensor_meta(x) or type(x).__name__}, the whole forward {_tensor_meta(ref) or type(ref).__name__}")
+    if not isinstance(ref, torch.Tensor) or not isinstance(x, torch.Tensor) or ref.shape != x.shape:
+        raise ValueError(f"{type(model).__name__}: " + (
+            f"its forward returns {type(ref).__name__}, not a tensor: a pipeline's last stage hands the loss one "
+            f"tensor; wrap the model so its forward returns the logits" if not isinstance(ref, torch.Tensor) else
+            f"the pipeline stages chained give {_tensor_meta(x) or type(x).__name__}, the whole forward "
+            f"{_tensor_meta(ref) or type(ref).__name__}"))
     if ref.is_meta or x.is_meta:        # a meta-built model (meta_init): shapes and dtypes only
         if ref.dtype != x.dtype:
             raise ValueError(f"{type(model).__name__}: the pipeline stages chained give {x.dtype}, the whole "

@@ -93,6 +93,9 @@ def _preflight(cfg: TrainConfig, world_size: int, resolved) -> tuple[ParallelPla
                 or cfg.blocks or cfg.split_points):
             raise
         parts = ModelParts(form="whole")
+    from modelpar.parallel.cut import check_split_points
+
+    check_split_points(split_points_of(cfg.split_points), plan)
     if plan.pp > 1 and cfg.split_points:        # --split-points: one block path per stage after the first
         boundaries_from_split_points(parts, split_points_of(cfg.split_points), plan.num_stages)
     check_meta_init(cfg, plan)
