@@ -123,3 +123,36 @@ def test_in_context_tables_settle_on_their_own_looser_tolerance():
     assert not tables_unsettled(rounds(1e-3, 1.2e-3, 1.1e-3))           # 20% apart: settled here
     assert tables_unsettled(rounds(1e-3, 2e-3, 1.1e-3))                 # a 2x round among three
     assert not tables_unsettled(rounds(1e-3, 2e-3, 1.1e-3, 1.05e-3, 0.2e-3))   # outliers either side
+
+
+def test_ranks_beyond_the_cores_get_their_share_of_a_core(monkeypatch, tmp_path):
+    """A fresh user's trial: `plan --nproc 4` on 2 cores priced every rank at the calibration's full core
+    (its 2 ranks had one each), 12x faster than measured, without a word. This machine's profile now
+    scales the compute rates by the share and says so; a named file (another machine's) is as measured."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    import modelpar.calibrate as cal_mod
+    from modelpar.calibrate import machine_hardware, with_core_share
+    from modelpar.planner.hardware import get_hardware
+
+    pinned = Path(__file__).parent / "data" / "cal_pinned.json"
+    shutil.copy(pinned, tmp_path / "c.json")
+    monkeypatch.setenv("MODELPAR_CALIBRATION", str(tmp_path / "c.json"))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    base = get_hardware(str(pinned), local_ranks=4)
+    assert base.calibration.core_share == 1.0
+    hw, note = machine_hardware(4)
+    assert "4 local ranks share 2 cores: compute rates x 0.50" in note and "modelpar calibrate --nproc 4" in note
+    c, b = hw.calibration, base.calibration
+    assert c.core_share == 0.5 and hw.peak_flops["fp32"] == 0.5 * base.peak_flops["fp32"]
+    assert c.attention_flops == 0.5 * b.attention_flops and hw.op_overhead_s == 2 * base.op_overhead_s
+    assert all(c.matmul_flops[n] == 0.5 * v for n, v in b.matmul_flops.items())
+    assert (c.dispatch_overhead_s is None if b.dispatch_overhead_s is None
+            else c.dispatch_overhead_s == 2 * b.dispatch_overhead_s)
+    assert hw.mem_bandwidth == base.mem_bandwidth         # the bus is measured with every rank streaming
+    hw2, note2 = machine_hardware(2)          # a core each, as measured: unchanged
+    assert "share" not in note2 and hw2.peak_flops == base.peak_flops
+    assert with_core_share(hw, 1.0).peak_flops == base.peak_flops       # and back
+    assert cal_mod.default_calibration_path() == tmp_path / "c.json"

@@ -56,12 +56,43 @@ def machine_hardware(local_ranks: int, *, measure_if_missing: bool = False, say=
         calibrate(path, local, say=say)
     if path.is_file():
         hw = get_hardware(str(path), local_ranks=local)
-        # the memory budget follows this launch's local ranks, whatever the calibration used
-        return (dataclasses.replace(hw, memory_bytes=total_ram_bytes() / local),
-                f"hardware: this machine's calibration {path}")
+        # the memory budget follows this launch's local ranks, whatever the calibration used; so does the
+        # share of a core each rank computes on, where ranks outnumber cores
+        note, share = f"hardware: this machine's calibration {path}", min(1.0, (os.cpu_count() or 1) / local)
+        if hw.calibration is not None and share < hw.calibration.core_share - 1e-9:
+            note += (f"; {local} local ranks share {os.cpu_count()} cores: compute rates x "
+                     f"{share / hw.calibration.core_share:.2f} (a core each when measured; ranks beyond the cores "
+                     f"also wait on each other, which no term prices: `modelpar calibrate --nproc {local}` "
+                     f"measures this layout)")
+            hw = with_core_share(hw, share)
+        return dataclasses.replace(hw, memory_bytes=total_ram_bytes() / local), note
     return (get_hardware("cpu", local_ranks=local),
             f"hardware: uncalibrated CPU estimate (no calibration at {path}; run `modelpar calibrate` once "
             f"for measured speeds)")
+
+
+def with_core_share(hw: Hardware, share: float) -> Hardware:
+    """``hw`` (a calibrated CPU profile) for ranks that each get ``share`` of a core (``min(1, cores /
+    local ranks)``) where its calibration's ranks had ``calibration.core_share``: every rate that scales
+    with a core (the matmul curve, shapes and thin products, the peak, attention, element-wise) times
+    their ratio, the per-call overheads divided by it. Memory bandwidth and the collectives stay as
+    measured. ``hw`` itself when the ratio is 1 or it has no calibration."""
+    import dataclasses
+
+    cal = hw.calibration
+    if cal is None or abs(share - cal.core_share) < 1e-9:
+        return hw
+    f = share / cal.core_share
+    cal = dataclasses.replace(
+        cal, core_share=share, matmul_flops={n: v * f for n, v in cal.matmul_flops.items()},
+        attention_flops=cal.attention_flops * f,
+        elementwise_bw=None if cal.elementwise_bw is None else cal.elementwise_bw * f,
+        matmul_shapes={lay: {k: v * f for k, v in g.items()} for lay, g in cal.matmul_shapes.items()},
+        attention_shapes={k: v * f for k, v in cal.attention_shapes.items()},
+        matmul_thin={lay: {k: v * f for k, v in g.items()} for lay, g in cal.matmul_thin.items()},
+        dispatch_overhead_s=None if cal.dispatch_overhead_s is None else cal.dispatch_overhead_s / f)
+    return dataclasses.replace(hw, peak_flops={k: v * f for k, v in hw.peak_flops.items()},
+                               op_overhead_s=hw.op_overhead_s / f, calibration=cal)
 
 
 def calibrate(out: str | os.PathLike | None = None, ranks: int = 2, *, collectives: bool = True, say=print,
@@ -96,23 +127,14 @@ def calibrate(out: str | os.PathLike | None = None, ranks: int = 2, *, collectiv
             f"(load from outside this process; the median of all {c['rounds']} is kept)")
     # more local ranks than cores: each rank computes on its share of a core (compute is timed in
     # this one process); the rates that scale with a core scale by it
-    share = min(1.0, (os.cpu_count() or 1) / ranks)
+    share = min(1.0, (os.cpu_count() or 1) / ranks)      # (`with_core_share` scales by it, below)
     if share < 1.0:
-        c["matmul_flops"] = {n: f * share for n, f in c["matmul_flops"].items()}
-        c["matmul_shapes"] = {lay: {k: f * share for k, f in g.items()}
-                              for lay, g in c.get("matmul_shapes", {}).items()}
-        c["matmul_thin"] = {lay: {k: f * share for k, f in g.items()} for lay, g in c.get("matmul_thin", {}).items()}
-        c["attention_shapes"] = {k: f * share for k, f in c.get("attention_shapes", {}).items()}
-        for k in ("matmul_peak", "attention_flops", "elementwise_bw"):
-            c[k] *= share
-        c["op_overhead_s"] /= share
-        c["dispatch_overhead_s"] /= share
         say(f"  {ranks} ranks on {os.cpu_count()} cores: compute rates x {share:.2f} per rank")
     best = c["matmul_peak"]
     base = cpu_profile(ranks)
     lat, bw = base.intra_latency, base.intra_bw
     cal = dict(matmul_flops=dict(c["matmul_flops"]), attention_flops=c["attention_flops"],
-               elementwise_bw=c["elementwise_bw"], core_share=share, dispatch_overhead_s=c["dispatch_overhead_s"],
+               elementwise_bw=c["elementwise_bw"], core_share=1.0, dispatch_overhead_s=c["dispatch_overhead_s"],
                zero_bubble_backward_factor=c["zero_bubble_backward_factor"],
                rounds=int(c.get("rounds", 1)), spread=dict(c.get("spread", {})),
                matmul_shapes={lay: dict(g) for lay, g in c.get("matmul_shapes", {}).items()},
@@ -152,6 +174,8 @@ def calibrate(out: str | os.PathLike | None = None, ranks: int = 2, *, collectiv
                   bw, lat, ranks, 1.0, mem_bw_fraction=1.0, op_overhead_s=c["op_overhead_s"], comm_overlap=False,
                   source="calibrated by modelpar calibrate" + (" --quick (a smoke run: not for planning)" if quick else ""),
                   calibration=calibration, kind="cpu")
+    hw = with_core_share(hw, share)
+    calibration = hw.calibration
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     save_profile(hw, out)
     for line in summary_lines(hw, {op: times[op] for op in coll} if coll else {}, fresh if coll else {}):

@@ -127,7 +127,7 @@ def shared_defaults() -> dict:
 def resolve_hardware(name: str, local_ranks: int, *, gpus_per_node: int = 0, say=None):
     """The profile ``--hardware`` names, or this machine's (never measured here: only ``train
     --strategy auto`` calibrates by itself); prints the one-line note when it is the uncalibrated
-    estimate. ``gpus_per_node`` > 0 replaces the profile's ``devices_per_node``.
+    estimate or its ranks outnumber the cores. ``gpus_per_node`` > 0 replaces the profile's ``devices_per_node``.
 
     Raises:
         ValueError: an unknown name or missing file.
@@ -140,7 +140,7 @@ def resolve_hardware(name: str, local_ranks: int, *, gpus_per_node: int = 0, say
         from modelpar.calibrate import machine_hardware
 
         hw, note = machine_hardware(local_ranks)
-        if "uncalibrated" in note:
+        if "uncalibrated" in note or "local ranks share" in note:     # (ranks beyond the cores)
             (say or (lambda m: print(m, file=sys.stderr)))(note)
     if gpus_per_node:
         hw = dataclasses.replace(hw, devices_per_node=gpus_per_node)
