@@ -78,3 +78,31 @@ def test_the_forms_that_train_pass_the_forward_check():
     with pytest.raises(ValueError, match=r"returns a tensor of shape \(1, 3\) for token ids of shape \(1, 4\): a "
                                          r"language model returns logits \(batch, seq, vocab_size=8\)"):
         check_forward("m:f", net, torch.zeros(1, 4), form="lm", vocab=8)
+
+
+def test_a_factory_holding_a_transformers_type_hf_does_not_train_is_planned_as_any_module(tmp_path, capsys):
+    """A fresh user's trial: a factory wrapping T5 (encoder-decoder; `hf:t5` is refused) trained under
+    --strategy ddp, but plan / estimate / auto refused it with the `hf:` message ("model type 't5': modelpar
+    trains Hugging Face causal language models ..."), naming a type the user never asked modelpar to load."""
+    from modelpar.cli import main
+
+    (tmp_path / "t5f.py").write_text(
+        "import torch, torch.nn as nn\n"
+        "from transformers import T5Config, T5ForConditionalGeneration\n"
+        "class T5Wrap(nn.Module):\n"
+        "    def __init__(self, m):\n"
+        "        super().__init__(); self.hf = m\n"
+        "    def forward(self, ids):\n"
+        "        return self.hf(input_ids=ids, decoder_input_ids=ids).logits\n"
+        "def t5():\n"
+        "    torch.manual_seed(0)\n"
+        "    cfg = T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,\n"
+        "                   vocab_size=256, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)\n"
+        "    return {'model': T5Wrap(T5ForConditionalGeneration(cfg)), 'task': 'lm', 'vocab_size': 256}\n")
+    m = f"{tmp_path / 't5f.py'}:t5"
+    assert main(["plan", "--model", m, "--nproc", "2", "--seq-len", "16", "--hardware", "A100-80GB", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "T5Wrap from" in out and " 1 " in out, out
+    assert main(["estimate", "--model", m, "--nproc", "2", "--seq-len", "16", "--strategy", "ddp",
+                 "--hardware", "A100-80GB"]) == 0
+    assert "; ddp2 [bf16] on 2 x A100-80GB" in capsys.readouterr().out

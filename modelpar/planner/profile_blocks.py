@@ -56,12 +56,15 @@ def _checked_blocks(model: nn.Module, blocks) -> tuple[list, dict, dict]:
 
 def _arch_of(model: nn.Module, tokens: int, vocab_parallel: bool | None = None) -> dict[str, int]:
     from modelpar.planner.hf_facts import hf_arch, is_hf_model
-    if is_hf_model(model):
-        return hf_arch(model, tokens, vocab_parallel)
     from modelpar.parallel.tp_factory import hf_view
-    view = hf_view(model)           # a transformers model inside a factory's model: its config's facts
+    # a transformers model (or one inside a factory's model): its config's facts; a type `hf:` does not
+    # train (T5, ...) inside a factory's model is priced as any other module
+    view = (model,) if is_hf_model(model) else hf_view(model)
     if view is not None:
-        return hf_arch(view[0], tokens, vocab_parallel)
+        try:
+            return hf_arch(view[0], tokens, vocab_parallel)
+        except ValueError:
+            return {}
     cfg = getattr(model, "cfg", None)
     if cfg is None or not hasattr(cfg, "n_head"):
         return {}
