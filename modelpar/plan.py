@@ -71,8 +71,8 @@ class ParallelPlan:
         cpu_offload: FSDP only; keep sharded parameters and optimizer state in CPU memory (CUDA only).
         sequence_parallel: shard norm/dropout activations along the sequence under TP.
         compile: ``torch.compile`` each block (after TP and checkpointing, before FSDP/DDP).
-        placement_devices: for single-process layer placement, the device of each segment
-            (e.g. ``("cuda:0", "cuda:1")``); None for multi-process plans.
+        placement_devices: for single-process layer placement, the device of each segment (a JSON
+            list on the command line, e.g. ``'["cuda:0","cuda:1"]'``); None for multi-process plans.
         defer_grad_sync: FSDP only, without a pipeline: under gradient accumulation keep unsharded
             fp32 gradients and reduce-scatter them once, on the last local batch of the step
             (``set_requires_gradient_sync(False)`` before it: 4 B/param of unsharded gradients held,

@@ -368,6 +368,7 @@ def test_planner_plans_of_split_backward_schedules_under_fsdp_validate():
     (["train", "--dropout", "1"], "--dropout must be >= 0 and < 1, got 1.0"),
     (["verify", "--model", "gpt-nano", "--strategy", "ddp", "--seq-len", "-3"], "--seq-len must be >= 0, got -3"),
     (["train", "--strategy", "ddp", "--hardware", "foo"], "unknown hardware 'foo'"),
+    (["plan", "--model", "gpt-1m", "--hardware", "/no/such/cal.json"], "hardware file '/no/such/cal.json' does not exist"),
     (["train", "--strategy", "single", "--nproc", "2"], "--strategy single runs one process; --nproc 2 does not apply"),
     (["train", "--strategy", "fsdp+tp", "--nproc", "2"],
      "strategy 'fsdp+tp' needs nproc = dp_shard x tp with both >= 2 (tp=2), got nproc=2"),

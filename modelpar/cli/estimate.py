@@ -169,7 +169,7 @@ def _exact_answer(a, resolved, gbs: int, prof, desc, n: int, hw) -> int:
     print(f"  step {st.total * 1e3:,.1f} ms | MFU {mfu(st, hw, plan.precision):.1%} | HFU "
           f"{hfu(st, hw, plan.precision):.1%} | {rate}")
     print("  step time by part: " + ", ".join(f"{k} {v * 1e3:,.1f} ms" for k, v in st.parts().items() if v))
-    print(f"  peak memory per rank (pipeline rank {mem.pp_rank}, at {mem.phase}):")
+    print(f"  peak memory per rank ({f'pipeline rank {mem.pp_rank}, ' if plan.pp > 1 else ''}at {mem.phase}):")
     for k, v in mem.parts().items():
         print(f"    {k:<14} {v / GIB:10.3f} GiB")
     print(f"    {'total':<14} {mem.total / GIB:10.3f} GiB of {hw.memory_bytes / GIB:.1f}: "

@@ -328,6 +328,9 @@ def get_hardware(name_or_path: str, *, local_ranks: int = 1) -> Hardware:
             return v
     if Path(name_or_path).is_file():
         return load_profile(name_or_path)
+    if name_or_path.endswith(".json") or os.sep in name_or_path:
+        raise ValueError(f"hardware file {name_or_path!r} does not exist (a profile `modelpar calibrate --out FILE` "
+                         f"writes; or a name: {', '.join(BUILTIN)}, cpu)")
     raise ValueError(f"unknown hardware {name_or_path!r}; valid: {', '.join(BUILTIN)}, cpu, or a JSON "
                      f"profile written by `modelpar calibrate`")
 

@@ -114,9 +114,9 @@ class SearchReport:
                     f"{len(self.ranked)} of >= {st['fitting']} feasible, exact (evaluated {st['evaluated']} of "
                     f"{st['groups']} candidate groups, {st['timed']} step times, in order of a lower bound "
                     f"on step time; "
-                    f"{self.num_pruned} pruned so far: {reasons})")
+                    f"{self.num_pruned} pruned so far{': ' + reasons if reasons else ''})")
         return (f"{self.considered} candidates considered on {self.num_devices} devices, "
-                f"{self.num_pruned} pruned ({reasons}), {len(self.ranked)} feasible")
+                f"{self.num_pruned} pruned{' (' + reasons + ')' if reasons else ''}, {len(self.ranked)} feasible")
 
 
 def factorizations(n: int) -> list[tuple[int, int, int, int]]:
