@@ -380,6 +380,8 @@ def test_planner_plans_of_split_backward_schedules_under_fsdp_validate():
     # a second trial: a negative degree read as a batch error in train ("smaller than the data-parallel
     # degree -2"), a dataclass field name elsewhere; a --min-lr above --lr was taken
     (["train", "--dp-shard", "-2", "--nproc", "2"], "--dp-shard must be >= 1, got -2"),
+    (["train", "--dp-shard", "3", "--nproc", "2"], "dp_replicate x dp_shard x tp x pp = 1 x 3 x 1 x 1 = 3 does "
+                                                   "not equal the world size 2"),     # (was: the batch first)
     (["estimate", "--model", "gpt-1m", "--dp-shard", "0", "--nproc", "2"], "--dp-shard must be >= 1, got 0"),
     (["verify", "--model", "gpt-nano", "--tp", "-1", "--nproc", "2"], "--tp must be >= 1, got -1"),
     (["train", "--min-lr", "1"], "--min-lr 1.0 is above --lr 0.005"),

@@ -99,6 +99,7 @@ def _preflight(cfg: TrainConfig, world_size: int, resolved) -> tuple[ParallelPla
     if plan.pp > 1 and cfg.split_points:        # --split-points: one block path per stage after the first
         boundaries_from_split_points(parts, split_points_of(cfg.split_points), plan.num_stages)
     check_meta_init(cfg, plan)
+    plan.validate(1 if plan.is_placement else world_size)    # the degrees first: the batch terms divide by them
     batches = batch_terms(cfg, plan, resolved.local_batch_size)
     plan.validate(1 if plan.is_placement else world_size,
                   num_blocks=parts.num_blocks if parts.form != "whole" else None,
