@@ -212,9 +212,12 @@ def main(argv: list[str]) -> int:
     with one_factory_build():                   # a factory model: built once for these checks, then dropped
         check_factory_forward(cfg)              # a factory model of a form train cannot run: one line, now
         from modelpar.train.checkpoint.resume import check_checkpoints_before_launch
-        from modelpar.train.task import build_task
+        from modelpar.train.task import build_task, unused_lm_options_note
 
-        meta_model = build_task(cfg, device="meta", load_data=False).model
+        meta_task = build_task(cfg, device="meta", load_data=False)
+        meta_model = meta_task.model
+        unused = unused_lm_options_note(cfg, meta_task.kind)
+        del meta_task
         check_checkpoints_before_launch(cfg, meta_model)    # as every rank would refuse them: once, before
         # only train --strategy auto calibrates by itself (rules and the rest: the uncalibrated estimate)
         resolved = resolve(cfg, world, measure_if_missing=cfg.strategy.lower() == "auto")   # (minutes)
@@ -228,9 +231,9 @@ def main(argv: list[str]) -> int:
                       else not torch.cuda.is_available())
             check_host_memory(cfg, plan, meta_model, world, host_memory_available(), on_cpu=on_cpu)
         del meta_model
-    note = long_sequence_note(cfg)
-    if note:
-        print(f"modelpar train: note: {note}", flush=True)
+    for note in (long_sequence_note(cfg), unused):
+        if note:
+            print(f"modelpar train: note: {note}", flush=True)
     print(f"plan: {plan.describe()} on {world} rank(s) -- {resolved.reason}", flush=True)
     if resolved.predicted_tokens_per_s > 0:     # what the user should expect (README: the hosts' range)
         print(expected_rate_line(cfg, resolved.predicted_tokens_per_s), flush=True)

@@ -214,10 +214,17 @@ def synthetic_classification(in_dim: int, classes: int, n: int = 4096, seed: int
 def _check_no_token_options(cfg) -> None:
     if cfg.tokenizer or cfg.token_dtype:
         raise ValueError(f"tokenizer / token_dtype apply to language models; --model {cfg.model} is a classifier")
-    if cfg.data is not None or cfg.seq_len:
-        what = f"--data {cfg.data!r}" if cfg.data is not None else f"--seq-len {cfg.seq_len}"
-        raise ValueError(f"{what} applies to language models (text, tokens per sample); --model {cfg.model} is a "
-                         f"classifier, trained on synthetic inputs of its own shape: drop it")
+
+
+def unused_lm_options_note(cfg, kind: str) -> str:
+    """A note naming ``--data`` / ``--seq-len`` when the model is a classifier (``kind``), which trains on
+    synthetic inputs of its own shape and takes neither ("" otherwise). A note, not an error: a config
+    file may set them for every model of a sweep."""
+    given = [f for f, v in (("--data", cfg.data is not None), ("--seq-len", bool(cfg.seq_len))) if v]
+    if kind != "classify" or not given:
+        return ""
+    return (f"{' and '.join(given)} apply to language models (text, tokens per sample); --model {cfg.model} is a "
+            f"classifier, trained on synthetic inputs of its own shape: not used")
 
 
 def build_task(cfg, *, device: str = "cpu", load_data: bool = True) -> Task:

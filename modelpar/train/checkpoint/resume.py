@@ -134,15 +134,28 @@ def _same_field(k: str, saved, now, saved_paths: dict) -> bool:
     return saved == now or (k in _PATH_FIELDS and k in saved_paths and _where(now) == saved_paths[k])
 
 
+def _field_diffs(k: str, saved, now) -> list[str]:
+    """``k: checkpoint X vs now Y``; for two dicts (``model_config``) one such line per key that differs
+    (``model_config.num_key_value_heads: checkpoint 2 vs now 4``; ``unset`` where a side lacks it)."""
+    if not (isinstance(saved, dict) and isinstance(now, dict)):
+        return [f"{k}: checkpoint {saved!r} vs now {now!r}"]
+    return [f"{k}.{f}: checkpoint {saved.get(f, 'unset')!r} vs now {now.get(f, 'unset')!r}"
+            for f in sorted(set(saved) | set(now), key=str) if saved.get(f, _UNSET) != now.get(f, _UNSET)]
+
+
+_UNSET = object()
+
+
 def _run_diffs(meta: dict, cfg) -> list[str]:
     """``field: checkpoint X vs now Y`` of every field that fixes the model and the sample order."""
     saved_cfg, paths = meta.get("train_config", {}), meta.get("paths") or {}
-    diffs = [f"{k}: checkpoint {saved_cfg[k]!r} vs now {getattr(cfg, k)!r}" for k in _MUST_MATCH
-             if k in saved_cfg and k != "seq_len" and not _same_field(k, saved_cfg[k], getattr(cfg, k), paths)]
+    diffs = [d for k in _MUST_MATCH
+             if k in saved_cfg and k != "seq_len" and not _same_field(k, saved_cfg[k], getattr(cfg, k), paths)
+             for d in _field_diffs(k, saved_cfg[k], getattr(cfg, k))]
     if "seq_len" in saved_cfg and not _same_seq_len(saved_cfg["seq_len"], cfg):
         diffs.append(f"seq_len: checkpoint {_seq_len_meant(cfg, saved_cfg['seq_len'])} vs now "
                      f"{_seq_len_meant(cfg, cfg.seq_len)}")
-    if not any(d.startswith(("model:", "model_config:")) for d in diffs):
+    if not any(d.startswith(("model:", "model_config")) for d in diffs):
         diffs += _hf_config_diffs(meta, cfg)
     return diffs
 
