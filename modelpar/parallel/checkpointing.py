@@ -80,8 +80,10 @@ def check_ac(blocks: list[tuple[str, nn.Module]], mode: str, every: int = 1) -> 
                 raise ValueError(
                     f"activation_checkpointing='selective' recomputes each block's attention core, but block "
                     f"{name!r} ({type(b).__name__}) has none: modelpar finds it as a submodule whose class "
-                    f"sets {CORE_ATTR} = True (as modelpar.models.gpt.AttentionCore does). Mark the module "
-                    f"that computes softmax(QK^T)V, or use 'full' / 'every-k'")
+                    f"sets {CORE_ATTR} = True (as modelpar.models.gpt.AttentionCore does). " + (
+                        "A Hugging Face block computes attention in a function, not a module: use 'full' or "
+                        "'every-k'" if type(b).__module__.startswith("transformers") else
+                        "Mark the module that computes softmax(QK^T)V, or use 'full' / 'every-k'"))
 
 
 def _wrap(m: nn.Module) -> bool:

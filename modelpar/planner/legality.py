@@ -81,7 +81,8 @@ def selective_refusal(profile) -> str:
         return ""
     return ("--activation-checkpointing selective recomputes each block's attention core, and none of this "
             "model's blocks has one modelpar recognises (a submodule whose class sets "
-            f"{CORE_ATTR} = True, as modelpar's GPT's AttentionCore does); use full or every-k")
+            f"{CORE_ATTR} = True, as modelpar's GPT's AttentionCore does; a Hugging Face block computes "
+            f"attention in a function, not a module); use full or every-k")
 
 
 def tie_refusal(profile, pp: int, sched: str, dp: int) -> str:
