@@ -561,3 +561,25 @@ def test_language_model_options_on_a_classifier_get_a_note():
                     "a classifier, trained on synthetic inputs of its own shape: not used")
     assert unused_lm_options_note(TrainConfig(model="gpt-nano", seq_len=64), "lm") == ""
     assert unused_lm_options_note(TrainConfig(model="mlp-large"), "classify") == ""
+
+
+def test_a_language_model_indexed_past_an_embedding_is_told_about_positions():
+    """A fresh user's trial: a factory declaring max_positions 128 around a GPT-2 of 64 positions got only
+    "IndexError: index out of range in self"."""
+    import torch
+
+    from modelpar.models.factory_check import check_forward
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.pos, self.head = nn.Embedding(256, 8), nn.Embedding(64, 8), nn.Linear(8, 256)
+
+        def forward(self, ids):
+            return self.head(self.tok(ids) + self.pos(torch.arange(ids.shape[1])))
+
+    with pytest.raises(ValueError, match=r"\(IndexError: index out of range in self\): one of its embeddings is "
+                                         r"shorter than the ids it got, likely a position table shorter than the "
+                                         r"sequence 128 \(declare the model's own max_positions"):
+        check_forward("m:f", LM(), torch.zeros(1, 128, dtype=torch.long), form="lm", vocab=256)
+    check_forward("m:f", LM(), torch.zeros(1, 64, dtype=torch.long), form="lm", vocab=256)

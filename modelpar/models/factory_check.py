@@ -122,6 +122,10 @@ def check_forward(name: str, model: nn.Module, x: torch.Tensor, *, form: str, vo
                              f"shape is read from its first nn.Linear, but its first layer {first[0]} is a "
                              f"{type(first[1]).__name__}; declare the shape: return {{'model': m, 'task': 'classify', "
                              f"'input_shape': [...], 'num_classes': K}} ({DOC})") from None
+        if form == "lm" and isinstance(e, IndexError):       # an embedding indexed past its end
+            raise ValueError(f"{what} fails on a batch of {_shape(x)} ({err}): one of its embeddings is shorter than "
+                             f"the ids it got, likely a position table shorter than the sequence {x.shape[1]} "
+                             f"(declare the model's own max_positions, or pass a shorter --seq-len) ({DOC})") from None
         raise ValueError(f"{what} fails on a batch of {_shape(x)} ({err}); it must map the "
                          f"{'token ids' if form == 'lm' else 'inputs'} of one batch to logits ({DOC})") from None
     finally:
