@@ -583,3 +583,12 @@ def test_a_language_model_indexed_past_an_embedding_is_told_about_positions():
                                          r"sequence 128 \(declare the model's own max_positions"):
         check_forward("m:f", LM(), torch.zeros(1, 128, dtype=torch.long), form="lm", vocab=256)
     check_forward("m:f", LM(), torch.zeros(1, 64, dtype=torch.long), form="lm", vocab=256)
+
+
+def test_a_run_shorter_than_its_warm_up_gets_a_note():
+    from modelpar.cli.train import warmup_note
+
+    assert warmup_note(TrainConfig(steps=20)) == (
+        "--warmup-steps 40 > --steps 20: the learning rate rises linearly the whole run and never reaches --lr "
+        "0.005; give fewer warm-up steps for the full schedule")
+    assert warmup_note(TrainConfig(steps=40)) == "" and warmup_note(TrainConfig(steps=20, warmup_steps=0)) == ""

@@ -149,6 +149,15 @@ def expected_rate_line(cfg, tokens_per_s: float) -> str:
     return f"expected ~{round(tokens_per_s, -digits):,.0f} tokens/s on {where} (planner prediction)"
 
 
+def warmup_note(cfg) -> str:
+    """A note when the run ends before its warm-up does ("" otherwise): the learning rate never
+    reaches ``--lr`` (a fresh user's 20-step trial under the default 40 warm-up steps)."""
+    if cfg.warmup_steps <= cfg.steps:
+        return ""
+    return (f"--warmup-steps {cfg.warmup_steps} > --steps {cfg.steps}: the learning rate rises linearly the whole "
+            f"run and never reaches --lr {cfg.lr}; give fewer warm-up steps for the full schedule")
+
+
 def long_sequence_note(cfg) -> str:
     """A note when ``--seq-len`` takes a built-in GPT past its preset's positions ("" otherwise): its
     learned position table grows with the length (HF models refuse a length past their configured
@@ -231,7 +240,7 @@ def main(argv: list[str]) -> int:
                       else not torch.cuda.is_available())
             check_host_memory(cfg, plan, meta_model, world, host_memory_available(), on_cpu=on_cpu)
         del meta_model
-    for note in (long_sequence_note(cfg), unused):
+    for note in (long_sequence_note(cfg), unused, warmup_note(cfg)):
         if note:
             print(f"modelpar train: note: {note}", flush=True)
     print(f"plan: {plan.describe()} on {world} rank(s) -- {resolved.reason}", flush=True)
