@@ -38,7 +38,8 @@ def build_parser():
     from modelpar.train.config import TrainConfig
 
     p = make_parser("modelpar train", (
-        "Train a model (built-in, a Hugging Face causal LM, or a factory language model; docs/your-model.md) "
+        "Train a model (built-in, a Hugging Face causal LM or image classifier, or a factory language model or "
+        "classifier; docs/your-model.md) "
         "with a parallel plan. With no options: the 1M-parameter GPT (gpt-1m) on the Python "
         "standard library's sources, the plan `--strategy auto` picks on 2 local CPU ranks (an uncalibrated "
         "machine is measured once first, ~2 min)."), epilog=EXAMPLES + "\n" + BATCH_TERMS, config_file=True)
